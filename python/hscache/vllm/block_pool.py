@@ -1,0 +1,154 @@
+"""``BlockPool``: vLLM's block-pool interface over the Rust core.
+
+The Scheduler calls ``block_pool.free_blocks(reversed(blocks))`` for deferred frees
+and reads ``get_num_free_blocks()``; connectors and tests read ``blocks[i]``,
+``null_block``, ``free_block_queue`` and ``cached_block_hash_to_block``. Every call
+goes straight to the core; this class holds no bookkeeping of its own, only the
+queue of converted KV events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, overload
+
+from vllm.distributed.kv_events import MEDIUM_GPU, KVCacheEvent
+
+from hscache._core import KVCacheBlock, KVCacheCore
+from hscache.vllm import events
+
+
+class _BlockList(Sequence[KVCacheBlock]):
+    """``block_pool.blocks``: block handles by id, created on first access."""
+
+    def __init__(self, core: KVCacheCore) -> None:
+        self._core = core
+
+    def __len__(self) -> int:
+        return self._core.num_gpu_blocks
+
+    @overload
+    def __getitem__(self, index: int) -> KVCacheBlock: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[KVCacheBlock]: ...
+    def __getitem__(self, index: int | slice) -> KVCacheBlock | list[KVCacheBlock]:
+        if isinstance(index, slice):
+            return [self._core.block(i) for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"block index {index} out of range")
+        return self._core.block(index)
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        return (self._core.block(i) for i in range(len(self)))
+
+
+class FreeKVCacheBlockQueue:
+    """Read-only view of the core's free queue (head = next block to reuse)."""
+
+    def __init__(self, core: KVCacheCore) -> None:
+        self._core = core
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._core.num_free_blocks
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        return [self._core.block(i) for i in self._core.free_block_ids()]
+
+
+class BlockHashToBlockMap:
+    """Read-only view of the core's prefix-cache index."""
+
+    def __init__(self, core: KVCacheCore) -> None:
+        self._core = core
+
+    def __len__(self) -> int:
+        return self._core.num_cached_keys
+
+    def get_one_block(self, key: bytes) -> KVCacheBlock | None:
+        """The first-inserted block of a ``BlockHashWithGroupId`` key."""
+        return self._core.get_cached_block(key[:-4], int.from_bytes(key[-4:], "big"))
+
+
+class BlockPool:
+    """vLLM's ``BlockPool`` interface over a ``KVCacheCore``."""
+
+    def __init__(
+        self,
+        core: KVCacheCore,
+        enable_caching: bool,
+        hash_block_size: int,
+        enable_kv_cache_events: bool,
+        num_hash_lookahead_tokens: int = 0,
+        medium: str = MEDIUM_GPU,
+    ) -> None:
+        self._core = core
+        self.num_gpu_blocks = core.num_gpu_blocks
+        self.enable_caching = enable_caching
+        self.hash_block_size = hash_block_size
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
+        self.medium = medium
+        self.blocks = _BlockList(core)
+        self.null_block = core.block(0)
+        self.free_block_queue = FreeKVCacheBlockQueue(core)
+        self.cached_block_hash_to_block = BlockHashToBlockMap(core)
+        self.kv_event_queue: list[KVCacheEvent] = []
+
+    def drain_core_events(self, request: Any | None = None) -> None:
+        """Converts the core's pending event records (call after every mutation)."""
+        if self.enable_kv_cache_events and self._core.has_events:
+            self.kv_event_queue.extend(
+                events.convert(
+                    self._core.take_events(), request, self.num_hash_lookahead_tokens, self.medium
+                )
+            )
+
+    def get_num_free_blocks(self) -> int:
+        return self._core.num_free_blocks
+
+    def get_usage(self) -> float:
+        return self._core.usage
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drops one reference per block; the first block is evicted first."""
+        self._core.free_blocks(ordered_blocks)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._core.touch(blocks)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        blocks = self._core.get_new_blocks(num_blocks)
+        self.drain_core_events()
+        return blocks
+
+    def get_cached_block(
+        self, block_hash: bytes, kv_cache_group_ids: list[int]
+    ) -> list[KVCacheBlock] | None:
+        cached = []
+        for group_id in kv_cache_group_ids:
+            block = self._core.get_cached_block(block_hash, group_id)
+            if block is None:
+                return None
+            cached.append(block)
+        return cached
+
+    def is_block_writable(self, block: KVCacheBlock) -> bool:
+        return not block.is_null and block.ref_cnt == 1 and block.block_hash is None
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        self._core.evict_blocks(list(block_ids))
+        self.drain_core_events()
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self._core.reset_prefix_cache()
+        self.drain_core_events()
+        return ok
+
+    def take_events(self) -> list[KVCacheEvent]:
+        if not self.enable_kv_cache_events:
+            return []
+        taken, self.kv_event_queue = self.kv_event_queue, []
+        return taken

@@ -1,0 +1,78 @@
+//! Typed errors of the core and their stable kinds.
+//!
+//! Every fallible core operation validates its input completely before it mutates
+//! anything, so an `Err` always leaves the state exactly as it was. The Python
+//! bindings map each [`ErrorKind`] to one exception class (`src/python/errors.rs`),
+//! so callers can test the kind without parsing messages.
+
+use crate::types::BlockId;
+
+/// Everything that can go wrong in the core.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Error {
+    /// The operation needs a request the manager does not know.
+    #[error("unknown request id {0:?}")]
+    UnknownRequest(String),
+    /// A block id outside `0..num_blocks`.
+    #[error("block id {block_id} is out of range: the pool has {num_blocks} blocks")]
+    BlockIdOutOfRange { block_id: i64, num_blocks: u32 },
+    /// Freeing a block whose reference count is already zero.
+    #[error("double free: block {0} has reference count 0")]
+    DoubleFree(BlockId),
+    /// A block hash that is empty or longer than [`crate::types::MAX_HASH_LEN`] bytes.
+    #[error("block hash has {0} bytes; expected 1 to 32 bytes")]
+    BadHashLength(usize),
+    /// More blocks requested than the free queue holds.
+    #[error("cannot get {requested} free blocks from the pool: only {available} are free")]
+    NotEnoughFreeBlocks { requested: usize, available: usize },
+    /// The free queue has no block to pop.
+    #[error("no free blocks available")]
+    NoFreeBlocks,
+    /// A block that should be in the free queue is not (or vice versa).
+    #[error("block {0} is not in the free queue")]
+    NotInFreeQueue(BlockId),
+    /// A block that is already in the free queue was appended again.
+    #[error("block {0} is already in the free queue")]
+    AlreadyInFreeQueue(BlockId),
+    /// An argument outside its valid range (negative counts, counts past
+    /// `max_model_len`, inconsistent combinations).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A valid request the core does not implement (yet).
+    #[error("not supported by hscache: {0}")]
+    Unsupported(String),
+}
+
+/// Stable, message-independent classification of [`Error`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    UnknownRequest,
+    BlockIdOutOfRange,
+    DoubleFree,
+    BadHashLength,
+    NotEnoughFreeBlocks,
+    NoFreeBlocks,
+    FreeQueueCorrupt,
+    InvalidArgument,
+    Unsupported,
+}
+
+impl Error {
+    /// The stable kind of this error.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::UnknownRequest(_) => ErrorKind::UnknownRequest,
+            Error::BlockIdOutOfRange { .. } => ErrorKind::BlockIdOutOfRange,
+            Error::DoubleFree(_) => ErrorKind::DoubleFree,
+            Error::BadHashLength(_) => ErrorKind::BadHashLength,
+            Error::NotEnoughFreeBlocks { .. } => ErrorKind::NotEnoughFreeBlocks,
+            Error::NoFreeBlocks => ErrorKind::NoFreeBlocks,
+            Error::NotInFreeQueue(_) | Error::AlreadyInFreeQueue(_) => ErrorKind::FreeQueueCorrupt,
+            Error::InvalidArgument(_) => ErrorKind::InvalidArgument,
+            Error::Unsupported(_) => ErrorKind::Unsupported,
+        }
+    }
+}
+
+/// Result alias of the crate.
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,31 @@
+//! hscache: the cache bookkeeping of an LLM serving engine, in Rust.
+//!
+//! The first user is vLLM v1: `hscache.vllm.KVCacheManager` (Python) drives this
+//! crate and makes exactly the decisions of vLLM 0.33.0's Python `KVCacheManager`.
+//! Python hands the core integers and byte strings; the core owns all bookkeeping
+//! state and hands back integers and events.
+//!
+//! Modules:
+//! - [`types`]: block ids, block hashes, hash keys, the hash-source trait.
+//! - [`error`]: the typed error enum and its stable kinds.
+//! - [`free_queue`]: `FreeKVCacheBlockQueue`, the O(1) intrusive LRU free list.
+//! - [`hash_index`]: `BlockHashToBlockMap`, hash key → cached block(s), duplicates kept.
+//! - [`pool`]: `BlockPool`, ref counts, lazy eviction, events.
+//! - [`events`]: KV-cache event records.
+//! - [`testing`]: deterministic fixtures shared by tests and benches.
+//! - [`manager`]: the `KVCacheManager` facade and the full-attention group manager.
+//! - `python` (feature `python`): the PyO3 bindings, conversion only.
+
+pub mod error;
+pub mod events;
+pub mod free_queue;
+pub mod hash_index;
+pub mod manager;
+pub mod pool;
+pub mod testing;
+pub mod types;
+
+#[cfg(feature = "python")]
+mod python;
+
+pub use error::{Error, ErrorKind, Result};

@@ -1,0 +1,396 @@
+//! `FullAttentionManager`: one KV-cache group's request block tables and hit search.
+//!
+//! Mirrors vLLM 0.33 `v1/core/single_type_kv_cache_manager.py` (the base class and
+//! `FullAttentionManager`) for a full-attention group whose block size equals the
+//! hash block size.
+//!
+//! Key properties:
+//! - A request's table is append-only while it lives; `free` releases it in reverse
+//!   so that the chain's tail is evicted before its prefix.
+//! - `num_cached_block` is `None` until a request adopts prefix hits or caches its
+//!   first block; like vLLM, presence marks a request that is already running.
+//! - The hit search stops at the first miss: hashes are chained, so no later block
+//!   can hit. It never changes ref counts (the caller touches hits once the
+//!   allocation is known to fit).
+//! - Freed tables are recycled, so steady-state admission allocates nothing.
+
+use rustc_hash::FxHashMap;
+
+use crate::error::{Error, Result};
+use crate::pool::BlockPool;
+use crate::types::{cdiv, BlockHashSource, BlockId, NULL_BLOCK_ID};
+
+/// Per-request bookkeeping of one group.
+#[derive(Clone, Debug, Default)]
+pub struct RequestBlocks {
+    /// The block table (may start with null blocks in groups that skip tokens).
+    pub blocks: Vec<BlockId>,
+    /// Number of leading blocks already registered in the prefix-cache index.
+    pub num_cached_block: Option<usize>,
+}
+
+/// Tables and hit search of one full-attention group (see module docs).
+#[derive(Clone, Debug)]
+pub struct FullAttentionManager {
+    block_size: usize,
+    group_id: u32,
+    /// EAGLE: drop the last matched block of a hit (its KV is recomputed).
+    drop_eagle_block: bool,
+    enable_caching: bool,
+    record_new_block_ids: bool,
+    requests: FxHashMap<Box<str>, RequestBlocks>,
+    new_block_ids: Vec<BlockId>,
+    spare_tables: Vec<Vec<BlockId>>,
+}
+
+impl FullAttentionManager {
+    /// A manager for group `group_id` with `block_size` tokens per block.
+    pub fn new(
+        block_size: usize,
+        group_id: u32,
+        enable_caching: bool,
+        drop_eagle_block: bool,
+        record_new_block_ids: bool,
+    ) -> Self {
+        Self {
+            block_size,
+            group_id,
+            drop_eagle_block,
+            enable_caching,
+            record_new_block_ids,
+            requests: FxHashMap::default(),
+            new_block_ids: Vec::new(),
+            spare_tables: Vec::new(),
+        }
+    }
+
+    /// Tokens per block.
+    #[inline]
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The KV-cache group id.
+    #[inline]
+    pub fn group_id(&self) -> u32 {
+        self.group_id
+    }
+
+    /// Whether allocated block ids are recorded for worker-side zeroing.
+    #[inline]
+    pub fn records_new_block_ids(&self) -> bool {
+        self.record_new_block_ids
+    }
+
+    /// The bookkeeping of a request, if it has any.
+    #[inline]
+    pub fn request(&self, request_id: &str) -> Option<&RequestBlocks> {
+        self.requests.get(request_id)
+    }
+
+    /// Iterates live requests (diagnostics).
+    pub fn requests(&self) -> impl Iterator<Item = (&str, &RequestBlocks)> {
+        self.requests.iter().map(|(k, v)| (&**k, v))
+    }
+
+    /// The request's table (empty if unknown).
+    #[inline]
+    pub fn blocks(&self, request_id: &str) -> &[BlockId] {
+        self.requests
+            .get(request_id)
+            .map_or(&[], |r| r.blocks.as_slice())
+    }
+
+    fn entry(&mut self, request_id: &str) -> &mut RequestBlocks {
+        if !self.requests.contains_key(request_id) {
+            let blocks = self.spare_tables.pop().unwrap_or_default();
+            self.requests.insert(
+                request_id.into(),
+                RequestBlocks {
+                    blocks,
+                    num_cached_block: None,
+                },
+            );
+        }
+        self.requests
+            .get_mut(request_id)
+            .expect("entry inserted above")
+    }
+
+    /// Longest prefix hit: the cached blocks of the first hashes, up to
+    /// `max_length` tokens, appended to `out`. Returns the hit length in tokens.
+    pub fn find_longest_cache_hit<H: BlockHashSource + ?Sized>(
+        &self,
+        pool: &BlockPool,
+        block_hashes: &H,
+        max_length: usize,
+        out: &mut Vec<BlockId>,
+    ) -> Result<usize> {
+        let start = out.len();
+        let max_blocks = (max_length / self.block_size).min(block_hashes.len());
+        for i in 0..max_blocks {
+            let hash = block_hashes.get(i)?;
+            match pool.get_cached_block(&hash, self.group_id) {
+                Some(id) => out.push(id),
+                None => break,
+            }
+        }
+        let mut hit_length = (out.len() - start) * self.block_size;
+        if self.drop_eagle_block && hit_length > 0 {
+            hit_length -= self.block_size;
+        }
+        out.truncate(start + cdiv(hit_length, self.block_size));
+        Ok(hit_length)
+    }
+
+    /// Blocks a call must take from the free queue: new ones plus hits that sit in
+    /// the free queue (touching them removes them from it).
+    pub fn get_num_blocks_to_allocate(
+        &self,
+        pool: &BlockPool,
+        request_id: &str,
+        num_tokens: usize,
+        new_computed_blocks: &[BlockId],
+    ) -> Result<usize> {
+        let required = cdiv(num_tokens, self.block_size);
+        let req = self.requests.get(request_id);
+        let have = req.map_or(0, |r| r.blocks.len());
+        if req.is_some_and(|r| r.num_cached_block.is_some()) {
+            if !new_computed_blocks.is_empty() {
+                return Err(Error::InvalidArgument(format!(
+                    "request {request_id:?} is already running and cannot adopt prefix hits"
+                )));
+            }
+            return Ok(required.saturating_sub(have));
+        }
+        let local = new_computed_blocks.len() + have;
+        let new = required.saturating_sub(local);
+        let evictable = new_computed_blocks
+            .iter()
+            .filter(|&&b| b != NULL_BLOCK_ID && pool.ref_cnt(b) == 0)
+            .count();
+        Ok(new + evictable)
+    }
+
+    /// Checks that `add_local_computed_blocks` would succeed.
+    pub fn check_new_computed_blocks(
+        &self,
+        pool: &BlockPool,
+        request_id: &str,
+        new_computed_blocks: &[BlockId],
+    ) -> Result<()> {
+        for &b in new_computed_blocks {
+            pool.check_block_id(b as i64)?;
+        }
+        match self.requests.get(request_id) {
+            Some(r) if r.num_cached_block.is_some() && !new_computed_blocks.is_empty() => {
+                return Err(Error::InvalidArgument(format!(
+                    "request {request_id:?} is already running and cannot adopt prefix hits"
+                )));
+            }
+            Some(r) if r.num_cached_block.is_some() => {}
+            Some(r) if !r.blocks.is_empty() => {
+                return Err(Error::InvalidArgument(format!(
+                    "request {request_id:?} already has blocks and cannot adopt prefix hits"
+                )));
+            }
+            _ => {}
+        }
+        if !self.enable_caching && !new_computed_blocks.is_empty() {
+            return Err(Error::InvalidArgument(
+                "computed blocks must be empty when prefix caching is disabled".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether the request already counts as running (no hits can be adopted).
+    #[inline]
+    pub fn is_running(&self, request_id: &str) -> bool {
+        self.requests
+            .get(request_id)
+            .is_some_and(|r| r.num_cached_block.is_some())
+    }
+
+    /// Adopts prefix hits (touching them) as the start of a new request's table.
+    pub fn add_local_computed_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        request_id: &str,
+        new_computed_blocks: &[BlockId],
+    ) -> Result<()> {
+        self.check_new_computed_blocks(pool, request_id, new_computed_blocks)?;
+        if self.enable_caching {
+            pool.touch(new_computed_blocks)?;
+        }
+        let req = self.entry(request_id);
+        req.blocks.extend_from_slice(new_computed_blocks);
+        req.num_cached_block = Some(req.blocks.len());
+        Ok(())
+    }
+
+    /// Allocates blocks for tokens computed by an external KV connector.
+    pub fn allocate_external_computed_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        request_id: &str,
+        num_local_computed_tokens: usize,
+        num_external_computed_tokens: usize,
+        record_for_zeroing: bool,
+    ) -> Result<()> {
+        if num_external_computed_tokens == 0 {
+            return Ok(());
+        }
+        let total = num_local_computed_tokens + num_external_computed_tokens;
+        let block_size = self.block_size;
+        let record = self.record_new_block_ids && record_for_zeroing;
+        let mut new_ids = std::mem::take(&mut self.new_block_ids);
+        let req = self.entry(request_id);
+        let n = cdiv(total, block_size).saturating_sub(req.blocks.len());
+        let start = req.blocks.len();
+        let result = pool.get_new_blocks(n, &mut req.blocks);
+        if record && result.is_ok() {
+            new_ids.extend_from_slice(&req.blocks[start..]);
+        }
+        self.new_block_ids = new_ids;
+        result
+    }
+
+    /// Grows the table to hold `num_tokens` slots; the new block ids are appended
+    /// to `out`.
+    pub fn allocate_new_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        request_id: &str,
+        num_tokens: usize,
+        out: &mut Vec<BlockId>,
+    ) -> Result<()> {
+        let block_size = self.block_size;
+        let record = self.record_new_block_ids;
+        let mut new_ids = std::mem::take(&mut self.new_block_ids);
+        let req = self.entry(request_id);
+        let required = cdiv(num_tokens, block_size);
+        let result = if required > req.blocks.len() {
+            let start = req.blocks.len();
+            let r = pool.get_new_blocks(required - start, &mut req.blocks);
+            if r.is_ok() {
+                out.extend_from_slice(&req.blocks[start..]);
+                if record {
+                    new_ids.extend_from_slice(&req.blocks[start..]);
+                }
+            }
+            r
+        } else {
+            Ok(())
+        };
+        self.new_block_ids = new_ids;
+        result
+    }
+
+    /// The block range `cache_blocks(num_tokens)` would register.
+    pub fn cache_range<H: BlockHashSource + ?Sized>(
+        &self,
+        pool: &BlockPool,
+        request_id: &str,
+        block_hashes: &H,
+        num_tokens: usize,
+    ) -> (usize, usize) {
+        let num_cached = self
+            .requests
+            .get(request_id)
+            .and_then(|r| r.num_cached_block)
+            .unwrap_or(0);
+        let num_hashed_tokens = block_hashes.len() * pool.hash_block_size();
+        let num_full = num_tokens.min(num_hashed_tokens) / self.block_size;
+        (num_cached, num_full)
+    }
+
+    /// Registers the request's newly full blocks in the prefix-cache index.
+    pub fn cache_blocks<H: BlockHashSource + ?Sized>(
+        &mut self,
+        pool: &mut BlockPool,
+        request_id: &str,
+        block_hashes: &H,
+        num_tokens: usize,
+    ) -> Result<()> {
+        let (num_cached, num_full) = self.cache_range(pool, request_id, block_hashes, num_tokens);
+        if num_cached >= num_full {
+            return Ok(());
+        }
+        let Some(req) = self.requests.get_mut(request_id) else {
+            return Err(Error::UnknownRequest(request_id.to_owned()));
+        };
+        pool.cache_full_blocks(
+            block_hashes,
+            &req.blocks,
+            num_cached,
+            num_full,
+            self.block_size,
+            self.group_id,
+        )?;
+        req.num_cached_block = Some(num_full);
+        Ok(())
+    }
+
+    /// Removes the request's bookkeeping and appends its blocks to `out` in
+    /// allocation order, leading null blocks trimmed.
+    pub fn pop_blocks_for_free(&mut self, request_id: &str, out: &mut Vec<BlockId>) {
+        if let Some(mut req) = self.requests.remove(request_id) {
+            let skip = req
+                .blocks
+                .iter()
+                .take_while(|&&b| b == NULL_BLOCK_ID)
+                .count();
+            out.extend_from_slice(&req.blocks[skip..]);
+            req.blocks.clear();
+            self.spare_tables.push(req.blocks);
+        }
+    }
+
+    /// Frees the request's blocks, tail first.
+    pub fn free(&mut self, pool: &mut BlockPool, request_id: &str) -> Result<()> {
+        let Some(req) = self.requests.get(request_id) else {
+            return Ok(());
+        };
+        let skip = req
+            .blocks
+            .iter()
+            .take_while(|&&b| b == NULL_BLOCK_ID)
+            .count();
+        pool.free_blocks(req.blocks[skip..].iter().rev().copied())?;
+        if let Some(mut req) = self.requests.remove(request_id) {
+            req.blocks.clear();
+            self.spare_tables.push(req.blocks);
+        }
+        Ok(())
+    }
+
+    /// Drains the block ids recorded for zeroing.
+    pub fn take_new_block_ids(&mut self) -> Vec<BlockId> {
+        std::mem::take(&mut self.new_block_ids)
+    }
+
+    /// Re-records the request's blocks from `start_token` on for zeroing.
+    pub fn record_blocks_for_zeroing(
+        &mut self,
+        request_id: &str,
+        start_token: usize,
+    ) -> Result<()> {
+        if !self.record_new_block_ids {
+            return Ok(());
+        }
+        if start_token % self.block_size != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "start_token {start_token} is not a multiple of the block size {}",
+                self.block_size
+            )));
+        }
+        let start = start_token / self.block_size;
+        if let Some(req) = self.requests.get(request_id) {
+            if start < req.blocks.len() {
+                self.new_block_ids.extend_from_slice(&req.blocks[start..]);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,84 @@
+//! `KVCacheBlock`: the Python handle of one block, identity-stable per block id.
+//!
+//! vLLM's Scheduler stores block objects (deferred frees) and hands them back;
+//! connectors read `block_id`, `block_hash`, `ref_cnt`, `is_null`. The handle holds
+//! only its id and its pool; every field is read from the core on access.
+
+use pyo3::gc::PyVisit;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use pyo3::PyTraverseError;
+
+use super::manager::PyKVCacheCore;
+use crate::types::{BlockId, NULL_BLOCK_ID};
+
+#[pyclass(name = "KVCacheBlock", module = "hscache._core", frozen)]
+pub struct PyKVCacheBlock {
+    pub(crate) block_id: BlockId,
+    pub(crate) core: Py<PyKVCacheCore>,
+}
+
+#[pymethods]
+impl PyKVCacheBlock {
+    /// The block id (`0..num_gpu_blocks`; 0 is the null block).
+    #[getter]
+    fn block_id(&self) -> BlockId {
+        self.block_id
+    }
+
+    /// Whether this is the null placeholder block.
+    #[getter]
+    fn is_null(&self) -> bool {
+        self.block_id == NULL_BLOCK_ID
+    }
+
+    /// Current reference count (0 for free blocks and the null block).
+    #[getter]
+    fn ref_cnt(&self, py: Python<'_>) -> PyResult<u32> {
+        let core = self.core.bind(py).try_borrow()?;
+        Ok(core.core.block_pool().ref_cnt(self.block_id))
+    }
+
+    /// vLLM's `BlockHashWithGroupId` bytes (hash + 4-byte big-endian group id), or
+    /// None when the block is not cached.
+    #[getter]
+    fn block_hash<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let core = self.core.bind(py).try_borrow()?;
+        Ok(core
+            .core
+            .block_pool()
+            .block_hash(self.block_id)
+            .map(|k| PyBytes::new(py, &k.to_vllm_bytes())))
+    }
+
+    /// Prefix length (tokens) the block's hash covers, or None.
+    #[getter]
+    fn block_hash_num_tokens(&self, py: Python<'_>) -> PyResult<Option<u32>> {
+        let core = self.core.bind(py).try_borrow()?;
+        Ok(core.core.block_pool().block_hash_num_tokens(self.block_id))
+    }
+
+    /// The core this block belongs to.
+    #[getter]
+    fn pool(&self, py: Python<'_>) -> Py<PyKVCacheCore> {
+        self.core.clone_ref(py)
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let ref_cnt = self
+            .core
+            .bind(py)
+            .try_borrow()
+            .map(|c| c.core.block_pool().ref_cnt(self.block_id))
+            .unwrap_or(0);
+        format!(
+            "KVCacheBlock(block_id={}, ref_cnt={ref_cnt}, is_null={})",
+            self.block_id,
+            self.block_id == NULL_BLOCK_ID
+        )
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.core)
+    }
+}

@@ -1,0 +1,61 @@
+//! The one mapping from core errors to Python exceptions.
+//!
+//! Each class subclasses the builtin a vLLM caller expects (`KeyError`,
+//! `ValueError`, `RuntimeError`, `NotImplementedError`); `hscache.exceptions`
+//! re-exports them with docstrings.
+
+use pyo3::create_exception;
+use pyo3::exceptions::{PyKeyError, PyNotImplementedError, PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+
+use crate::error::{Error, ErrorKind};
+
+create_exception!(hscache._core, UnknownRequestError, PyKeyError);
+create_exception!(hscache._core, BlockIdError, PyValueError);
+create_exception!(hscache._core, DoubleFreeError, PyValueError);
+create_exception!(hscache._core, BlockHashError, PyValueError);
+create_exception!(hscache._core, OutOfBlocksError, PyValueError);
+create_exception!(hscache._core, InvalidArgumentError, PyValueError);
+create_exception!(hscache._core, FreeQueueError, PyRuntimeError);
+create_exception!(hscache._core, UnsupportedError, PyNotImplementedError);
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("UnknownRequestError", py.get_type::<UnknownRequestError>())?;
+    m.add("BlockIdError", py.get_type::<BlockIdError>())?;
+    m.add("DoubleFreeError", py.get_type::<DoubleFreeError>())?;
+    m.add("BlockHashError", py.get_type::<BlockHashError>())?;
+    m.add("OutOfBlocksError", py.get_type::<OutOfBlocksError>())?;
+    m.add(
+        "InvalidArgumentError",
+        py.get_type::<InvalidArgumentError>(),
+    )?;
+    m.add("FreeQueueError", py.get_type::<FreeQueueError>())?;
+    m.add("UnsupportedError", py.get_type::<UnsupportedError>())?;
+    Ok(())
+}
+
+impl From<Error> for PyErr {
+    fn from(e: Error) -> PyErr {
+        let msg = e.to_string();
+        match e.kind() {
+            ErrorKind::UnknownRequest => UnknownRequestError::new_err(msg),
+            ErrorKind::BlockIdOutOfRange => BlockIdError::new_err(msg),
+            ErrorKind::DoubleFree => DoubleFreeError::new_err(msg),
+            ErrorKind::BadHashLength => BlockHashError::new_err(msg),
+            ErrorKind::NotEnoughFreeBlocks | ErrorKind::NoFreeBlocks => {
+                OutOfBlocksError::new_err(msg)
+            }
+            ErrorKind::InvalidArgument => InvalidArgumentError::new_err(msg),
+            ErrorKind::FreeQueueCorrupt => FreeQueueError::new_err(msg),
+            ErrorKind::Unsupported => UnsupportedError::new_err(msg),
+        }
+    }
+}
+
+/// A count argument: a non-negative Python int.
+pub(crate) fn count(name: &str, value: i64) -> PyResult<usize> {
+    usize::try_from(value).map_err(|_| {
+        InvalidArgumentError::new_err(format!("{name} must be non-negative, got {value}"))
+    })
+}

@@ -1,0 +1,54 @@
+//! `request.block_hashes` (a Python `list[bytes]`) as a core `BlockHashSource`,
+//! read in place: no copy of the list, one 32-byte copy per hash read.
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList};
+
+use super::errors::BlockHashError;
+use crate::error::{Error, Result};
+use crate::types::{BlockHash, BlockHashSource};
+
+pub(crate) struct PyListHashes<'a, 'py> {
+    list: &'a Bound<'py, PyList>,
+}
+
+impl<'a, 'py> PyListHashes<'a, 'py> {
+    /// Wraps `obj`, which must be a list (vLLM's contract for `block_hashes`).
+    pub(crate) fn new(obj: &'a Bound<'py, PyAny>) -> PyResult<Self> {
+        let list = obj.cast::<PyList>().map_err(|_| {
+            BlockHashError::new_err(format!(
+                "request.block_hashes must be a list of bytes, got {}",
+                obj.get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default()
+            ))
+        })?;
+        Ok(Self { list })
+    }
+}
+
+impl BlockHashSource for PyListHashes<'_, '_> {
+    fn len(&self) -> usize {
+        self.list.len()
+    }
+
+    fn get(&self, i: usize) -> Result<BlockHash> {
+        let item = self
+            .list
+            .get_item(i)
+            .map_err(|_| Error::InvalidArgument(format!("block hash index {i} out of range")))?;
+        let bytes = item.cast::<PyBytes>().map_err(|_| {
+            Error::InvalidArgument(format!("request.block_hashes[{i}] is not bytes"))
+        })?;
+        BlockHash::new(bytes.as_bytes())
+    }
+}
+
+/// One hash given as a Python bytes object.
+pub(crate) fn hash_from_bytes(obj: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
+    let bytes = obj
+        .cast::<PyBytes>()
+        .map_err(|_| BlockHashError::new_err("a block hash must be bytes"))?;
+    Ok(BlockHash::new(bytes.as_bytes())?)
+}
