@@ -1,0 +1,142 @@
+"""The drop-in ``hscache.vllm.KVCacheManager``: identity of block handles, bad input,
+fallback to vLLM for unsupported configurations, and the Scheduler hook."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager  # noqa: E402
+
+from hscache import exceptions  # noqa: E402
+from hscache.vllm import KVCacheManager  # noqa: E402
+from tests.vllm_helpers import hybrid_config, make_request, manager_kwargs  # noqa: E402
+
+
+def _state(m: KVCacheManager) -> tuple[list[int], float, dict[str, list[int]]]:
+    queue = [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()]
+    tables = {rid: [b.block_id for b in blocks] for rid, blocks in
+              m.coordinator.single_type_managers[0].req_to_blocks.items()}
+    return queue, m.usage, tables
+
+
+def _admit(m: KVCacheManager, req) -> None:
+    blocks, hit, _ = m.get_computed_blocks(req)
+    assert m.allocate_slots(req, req.num_tokens - hit, hit, blocks) is not None
+
+
+def test_block_handles_are_identity_stable() -> None:
+    m = KVCacheManager(**manager_kwargs(16))
+    req = make_request("a", list(range(40)))
+    new = m.allocate_slots(req, 40)
+    assert new is not None
+    first = new.blocks[0][0]
+    assert first is m.block_pool.blocks[first.block_id]
+    assert m.get_blocks("a").blocks[0][0] is first
+    assert m.block_pool.null_block is m.block_pool.blocks[0]
+    assert m.block_pool.null_block.is_null and not first.is_null
+    assert first.ref_cnt == 1 and first.block_hash is not None
+    assert first.block_hash_num_tokens == 16
+
+
+def test_vllm_prefill_expectations() -> None:
+    """The block ids and free-queue order vLLM's test_prefill asserts."""
+    m = KVCacheManager(**manager_kwargs(11))
+    common = list(range(48))
+    r0 = make_request("0", common + list(range(100, 107)))
+    _admit(m, r0)
+    assert m.get_block_ids("0") == ([1, 2, 3, 4],)
+    r1 = make_request("1", common + list(range(200, 205)))
+    blocks, hit, _ = m.get_computed_blocks(r1)
+    assert hit == 48 and blocks.get_block_ids() == ([1, 2, 3],)
+    new = m.allocate_slots(r1, 5, hit, blocks)
+    assert new is not None and new.get_block_ids() == ([5],)
+    m.free(r0)
+    m.free(r1)
+    assert _state(m)[0] == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
+
+
+@pytest.mark.parametrize(
+    ("call", "exc"),
+    [
+        (lambda m, r: m.allocate_slots(r, -1), exceptions.InvalidArgumentError),
+        (lambda m, r: m.allocate_slots(r, 10**6), exceptions.InvalidArgumentError),
+        (lambda m, r: m.allocate_slots(r, 0), ValueError),
+        (lambda m, r: m.evict_blocks({10**6}), exceptions.BlockIdError),
+        (lambda m, r: m.evict_blocks({-1}), exceptions.BlockIdError),
+        (lambda m, r: m.block_pool.free_blocks([m.block_pool.blocks[9]]), exceptions.DoubleFreeError),
+        (lambda m, r: m.record_blocks_for_zeroing("a", -3), exceptions.InvalidArgumentError),
+        (lambda m, r: m.block_pool.free_blocks([object()]), exceptions.InvalidArgumentError),
+    ],
+)
+def test_bad_input_raises_and_leaves_state_unchanged(call, exc) -> None:
+    m = KVCacheManager(**manager_kwargs(16))
+    req = make_request("a", list(range(40)))
+    _admit(m, req)
+    before = _state(m)
+    with pytest.raises(exc):
+        call(m, req)
+    assert _state(m) == before
+    m._core.check_invariants()
+
+
+def test_malformed_block_hashes_raise_before_any_change() -> None:
+    m = KVCacheManager(**manager_kwargs(16))
+    req = make_request("a", list(range(40)))
+    req.block_hashes[1] = b"x" * 40  # longer than any vLLM digest
+    before = _state(m)
+    with pytest.raises(exceptions.BlockHashError):
+        m.allocate_slots(req, 40)
+    assert _state(m) == before
+    req.block_hashes[0] = "not bytes"  # type: ignore[call-overload]
+    with pytest.raises(ValueError):
+        m.get_computed_blocks(req)
+    assert _state(m) == before
+
+
+def test_double_free_of_a_request_table_is_rejected_whole() -> None:
+    m = KVCacheManager(**manager_kwargs(16))
+    req = make_request("a", list(range(40)))
+    _admit(m, req)
+    blocks = m.pop_blocks_for_free(req)
+    m.block_pool.free_blocks(reversed(blocks))
+    before = _state(m)
+    with pytest.raises(exceptions.DoubleFreeError):
+        m.block_pool.free_blocks(reversed(blocks))
+    assert _state(m) == before
+
+
+def test_unknown_request_is_a_no_op_like_vllm() -> None:
+    """vLLM frees requests that never got blocks (aborted while waiting)."""
+    m = KVCacheManager(**manager_kwargs(16))
+    ghost = make_request("ghost", [1, 2, 3])
+    m.free(ghost)
+    assert m.pop_blocks_for_free(ghost) == []
+    assert m.get_block_ids("ghost") == ([],)
+    assert m.get_blocks("ghost") is m.empty_kv_cache_blocks
+
+
+def test_unsupported_config_falls_back_to_vllm(caplog: pytest.LogCaptureFixture) -> None:
+    kwargs = manager_kwargs(32)
+    kwargs["kv_cache_config"] = hybrid_config(32)
+    m = KVCacheManager(**kwargs)
+    assert type(m) is VllmKVCacheManager
+
+
+def test_disable_env_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HSCACHE_DISABLE", "1")
+    assert type(KVCacheManager(**manager_kwargs(16))) is VllmKVCacheManager
+
+
+def test_reset_prefix_cache_fails_while_in_use_and_sets_stats_flag() -> None:
+    m = KVCacheManager(**manager_kwargs(16))
+    req = make_request("a", list(range(40)))
+    _admit(m, req)
+    assert not m.reset_prefix_cache()
+    m.free(req)
+    assert m.reset_prefix_cache()
+    stats = m.make_prefix_cache_stats()
+    assert stats is not None and stats.reset
+    events = m.take_events()
+    assert type(events[-1]).__name__ == "AllBlocksCleared"
