@@ -1,8 +1,16 @@
-//! `KVCacheCore`: the core `KVCacheManager` as a Python class.
+//! `KVCacheCore`: the core `KVCacheManager` as a subclassable Python class.
 //!
+//! `hscache.vllm.KVCacheManager` subclasses it. The methods vLLM's Scheduler calls
+//! every step (`allocate_slots`, `get_computed_blocks`, `free`, `get_blocks`,
+//! `get_block_ids`, `cache_blocks`, ...) are implemented here with vLLM's exact
+//! signatures and return types, so a call costs one FFI crossing and no Python
+//! frame; the Python subclass adds the cold parts (stats, views, event structs).
 //! Methods take vLLM objects where the adapter would otherwise copy fields one by
 //! one (a `Request` is read for `request_id`, `num_computed_tokens`, `num_tokens`
 //! and `block_hashes`), and return block handles from an identity-stable cache.
+//!
+//! Low-level pool operations used by the Python `BlockPool` view carry a `core_`
+//! prefix so that they never shadow a vLLM method name.
 
 use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
@@ -16,12 +24,31 @@ use crate::events::KVCacheEvent;
 use crate::manager::{AllocateSlots, KVCacheManager, KVCacheManagerConfig, RequestView};
 use crate::types::BlockId;
 
-#[pyclass(name = "KVCacheCore", module = "hscache._core")]
+#[pyclass(name = "KVCacheCore", module = "hscache._core", subclass)]
 pub struct PyKVCacheCore {
     pub(crate) core: KVCacheManager,
     /// Lazily created, then reused, block handles (identity per block id).
     handles: Vec<Option<Py<PyKVCacheBlock>>>,
     scratch: Vec<BlockId>,
+    /// vLLM objects the vLLM-shaped methods return or compare with; set once by
+    /// `_bind_vllm`.
+    vllm: Option<VllmBindings>,
+}
+
+/// vLLM classes and singletons the drop-in methods need.
+struct VllmBindings {
+    /// `vllm.v1.core.kv_cache_manager.KVCacheBlocks`.
+    kv_cache_blocks_cls: Py<PyAny>,
+    /// The manager's `empty_kv_cache_blocks` (identity matters to the Scheduler).
+    empty_kv_cache_blocks: Py<PyAny>,
+    /// `empty_kv_cache_blocks.blocks`, compared by identity.
+    empty_blocks: Py<PyAny>,
+    /// `RequestStatus.WAITING` and `RequestStatus.PREEMPTED` (the watermark applies).
+    watermark_statuses: [Py<PyAny>; 2],
+    /// Called with `(request,)` after a call that recorded events (events on only).
+    event_sink: Option<Py<PyAny>>,
+    /// Called with `(request, num_blocks)` for `kv_cache_report_mode == "full"` hits.
+    cached_block_event_sink: Option<Py<PyAny>>,
 }
 
 /// The request fields the core reads, extracted before the core is borrowed.
@@ -60,11 +87,11 @@ impl<'py> RequestFields<'py> {
 }
 
 impl PyKVCacheCore {
-    fn handle(slf: &Bound<'_, Self>, this: &mut Self, id: BlockId) -> Py<PyKVCacheBlock> {
+    fn handle(slf: &Bound<'_, Self>, this: &mut Self, id: BlockId) -> PyResult<Py<PyKVCacheBlock>> {
         let py = slf.py();
         let slot = &mut this.handles[id as usize];
         if let Some(h) = slot {
-            return h.clone_ref(py);
+            return Ok(h.clone_ref(py));
         }
         let h = Py::new(
             py,
@@ -72,10 +99,9 @@ impl PyKVCacheCore {
                 block_id: id,
                 core: slf.clone().unbind(),
             },
-        )
-        .expect("allocating a block handle");
+        )?;
         *slot = Some(h.clone_ref(py));
-        h
+        Ok(h)
     }
 
     fn handles_list<'py>(
@@ -86,7 +112,7 @@ impl PyKVCacheCore {
         let py = slf.py();
         let list = PyList::empty(py);
         for &id in ids {
-            list.append(Self::handle(slf, this, id))?;
+            list.append(Self::handle(slf, this, id)?)?;
         }
         Ok(list)
     }
@@ -97,21 +123,80 @@ impl PyKVCacheCore {
         blocks: &Bound<'_, PyAny>,
         out: &mut Vec<BlockId>,
     ) -> PyResult<()> {
-        for item in blocks.try_iter()? {
-            let item = item?;
-            let block = item.cast::<PyKVCacheBlock>().map_err(|_| {
-                InvalidArgumentError::new_err("expected hscache KVCacheBlock objects")
-            })?;
-            let block = block.get();
-            if !block.core.bind(slf.py()).is(slf) {
-                return Err(InvalidArgumentError::new_err(format!(
-                    "block {} belongs to another KV-cache pool",
-                    block.block_id
-                )));
+        if let Ok(list) = blocks.cast::<PyList>() {
+            for item in list.iter() {
+                out.push(Self::id_of(slf, &item)?);
             }
-            out.push(block.block_id);
+            return Ok(());
+        }
+        for item in blocks.try_iter()? {
+            out.push(Self::id_of(slf, &item?)?);
         }
         Ok(())
+    }
+
+    #[inline]
+    fn id_of(slf: &Bound<'_, Self>, item: &Bound<'_, PyAny>) -> PyResult<BlockId> {
+        let block = item
+            .cast::<PyKVCacheBlock>()
+            .map_err(|_| InvalidArgumentError::new_err("expected hscache KVCacheBlock objects"))?
+            .get();
+        if !block.core.bind(slf.py()).is(slf) {
+            return Err(InvalidArgumentError::new_err(format!(
+                "block {} belongs to another KV-cache pool",
+                block.block_id
+            )));
+        }
+        Ok(block.block_id)
+    }
+
+    fn bindings(&self) -> PyResult<&VllmBindings> {
+        self.vllm.as_ref().ok_or_else(|| {
+            pyo3::exceptions::PyRuntimeError::new_err(
+                "KVCacheCore: _bind_vllm() was not called (use hscache.vllm.KVCacheManager)",
+            )
+        })
+    }
+
+    /// `KVCacheBlocks((blocks,))`, or the empty singleton when `ids` is empty.
+    fn kv_cache_blocks<'py>(
+        slf: &Bound<'py, Self>,
+        this: &mut Self,
+        ids: &[BlockId],
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let vllm = this.bindings()?;
+        if ids.is_empty() {
+            return Ok(vllm.empty_kv_cache_blocks.bind(py).clone());
+        }
+        let cls = vllm.kv_cache_blocks_cls.clone_ref(py);
+        let list = Self::handles_list(slf, this, ids)?;
+        cls.bind(py).call1((PyTuple::new(py, [list])?,))
+    }
+
+    /// Calls the event sink when the core recorded events (events on only).
+    fn flush_events(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
+        let sink = {
+            let this = slf.borrow();
+            if !this.core.block_pool().has_events() {
+                return Ok(());
+            }
+            this.bindings()?
+                .event_sink
+                .as_ref()
+                .map(|s| s.clone_ref(slf.py()))
+        };
+        if let Some(sink) = sink {
+            sink.bind(slf.py()).call1((request,))?;
+        }
+        Ok(())
+    }
+
+    fn request_id<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
+        request
+            .getattr(intern!(request.py(), "request_id"))?
+            .cast_into::<PyString>()
+            .map_err(|_| InvalidArgumentError::new_err("request.request_id must be a str"))
     }
 }
 
@@ -150,8 +235,289 @@ impl PyKVCacheCore {
             core,
             handles: (0..num_blocks).map(|_| None).collect(),
             scratch: Vec::new(),
+            vllm: None,
         })
     }
+
+    /// Hands the core the vLLM objects its drop-in methods return and compare with.
+    #[pyo3(signature = (kv_cache_blocks_cls, empty_kv_cache_blocks, waiting, preempted,
+        event_sink=None, cached_block_event_sink=None))]
+    fn _bind_vllm(
+        &mut self,
+        kv_cache_blocks_cls: Bound<'_, PyAny>,
+        empty_kv_cache_blocks: Bound<'_, PyAny>,
+        waiting: Bound<'_, PyAny>,
+        preempted: Bound<'_, PyAny>,
+        event_sink: Option<Bound<'_, PyAny>>,
+        cached_block_event_sink: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let empty_blocks = empty_kv_cache_blocks
+            .getattr(intern!(empty_kv_cache_blocks.py(), "blocks"))?
+            .unbind();
+        self.vllm = Some(VllmBindings {
+            kv_cache_blocks_cls: kv_cache_blocks_cls.unbind(),
+            empty_kv_cache_blocks: empty_kv_cache_blocks.unbind(),
+            empty_blocks,
+            watermark_statuses: [waiting.unbind(), preempted.unbind()],
+            event_sink: event_sink.map(Bound::unbind),
+            cached_block_event_sink: cached_block_event_sink.map(Bound::unbind),
+        });
+        Ok(())
+    }
+
+    // ---- vLLM's KVCacheManager interface (hot paths) -------------------------------
+
+    /// KV-cache usage in [0, 1], null block excluded.
+    #[getter]
+    fn usage(&self) -> f64 {
+        self.core.usage()
+    }
+
+    /// vLLM's `get_computed_blocks`: `(KVCacheBlocks, num_hit_tokens, 0)`.
+    #[pyo3(signature = (request, max_cache_hit_length=None))]
+    fn get_computed_blocks<'py>(
+        slf: &Bound<'py, Self>,
+        request: &Bound<'py, PyAny>,
+        max_cache_hit_length: Option<i64>,
+    ) -> PyResult<(Bound<'py, PyAny>, usize, usize)> {
+        let py = slf.py();
+        let empty = {
+            let this = slf.borrow();
+            let vllm = this.bindings()?;
+            (!this.core.config().enable_caching)
+                .then(|| vllm.empty_kv_cache_blocks.bind(py).clone())
+        };
+        if let Some(empty) = empty {
+            return Ok((empty, 0, 0));
+        }
+        if request
+            .getattr(intern!(py, "skip_reading_prefix_cache"))?
+            .is_truthy()?
+        {
+            let this = slf.borrow();
+            return Ok((
+                this.bindings()?.empty_kv_cache_blocks.bind(py).clone(),
+                0,
+                0,
+            ));
+        }
+        let max_len = match max_cache_hit_length {
+            Some(n) => count("max_cache_hit_length", n)?,
+            None => {
+                let n: i64 = request.getattr(intern!(py, "num_tokens"))?.extract()?;
+                count("request.num_tokens - 1", n - 1)?
+            }
+        };
+        let hashes_obj = request.getattr(intern!(py, "block_hashes"))?;
+        let hashes = PyListHashes::new(&hashes_obj)?;
+        let mut this = slf.borrow_mut();
+        let mut ids = std::mem::take(&mut this.scratch);
+        ids.clear();
+        let result = this
+            .core
+            .find_longest_cache_hit(&hashes, max_len, &mut ids)
+            .map_err(PyErr::from)
+            .and_then(|hit| Ok((Self::kv_cache_blocks(slf, &mut this, &ids)?, hit)));
+        let num_blocks = ids.len();
+        this.scratch = ids;
+        let (blocks, hit) = result?;
+        let sink = match &this.bindings()?.cached_block_event_sink {
+            Some(sink) if hit > 0 && this.core.config().enable_kv_cache_events => {
+                Some(sink.clone_ref(py))
+            }
+            _ => None,
+        };
+        drop(this);
+        if let Some(sink) = sink {
+            let mode = request.getattr("kv_cache_report_mode").ok();
+            let full = match mode {
+                Some(m) => m.eq("full")?,
+                None => false,
+            };
+            if full {
+                sink.bind(py).call1((request, num_blocks))?;
+            }
+        }
+        Ok((blocks, hit, 0))
+    }
+
+    /// vLLM's `allocate_slots`: the newly allocated blocks as `KVCacheBlocks`, or
+    /// None when they do not fit (hit blocks are then left untouched).
+    #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens=0,
+        new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0,
+        delay_cache_blocks=false, num_encoder_tokens=0, full_sequence_must_fit=false,
+        reserved_blocks=0, has_scheduled_reqs=true, skip_zeroing_group_ids=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn allocate_slots<'py>(
+        slf: &Bound<'py, Self>,
+        request: &Bound<'py, PyAny>,
+        num_new_tokens: i64,
+        num_new_computed_tokens: i64,
+        new_computed_blocks: Option<&Bound<'py, PyAny>>,
+        num_lookahead_tokens: i64,
+        num_external_computed_tokens: i64,
+        delay_cache_blocks: bool,
+        num_encoder_tokens: i64,
+        full_sequence_must_fit: bool,
+        reserved_blocks: i64,
+        has_scheduled_reqs: bool,
+        skip_zeroing_group_ids: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let py = slf.py();
+        let _ = count("num_encoder_tokens", num_encoder_tokens)?;
+        let fields = RequestFields::read(request)?;
+        let hashes = PyListHashes::new(&fields.block_hashes)?;
+        let (watermark, empty_blocks, statuses) = {
+            let this = slf.borrow();
+            let vllm = this.bindings()?;
+            (
+                this.core.config().watermark_blocks > 0 && has_scheduled_reqs,
+                vllm.empty_blocks.clone_ref(py),
+                [
+                    vllm.watermark_statuses[0].clone_ref(py),
+                    vllm.watermark_statuses[1].clone_ref(py),
+                ],
+            )
+        };
+        let mut hits = Vec::new();
+        let mut adopt_hits = false;
+        if let Some(blocks) = new_computed_blocks {
+            let groups = blocks.getattr(intern!(py, "blocks"))?;
+            if !groups.is(&empty_blocks) {
+                adopt_hits = true;
+                Self::ids_of(slf, &groups.get_item(0)?, &mut hits)?;
+            }
+        }
+        let apply_watermark = watermark && {
+            let status = request.getattr(intern!(py, "status"))?;
+            status.is(&statuses[0]) || status.is(&statuses[1])
+        };
+        let skip_zeroing = match skip_zeroing_group_ids {
+            Some(ids) => ids.contains(0)?,
+            None => false,
+        };
+        let args = AllocateSlots {
+            num_new_tokens: count("num_new_tokens", num_new_tokens)?,
+            num_new_computed_tokens: count("num_new_computed_tokens", num_new_computed_tokens)?,
+            new_computed_blocks: adopt_hits.then_some(hits.as_slice()),
+            num_lookahead_tokens: count("num_lookahead_tokens", num_lookahead_tokens)?,
+            num_external_computed_tokens: count(
+                "num_external_computed_tokens",
+                num_external_computed_tokens,
+            )?,
+            delay_cache_blocks,
+            full_sequence_must_fit,
+            reserved_blocks: count("reserved_blocks", reserved_blocks)?,
+            apply_watermark,
+            skip_zeroing,
+        };
+        let view = RequestView {
+            request_id: fields.request_id.to_str()?,
+            num_computed_tokens: fields.num_computed_tokens,
+            num_tokens: fields.num_tokens,
+            block_hashes: &hashes,
+        };
+        let result = {
+            let mut this = slf.borrow_mut();
+            let mut out = std::mem::take(&mut this.scratch);
+            out.clear();
+            let result = match this.core.allocate_slots(&view, &args, &mut out) {
+                Ok(true) => Self::kv_cache_blocks(slf, &mut this, &out).map(Some),
+                Ok(false) => Ok(None),
+                Err(e) => Err(e.into()),
+            };
+            this.scratch = out;
+            result
+        };
+        Self::flush_events(slf, request)?;
+        result
+    }
+
+    /// vLLM's `cache_blocks`: caches the request's full blocks up to
+    /// `num_computed_tokens`.
+    fn cache_blocks(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+        num_computed_tokens: i64,
+    ) -> PyResult<()> {
+        let fields = RequestFields::read(request)?;
+        let hashes = PyListHashes::new(&fields.block_hashes)?;
+        let n = count("num_computed_tokens", num_computed_tokens)?;
+        let view = RequestView {
+            request_id: fields.request_id.to_str()?,
+            num_computed_tokens: fields.num_computed_tokens,
+            num_tokens: fields.num_tokens,
+            block_hashes: &hashes,
+        };
+        slf.borrow_mut().core.cache_blocks(&view, n)?;
+        Self::flush_events(slf, request)
+    }
+
+    /// vLLM's `free`: frees the request's blocks, tail first (no-op for a request
+    /// without blocks).
+    fn free(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
+        let rid = Self::request_id(request)?;
+        Ok(slf.borrow_mut().core.free(rid.to_str()?)?)
+    }
+
+    /// vLLM's `pop_blocks_for_free`: the request's blocks in allocation order, not
+    /// yet freed (the caller frees them, reversed, through the block pool).
+    fn pop_blocks_for_free<'py>(
+        slf: &Bound<'py, Self>,
+        request: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let rid = Self::request_id(request)?;
+        let mut this = slf.borrow_mut();
+        let mut ids = std::mem::take(&mut this.scratch);
+        ids.clear();
+        this.core.pop_blocks_for_free(rid.to_str()?, &mut ids);
+        let result = Self::handles_list(slf, &mut this, &ids);
+        this.scratch = ids;
+        result
+    }
+
+    /// vLLM's `get_blocks`: the request's blocks as `KVCacheBlocks`.
+    fn get_blocks<'py>(slf: &Bound<'py, Self>, request_id: &str) -> PyResult<Bound<'py, PyAny>> {
+        let mut this = slf.borrow_mut();
+        let mut ids = std::mem::take(&mut this.scratch);
+        ids.clear();
+        ids.extend_from_slice(this.core.get_blocks(request_id));
+        let result = Self::kv_cache_blocks(slf, &mut this, &ids);
+        this.scratch = ids;
+        result
+    }
+
+    /// vLLM's `get_block_ids`: `([block ids],)`.
+    fn get_block_ids<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: &str,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let ids = PyList::new(py, self.core.get_blocks(request_id))?;
+        PyTuple::new(py, [ids])
+    }
+
+    /// vLLM's `estimate_cached_tokens`.
+    fn estimate_cached_tokens(&self, request: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let rid = Self::request_id(request)?;
+        Ok(self.core.estimate_cached_tokens(rid.to_str()?))
+    }
+
+    /// vLLM's `new_step_starts`: full attention keeps no per-step state.
+    fn new_step_starts(&self) {}
+
+    /// vLLM's `take_new_block_ids`: block ids recorded for worker-side zeroing.
+    fn take_new_block_ids(&mut self) -> Vec<BlockId> {
+        self.core.take_new_block_ids()
+    }
+
+    /// vLLM's `record_blocks_for_zeroing`.
+    fn record_blocks_for_zeroing(&mut self, request_id: &str, start_token: i64) -> PyResult<()> {
+        let start = count("start_token", start_token)?;
+        Ok(self.core.record_blocks_for_zeroing(request_id, start)?)
+    }
+
+    // ---- pool-level operations (the Python BlockPool view) -------------------------
 
     /// Number of blocks, null block included.
     #[getter]
@@ -171,109 +537,29 @@ impl PyKVCacheCore {
         self.core.block_pool().get_num_free_blocks()
     }
 
-    /// KV-cache usage in [0, 1], null block excluded.
-    #[getter]
-    fn usage(&self) -> f64 {
-        self.core.usage()
-    }
-
     /// Number of keys in the prefix-cache index.
     #[getter]
     fn num_cached_keys(&self) -> usize {
         self.core.block_pool().cached_block_hash_to_block().len()
     }
 
+    /// Whether events wait to be taken.
+    #[getter]
+    fn has_events(&self) -> bool {
+        self.core.block_pool().has_events()
+    }
+
     /// The handle of block `block_id`.
     fn block(slf: &Bound<'_, Self>, block_id: i64) -> PyResult<Py<PyKVCacheBlock>> {
         let mut this = slf.borrow_mut();
         let id = this.core.block_pool().check_block_id(block_id)?;
-        Ok(Self::handle(slf, &mut this, id))
-    }
-
-    /// Longest prefix hit: `(hit blocks, hit tokens)`; ref counts unchanged.
-    fn find_longest_cache_hit<'py>(
-        slf: &Bound<'py, Self>,
-        block_hashes: &Bound<'py, PyAny>,
-        max_cache_hit_length: i64,
-    ) -> PyResult<(Bound<'py, PyList>, usize)> {
-        let max_len = count("max_cache_hit_length", max_cache_hit_length)?;
-        let hashes = PyListHashes::new(block_hashes)?;
-        let mut this = slf.borrow_mut();
-        let mut ids = std::mem::take(&mut this.scratch);
-        ids.clear();
-        let hit = this.core.find_longest_cache_hit(&hashes, max_len, &mut ids);
-        let result = hit
-            .map_err(PyErr::from)
-            .and_then(|hit| Ok((Self::handles_list(slf, &mut this, &ids)?, hit)));
-        this.scratch = ids;
-        result
-    }
-
-    /// vLLM's `allocate_slots` for `request`: the new blocks, or None if they do
-    /// not fit.
-    #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens=0,
-        new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0,
-        delay_cache_blocks=false, full_sequence_must_fit=false, reserved_blocks=0,
-        apply_watermark=false, skip_zeroing=false))]
-    #[allow(clippy::too_many_arguments)]
-    fn allocate_slots<'py>(
-        slf: &Bound<'py, Self>,
-        request: &Bound<'py, PyAny>,
-        num_new_tokens: i64,
-        num_new_computed_tokens: i64,
-        new_computed_blocks: Option<&Bound<'py, PyAny>>,
-        num_lookahead_tokens: i64,
-        num_external_computed_tokens: i64,
-        delay_cache_blocks: bool,
-        full_sequence_must_fit: bool,
-        reserved_blocks: i64,
-        apply_watermark: bool,
-        skip_zeroing: bool,
-    ) -> PyResult<Option<Bound<'py, PyList>>> {
-        let fields = RequestFields::read(request)?;
-        let hashes = PyListHashes::new(&fields.block_hashes)?;
-        let mut hits = Vec::new();
-        if let Some(blocks) = new_computed_blocks {
-            Self::ids_of(slf, blocks, &mut hits)?;
-        }
-        let args = AllocateSlots {
-            num_new_tokens: count("num_new_tokens", num_new_tokens)?,
-            num_new_computed_tokens: count("num_new_computed_tokens", num_new_computed_tokens)?,
-            new_computed_blocks: new_computed_blocks.map(|_| hits.as_slice()),
-            num_lookahead_tokens: count("num_lookahead_tokens", num_lookahead_tokens)?,
-            num_external_computed_tokens: count(
-                "num_external_computed_tokens",
-                num_external_computed_tokens,
-            )?,
-            delay_cache_blocks,
-            full_sequence_must_fit,
-            reserved_blocks: count("reserved_blocks", reserved_blocks)?,
-            apply_watermark,
-            skip_zeroing,
-        };
-        let request_id = fields.request_id.to_str()?;
-        let view = RequestView {
-            request_id,
-            num_computed_tokens: fields.num_computed_tokens,
-            num_tokens: fields.num_tokens,
-            block_hashes: &hashes,
-        };
-        let mut this = slf.borrow_mut();
-        let mut out = std::mem::take(&mut this.scratch);
-        out.clear();
-        let result = match this.core.allocate_slots(&view, &args, &mut out) {
-            Ok(true) => Self::handles_list(slf, &mut this, &out).map(Some),
-            Ok(false) => Ok(None),
-            Err(e) => Err(e.into()),
-        };
-        this.scratch = out;
-        result
+        Self::handle(slf, &mut this, id)
     }
 
     /// Blocks an allocation of `num_tokens` slots would take from the free queue
     /// (vLLM's `coordinator.get_num_blocks_to_allocate` for one group).
     #[pyo3(signature = (request_id, num_tokens, new_computed_blocks=None))]
-    fn get_num_blocks_to_allocate(
+    fn core_num_blocks_to_allocate(
         slf: &Bound<'_, Self>,
         request_id: &str,
         num_tokens: i64,
@@ -293,70 +579,37 @@ impl PyKVCacheCore {
         )?)
     }
 
-    /// Caches the request's full blocks up to `num_computed_tokens`.
-    fn cache_blocks(
-        slf: &Bound<'_, Self>,
-        request: &Bound<'_, PyAny>,
-        num_computed_tokens: i64,
-    ) -> PyResult<()> {
-        let fields = RequestFields::read(request)?;
-        let hashes = PyListHashes::new(&fields.block_hashes)?;
-        let n = count("num_computed_tokens", num_computed_tokens)?;
-        let view = RequestView {
-            request_id: fields.request_id.to_str()?,
-            num_computed_tokens: fields.num_computed_tokens,
-            num_tokens: fields.num_tokens,
-            block_hashes: &hashes,
-        };
-        Ok(slf.borrow_mut().core.cache_blocks(&view, n)?)
-    }
-
-    /// Frees the request's blocks, tail first (no-op for an unknown request).
-    fn free(&mut self, request_id: &str) -> PyResult<()> {
-        Ok(self.core.free(request_id)?)
-    }
-
-    /// Pops the request's bookkeeping; returns its blocks in allocation order.
-    fn pop_blocks_for_free<'py>(
+    /// Longest prefix hit as `(blocks, hit tokens)`; ref counts unchanged.
+    fn core_find_longest_cache_hit<'py>(
         slf: &Bound<'py, Self>,
-        request_id: &str,
-    ) -> PyResult<Bound<'py, PyList>> {
+        block_hashes: &Bound<'py, PyAny>,
+        max_cache_hit_length: i64,
+    ) -> PyResult<(Bound<'py, PyList>, usize)> {
+        let max_len = count("max_cache_hit_length", max_cache_hit_length)?;
+        let hashes = PyListHashes::new(block_hashes)?;
         let mut this = slf.borrow_mut();
-        let mut ids = std::mem::take(&mut this.scratch);
-        ids.clear();
-        this.core.pop_blocks_for_free(request_id, &mut ids);
-        let result = Self::handles_list(slf, &mut this, &ids);
-        this.scratch = ids;
-        result
-    }
-
-    /// The request's blocks (empty list if unknown).
-    fn get_blocks<'py>(slf: &Bound<'py, Self>, request_id: &str) -> PyResult<Bound<'py, PyList>> {
-        let mut this = slf.borrow_mut();
-        let ids = std::mem::take(&mut this.scratch);
-        let mut ids = ids;
-        ids.clear();
-        ids.extend_from_slice(this.core.get_blocks(request_id));
-        let result = Self::handles_list(slf, &mut this, &ids);
-        this.scratch = ids;
-        result
-    }
-
-    /// The request's block ids (empty list if unknown).
-    fn get_block_ids(&self, request_id: &str) -> Vec<BlockId> {
-        self.core.get_blocks(request_id).to_vec()
+        let mut ids = Vec::new();
+        let hit = this
+            .core
+            .find_longest_cache_hit(&hashes, max_len, &mut ids)?;
+        Ok((Self::handles_list(slf, &mut this, &ids)?, hit))
     }
 
     /// The request's `num_cached_block` (None if it has none).
-    fn num_cached_block(&self, request_id: &str) -> Option<usize> {
+    fn core_num_cached_block(&self, request_id: &str) -> Option<usize> {
         self.core
             .single_type_manager()
             .request(request_id)
             .and_then(|r| r.num_cached_block)
     }
 
+    /// Frees a request's blocks by id, tail first (vLLM's `coordinator.free`).
+    fn core_free(&mut self, request_id: &str) -> PyResult<()> {
+        Ok(self.core.free(request_id)?)
+    }
+
     /// Ids of the requests that hold bookkeeping.
-    fn request_ids(&self) -> Vec<String> {
+    fn core_request_ids(&self) -> Vec<String> {
         self.core
             .single_type_manager()
             .requests()
@@ -364,27 +617,29 @@ impl PyKVCacheCore {
             .collect()
     }
 
-    /// Largest prefix length covered by a cached block of the request.
-    fn estimate_cached_tokens(&self, request_id: &str) -> usize {
-        self.core.estimate_cached_tokens(request_id)
+    /// The request's blocks as a plain list (empty if unknown).
+    fn core_blocks<'py>(slf: &Bound<'py, Self>, request_id: &str) -> PyResult<Bound<'py, PyList>> {
+        let mut this = slf.borrow_mut();
+        let ids = this.core.get_blocks(request_id).to_vec();
+        Self::handles_list(slf, &mut this, &ids)
     }
 
     /// Drops one reference per block, in the given order (first = evicted first).
-    fn free_blocks(slf: &Bound<'_, Self>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn core_free_blocks(slf: &Bound<'_, Self>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
         let mut ids = Vec::new();
         Self::ids_of(slf, blocks, &mut ids)?;
         Ok(slf.borrow_mut().core.block_pool_mut().free_blocks(ids)?)
     }
 
     /// Takes a reference on each block (removing free ones from the free queue).
-    fn touch(slf: &Bound<'_, Self>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn core_touch(slf: &Bound<'_, Self>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
         let mut ids = Vec::new();
         Self::ids_of(slf, blocks, &mut ids)?;
         Ok(slf.borrow_mut().core.block_pool_mut().touch(&ids)?)
     }
 
     /// Hands out `num_blocks` blocks from the head of the free queue.
-    fn get_new_blocks<'py>(
+    fn core_get_new_blocks<'py>(
         slf: &Bound<'py, Self>,
         num_blocks: i64,
     ) -> PyResult<Bound<'py, PyList>> {
@@ -396,44 +651,40 @@ impl PyKVCacheCore {
     }
 
     /// The first-inserted cached block of `(block_hash, group_id)`, or None.
-    fn get_cached_block(
+    fn core_get_cached_block(
         slf: &Bound<'_, Self>,
         block_hash: &Bound<'_, PyAny>,
         group_id: u32,
     ) -> PyResult<Option<Py<PyKVCacheBlock>>> {
         let hash = hash_from_bytes(block_hash)?;
         let mut this = slf.borrow_mut();
-        let id = this.core.block_pool().get_cached_block(&hash, group_id);
-        Ok(id.map(|id| Self::handle(slf, &mut this, id)))
+        match this.core.block_pool().get_cached_block(&hash, group_id) {
+            Some(id) => Ok(Some(Self::handle(slf, &mut this, id)?)),
+            None => Ok(None),
+        }
     }
 
     /// Drops the blocks from the prefix cache, in the given order.
-    fn evict_blocks(&mut self, block_ids: Vec<i64>) -> PyResult<()> {
+    fn core_evict_blocks(&mut self, block_ids: Vec<i64>) -> PyResult<()> {
         Ok(self.core.evict_blocks(&block_ids)?)
     }
 
     /// Forgets every cached hash; False while any block is in use.
-    fn reset_prefix_cache(&mut self) -> bool {
+    fn core_reset_prefix_cache(&mut self) -> bool {
         self.core.reset_prefix_cache()
     }
 
     /// Free block ids from head (next to reuse) to tail.
-    fn free_block_ids(&self) -> Vec<BlockId> {
+    fn core_free_block_ids(&self) -> Vec<BlockId> {
         self.core
             .block_pool()
             .free_block_queue()
             .get_all_free_blocks()
     }
 
-    /// Whether events wait to be taken.
-    #[getter]
-    fn has_events(&self) -> bool {
-        self.core.block_pool().has_events()
-    }
-
-    /// Drains events as tuples: `("stored", group, start_block, end_block,
+    /// Drains event records as tuples: `("stored", group, start_block, end_block,
     /// block_size)`, `("removed", hash_bytes, group)`, `("cleared",)`.
-    fn take_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+    fn core_take_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let list = PyList::empty(py);
         for e in self.core.take_events() {
             let item = match e {
@@ -459,17 +710,6 @@ impl PyKVCacheCore {
         Ok(list)
     }
 
-    /// Drains block ids recorded for worker-side zeroing.
-    fn take_new_block_ids(&mut self) -> Vec<BlockId> {
-        self.core.take_new_block_ids()
-    }
-
-    /// Re-records the request's blocks from `start_token` on for zeroing.
-    fn record_blocks_for_zeroing(&mut self, request_id: &str, start_token: i64) -> PyResult<()> {
-        let start = count("start_token", start_token)?;
-        Ok(self.core.record_blocks_for_zeroing(request_id, start)?)
-    }
-
     /// Raises RuntimeError if a structural invariant is broken (tests).
     fn check_invariants(&self) -> PyResult<()> {
         self.core
@@ -482,10 +722,21 @@ impl PyKVCacheCore {
         for h in self.handles.iter().flatten() {
             visit.call(h)?;
         }
+        if let Some(v) = &self.vllm {
+            visit.call(&v.kv_cache_blocks_cls)?;
+            visit.call(&v.empty_kv_cache_blocks)?;
+            visit.call(&v.empty_blocks)?;
+            for s in &v.watermark_statuses {
+                visit.call(s)?;
+            }
+            visit.call(&v.event_sink)?;
+            visit.call(&v.cached_block_event_sink)?;
+        }
         Ok(())
     }
 
     fn __clear__(&mut self) {
         self.handles.iter_mut().for_each(|h| *h = None);
+        self.vllm = None;
     }
 }

@@ -55,7 +55,7 @@ class FreeKVCacheBlockQueue:
         return self._core.num_free_blocks
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        return [self._core.block(i) for i in self._core.free_block_ids()]
+        return [self._core.block(i) for i in self._core.core_free_block_ids()]
 
 
 class BlockHashToBlockMap:
@@ -69,7 +69,7 @@ class BlockHashToBlockMap:
 
     def get_one_block(self, key: bytes) -> KVCacheBlock | None:
         """The first-inserted block of a ``BlockHashWithGroupId`` key."""
-        return self._core.get_cached_block(key[:-4], int.from_bytes(key[-4:], "big"))
+        return self._core.core_get_cached_block(key[:-4], int.from_bytes(key[-4:], "big"))
 
 
 class BlockPool:
@@ -102,7 +102,7 @@ class BlockPool:
         if self.enable_kv_cache_events and self._core.has_events:
             self.kv_event_queue.extend(
                 events.convert(
-                    self._core.take_events(), request, self.num_hash_lookahead_tokens, self.medium
+                    self._core.core_take_events(), request, self.num_hash_lookahead_tokens, self.medium
                 )
             )
 
@@ -114,13 +114,13 @@ class BlockPool:
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drops one reference per block; the first block is evicted first."""
-        self._core.free_blocks(ordered_blocks)
+        self._core.core_free_blocks(ordered_blocks)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        self._core.touch(blocks)
+        self._core.core_touch(blocks)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        blocks = self._core.get_new_blocks(num_blocks)
+        blocks = self._core.core_get_new_blocks(num_blocks)
         self.drain_core_events()
         return blocks
 
@@ -129,7 +129,7 @@ class BlockPool:
     ) -> list[KVCacheBlock] | None:
         cached = []
         for group_id in kv_cache_group_ids:
-            block = self._core.get_cached_block(block_hash, group_id)
+            block = self._core.core_get_cached_block(block_hash, group_id)
             if block is None:
                 return None
             cached.append(block)
@@ -139,11 +139,11 @@ class BlockPool:
         return not block.is_null and block.ref_cnt == 1 and block.block_hash is None
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
-        self._core.evict_blocks(list(block_ids))
+        self._core.core_evict_blocks(list(block_ids))
         self.drain_core_events()
 
     def reset_prefix_cache(self) -> bool:
-        ok = self._core.reset_prefix_cache()
+        ok = self._core.core_reset_prefix_cache()
         self.drain_core_events()
         return ok
 

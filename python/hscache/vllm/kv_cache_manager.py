@@ -53,6 +53,7 @@ from vllm.v1.request import Request, RequestStatus
 from hscache._core import KVCacheBlock, KVCacheCore
 from hscache.exceptions import InvalidArgumentError
 from hscache.vllm.block_pool import BlockPool
+from hscache.vllm.events import block_stored
 
 logger = init_logger(__name__)
 
@@ -111,21 +112,21 @@ class _SingleTypeManagerView:
 
     @property
     def req_to_blocks(self) -> dict[str, list[KVCacheBlock]]:
-        core = self._manager._core
-        return {rid: core.get_blocks(rid) for rid in core.request_ids()}
+        core = self._manager
+        return {rid: core.core_blocks(rid) for rid in core.core_request_ids()}
 
     @property
     def num_cached_block(self) -> dict[str, int]:
-        core = self._manager._core
+        core = self._manager
         out = {}
-        for rid in core.request_ids():
-            n = core.num_cached_block(rid)
+        for rid in core.core_request_ids():
+            n = core.core_num_cached_block(rid)
             if n is not None:
                 out[rid] = n
         return out
 
     def take_new_block_ids(self) -> list[int]:
-        return self._manager._core.take_new_block_ids()
+        return self._manager.take_new_block_ids()
 
 
 class _CoordinatorView:
@@ -160,19 +161,19 @@ class _CoordinatorView:
         apply_admission_cap: bool = False,
         prefill_end: int = 0,
     ) -> int:
-        return self._manager._core.get_num_blocks_to_allocate(
+        return self._manager.core_num_blocks_to_allocate(
             request_id, num_tokens, new_computed_blocks[0]
         )
 
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
-        return (self._manager._core.get_blocks(request_id),)
+        return (self._manager.core_blocks(request_id),)
 
     def find_longest_cache_hit(
         self, block_hashes: list[bytes], max_cache_hit_length: int
     ) -> tuple[tuple[list[KVCacheBlock], ...], int, int]:
         if not self._manager.enable_caching:
             return ([],), 0, 0
-        blocks, hit = self._manager._core.find_longest_cache_hit(
+        blocks, hit = self._manager.core_find_longest_cache_hit(
             block_hashes, max_cache_hit_length
         )
         return (blocks,), hit, 0
@@ -181,7 +182,7 @@ class _CoordinatorView:
         self._manager.cache_blocks(request, num_computed_tokens)
 
     def free(self, request_id: str) -> None:
-        self._manager._core.free(request_id)
+        self._manager.core_free(request_id)
 
     def remove_skipped_blocks(
         self,
@@ -198,21 +199,41 @@ class _CoordinatorView:
         """Full attention keeps no per-step state."""
 
 
-class KVCacheManager:
+class KVCacheManager(KVCacheCore):
     """Drop-in for ``vllm.v1.core.kv_cache_manager.KVCacheManager`` (vLLM 0.33.0).
 
     Takes vLLM's constructor keywords unchanged. For configurations the core does
     not implement, construction returns vLLM's own manager (see the module docs).
+    The per-step methods (``allocate_slots``, ``get_computed_blocks``, ``free``,
+    ``get_blocks``, ``get_block_ids``, ``cache_blocks``, ``pop_blocks_for_free``,
+    ``estimate_cached_tokens``, ``usage``, ...) are inherited from the Rust
+    ``KVCacheCore`` with vLLM's signatures; this class adds the cold parts.
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         bound = _SIGNATURE.bind(None, *args, **kwargs)
         bound.apply_defaults()
-        reason = _unsupported_reason(bound.arguments)
+        params = bound.arguments
+        reason = _unsupported_reason(params)
         if reason is not None:
             logger.info("hscache: using vLLM's Python KVCacheManager: %s", reason)
             return VllmKVCacheManager(*args, **kwargs)
-        return super().__new__(cls)
+        config: KVCacheConfig = params["kv_cache_config"]
+        watermark = params["watermark"]
+        if watermark < 0.0:
+            raise InvalidArgumentError("watermark must be non-negative")
+        return super().__new__(
+            cls,
+            num_blocks=config.num_blocks,
+            block_size=config.kv_cache_groups[0].kv_cache_spec.block_size,
+            max_model_len=params["max_model_len"],
+            enable_caching=params["enable_caching"],
+            enable_kv_cache_events=params["enable_kv_cache_events"],
+            use_eagle=params["use_eagle"],
+            watermark_blocks=int(watermark * config.num_blocks),
+            num_reprefillable_tokens=max(0, params["num_prefill_lookahead"] - 1),
+            needs_kv_cache_zeroing=config.needs_kv_cache_zeroing,
+        )
 
     def __init__(
         self,
@@ -233,8 +254,6 @@ class KVCacheManager:
         watermark: float = 0.0,
         enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> None:
-        if watermark < 0.0:
-            raise InvalidArgumentError("watermark must be non-negative")
         group = kv_cache_config.kv_cache_groups[0]
         spec = group.kv_cache_spec
         self.max_model_len = max_model_len
@@ -257,22 +276,11 @@ class KVCacheManager:
         self.kv_cache_event_metadata = (
             (get_kv_cache_spec_kind(spec).value, get_kv_cache_spec_sliding_window(spec)),
         )
-        self.block_size = spec.block_size
         self._eagle_group_ids = {0} if (use_eagle or group.is_eagle_group) else set()
         self._num_reprefillable_tokens = max(0, num_prefill_lookahead - 1)
-        self._core = KVCacheCore(
-            num_blocks=kv_cache_config.num_blocks,
-            block_size=spec.block_size,
-            max_model_len=max_model_len,
-            enable_caching=enable_caching,
-            enable_kv_cache_events=enable_kv_cache_events,
-            use_eagle=use_eagle,
-            watermark_blocks=self.watermark_blocks,
-            num_reprefillable_tokens=self._num_reprefillable_tokens,
-            needs_kv_cache_zeroing=kv_cache_config.needs_kv_cache_zeroing,
-        )
+        self._core = self  # the Rust core is this object (kept for tools and tests)
         self.block_pool = BlockPool(
-            self._core,
+            self,
             enable_caching=enable_caching,
             hash_block_size=hash_block_size,
             enable_kv_cache_events=enable_kv_cache_events,
@@ -280,12 +288,16 @@ class KVCacheManager:
         )
         self.coordinator = _CoordinatorView(self, spec)
         self.empty_kv_cache_blocks = KVCacheBlocks(((),))
+        self._bind_vllm(
+            KVCacheBlocks,
+            self.empty_kv_cache_blocks,
+            RequestStatus.WAITING,
+            RequestStatus.PREEMPTED,
+            self.block_pool.drain_core_events if enable_kv_cache_events else None,
+            self._emit_cached_block_events if enable_kv_cache_events else None,
+        )
 
-    # -- usage and stats ----------------------------------------------------------
-
-    @property
-    def usage(self) -> float:
-        return self._core.usage
+    # -- stats ----------------------------------------------------------------------
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         if not self.log_stats:
@@ -307,30 +319,10 @@ class KVCacheManager:
             preempted=request.num_preemptions > 0,
         )
 
-    # -- lookup and allocation ----------------------------------------------------
+    # -- lookup results ---------------------------------------------------------------
 
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> KVCacheBlocks:
         return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
-
-    def get_computed_blocks(
-        self, request: Request, max_cache_hit_length: int | None = None
-    ) -> tuple[KVCacheBlocks, int, int]:
-        if not self.enable_caching or request.skip_reading_prefix_cache:
-            return self.empty_kv_cache_blocks, 0, 0
-        if max_cache_hit_length is None:
-            max_cache_hit_length = request.num_tokens - 1
-        blocks, num_hits = self._core.find_longest_cache_hit(
-            request.block_hashes, max_cache_hit_length
-        )
-        if (
-            num_hits > 0
-            and self.enable_kv_cache_events
-            and getattr(request, "kv_cache_report_mode", "incremental") == "full"
-        ):
-            self._emit_cached_block_events(request, len(blocks))
-        if not blocks:
-            return self.empty_kv_cache_blocks, num_hits, 0
-        return KVCacheBlocks((blocks,)), num_hits, 0
 
     def get_computed_blocks_for_connector(
         self, request: Request, max_cache_hit_length: int | None = None
@@ -338,8 +330,7 @@ class KVCacheManager:
         return (*self.get_computed_blocks(request, max_cache_hit_length), False)
 
     def _emit_cached_block_events(self, request: Request, num_blocks: int) -> None:
-        from hscache.vllm.events import block_stored
-
+        """BlockStored for reused hits (``kv_cache_report_mode == "full"``)."""
         self.block_pool.kv_event_queue.append(
             block_stored(
                 request,
@@ -351,50 +342,6 @@ class KVCacheManager:
                 self.block_pool.medium,
             )
         )
-
-    def allocate_slots(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        new_computed_blocks: KVCacheBlocks | None = None,
-        num_lookahead_tokens: int = 0,
-        num_external_computed_tokens: int = 0,
-        delay_cache_blocks: bool = False,
-        num_encoder_tokens: int = 0,
-        full_sequence_must_fit: bool = False,
-        reserved_blocks: int = 0,
-        has_scheduled_reqs: bool = True,
-        skip_zeroing_group_ids: tuple[int, ...] = (),
-    ) -> KVCacheBlocks | None:
-        """vLLM's ``allocate_slots``: the newly allocated blocks, or None if they do
-        not fit (hit blocks are then left untouched)."""
-        if new_computed_blocks is None or (
-            new_computed_blocks.blocks is self.empty_kv_cache_blocks.blocks
-        ):
-            hits = None
-        else:
-            hits = new_computed_blocks.blocks[0]
-        new_blocks = self._core.allocate_slots(
-            request,
-            num_new_tokens,
-            num_new_computed_tokens,
-            hits,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            delay_cache_blocks,
-            full_sequence_must_fit,
-            reserved_blocks,
-            self.watermark_blocks > 0
-            and has_scheduled_reqs
-            and request.status in _WATERMARK_STATUSES,
-            0 in skip_zeroing_group_ids,
-        )
-        if self.enable_kv_cache_events:
-            self.block_pool.drain_core_events(request)
-        if new_blocks is None:
-            return None
-        return KVCacheBlocks((new_blocks,)) if new_blocks else self.empty_kv_cache_blocks
 
     def truncate_computed_blocks(
         self, blocks: KVCacheBlocks, num_computed_tokens: int
@@ -411,18 +358,7 @@ class KVCacheManager:
             )
         return self.create_kv_cache_blocks((list(group[:num_blocks]),))
 
-    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        if self.enable_caching:
-            self._core.cache_blocks(request, num_computed_tokens)
-            self.block_pool.drain_core_events(request)
-
-    # -- freeing and eviction -----------------------------------------------------
-
-    def free(self, request: Request) -> None:
-        self._core.free(request.request_id)
-
-    def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
-        return self._core.pop_blocks_for_free(request.request_id)
+    # -- freeing and eviction -----------------------------------------------------------
 
     def remove_skipped_blocks(
         self,
@@ -439,7 +375,7 @@ class KVCacheManager:
         if not self.block_pool.reset_prefix_cache():
             logger.warning(
                 "Failed to reset prefix cache because some blocks (%d) are not freed yet",
-                self._core.num_gpu_blocks - self._core.num_free_blocks - 1,
+                self.num_gpu_blocks - self.num_free_blocks - 1,
             )
             return False
         if self.log_stats:
@@ -456,35 +392,19 @@ class KVCacheManager:
                 event.kv_cache_spec_sliding_window = sliding_window
         return events
 
-    # -- block tables -------------------------------------------------------------
-
-    def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        blocks = self._core.get_blocks(request_id)
-        return KVCacheBlocks((blocks,)) if blocks else self.empty_kv_cache_blocks
-
-    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        return (self._core.get_block_ids(request_id),)
+    # -- block tables -------------------------------------------------------------------
 
     def get_block_ids_for_computed_tokens(
         self, request_id: str, num_computed_tokens: int
     ) -> tuple[list[int], ...]:
-        ids = self._core.get_block_ids(request_id)
+        (ids,) = self.get_block_ids(request_id)
         return (ids[: cdiv(num_computed_tokens, self.block_size)],)
-
-    def estimate_cached_tokens(self, request: Request) -> int:
-        return self._core.estimate_cached_tokens(request.request_id)
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Deprecated in vLLM (cascade attention is gone): always ``[0]``."""
         return [0]
 
-    # -- worker-side hand-offs ----------------------------------------------------
-
-    def take_new_block_ids(self) -> list[int]:
-        return self._core.take_new_block_ids()
-
-    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        self._core.record_blocks_for_zeroing(request_id, start_token)
+    # -- worker-side hand-offs ----------------------------------------------------------
 
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
         """No copy-on-write in full-attention-only models."""
@@ -497,6 +417,3 @@ class KVCacheManager:
     def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
         """Only Mamba "align" groups have partial tails."""
         return []
-
-    def new_step_starts(self) -> None:
-        """Full attention keeps no per-step state."""
