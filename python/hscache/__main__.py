@@ -1,0 +1,66 @@
+"""``python -m hscache``: the command line (sub-commands ``bench`` and ``info``).
+
+``bench`` runs the side-by-side benchmark of vLLM's KVCacheManager and hscache's (see
+:mod:`hscache.bench`); ``info`` prints the installed version and the build profile of the
+compiled core, tolerating a missing or older core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from importlib import metadata
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def info() -> int:
+    """Print the version, build profile and location of hscache (and vLLM's version)."""
+    from hscache.bench.runner import core_build_info
+
+    core = core_build_info()
+    version = core["version"] or _dist_version("hscache") or "unknown"
+    print(f"hscache {version}")
+    print(f"build profile: {core['build_profile'] or 'unknown'}")
+    if core["core_error"]:
+        print(f"hscache._core: not importable ({core['core_error']})")
+    else:
+        import hscache._core
+
+        print(f"hscache._core: {getattr(hscache._core, '__file__', '?')}")
+    print(f"python: {sys.version.split()[0]} ({sys.executable})")
+    print(f"vllm: {_dist_version('vllm') or 'not installed'}")
+    profile = core["build_profile"]
+    if profile is not None and "debug" in profile.lower():
+        print("WARNING: this is a DEBUG build; do not benchmark it.")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from hscache.bench.runner import add_arguments, run
+
+    parser = argparse.ArgumentParser(prog="python -m hscache", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark vLLM's KVCacheManager against hscache's, side by side",
+        description="Drive vLLM's and hscache's KVCacheManager with the same seeded scheduler "
+        "trace in one process, time only the manager calls, check that every decision "
+        "matches, and report per-step medians, p90s and ratios.",
+    )
+    add_arguments(bench)
+    sub.add_parser("info", help="print the version and build profile")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        return info()
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,361 @@
+"""Reporting for ``python -m hscache bench``: statistics, text tables, JSON and the plot.
+
+Owns the reduction of a :class:`~hscache.bench.driver.RunResult` to medians, p90s and ratios
+(per-step KV bookkeeping time and per-operation cost per call, vLLM / hscache), their
+plain-text rendering, the machine-readable JSON document and the optional bar chart (matplotlib
+is imported only when a plot is asked for).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hscache.bench.driver import RunResult
+
+__all__ = [
+    "OpSummary",
+    "ScenarioSummary",
+    "format_scenario",
+    "format_summary",
+    "percentile",
+    "summarize",
+    "to_json",
+    "write_json",
+    "write_plot",
+]
+
+
+def percentile(values: Sequence[int | float], q: float) -> float:
+    """The ``q``-th percentile (0-100) with linear interpolation; NaN for no values."""
+    if not values:
+        return math.nan
+    data = sorted(values)
+    pos = (len(data) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return float(data[lo] + (data[hi] - data[lo]) * (pos - lo))
+
+
+def _median(values: Sequence[int | float]) -> float:
+    return float(statistics.median(values)) if values else math.nan
+
+
+def _ratio(a: float, b: float) -> float:
+    if math.isnan(a) or math.isnan(b) or b <= 0:
+        return math.nan
+    return a / b
+
+
+@dataclass
+class OpSummary:
+    """One operation's cost in one scenario (times in ns per call, over measured steps)."""
+
+    name: str
+    calls_per_step: float
+    vllm_median_ns: float
+    hscache_median_ns: float
+    vllm_mean_ns: float
+    hscache_mean_ns: float
+    vllm_share: float
+    """Fraction of vLLM's measured bookkeeping time spent in this operation."""
+    hscache_share: float
+    ratio: float
+    """vLLM / hscache, medians per call."""
+
+
+@dataclass
+class ScenarioSummary:
+    """One scenario's headline numbers (per-step times in µs)."""
+
+    name: str
+    description: str
+    measured_steps: int
+    vllm_class: str
+    hscache_class: str
+    vllm_median_us: float
+    vllm_p90_us: float
+    hscache_median_us: float
+    hscache_p90_us: float
+    ratio: float
+    """vLLM / hscache, per-step medians."""
+    ratio_total: float
+    """vLLM / hscache, total measured time."""
+    wall_s: float
+    timer_overhead_ns: int
+    workload: dict[str, float] = field(default_factory=dict)
+    ops: list[OpSummary] = field(default_factory=list)
+    repeat_ratios: list[float] = field(default_factory=list)
+    """With --repeat: each repeat's own median ratio (the headline ratio pools all steps)."""
+
+
+def step_ratio(run: RunResult) -> float:
+    """vLLM / hscache of one run's per-step medians."""
+    return _ratio(_median(run.reference.step_ns), _median(run.candidate.step_ns))
+
+
+def summarize(run: RunResult, repeats: Sequence[RunResult] = ()) -> ScenarioSummary:
+    """Reduce one scenario run (``repeats`` pooled into it, if any) to medians, p90s, ratios
+    and per-operation costs."""
+    ref, cand = run.reference, run.candidate
+    steps = len(ref.step_ns)
+    ref_total = sum(ref.step_ns)
+    cand_total = sum(cand.step_ns)
+    names = list(ref.op_ns)
+    names += [n for n in cand.op_ns if n not in ref.op_ns]
+    ops: list[OpSummary] = []
+    for name in names:
+        r = ref.op_ns.get(name, [])
+        c = cand.op_ns.get(name, [])
+        r_med, c_med = _median(r), _median(c)
+        ops.append(
+            OpSummary(
+                name=name,
+                calls_per_step=len(r) / steps if steps else math.nan,
+                vllm_median_ns=r_med,
+                hscache_median_ns=c_med,
+                vllm_mean_ns=sum(r) / len(r) if r else math.nan,
+                hscache_mean_ns=sum(c) / len(c) if c else math.nan,
+                vllm_share=sum(r) / ref_total if ref_total else math.nan,
+                hscache_share=sum(c) / cand_total if cand_total else math.nan,
+                ratio=_ratio(r_med, c_med),
+            )
+        )
+    ops.sort(key=lambda o: -(o.vllm_share if not math.isnan(o.vllm_share) else 0.0))
+    ref_med, cand_med = _median(ref.step_ns), _median(cand.step_ns)
+    return ScenarioSummary(
+        name=run.scenario.name,
+        description=run.scenario.description,
+        measured_steps=steps,
+        vllm_class=ref.class_name,
+        hscache_class=cand.class_name,
+        vllm_median_us=ref_med / 1e3,
+        vllm_p90_us=percentile(ref.step_ns, 90) / 1e3,
+        hscache_median_us=cand_med / 1e3,
+        hscache_p90_us=percentile(cand.step_ns, 90) / 1e3,
+        ratio=_ratio(ref_med, cand_med),
+        ratio_total=_ratio(ref_total, cand_total),
+        wall_s=run.wall_s,
+        timer_overhead_ns=run.timer_overhead_ns,
+        workload=run.measured_counters.as_dict(),
+        ops=ops,
+        repeat_ratios=[step_ratio(r) for r in repeats] if len(repeats) > 1 else [],
+    )
+
+
+def _fmt(value: float, digits: int = 1) -> str:
+    return "-" if math.isnan(value) else f"{value:,.{digits}f}"
+
+
+def _fmt_ratio(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:,.2f}x"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
+    widths = [len(h) for h in header]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [
+            cell.ljust(w) if i < left else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return "  ".join(parts).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(header), rule, *(line(r) for r in rows)])
+
+
+def format_scenario(s: ScenarioSummary) -> str:
+    """The per-scenario block: workload, per-step times, per-operation costs."""
+    w = s.workload
+    steps = max(1.0, w.get("steps", 1.0))
+    lines = [
+        f"== {s.name}: {s.description}",
+        (
+            f"   workload over {s.measured_steps} measured steps: "
+            f"{_fmt(w.get('mean_running', math.nan))} running on average, "
+            f"{_fmt(w.get('prefill_tokens', 0) / steps, 0)} prefill + "
+            f"{_fmt(w.get('decode_tokens', 0) / steps, 0)} decode tokens/step, "
+            f"{int(w.get('admissions', 0))} admissions "
+            f"({int(w.get('resumed', 0))} resumed), "
+            f"{int(w.get('admission_failures', 0))} failed admissions, "
+            f"{int(w.get('preemptions', 0))} preemptions, {int(w.get('finishes', 0))} finishes, "
+            f"prefix hit rate {_fmt(100 * w.get('hit_rate', 0.0))}%"
+        ),
+        "",
+        _table(
+            ["per-step KV bookkeeping", "median us", "p90 us"],
+            [
+                [f"vLLM     ({s.vllm_class})", _fmt(s.vllm_median_us), _fmt(s.vllm_p90_us)],
+                [
+                    f"hscache  ({s.hscache_class})",
+                    _fmt(s.hscache_median_us),
+                    _fmt(s.hscache_p90_us),
+                ],
+                ["ratio vLLM/hscache", _fmt_ratio(s.ratio), ""],
+            ],
+        ),
+        *(
+            ["   per-repeat ratios: " + ", ".join(_fmt_ratio(r) for r in s.repeat_ratios)]
+            if s.repeat_ratios
+            else []
+        ),
+        "",
+        _table(
+            [
+                "operation (ns per call)",
+                "calls/step",
+                "vLLM med",
+                "hscache med",
+                "ratio",
+                "vLLM share",
+                "hscache share",
+            ],
+            [
+                [
+                    o.name,
+                    _fmt(o.calls_per_step, 2),
+                    _fmt(o.vllm_median_ns, 0),
+                    _fmt(o.hscache_median_ns, 0),
+                    _fmt_ratio(o.ratio),
+                    f"{_fmt(100 * o.vllm_share)}%",
+                    f"{_fmt(100 * o.hscache_share)}%",
+                ]
+                for o in s.ops
+            ],
+        ),
+    ]
+    return "\n".join(lines)
+
+
+def geometric_mean(values: Sequence[float]) -> float:
+    good = [v for v in values if not math.isnan(v) and v > 0]
+    if not good:
+        return math.nan
+    return math.exp(sum(math.log(v) for v in good) / len(good))
+
+
+def format_summary(summaries: Sequence[ScenarioSummary]) -> str:
+    """The final table: one row per scenario plus the geometric mean of the ratios."""
+    rows = [
+        [
+            s.name,
+            str(s.measured_steps),
+            _fmt(s.vllm_median_us),
+            _fmt(s.vllm_p90_us),
+            _fmt(s.hscache_median_us),
+            _fmt(s.hscache_p90_us),
+            _fmt_ratio(s.ratio),
+            _fmt_ratio(s.ratio_total),
+        ]
+        for s in summaries
+    ]
+    repeated = any(s.repeat_ratios for s in summaries)
+    if repeated:
+        for row, s in zip(rows, summaries, strict=True):
+            good = [r for r in s.repeat_ratios if not math.isnan(r)]
+            row.append(f"{min(good):.2f}-{max(good):.2f}x ({len(good)})" if good else "-")
+    if len(summaries) > 1:
+        rows.append(
+            [
+                "geometric mean",
+                "",
+                "",
+                "",
+                "",
+                "",
+                _fmt_ratio(geometric_mean([s.ratio for s in summaries])),
+                _fmt_ratio(geometric_mean([s.ratio_total for s in summaries])),
+                *([""] if repeated else []),
+            ]
+        )
+    header = [
+        "scenario",
+        "steps",
+        "vLLM med us",
+        "vLLM p90 us",
+        "hscache med us",
+        "hscache p90 us",
+        "ratio (med)",
+        "ratio (total)",
+        *(["ratio range over repeats"] if repeated else []),
+    ]
+    return "Summary: KV bookkeeping time per scheduler step\n" + _table(header, rows)
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN: turn NaN floats into null, recursively."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+def to_json(
+    summaries: Sequence[ScenarioSummary],
+    runs: Sequence[RunResult],
+    meta: dict[str, Any],
+    include_raw: bool = True,
+) -> dict[str, Any]:
+    """The machine-readable document written by ``--json``."""
+    scenarios = []
+    for summary, run in zip(summaries, runs, strict=True):
+        entry = asdict(summary)
+        entry["config"] = asdict(run.scenario)
+        if include_raw:
+            entry["raw_step_ns"] = {
+                "vllm": run.reference.step_ns,
+                "hscache": run.candidate.step_ns,
+            }
+        scenarios.append(entry)
+    doc = {
+        "meta": meta,
+        "scenarios": scenarios,
+        "geomean_ratio": geometric_mean([s.ratio for s in summaries]),
+    }
+    return dict(_clean(doc))
+
+
+def write_json(path: str | Path, doc: dict[str, Any]) -> None:
+    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def write_plot(path: str | Path, summaries: Sequence[ScenarioSummary]) -> bool:
+    """Bar chart of the per-scenario ratios; False (and nothing written) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = [s.name for s in summaries]
+    ratios = [0.0 if math.isnan(s.ratio) else s.ratio for s in summaries]
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.3 * len(names) + 1.5), 3.6))
+    bars = ax.bar(names, ratios, color="#3b7dd8")
+    ax.axhline(1.0, color="#888888", linewidth=0.8, linestyle="--")
+    ax.set_ylabel("vLLM / hscache (median step time)")
+    ax.set_title("KV bookkeeping speed-up per scheduler step")
+    for bar, ratio in zip(bars, ratios, strict=True):
+        ax.annotate(
+            f"{ratio:.1f}x",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -1,0 +1,337 @@
+"""Command-line front end of ``python -m hscache bench``: options, progress, output.
+
+Owns the ``bench`` sub-command's arguments (:func:`add_arguments`), the selection of scenarios,
+the build-profile banner (with a loud warning for debug builds of ``hscache._core``), the
+progress bar (tqdm when importable, else a plain stderr line) and :func:`run`, which runs the
+scenarios through :mod:`hscache.bench.driver` and prints/writes the :mod:`~hscache.bench.report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any, TextIO
+
+from hscache.bench.scenarios import DEFAULT_SCENARIOS, QUICK_SCENARIOS, Scenario, all_scenarios
+
+__all__ = ["add_arguments", "core_build_info", "run", "select_scenarios"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``bench`` sub-command's options."""
+    from hscache.bench.driver import CANDIDATE_SPEC, REFERENCE_SPEC
+
+    parser.add_argument(
+        "--quick", action="store_true", help="small scenarios, about 20 s (smoke run)"
+    )
+    parser.add_argument(
+        "--scenario",
+        action="append",
+        metavar="NAME",
+        help="run only this scenario (repeatable, or comma separated); see --list",
+    )
+    parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    parser.add_argument("--steps", type=int, metavar="N", help="measured steps per scenario")
+    parser.add_argument(
+        "--warmup", type=int, metavar="N", help="warm-up steps per scenario (not measured)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="K",
+        help="run each scenario K times (fresh managers, same trace) and pool the samples",
+    )
+    parser.add_argument("--json", metavar="FILE", help="write machine-readable results here")
+    parser.add_argument(
+        "--plot", metavar="FILE.png", help="bar chart of the ratios (needs matplotlib)"
+    )
+    parser.add_argument(
+        "--candidate",
+        default=CANDIDATE_SPEC,
+        metavar="MODULE:CLASS",
+        help=f"manager under test (default {CANDIDATE_SPEC})",
+    )
+    parser.add_argument(
+        "--reference",
+        default=REFERENCE_SPEC,
+        metavar="MODULE:CLASS",
+        help=f"baseline manager (default {REFERENCE_SPEC})",
+    )
+    parser.add_argument(
+        "--no-check",
+        action="store_true",
+        help="do not compare the two managers' decisions after each step",
+    )
+    parser.add_argument(
+        "--no-events",
+        action="store_true",
+        help="construct the managers without KV cache events (diagnostic; default: events on)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def select_scenarios(args: argparse.Namespace) -> list[Scenario]:
+    """The scenarios the options ask for, with --steps / --warmup applied."""
+    if args.scenario:
+        from hscache.bench.scenarios import find_scenario
+
+        names = [n.strip() for item in args.scenario for n in item.split(",") if n.strip()]
+        chosen = [find_scenario(n) for n in names]
+    elif args.quick:
+        chosen = list(QUICK_SCENARIOS)
+    else:
+        chosen = list(DEFAULT_SCENARIOS)
+    if args.steps is not None or args.warmup is not None:
+        chosen = [s.with_steps(args.steps, args.warmup) for s in chosen]
+    if args.no_events:
+        chosen = [replace(s, kv_events=False) for s in chosen]
+    if args.repeat < 1:
+        raise SystemExit("--repeat must be at least 1")
+    for s in chosen:
+        if s.steps <= 0:
+            raise SystemExit(f"scenario {s.name}: --steps must be positive")
+        if s.warmup_steps < 0:
+            raise SystemExit(f"scenario {s.name}: --warmup must not be negative")
+    return chosen
+
+
+def core_build_info() -> dict[str, str | None]:
+    """``hscache._core``'s version and build profile, each None when unavailable."""
+    info: dict[str, str | None] = {"version": None, "build_profile": None, "core_error": None}
+    try:
+        import hscache._core as core
+    except ImportError as exc:
+        info["core_error"] = str(exc)
+        return info
+    for key, attr in (("version", "__version__"), ("build_profile", "build_profile")):
+        value: Any = getattr(core, attr, None)
+        if callable(value):
+            value = value()
+        info[key] = None if value is None else str(value)
+    return info
+
+
+def _is_debug(profile: str | None) -> bool:
+    return profile is not None and "debug" in profile.lower()
+
+
+def _banner(
+    out: TextIO, args: argparse.Namespace, scenarios: Sequence[Scenario], info: dict[str, Any]
+) -> None:
+    print("hscache bench: vLLM KVCacheManager vs candidate, same process, same trace", file=out)
+    print(f"  reference : {args.reference}", file=out)
+    print(f"  candidate : {args.candidate}", file=out)
+    print(
+        f"  hscache._core: version {info['version'] or '?'}, "
+        f"build profile {info['build_profile'] or 'unknown'}"
+        + (f" (not importable: {info['core_error']})" if info["core_error"] else ""),
+        file=out,
+    )
+    print(
+        f"  python {platform.python_version()}, {os.cpu_count()} CPUs, seed {args.seed}, "
+        f"decision check {'off' if args.no_check else 'on'}, "
+        f"KV events {'off' if args.no_events else 'on'}",
+        file=out,
+    )
+    print(f"  scenarios : {', '.join(s.name for s in scenarios)}", file=out)
+    if _is_debug(info["build_profile"]):
+        bar = "!" * 78
+        print(
+            f"\n{bar}\n!! WARNING: hscache._core is a DEBUG build "
+            f"({info['build_profile']}); its timings are meaningless.\n"
+            f"!! Rebuild with `maturin develop --release` before trusting the ratios.\n{bar}\n",
+            file=out,
+        )
+    if args.candidate == args.reference:
+        print("  note: candidate == reference (harness check): expect ratios of about 1", file=out)
+    out.flush()
+
+
+class _Progress:
+    """tqdm when importable and enabled, else a throttled one-line stderr counter."""
+
+    def __init__(self, total: int, desc: str, enabled: bool) -> None:
+        self.total = total
+        self.desc = desc
+        self.enabled = enabled
+        self._bar: Any = None
+        self._last = 0.0
+        if not enabled:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return
+        self._bar = tqdm(total=total, desc=desc, unit="step", leave=False, file=sys.stderr)
+
+    def update(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(done - self._bar.n)
+            return
+        now = time.monotonic()
+        if now - self._last >= 0.5 or done == total:
+            self._last = now
+            sys.stderr.write(f"\r  {self.desc}: step {done}/{total}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        elif self.enabled:
+            sys.stderr.write("\r" + " " * (len(self.desc) + 30) + "\r")
+            sys.stderr.flush()
+
+
+def _load_managers(args: argparse.Namespace) -> tuple[type, type]:
+    from hscache.bench.driver import load_class
+
+    try:
+        reference = load_class(args.reference)
+    except (ImportError, AttributeError, TypeError, ValueError) as exc:
+        raise SystemExit(f"cannot load the reference manager {args.reference!r}: {exc}") from exc
+    try:
+        candidate = load_class(args.candidate)
+    except (ImportError, AttributeError, TypeError, ValueError) as exc:
+        raise SystemExit(
+            f"cannot load the candidate manager {args.candidate!r}: {exc}\n"
+            f"(to check the harness alone: --candidate {args.reference})"
+        ) from exc
+    return reference, candidate
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Run the ``bench`` sub-command; returns the process exit status."""
+    stream = sys.stdout if out is None else out
+    if args.list:
+        for s in all_scenarios():
+            kind = "quick" if s in QUICK_SCENARIOS else "default" if s in DEFAULT_SCENARIOS else ""
+            print(
+                f"{s.name:22s} {kind:8s} {s.warmup_steps:4d}+{s.steps:<5d} {s.description}",
+                file=stream,
+            )
+        return 0
+
+    scenarios = select_scenarios(args)
+    info = core_build_info()
+    _banner(stream, args, scenarios, info)
+
+    from hscache.bench.driver import (
+        DivergenceError,
+        RunResult,
+        calibrate_timer,
+        merge_runs,
+        run_scenario,
+    )
+    from hscache.bench.report import (
+        ScenarioSummary,
+        format_scenario,
+        format_summary,
+        summarize,
+        to_json,
+        write_json,
+        write_plot,
+    )
+
+    t0 = time.perf_counter()
+    reference, candidate = _load_managers(args)
+    print(f"  (managers imported in {time.perf_counter() - t0:.1f} s)", file=stream)
+    overhead = calibrate_timer()
+    print(
+        f"  timer overhead {overhead} ns per call, subtracted from every timed call\n", file=stream
+    )
+    stream.flush()
+
+    show = not args.no_progress
+    runs: list[RunResult] = []
+    summaries: list[ScenarioSummary] = []
+    fallbacks: list[str] = []
+    t_all = time.perf_counter()
+    for sc in scenarios:
+        repeats: list[RunResult] = []
+        for k in range(args.repeat):
+            desc = sc.name if args.repeat == 1 else f"{sc.name} [{k + 1}/{args.repeat}]"
+            bar = _Progress(sc.total_steps, desc, show)
+            try:
+                repeats.append(
+                    run_scenario(
+                        sc,
+                        reference,
+                        candidate,
+                        seed=args.seed,
+                        check=not args.no_check,
+                        progress=bar.update,
+                        timer_overhead_ns=overhead,
+                    )
+                )
+            except DivergenceError as exc:
+                bar.close()
+                print(f"\nDIVERGENCE in scenario {sc.name} (seed {args.seed}):\n{exc}", file=stream)
+                print("The candidate made a different decision from vLLM; aborting.", file=stream)
+                return 3
+            finally:
+                bar.close()
+        result = merge_runs(repeats)
+        if result.candidate.class_name == result.reference.class_name and (
+            args.candidate != args.reference
+        ):
+            fallbacks.append(sc.name)
+            print(
+                f"WARNING: in {sc.name} the candidate constructed {result.candidate.class_name} "
+                "(a fallback to the reference manager); its ratio measures nothing.",
+                file=stream,
+            )
+        summary = summarize(result, repeats)
+        runs.append(result)
+        summaries.append(summary)
+        print(format_scenario(summary), file=stream)
+        print(f"   ({result.wall_s:.1f} s wall for both managers)\n", file=stream)
+        stream.flush()
+
+    print(format_summary(summaries), file=stream)
+    print(
+        f"\n{len(scenarios)} scenarios in {time.perf_counter() - t_all:.1f} s; decisions "
+        + ("identical at every step." if not args.no_check else "not checked (--no-check)."),
+        file=stream,
+    )
+    if _is_debug(info["build_profile"]):
+        print(
+            "WARNING: hscache._core is a DEBUG build; these numbers are not meaningful.",
+            file=stream,
+        )
+
+    if args.json:
+        meta = {
+            "reference": args.reference,
+            "candidate": args.candidate,
+            "seed": args.seed,
+            "checked": not args.no_check,
+            "hscache_version": info["version"],
+            "build_profile": info["build_profile"],
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+            "timer_overhead_ns": overhead,
+            "quick": bool(args.quick),
+            "kv_events": not args.no_events,
+            "repeat": args.repeat,
+            "candidate_fallback_scenarios": fallbacks,
+        }
+        doc = to_json(summaries, runs, meta)
+        write_json(args.json, doc)
+        print(f"results written to {args.json}", file=stream)
+    if args.plot:
+        if write_plot(args.plot, summaries):
+            print(f"plot written to {args.plot}", file=stream)
+        else:
+            print("--plot: matplotlib is not installed; no plot written", file=stream)
+    return 0

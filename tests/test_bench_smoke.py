@@ -1,0 +1,119 @@
+"""Smoke tests of ``python -m hscache bench``: the step driver on a tiny scenario.
+
+Owns the checks that the benchmark harness runs vLLM's manager against itself and against
+hscache's with identical decisions at every step, that its decision check catches a manager
+that decides differently, and that the command line writes its JSON. No timing assertions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+pytest.importorskip("vllm")
+
+from hscache.bench.driver import (
+    REFERENCE_SPEC,
+    DivergenceError,
+    RunResult,
+    load_class,
+    run_scenario,
+)
+from hscache.bench.scenarios import TINY_SCENARIO, make_trace
+
+pytestmark = pytest.mark.vllm
+
+
+def _reference() -> type:
+    return load_class(REFERENCE_SPEC)
+
+
+def _check_result(result: RunResult) -> None:
+    c = result.counters
+    assert c.steps == TINY_SCENARIO.total_steps
+    assert c.admissions > 0 and c.finishes > 0
+    assert c.hit_tokens > 0, "the tiny trace must produce prefix hits"
+    assert c.preemptions > 0, "the tiny pool must force preemptions"
+    assert c.resumed > 0
+    assert len(result.reference.step_ns) == TINY_SCENARIO.steps
+    assert len(result.candidate.step_ns) == TINY_SCENARIO.steps
+    assert "allocate_slots(running)" in result.reference.op_ns
+    assert set(result.reference.op_ns) == set(result.candidate.op_ns)
+
+
+def test_trace_is_deterministic() -> None:
+    a = make_trace(TINY_SCENARIO, seed=7, num_requests=20)
+    b = make_trace(TINY_SCENARIO, seed=7, num_requests=20)
+    c = make_trace(TINY_SCENARIO, seed=8, num_requests=20)
+    assert a == b
+    assert a != c
+
+
+def test_harness_vllm_against_itself() -> None:
+    ref = _reference()
+    result = run_scenario(TINY_SCENARIO, ref, ref, seed=0, check=True)
+    _check_result(result)
+
+
+def test_vllm_against_hscache() -> None:
+    try:
+        candidate = load_class("hscache.vllm:KVCacheManager")
+    except ImportError as exc:
+        pytest.skip(f"hscache.vllm is not importable: {exc}")
+    for seed in (0, 1):
+        result = run_scenario(TINY_SCENARIO, _reference(), candidate, seed=seed, check=True)
+        _check_result(result)
+
+
+def test_divergence_is_caught() -> None:
+    ref = _reference()
+
+    class NoPrefixHits(ref):  # type: ignore[valid-type, misc]
+        """A manager that never reports a prefix hit: a wrong decision the check must catch."""
+
+        def get_computed_blocks(self, request: Any, max_cache_hit_length: Any = None) -> Any:
+            return self.empty_kv_cache_blocks, 0, 0
+
+    with pytest.raises(DivergenceError, match="divergence at step"):
+        run_scenario(TINY_SCENARIO, ref, NoPrefixHits, seed=0, check=True)
+
+
+def test_cli_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hscache.__main__ import main
+
+    out = tmp_path / "bench.json"
+    status = main(
+        [
+            "bench",
+            "--scenario",
+            "tiny",
+            "--steps",
+            "10",
+            "--warmup",
+            "3",
+            "--candidate",
+            REFERENCE_SPEC,
+            "--repeat",
+            "2",
+            "--no-progress",
+            "--json",
+            str(out),
+        ]
+    )
+    assert status == 0
+    text = capsys.readouterr().out
+    assert "Summary" in text and "tiny" in text
+    doc = json.loads(out.read_text())
+    (entry,) = doc["scenarios"]
+    assert entry["name"] == "tiny"
+    assert entry["measured_steps"] == 20  # two repeats of 10 measured steps, pooled
+    assert len(entry["raw_step_ns"]["vllm"]) == 20
+    assert len(entry["repeat_ratios"]) == 2
+    assert entry["ratio"] is None or entry["ratio"] > 0
