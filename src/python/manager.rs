@@ -18,6 +18,7 @@ use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 use pyo3::{intern, PyTraverseError};
 
 use super::block::PyKVCacheBlock;
+use super::blocks::PyKVCacheBlocks;
 use super::errors::{count, InvalidArgumentError};
 use super::hashes::{hash_from_bytes, PyListHashes};
 use crate::events::KVCacheEvent;
@@ -35,14 +36,10 @@ pub struct PyKVCacheCore {
     vllm: Option<VllmBindings>,
 }
 
-/// vLLM classes and singletons the drop-in methods need.
+/// vLLM objects and the empty-result singleton the drop-in methods need.
 struct VllmBindings {
-    /// `vllm.v1.core.kv_cache_manager.KVCacheBlocks`.
-    kv_cache_blocks_cls: Py<PyAny>,
     /// The manager's `empty_kv_cache_blocks` (identity matters to the Scheduler).
-    empty_kv_cache_blocks: Py<PyAny>,
-    /// `empty_kv_cache_blocks.blocks`, compared by identity.
-    empty_blocks: Py<PyAny>,
+    empty_kv_cache_blocks: Py<PyKVCacheBlocks>,
     /// `RequestStatus.WAITING` and `RequestStatus.PREEMPTED` (the watermark applies).
     watermark_statuses: [Py<PyAny>; 2],
     /// Called with `(request,)` after a call that recorded events (events on only).
@@ -158,20 +155,55 @@ impl PyKVCacheCore {
         })
     }
 
-    /// `KVCacheBlocks((blocks,))`, or the empty singleton when `ids` is empty.
+    /// `KVCacheBlocks` of `ids`, or the empty singleton when `ids` is empty.
     fn kv_cache_blocks<'py>(
         slf: &Bound<'py, Self>,
-        this: &mut Self,
+        this: &Self,
         ids: &[BlockId],
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
         let vllm = this.bindings()?;
         if ids.is_empty() {
-            return Ok(vllm.empty_kv_cache_blocks.bind(py).clone());
+            return Ok(vllm.empty_kv_cache_blocks.bind(py).clone().into_any());
         }
-        let cls = vllm.kv_cache_blocks_cls.clone_ref(py);
-        let list = Self::handles_list(slf, this, ids)?;
-        cls.bind(py).call1((PyTuple::new(py, [list])?,))
+        Ok(Bound::new(py, PyKVCacheBlocks::new(slf.clone().unbind(), ids.to_vec()))?.into_any())
+    }
+
+    /// Block handles of `ids` as a list (for `KVCacheBlocks.blocks`).
+    pub(crate) fn handles_for<'py>(
+        slf: &Bound<'py, Self>,
+        ids: &[BlockId],
+    ) -> PyResult<Bound<'py, PyList>> {
+        let mut this = slf.try_borrow_mut()?;
+        Self::handles_list(slf, &mut this, ids)
+    }
+
+    /// The block ids of a lookup result handed back by the Scheduler: `None` for
+    /// the empty singleton (vLLM's identity check), else the ids (any
+    /// `KVCacheBlocks`-shaped object of this pool).
+    fn hit_ids(
+        slf: &Bound<'_, Self>,
+        blocks: &Bound<'_, PyAny>,
+        out: &mut Vec<BlockId>,
+    ) -> PyResult<bool> {
+        let py = slf.py();
+        if let Ok(ours) = blocks.cast::<PyKVCacheBlocks>() {
+            let this = slf.borrow();
+            if ours.is(this.bindings()?.empty_kv_cache_blocks.bind(py)) {
+                return Ok(false);
+            }
+            let ours = ours.get();
+            if !ours.core.bind(py).is(slf) {
+                return Err(InvalidArgumentError::new_err(
+                    "new_computed_blocks belong to another KV-cache pool",
+                ));
+            }
+            out.extend_from_slice(&ours.ids);
+            return Ok(true);
+        }
+        let groups = blocks.getattr(intern!(py, "blocks"))?;
+        Self::ids_of(slf, &groups.get_item(0)?, out)?;
+        Ok(true)
     }
 
     /// Calls the event sink when the core recorded events (events on only).
@@ -239,25 +271,21 @@ impl PyKVCacheCore {
         })
     }
 
-    /// Hands the core the vLLM objects its drop-in methods return and compare with.
-    #[pyo3(signature = (kv_cache_blocks_cls, empty_kv_cache_blocks, waiting, preempted,
-        event_sink=None, cached_block_event_sink=None))]
+    /// Hands the core the vLLM objects its drop-in methods compare with and call.
+    #[pyo3(signature = (waiting, preempted, event_sink=None, cached_block_event_sink=None))]
     fn _bind_vllm(
-        &mut self,
-        kv_cache_blocks_cls: Bound<'_, PyAny>,
-        empty_kv_cache_blocks: Bound<'_, PyAny>,
+        slf: &Bound<'_, Self>,
         waiting: Bound<'_, PyAny>,
         preempted: Bound<'_, PyAny>,
         event_sink: Option<Bound<'_, PyAny>>,
         cached_block_event_sink: Option<Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let empty_blocks = empty_kv_cache_blocks
-            .getattr(intern!(empty_kv_cache_blocks.py(), "blocks"))?
-            .unbind();
-        self.vllm = Some(VllmBindings {
-            kv_cache_blocks_cls: kv_cache_blocks_cls.unbind(),
-            empty_kv_cache_blocks: empty_kv_cache_blocks.unbind(),
-            empty_blocks,
+        let empty = Py::new(
+            slf.py(),
+            PyKVCacheBlocks::new(slf.clone().unbind(), Vec::new()),
+        )?;
+        slf.borrow_mut().vllm = Some(VllmBindings {
+            empty_kv_cache_blocks: empty,
             watermark_statuses: [waiting.unbind(), preempted.unbind()],
             event_sink: event_sink.map(Bound::unbind),
             cached_block_event_sink: cached_block_event_sink.map(Bound::unbind),
@@ -266,6 +294,12 @@ impl PyKVCacheCore {
     }
 
     // ---- vLLM's KVCacheManager interface (hot paths) -------------------------------
+
+    /// The empty `KVCacheBlocks` singleton (the Scheduler hands it back as "no hit").
+    #[getter]
+    fn empty_kv_cache_blocks(&self, py: Python<'_>) -> PyResult<Py<PyKVCacheBlocks>> {
+        Ok(self.bindings()?.empty_kv_cache_blocks.clone_ref(py))
+    }
 
     /// KV-cache usage in [0, 1], null block excluded.
     #[getter]
@@ -285,7 +319,7 @@ impl PyKVCacheCore {
             let this = slf.borrow();
             let vllm = this.bindings()?;
             (!this.core.config().enable_caching)
-                .then(|| vllm.empty_kv_cache_blocks.bind(py).clone())
+                .then(|| vllm.empty_kv_cache_blocks.bind(py).clone().into_any())
         };
         if let Some(empty) = empty {
             return Ok((empty, 0, 0));
@@ -296,7 +330,11 @@ impl PyKVCacheCore {
         {
             let this = slf.borrow();
             return Ok((
-                this.bindings()?.empty_kv_cache_blocks.bind(py).clone(),
+                this.bindings()?
+                    .empty_kv_cache_blocks
+                    .bind(py)
+                    .clone()
+                    .into_any(),
                 0,
                 0,
             ));
@@ -317,7 +355,7 @@ impl PyKVCacheCore {
             .core
             .find_longest_cache_hit(&hashes, max_len, &mut ids)
             .map_err(PyErr::from)
-            .and_then(|hit| Ok((Self::kv_cache_blocks(slf, &mut this, &ids)?, hit)));
+            .and_then(|hit| Ok((Self::kv_cache_blocks(slf, &this, &ids)?, hit)));
         let num_blocks = ids.len();
         this.scratch = ids;
         let (blocks, hit) = result?;
@@ -367,30 +405,17 @@ impl PyKVCacheCore {
         let _ = count("num_encoder_tokens", num_encoder_tokens)?;
         let fields = RequestFields::read(request)?;
         let hashes = PyListHashes::new(&fields.block_hashes)?;
-        let (watermark, empty_blocks, statuses) = {
-            let this = slf.borrow();
-            let vllm = this.bindings()?;
-            (
-                this.core.config().watermark_blocks > 0 && has_scheduled_reqs,
-                vllm.empty_blocks.clone_ref(py),
-                [
-                    vllm.watermark_statuses[0].clone_ref(py),
-                    vllm.watermark_statuses[1].clone_ref(py),
-                ],
-            )
-        };
+        let watermark = has_scheduled_reqs && slf.borrow().core.config().watermark_blocks > 0;
         let mut hits = Vec::new();
-        let mut adopt_hits = false;
-        if let Some(blocks) = new_computed_blocks {
-            let groups = blocks.getattr(intern!(py, "blocks"))?;
-            if !groups.is(&empty_blocks) {
-                adopt_hits = true;
-                Self::ids_of(slf, &groups.get_item(0)?, &mut hits)?;
-            }
-        }
+        let adopt_hits = match new_computed_blocks {
+            Some(blocks) => Self::hit_ids(slf, blocks, &mut hits)?,
+            None => false,
+        };
         let apply_watermark = watermark && {
             let status = request.getattr(intern!(py, "status"))?;
-            status.is(&statuses[0]) || status.is(&statuses[1])
+            let this = slf.borrow();
+            let statuses = &this.bindings()?.watermark_statuses;
+            status.is(statuses[0].bind(py)) || status.is(statuses[1].bind(py))
         };
         let skip_zeroing = match skip_zeroing_group_ids {
             Some(ids) => ids.contains(0)?,
@@ -422,7 +447,7 @@ impl PyKVCacheCore {
             let mut out = std::mem::take(&mut this.scratch);
             out.clear();
             let result = match this.core.allocate_slots(&view, &args, &mut out) {
-                Ok(true) => Self::kv_cache_blocks(slf, &mut this, &out).map(Some),
+                Ok(true) => Self::kv_cache_blocks(slf, &this, &out).map(Some),
                 Ok(false) => Ok(None),
                 Err(e) => Err(e.into()),
             };
@@ -482,7 +507,7 @@ impl PyKVCacheCore {
         let mut ids = std::mem::take(&mut this.scratch);
         ids.clear();
         ids.extend_from_slice(this.core.get_blocks(request_id));
-        let result = Self::kv_cache_blocks(slf, &mut this, &ids);
+        let result = Self::kv_cache_blocks(slf, &this, &ids);
         this.scratch = ids;
         result
     }
@@ -723,9 +748,7 @@ impl PyKVCacheCore {
             visit.call(h)?;
         }
         if let Some(v) = &self.vllm {
-            visit.call(&v.kv_cache_blocks_cls)?;
             visit.call(&v.empty_kv_cache_blocks)?;
-            visit.call(&v.empty_blocks)?;
             for s in &v.watermark_statuses {
                 visit.call(s)?;
             }

@@ -5,9 +5,12 @@
 //! these classes into vLLM's interface.
 
 mod block;
+mod blocks;
+mod encoder_cache;
 mod errors;
 mod hashes;
 mod manager;
+mod slots;
 
 use pyo3::prelude::*;
 
@@ -23,7 +26,15 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("build_profile", BUILD_PROFILE)?;
     m.add_class::<block::PyKVCacheBlock>()?;
+    m.add_class::<blocks::PyKVCacheBlocks>()?;
     m.add_class::<manager::PyKVCacheCore>()?;
+    m.add_class::<slots::PySlotMirror>()?;
+    m.add_class::<slots::PySlotReads>()?;
+    m.add_class::<encoder_cache::PyEncoderCacheCore>()?;
+    m.add_function(wrap_pyfunction!(
+        encoder_cache::py_compute_mm_encoder_budget,
+        m
+    )?)?;
     errors::register(m)?;
     Ok(())
 }

@@ -287,10 +287,9 @@ class KVCacheManager(KVCacheCore):
             num_hash_lookahead_tokens=num_hash_lookahead_tokens,
         )
         self.coordinator = _CoordinatorView(self, spec)
-        self.empty_kv_cache_blocks = KVCacheBlocks(((),))
+        # Also creates ``empty_kv_cache_blocks``, the no-hit singleton (a Rust
+        # ``KVCacheBlocks``, duck-typed like vLLM's dataclass).
         self._bind_vllm(
-            KVCacheBlocks,
-            self.empty_kv_cache_blocks,
             RequestStatus.WAITING,
             RequestStatus.PREEMPTED,
             self.block_pool.drain_core_events if enable_kv_cache_events else None,
