@@ -9,9 +9,7 @@ and every step's stats must be identical.
 
 from __future__ import annotations
 
-import json
 import random
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,88 +17,35 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import torch  # noqa: E402
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-)
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 import hscache.vllm  # noqa: E402
+from hscache.bench.scheduler_level import make_scheduler as _make_scheduler  # noqa: E402
+from hscache.bench.scheduler_level import model_dir as _model_dir  # noqa: E402
+from hscache.bench.scheduler_level import summarize as output_summary  # noqa: E402
 from tests.vllm_helpers import make_request  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent / "vllm_upstream"))
-from hscache_offline_models import CONFIGS  # noqa: E402
 
 BLOCK_SIZE = 16
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("opt-125m")
-    (d / "config.json").write_text(json.dumps(CONFIGS["facebook/opt-125m"]))
-    return d
+def model_dir() -> Path:
+    return _model_dir()
 
 
 def make_scheduler(
     cls: type, model_dir: Path, num_blocks: int, async_scheduling: bool = False
 ) -> Any:
-    model_config = ModelConfig(
-        model=str(model_dir), dtype="float16", seed=42, skip_tokenizer_init=True
-    )
-    scheduler_config = SchedulerConfig(
+    return _make_scheduler(
+        cls,
+        num_blocks,
+        block_size=BLOCK_SIZE,
         max_num_seqs=16,
         max_num_batched_tokens=256,
         max_model_len=2048,
-        enable_chunked_prefill=True,
-        is_encoder_decoder=False,
         async_scheduling=async_scheduling,
-    )
-    cache_config = CacheConfig(
-        block_size=BLOCK_SIZE,
-        gpu_memory_utilization=0.9,
-        cache_dtype="auto",
-        enable_prefix_caching=True,
-    )
-    vllm_config = VllmConfig(
-        scheduler_config=scheduler_config, model_config=model_config, cache_config=cache_config
-    )
-    spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
-    )
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
-    )
-    cache_config.num_gpu_blocks = num_blocks
-    return cls(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        block_size=BLOCK_SIZE,
-        log_stats=True,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-    )
-
-
-def output_summary(out: Any) -> tuple[Any, ...]:
-    new = sorted(
-        (r.req_id, r.block_ids, r.num_computed_tokens) for r in out.scheduled_new_reqs
-    )
-    cached = out.scheduled_cached_reqs
-    running = sorted(
-        zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True)
-    )
-    return (
-        new,
-        running,
-        sorted(out.num_scheduled_tokens.items()),
-        sorted(getattr(out, "preempted_req_ids", None) or ()),
-        sorted(out.finished_req_ids),
+        model_path=model_dir,
     )
 
 
@@ -112,7 +57,9 @@ def run_stream(cls: type, model_dir: Path, seed: int, num_blocks: int) -> list[A
     next_id = 0
     for step in range(60):
         for _ in range(rng.choice([0, 0, 1, 2])):
-            prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 90))]
+            prompt = rng.choice(prefixes) + [
+                rng.randrange(1000) for _ in range(rng.randrange(1, 90))
+            ]
             req = make_request(
                 f"r{next_id}", prompt, BLOCK_SIZE, max_tokens=rng.randrange(1, 30), ignore_eos=True
             )

@@ -42,6 +42,29 @@ def info() -> int:
     return 0
 
 
+def bench_scheduler_main(args: argparse.Namespace) -> int:
+    """Print the scheduler-level comparison (see :mod:`hscache.bench.scheduler_level`)."""
+    from hscache.bench.scheduler_level import bench_scheduler
+
+    res = bench_scheduler(
+        seed=args.seed,
+        steps=args.steps,
+        num_blocks=args.num_blocks,
+        prompt_len=args.prompt_len,
+        arrivals_per_step=args.arrivals,
+        repeat=args.repeat,
+    )
+    print(
+        f"schedule() + update_from_output() per step, median of {res['steps']} steps x "
+        f"{res['repeat']} runs:\n"
+        f"  vLLM Scheduler (stock manager)      {res['vllm_median_us']:10.1f} us\n"
+        f"  hscache.vllm.Scheduler              {res['hscache_median_us']:10.1f} us\n"
+        f"  step time reduction {res['reduction'] * 100:.1f}% ({res['speedup']:.2f}x); "
+        "decisions identical at every step"
+    )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from hscache.bench.runner import add_arguments, run
 
@@ -55,10 +78,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "matches, and report per-step medians, p90s and ratios.",
     )
     add_arguments(bench)
+    sched = sub.add_parser(
+        "bench-scheduler",
+        help="vLLM's real Scheduler stepping with stub model outputs: stock vs hscache",
+    )
+    sched.add_argument("--steps", type=int, default=400)
+    sched.add_argument("--repeat", type=int, default=3)
+    sched.add_argument("--seed", type=int, default=0)
+    sched.add_argument("--prompt-len", type=int, default=1024)
+    sched.add_argument("--arrivals", type=float, default=2.0, help="new requests per step")
+    sched.add_argument("--num-blocks", type=int, default=65536)
     sub.add_parser("info", help="print the version and build profile")
     args = parser.parse_args(argv)
     if args.command == "info":
         return info()
+    if args.command == "bench-scheduler":
+        return bench_scheduler_main(args)
     return run(args)
 
 
