@@ -7,17 +7,19 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager  # noqa: E402
+from hscache import exceptions
+from hscache.vllm import KVCacheManager
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 
-from hscache import exceptions  # noqa: E402
-from hscache.vllm import KVCacheManager  # noqa: E402
-from tests.vllm_helpers import hybrid_config, make_request, manager_kwargs  # noqa: E402
+from tests.vllm_helpers import hybrid_config, make_request, manager_kwargs
 
 
 def _state(m: KVCacheManager) -> tuple[list[int], float, dict[str, list[int]]]:
     queue = [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()]
-    tables = {rid: [b.block_id for b in blocks] for rid, blocks in
-              m.coordinator.single_type_managers[0].req_to_blocks.items()}
+    tables = {
+        rid: [b.block_id for b in blocks]
+        for rid, blocks in m.coordinator.single_type_managers[0].req_to_blocks.items()
+    }
     return queue, m.usage, tables
 
 
@@ -65,7 +67,10 @@ def test_vllm_prefill_expectations() -> None:
         (lambda m, r: m.allocate_slots(r, 0), ValueError),
         (lambda m, r: m.evict_blocks({10**6}), exceptions.BlockIdError),
         (lambda m, r: m.evict_blocks({-1}), exceptions.BlockIdError),
-        (lambda m, r: m.block_pool.free_blocks([m.block_pool.blocks[9]]), exceptions.DoubleFreeError),
+        (
+            lambda m, r: m.block_pool.free_blocks([m.block_pool.blocks[9]]),
+            exceptions.DoubleFreeError,
+        ),
         (lambda m, r: m.record_blocks_for_zeroing("a", -3), exceptions.InvalidArgumentError),
         (lambda m, r: m.block_pool.free_blocks([object()]), exceptions.InvalidArgumentError),
     ],

@@ -17,14 +17,14 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler  # noqa: E402
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+import hscache.vllm
+from hscache.bench.scheduler_level import make_scheduler as _make_scheduler
+from hscache.bench.scheduler_level import model_dir as _model_dir
+from hscache.bench.scheduler_level import summarize as output_summary
+from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+from vllm.v1.outputs import ModelRunnerOutput
 
-import hscache.vllm  # noqa: E402
-from hscache.bench.scheduler_level import make_scheduler as _make_scheduler  # noqa: E402
-from hscache.bench.scheduler_level import model_dir as _model_dir  # noqa: E402
-from hscache.bench.scheduler_level import summarize as output_summary  # noqa: E402
-from tests.vllm_helpers import make_request  # noqa: E402
+from tests.vllm_helpers import make_request
 
 BLOCK_SIZE = 16
 

@@ -102,7 +102,10 @@ class BlockPool:
         if self.enable_kv_cache_events and self._core.has_events:
             self.kv_event_queue.extend(
                 events.convert(
-                    self._core.core_take_events(), request, self.num_hash_lookahead_tokens, self.medium
+                    self._core.core_take_events(),
+                    request,
+                    self.num_hash_lookahead_tokens,
+                    self.medium,
                 )
             )
 

@@ -173,9 +173,7 @@ class _CoordinatorView:
     ) -> tuple[tuple[list[KVCacheBlock], ...], int, int]:
         if not self._manager.enable_caching:
             return ([],), 0, 0
-        blocks, hit = self._manager.core_find_longest_cache_hit(
-            block_hashes, max_cache_hit_length
-        )
+        blocks, hit = self._manager.core_find_longest_cache_hit(block_hashes, max_cache_hit_length)
         return (blocks,), hit, 0
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -265,9 +263,7 @@ class KVCacheManager(KVCacheCore):
         self.use_eagle = use_eagle
         self.log_stats = log_stats
         self.metrics_collector = metrics_collector
-        self.prefix_cache_stats: PrefixCacheStats | None = (
-            PrefixCacheStats() if log_stats else None
-        )
+        self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
         self.kv_cache_config = kv_cache_config
         self.num_kv_cache_groups = 1
         self.mamba_shared_prefix_checkpoint = False
