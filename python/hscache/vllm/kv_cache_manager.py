@@ -21,6 +21,9 @@ What is not implemented in the core (the constructor then returns vLLM's own
 - a non-zero ``prefix_cache_retention_interval``;
 - ``HSCACHE_DISABLE=1`` in the environment.
 
+``HSCACHE_PARITY=1`` returns a ``ParityKVCacheManager`` instead, which runs vLLM's
+manager beside this one and raises on the first divergence (``hscache.vllm.parity``).
+
 Adding a single-type manager: the Rust group manager goes in
 ``src/manager/<name>.rs`` beside ``full_attention.rs``, the facade in
 ``src/manager/mod.rs`` dispatches to it, ``_unsupported_reason`` below stops
@@ -54,6 +57,7 @@ from hscache._core import KVCacheBlock, KVCacheCore
 from hscache.exceptions import InvalidArgumentError
 from hscache.vllm.block_pool import BlockPool
 from hscache.vllm.events import block_stored
+from hscache.vllm.parity import ParityKVCacheManager, building_parity_side
 
 logger = init_logger(__name__)
 
@@ -61,9 +65,13 @@ _SIGNATURE = inspect.signature(VllmKVCacheManager.__init__)
 _WATERMARK_STATUSES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0").lower() not in ("", "0", "false", "no")
+
+
 def _unsupported_reason(args: dict[str, Any]) -> str | None:
     """Why the core cannot serve this configuration, or None if it can."""
-    if os.environ.get("HSCACHE_DISABLE", "0") not in ("", "0"):
+    if _env_flag("HSCACHE_DISABLE"):
         return "HSCACHE_DISABLE is set"
     config: KVCacheConfig = args["kv_cache_config"]
     groups = config.kv_cache_groups
@@ -216,6 +224,9 @@ class KVCacheManager(KVCacheCore):
         if reason is not None:
             logger.info("hscache: using vLLM's Python KVCacheManager: %s", reason)
             return VllmKVCacheManager(*args, **kwargs)
+        if _env_flag("HSCACHE_PARITY") and not building_parity_side.get():
+            logger.info("hscache: parity mode, vLLM's manager runs beside hscache's")
+            return ParityKVCacheManager(*args, **kwargs)
         config: KVCacheConfig = params["kv_cache_config"]
         watermark = params["watermark"]
         if watermark < 0.0:
