@@ -9,14 +9,14 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import vllm.plugins  # noqa: E402
-import vllm.v1.core.sched.scheduler as scheduler_module  # noqa: E402
+import hscache.vllm
+import vllm.plugins
+import vllm.v1.core.sched.scheduler as scheduler_module
+from hscache.bench.scheduler_level import model_dir
+from hscache.vllm.parity import ParityError, ParityKVCacheManager
 
-import hscache.vllm  # noqa: E402
-from hscache.bench.scheduler_level import model_dir  # noqa: E402
-from hscache.vllm.parity import ParityError, ParityKVCacheManager  # noqa: E402
-from tests.test_scheduler_hook import make_scheduler, run_stream  # noqa: E402
-from tests.vllm_helpers import make_request, manager_kwargs  # noqa: E402
+from tests.test_scheduler_hook import make_scheduler, run_stream
+from tests.vllm_helpers import make_request, manager_kwargs
 
 
 @pytest.mark.parametrize("seed", [0, 1])
