@@ -12,16 +12,23 @@
 //! - [`hash_index`]: `BlockHashToBlockMap`, hash key → cached block(s), duplicates kept.
 //! - [`pool`]: `BlockPool`, ref counts, lazy eviction, events.
 //! - [`events`]: KV-cache event records.
+//! - [`stats`]: opt-in per-operation latency counters (`hscache.stats()`).
 //! - [`testing`]: deterministic fixtures shared by tests and benches.
 //! - [`manager`]: the `KVCacheManager` facade and the full-attention group manager.
+//! - [`encoder_cache`]: `EncoderCacheManager`, the multimodal encoder-output cache budget.
+//! - [`slots`]: `SlotMirror`, the worker-side mirror of block assignments (epochs, slot
+//!   mappings, validated reads) behind the hidden-state cache.
 //! - `python` (feature `python`): the PyO3 bindings, conversion only.
 
+pub mod encoder_cache;
 pub mod error;
 pub mod events;
 pub mod free_queue;
 pub mod hash_index;
 pub mod manager;
 pub mod pool;
+pub mod slots;
+pub mod stats;
 pub mod testing;
 pub mod types;
 

@@ -145,3 +145,24 @@ def test_reset_prefix_cache_fails_while_in_use_and_sets_stats_flag() -> None:
     assert stats is not None and stats.reset
     events = m.take_events()
     assert type(events[-1]).__name__ == "AllBlocksCleared"
+
+
+def test_latency_counters_are_opt_in_and_count_calls() -> None:
+    import hscache
+
+    hscache.enable_stats(False)
+    hscache.reset_stats()
+    m = KVCacheManager(**manager_kwargs(16))
+    req = make_request("a", list(range(40)))
+    _admit(m, req)
+    assert hscache.stats() == {}
+    hscache.enable_stats()
+    try:
+        m.allocate_slots(req, 1)
+        m.free(req)
+        s = hscache.stats()
+        assert s["allocate_slots"]["calls"] == 1 and s["free"]["calls"] == 1
+        assert 0 < s["allocate_slots"]["p50_ns"] <= s["allocate_slots"]["p99_ns"]
+    finally:
+        hscache.enable_stats(False)
+        hscache.reset_stats()

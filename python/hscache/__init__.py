@@ -1,9 +1,34 @@
 """hscache: Rust-core cache bookkeeping for LLM serving engines.
 
 ``hscache.vllm`` holds the drop-in ``KVCacheManager`` and ``Scheduler`` for vLLM;
-``hscache._core`` is the compiled extension they drive.
+``hscache._core`` is the compiled extension they drive. ``stats()`` returns the
+per-operation latency counters of the drop-in (on with ``enable_stats()`` or
+``HSCACHE_STATS=1``).
 """
 
-from hscache._core import KVCacheBlock, KVCacheCore, __version__, build_profile
+import os as _os
 
-__all__ = ["KVCacheBlock", "KVCacheCore", "__version__", "build_profile"]
+from hscache._core import (
+    KVCacheBlock,
+    KVCacheBlocks,
+    KVCacheCore,
+    __version__,
+    build_profile,
+    enable_stats,
+    reset_stats,
+    stats,
+)
+
+if _os.environ.get("HSCACHE_STATS", "0").lower() in ("1", "true", "yes", "on"):
+    enable_stats()
+
+__all__ = [
+    "KVCacheBlock",
+    "KVCacheBlocks",
+    "KVCacheCore",
+    "__version__",
+    "build_profile",
+    "enable_stats",
+    "reset_stats",
+    "stats",
+]

@@ -23,6 +23,7 @@ use super::errors::{count, InvalidArgumentError};
 use super::hashes::{hash_from_bytes, PyListHashes};
 use crate::events::KVCacheEvent;
 use crate::manager::{AllocateSlots, KVCacheManager, KVCacheManagerConfig, RequestView};
+use crate::stats::{self, Op};
 use crate::types::BlockId;
 
 #[pyclass(name = "KVCacheCore", module = "hscache._core", subclass)]
@@ -314,6 +315,7 @@ impl PyKVCacheCore {
         request: &Bound<'py, PyAny>,
         max_cache_hit_length: Option<i64>,
     ) -> PyResult<(Bound<'py, PyAny>, usize, usize)> {
+        let _timer = stats::Timer::start(Op::GetComputedBlocks);
         let py = slf.py();
         let empty = {
             let this = slf.borrow();
@@ -401,6 +403,7 @@ impl PyKVCacheCore {
         has_scheduled_reqs: bool,
         skip_zeroing_group_ids: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let _timer = stats::Timer::start(Op::AllocateSlots);
         let py = slf.py();
         let _ = count("num_encoder_tokens", num_encoder_tokens)?;
         let fields = RequestFields::read(request)?;
@@ -465,6 +468,7 @@ impl PyKVCacheCore {
         request: &Bound<'_, PyAny>,
         num_computed_tokens: i64,
     ) -> PyResult<()> {
+        let _timer = stats::Timer::start(Op::CacheBlocks);
         let fields = RequestFields::read(request)?;
         let hashes = PyListHashes::new(&fields.block_hashes)?;
         let n = count("num_computed_tokens", num_computed_tokens)?;
@@ -481,6 +485,7 @@ impl PyKVCacheCore {
     /// vLLM's `free`: frees the request's blocks, tail first (no-op for a request
     /// without blocks).
     fn free(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
+        let _timer = stats::Timer::start(Op::Free);
         let rid = Self::request_id(request)?;
         Ok(slf.borrow_mut().core.free(rid.to_str()?)?)
     }
@@ -491,6 +496,7 @@ impl PyKVCacheCore {
         slf: &Bound<'py, Self>,
         request: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
+        let _timer = stats::Timer::start(Op::PopBlocksForFree);
         let rid = Self::request_id(request)?;
         let mut this = slf.borrow_mut();
         let mut ids = std::mem::take(&mut this.scratch);
@@ -503,6 +509,7 @@ impl PyKVCacheCore {
 
     /// vLLM's `get_blocks`: the request's blocks as `KVCacheBlocks`.
     fn get_blocks<'py>(slf: &Bound<'py, Self>, request_id: &str) -> PyResult<Bound<'py, PyAny>> {
+        let _timer = stats::Timer::start(Op::GetBlocks);
         let mut this = slf.borrow_mut();
         let mut ids = std::mem::take(&mut this.scratch);
         ids.clear();
@@ -651,6 +658,7 @@ impl PyKVCacheCore {
 
     /// Drops one reference per block, in the given order (first = evicted first).
     fn core_free_blocks(slf: &Bound<'_, Self>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+        let _timer = stats::Timer::start(Op::FreeBlocks);
         let mut ids = Vec::new();
         Self::ids_of(slf, blocks, &mut ids)?;
         Ok(slf.borrow_mut().core.block_pool_mut().free_blocks(ids)?)
