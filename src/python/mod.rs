@@ -21,10 +21,44 @@ const BUILD_PROFILE: &str = if cfg!(debug_assertions) {
     "release"
 };
 
+/// Per-operation latency counters of the drop-in: `{op: {calls, total_ns, mean_ns,
+/// p50_ns, p90_ns, p99_ns}}` (percentiles are log2-bucket upper bounds).
+#[pyfunction]
+fn stats(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
+    let out = pyo3::types::PyDict::new(py);
+    for s in crate::stats::snapshot() {
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item("calls", s.calls)?;
+        d.set_item("total_ns", s.total_ns)?;
+        d.set_item("mean_ns", s.total_ns as f64 / s.calls as f64)?;
+        d.set_item("p50_ns", s.p50_ns)?;
+        d.set_item("p90_ns", s.p90_ns)?;
+        d.set_item("p99_ns", s.p99_ns)?;
+        out.set_item(s.name, d)?;
+    }
+    Ok(out)
+}
+
+/// Turns the latency counters on (default) or off.
+#[pyfunction]
+#[pyo3(signature = (on=true))]
+fn enable_stats(on: bool) {
+    crate::stats::set_enabled(on);
+}
+
+/// Zeroes the latency counters.
+#[pyfunction]
+fn reset_stats() {
+    crate::stats::reset();
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("build_profile", BUILD_PROFILE)?;
+    m.add_function(wrap_pyfunction!(stats, m)?)?;
+    m.add_function(wrap_pyfunction!(enable_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(reset_stats, m)?)?;
     m.add_class::<block::PyKVCacheBlock>()?;
     m.add_class::<blocks::PyKVCacheBlocks>()?;
     m.add_class::<manager::PyKVCacheCore>()?;
