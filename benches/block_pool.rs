@@ -105,7 +105,7 @@ fn hit_lookup(c: &mut Criterion) {
                 let view = RequestView {
                     request_id: "warm",
                     num_computed_tokens: 0,
-                    num_tokens: tokens,
+                    num_tokens: &|| Ok(tokens),
                     block_hashes: &hashes,
                 };
                 let args = AllocateSlots {
@@ -149,7 +149,7 @@ fn allocate_slots_prefill(c: &mut Criterion) {
                         let view = RequestView {
                             request_id: "r",
                             num_computed_tokens: 0,
-                            num_tokens: tokens,
+                            num_tokens: &|| Ok(tokens),
                             block_hashes: &hashes,
                         };
                         let args = AllocateSlots {

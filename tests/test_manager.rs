@@ -22,17 +22,17 @@ fn manager(num_blocks: u32, block_size: usize, caching: bool) -> KVCacheManager 
     .unwrap()
 }
 
-fn view<'a>(
-    id: &'a str,
-    tokens: usize,
-    hashes: &'a Vec<BlockHash>,
-) -> RequestView<'a, Vec<BlockHash>> {
-    RequestView {
-        request_id: id,
-        num_computed_tokens: 0,
-        num_tokens: tokens,
-        block_hashes: hashes,
-    }
+/// A `RequestView` of a fresh request (a macro: the `num_tokens` closure is a
+/// temporary that lives for the enclosing statement).
+macro_rules! view {
+    ($id:expr, $tokens:expr, $hashes:expr) => {
+        RequestView {
+            request_id: $id,
+            num_computed_tokens: 0,
+            num_tokens: &move || Ok($tokens),
+            block_hashes: $hashes,
+        }
+    };
 }
 
 /// Lookup + allocation of a new request, as the Scheduler admits it.
@@ -54,7 +54,7 @@ fn admit(
     };
     let mut new = vec![];
     assert!(m
-        .allocate_slots(&view(id, tokens, hashes), &args, &mut new)
+        .allocate_slots(&view!(id, tokens, hashes), &args, &mut new)
         .unwrap());
     (hit, m.get_blocks(id).to_vec())
 }
@@ -124,7 +124,7 @@ fn failed_allocation_leaves_hits_untouched() {
     };
     let mut new = vec![];
     assert!(!m
-        .allocate_slots(&view("b", 112, &h), &args, &mut new)
+        .allocate_slots(&view!("b", 112, &h), &args, &mut new)
         .unwrap());
     assert_eq!(queue(&m), before);
     assert!(m.get_blocks("b").is_empty());
@@ -148,7 +148,7 @@ fn bad_input_is_an_error_and_changes_nothing() {
     let args = AllocateSlots::default();
     let mut out = vec![];
     let err = m
-        .allocate_slots(&view("a", 9, &h), &args, &mut out)
+        .allocate_slots(&view!("a", 9, &h), &args, &mut out)
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::InvalidArgument);
     let args = AllocateSlots {
@@ -156,7 +156,7 @@ fn bad_input_is_an_error_and_changes_nothing() {
         ..Default::default()
     };
     assert_eq!(
-        m.allocate_slots(&view("a", 9, &h), &args, &mut out)
+        m.allocate_slots(&view!("a", 9, &h), &args, &mut out)
             .unwrap_err()
             .kind(),
         ErrorKind::InvalidArgument
@@ -169,7 +169,7 @@ fn bad_input_is_an_error_and_changes_nothing() {
         ..Default::default()
     };
     assert_eq!(
-        m.allocate_slots(&view("b", 9, &h), &args, &mut out)
+        m.allocate_slots(&view!("b", 9, &h), &args, &mut out)
             .unwrap_err()
             .kind(),
         ErrorKind::BlockIdOutOfRange
@@ -195,7 +195,9 @@ fn duplicate_blocks_are_both_indexed_and_first_is_returned() {
             ..Default::default()
         };
         let mut out = vec![];
-        assert!(m.allocate_slots(&view(id, 9, &h), &args, &mut out).unwrap());
+        assert!(m
+            .allocate_slots(&view!(id, 9, &h), &args, &mut out)
+            .unwrap());
     }
     assert_eq!(m.get_blocks("a"), &[1, 2, 3]);
     assert_eq!(m.get_blocks("b"), &[4, 5, 6]);

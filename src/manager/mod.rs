@@ -58,8 +58,9 @@ pub struct KVCacheManagerConfig {
 pub struct RequestView<'a, H: BlockHashSource + ?Sized> {
     pub request_id: &'a str,
     pub num_computed_tokens: usize,
-    /// Prompt plus output tokens (`request.num_tokens`).
-    pub num_tokens: usize,
+    /// Prompt plus output tokens (`request.num_tokens`), read only when needed: in
+    /// vLLM it is a Python property, and most decode steps never need it.
+    pub num_tokens: &'a dyn Fn() -> Result<usize>,
     pub block_hashes: &'a H,
 }
 
@@ -220,7 +221,7 @@ impl KVCacheManager {
         let free = self.pool.get_num_free_blocks();
 
         if args.full_sequence_must_fit {
-            let full = request.num_tokens.min(self.config.max_model_len);
+            let full = (request.num_tokens)()?.min(self.config.max_model_len);
             let need = self
                 .manager
                 .get_num_blocks_to_allocate(&self.pool, rid, full, hits)?;
@@ -238,12 +239,27 @@ impl KVCacheManager {
             return Ok(false);
         }
 
-        // Validate the caching step before anything changes.
+        // Validate the caching step before anything changes. `num_tokens` only caps
+        // what would be cached; skip reading it when nothing new can be cached.
         let cache_tokens = if args.delay_cache_blocks || !self.config.enable_caching {
             None
         } else {
-            let n = (total + args.num_new_tokens).min(request.num_tokens);
-            Some(n.saturating_sub(self.config.num_reprefillable_tokens))
+            let upper = total + args.num_new_tokens;
+            let num_hashed = request.block_hashes.len() * self.pool.hash_block_size();
+            let num_cached = if adopt && !self.manager.is_running(rid) {
+                hits.len()
+            } else {
+                self.manager
+                    .request(rid)
+                    .and_then(|r| r.num_cached_block)
+                    .unwrap_or(0)
+            };
+            if upper.min(num_hashed) / bs <= num_cached {
+                None
+            } else {
+                let n = upper.min((request.num_tokens)()?);
+                Some(n.saturating_sub(self.config.num_reprefillable_tokens))
+            }
         };
         if let Some(n) = cache_tokens {
             self.check_cache_after_allocation(request, n, hits, adopt, num_tokens_need_slot)?;

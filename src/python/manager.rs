@@ -49,11 +49,12 @@ struct VllmBindings {
     cached_block_event_sink: Option<Py<PyAny>>,
 }
 
-/// The request fields the core reads, extracted before the core is borrowed.
+/// The request fields the core reads, extracted before the core is borrowed
+/// (`num_tokens`, a Python property in vLLM, is read lazily).
 struct RequestFields<'py> {
+    request: Bound<'py, PyAny>,
     request_id: Bound<'py, PyString>,
     num_computed_tokens: usize,
-    num_tokens: usize,
     block_hashes: Bound<'py, PyAny>,
 }
 
@@ -70,16 +71,26 @@ impl<'py> RequestFields<'py> {
                 .getattr(intern!(py, "num_computed_tokens"))?
                 .extract()?,
         )?;
-        let num_tokens = count(
-            "request.num_tokens",
-            request.getattr(intern!(py, "num_tokens"))?.extract()?,
-        )?;
         let block_hashes = request.getattr(intern!(py, "block_hashes"))?;
         Ok(Self {
+            request: request.clone(),
             request_id,
             num_computed_tokens,
-            num_tokens,
             block_hashes,
+        })
+    }
+
+    /// `request.num_tokens`; a Python error is kept in `err` for the caller.
+    fn num_tokens(&self, err: &std::cell::RefCell<Option<PyErr>>) -> crate::error::Result<usize> {
+        let read = || -> PyResult<usize> {
+            let py = self.request.py();
+            let n: i64 = self.request.getattr(intern!(py, "num_tokens"))?.extract()?;
+            count("request.num_tokens", n)
+        };
+        read().map_err(|e| {
+            let msg = e.to_string();
+            *err.borrow_mut() = Some(e);
+            crate::error::Error::InvalidArgument(msg)
         })
     }
 }
@@ -439,10 +450,12 @@ impl PyKVCacheCore {
             apply_watermark,
             skip_zeroing,
         };
+        let py_err = std::cell::RefCell::new(None);
+        let num_tokens = || fields.num_tokens(&py_err);
         let view = RequestView {
             request_id: fields.request_id.to_str()?,
             num_computed_tokens: fields.num_computed_tokens,
-            num_tokens: fields.num_tokens,
+            num_tokens: &num_tokens,
             block_hashes: &hashes,
         };
         let result = {
@@ -452,7 +465,7 @@ impl PyKVCacheCore {
             let result = match this.core.allocate_slots(&view, &args, &mut out) {
                 Ok(true) => Self::kv_cache_blocks(slf, &this, &out).map(Some),
                 Ok(false) => Ok(None),
-                Err(e) => Err(e.into()),
+                Err(e) => Err(py_err.take().unwrap_or_else(|| e.into())),
             };
             this.scratch = out;
             result
@@ -472,10 +485,12 @@ impl PyKVCacheCore {
         let fields = RequestFields::read(request)?;
         let hashes = PyListHashes::new(&fields.block_hashes)?;
         let n = count("num_computed_tokens", num_computed_tokens)?;
+        let py_err = std::cell::RefCell::new(None);
+        let num_tokens = || fields.num_tokens(&py_err);
         let view = RequestView {
             request_id: fields.request_id.to_str()?,
             num_computed_tokens: fields.num_computed_tokens,
-            num_tokens: fields.num_tokens,
+            num_tokens: &num_tokens,
             block_hashes: &hashes,
         };
         slf.borrow_mut().core.cache_blocks(&view, n)?;
