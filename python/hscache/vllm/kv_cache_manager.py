@@ -327,7 +327,8 @@ class KVCacheManager(KVCacheCore):
 
     # -- lookup results ---------------------------------------------------------------
 
-    def create_kv_cache_blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> KVCacheBlocks:
+    def create_kv_cache_blocks(self, blocks: tuple[Sequence[Any], ...]) -> Any:
+        """vLLM's ``KVCacheBlocks`` of ``blocks``, or the empty singleton."""
         return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
 
     def get_computed_blocks_for_connector(
@@ -349,15 +350,13 @@ class KVCacheManager(KVCacheCore):
             )
         )
 
-    def truncate_computed_blocks(
-        self, blocks: KVCacheBlocks, num_computed_tokens: int
-    ) -> KVCacheBlocks:
+    def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> Any:
         if num_computed_tokens % self.block_size != 0:
             raise InvalidArgumentError(
                 f"num_computed_tokens {num_computed_tokens} is not block aligned"
             )
         num_blocks = num_computed_tokens // self.block_size
-        group = blocks.blocks[0]
+        group: Sequence[Any] = blocks.blocks[0]
         if num_blocks > len(group):
             raise InvalidArgumentError(
                 f"cannot truncate {len(group)} blocks to {num_blocks} blocks"
@@ -394,8 +393,8 @@ class KVCacheManager(KVCacheCore):
         kind, sliding_window = self.kv_cache_event_metadata[0]
         for event in events:
             if getattr(event, "group_idx", None) == 0 and hasattr(event, "kv_cache_spec_kind"):
-                event.kv_cache_spec_kind = kind
-                event.kv_cache_spec_sliding_window = sliding_window
+                setattr(event, "kv_cache_spec_kind", kind)  # noqa: B010
+                setattr(event, "kv_cache_spec_sliding_window", sliding_window)  # noqa: B010
         return events
 
     # -- block tables -------------------------------------------------------------------

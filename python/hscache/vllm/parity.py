@@ -219,12 +219,14 @@ class ParityKVCacheManager:
         return self._both("make_prefix_cache_stats", "make_prefix_cache_stats", _stats)
 
     def take_events(self) -> list[Any]:
-        return self._both(
-            "take_events", "take_events", lambda evs: [msgspec.msgpack.encode(e) for e in evs]
+        return list(
+            self._both(
+                "take_events", "take_events", lambda evs: [msgspec.msgpack.encode(e) for e in evs]
+            )
         )
 
     def take_new_block_ids(self) -> list[int]:
-        return self._both("take_new_block_ids", "take_new_block_ids", list)
+        return list(self._both("take_new_block_ids", "take_new_block_ids", list))
 
     def new_step_starts(self) -> None:
         self.hscache.new_step_starts()

@@ -25,4 +25,4 @@ def register() -> None:
 
     from hscache.vllm.kv_cache_manager import KVCacheManager
 
-    scheduler_module.KVCacheManager = KVCacheManager  # type: ignore[misc]
+    setattr(scheduler_module, "KVCacheManager", KVCacheManager)  # noqa: B010

@@ -25,12 +25,12 @@ _PATCH_LOCK = threading.Lock()
 @contextlib.contextmanager
 def _hscache_kv_cache_manager() -> Iterator[None]:
     with _PATCH_LOCK:
-        saved = _scheduler_module.KVCacheManager
-        _scheduler_module.KVCacheManager = KVCacheManager  # type: ignore[misc]
+        saved = getattr(_scheduler_module, "KVCacheManager")  # noqa: B009
+        setattr(_scheduler_module, "KVCacheManager", KVCacheManager)  # noqa: B010
         try:
             yield
         finally:
-            _scheduler_module.KVCacheManager = saved  # type: ignore[misc]
+            setattr(_scheduler_module, "KVCacheManager", saved)  # noqa: B010
 
 
 class _HscacheSchedulerMixin:
