@@ -33,10 +33,9 @@ def main() -> int:
         print("FAIL: the vllm.general_plugins entry point is missing")
         return 1
 
-    from vllm.v1.outputs import ModelRunnerOutput
-
     import hscache.vllm
     from hscache.bench.scheduler_level import make_scheduler, request_stream
+    from vllm.v1.outputs import ModelRunnerOutput
 
     sched = make_scheduler(hscache.vllm.Scheduler, 512, max_model_len=4096)
     assert isinstance(sched.kv_cache_manager, hscache.vllm.KVCacheManager)
