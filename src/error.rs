@@ -38,6 +38,24 @@ pub enum Error {
     /// `max_model_len`, inconsistent combinations).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// Encoder cache: `allocate` without room (the caller skipped `can_allocate`).
+    #[error(
+        "encoder cache cannot hold {requested} more embeddings: {num_free_slots} free, \
+         {num_freeable_slots} free or freeable"
+    )]
+    EncoderCacheFull {
+        requested: i64,
+        num_free_slots: i64,
+        num_freeable_slots: i64,
+    },
+    /// Encoder cache: an entry is missing from one of vLLM's maps where vLLM's own
+    /// code would raise `KeyError` (the state was edited from outside, e.g.
+    /// `cached = {}`).
+    #[error("encoder cache entry {identifier:?} is missing from `{map}`")]
+    UnknownEncoderEntry {
+        identifier: String,
+        map: &'static str,
+    },
     /// A valid request the core does not implement (yet).
     #[error("not supported by hscache: {0}")]
     Unsupported(String),
@@ -54,6 +72,8 @@ pub enum ErrorKind {
     NoFreeBlocks,
     FreeQueueCorrupt,
     InvalidArgument,
+    EncoderCacheFull,
+    UnknownEncoderEntry,
     Unsupported,
 }
 
@@ -69,6 +89,8 @@ impl Error {
             Error::NoFreeBlocks => ErrorKind::NoFreeBlocks,
             Error::NotInFreeQueue(_) | Error::AlreadyInFreeQueue(_) => ErrorKind::FreeQueueCorrupt,
             Error::InvalidArgument(_) => ErrorKind::InvalidArgument,
+            Error::EncoderCacheFull { .. } => ErrorKind::EncoderCacheFull,
+            Error::UnknownEncoderEntry { .. } => ErrorKind::UnknownEncoderEntry,
             Error::Unsupported(_) => ErrorKind::Unsupported,
         }
     }

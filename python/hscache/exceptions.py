@@ -8,9 +8,11 @@ from hscache._core import (
     BlockHashError,
     BlockIdError,
     DoubleFreeError,
+    EncoderCacheFullError,
     FreeQueueError,
     InvalidArgumentError,
     OutOfBlocksError,
+    UnknownEncoderEntryError,
     UnknownRequestError,
     UnsupportedError,
 )
@@ -19,9 +21,11 @@ __all__ = [
     "BlockHashError",
     "BlockIdError",
     "DoubleFreeError",
+    "EncoderCacheFullError",
     "FreeQueueError",
     "InvalidArgumentError",
     "OutOfBlocksError",
+    "UnknownEncoderEntryError",
     "UnknownRequestError",
     "UnsupportedError",
 ]
@@ -35,4 +39,10 @@ InvalidArgumentError.__doc__ = (
     "ValueError: an argument out of range (negative or past max_model_len) or inconsistent."
 )
 FreeQueueError.__doc__ = "RuntimeError: a block is not in the free queue where it must be."
+EncoderCacheFullError.__doc__ = (
+    "ValueError: encoder-cache allocate without room (can_allocate was not consulted)."
+)
+UnknownEncoderEntryError.__doc__ = (
+    "KeyError: an encoder-cache entry is missing where vLLM would raise KeyError."
+)
 UnsupportedError.__doc__ = "NotImplementedError: valid input the core does not implement yet."

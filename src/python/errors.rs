@@ -18,6 +18,8 @@ create_exception!(hscache._core, OutOfBlocksError, PyValueError);
 create_exception!(hscache._core, InvalidArgumentError, PyValueError);
 create_exception!(hscache._core, FreeQueueError, PyRuntimeError);
 create_exception!(hscache._core, UnsupportedError, PyNotImplementedError);
+create_exception!(hscache._core, EncoderCacheFullError, PyValueError);
+create_exception!(hscache._core, UnknownEncoderEntryError, PyKeyError);
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -32,6 +34,14 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add("FreeQueueError", py.get_type::<FreeQueueError>())?;
     m.add("UnsupportedError", py.get_type::<UnsupportedError>())?;
+    m.add(
+        "EncoderCacheFullError",
+        py.get_type::<EncoderCacheFullError>(),
+    )?;
+    m.add(
+        "UnknownEncoderEntryError",
+        py.get_type::<UnknownEncoderEntryError>(),
+    )?;
     Ok(())
 }
 
@@ -48,6 +58,8 @@ impl From<Error> for PyErr {
             }
             ErrorKind::InvalidArgument => InvalidArgumentError::new_err(msg),
             ErrorKind::FreeQueueCorrupt => FreeQueueError::new_err(msg),
+            ErrorKind::EncoderCacheFull => EncoderCacheFullError::new_err(msg),
+            ErrorKind::UnknownEncoderEntry => UnknownEncoderEntryError::new_err(msg),
             ErrorKind::Unsupported => UnsupportedError::new_err(msg),
         }
     }

@@ -1,0 +1,994 @@
+//! `EncoderCacheManager`: the bookkeeping of the multimodal encoder-output cache.
+//!
+//! Mirrors vLLM 0.33 `v1/core/encoder_cache_manager.py`: the `EncoderCacheManager`
+//! class and `compute_mm_encoder_budget`. The unit is one encoder **embedding**;
+//! an entry is one multimodal item, keyed by its identifier (`mm_hash`), and is
+//! shared by every request that carries the same item. Only bookkeeping lives here:
+//! the embeddings themselves are stored by the model runner, which learns what to
+//! drop from [`EncoderCacheManager::get_freed_mm_hashes`].
+//!
+//! Each of vLLM's dicts is mirrored field by field, so that every sequence of calls
+//! (including vLLM tests that poke at the state) gives vLLM's answers:
+//! `cached` (identifier → referencing requests), `num_embeds_by_hash`,
+//! `request_cached_ids` / `request_hash_refs` (derived here from one list of
+//! `(input_id, entry)` per request), `freeable` (an ordered dict: an intrusive LRU
+//! list over entry ids) and `freed`.
+//!
+//! Key properties:
+//! - Identifiers and request ids are interned (string → dense `u32`) on first use
+//!   and released as soon as nothing refers to them, so a call hashes each string
+//!   once and a long-running server does not accumulate dead names.
+//! - `num_freeable_slots` counts free *plus* reclaimable capacity; `can_allocate`
+//!   evicts unreferenced entries oldest first until the request fits, and eviction
+//!   is the only thing that returns capacity to `num_free_slots`.
+//! - An entry becomes evictable only when no request references it. A request that
+//!   holds the same item through several inputs keeps one reference until its last
+//!   such input is freed.
+//! - `get_freed_mm_hashes` drains `freed`, leaving out identifiers that were cached
+//!   again after their eviction in the same scheduling pass (the worker must keep
+//!   that tensor).
+//! - Why the cache is at least as large as the largest item
+//!   ([`compute_mm_encoder_budget`]): `can_allocate` fails for an item larger than
+//!   the whole cache however much is evicted, so such an item could never be
+//!   scheduled and its request would wait forever (vLLM PR #11895).
+//! - Every method validates first and mutates after: an `Err` changes nothing.
+//!
+//! Deliberate differences from vLLM, all on misuse paths only:
+//! - vLLM asserts in `allocate` (after it has already created the entry); here the
+//!   call fails with [`Error::EncoderCacheFull`] or [`Error::InvalidArgument`]
+//!   (embedding-count mismatch) and leaves the state unchanged.
+//! - `free` releases a request's inputs in ascending input-id order. vLLM iterates a
+//!   Python `set` of ints, which is the same order for input ids below 8 (and below
+//!   the set's table size in general) and depends on insertion history beyond.
+//! - An input is freed under the identifier it was cached with; freeing it under a
+//!   different identifier is an [`Error::InvalidArgument`] (vLLM corrupts its
+//!   per-request counts or raises `KeyError` half-way).
+
+mod slab;
+
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use slab::Slab;
+
+/// Largest accepted embedding count or cache size (keeps all counter arithmetic
+/// far from `i64` overflow).
+pub const MAX_EMBEDS: i64 = 1 << 40;
+
+const NIL: u32 = u32::MAX;
+
+/// A cached entry found by [`EncoderCacheManager::find_cached`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CachedEntry(u32);
+
+/// One multimodal item (one identifier); the fields mirror vLLM's dicts.
+#[derive(Clone, Debug)]
+struct Entry {
+    /// `identifier in cached`.
+    cached: bool,
+    /// `cached[identifier]`: the referencing requests (a small unordered set).
+    refs: Vec<u32>,
+    /// `num_embeds_by_hash[identifier]`.
+    num_embeds: Option<i64>,
+    /// `freeable[identifier]`; `prev` / `next` link the LRU list while `Some`.
+    freeable: Option<i64>,
+    prev: u32,
+    next: u32,
+    /// How many `(request, input)` pairs were cached under this identifier.
+    input_refs: u32,
+    /// How many times the identifier is in `freed`.
+    freed: u32,
+}
+
+impl Default for Entry {
+    fn default() -> Self {
+        Self {
+            cached: false,
+            refs: Vec::new(),
+            num_embeds: None,
+            freeable: None,
+            prev: NIL,
+            next: NIL,
+            input_refs: 0,
+            freed: 0,
+        }
+    }
+}
+
+impl Entry {
+    fn is_unused(&self) -> bool {
+        !self.cached
+            && self.num_embeds.is_none()
+            && self.freeable.is_none()
+            && self.input_refs == 0
+            && self.freed == 0
+    }
+}
+
+/// One request's state.
+#[derive(Clone, Debug, Default)]
+struct RequestState {
+    /// `request_cached_ids[request_id]`, each input with the entry it was cached
+    /// under; `request_hash_refs[request_id]` is its per-entry count.
+    inputs: Vec<(u32, u32)>,
+    /// In how many `cached[...]` sets the request is.
+    in_cached: u32,
+}
+
+impl RequestState {
+    fn is_unused(&self) -> bool {
+        self.inputs.is_empty() && self.in_cached == 0
+    }
+}
+
+/// The encoder-cache bookkeeping (see module docs).
+#[derive(Clone, Debug)]
+pub struct EncoderCacheManager {
+    cache_size: i64,
+    num_free_slots: i64,
+    num_freeable_slots: i64,
+    entries: Slab<Entry>,
+    requests: Slab<RequestState>,
+    /// Oldest and newest entry of `freeable`.
+    head: u32,
+    tail: u32,
+    num_freeable_entries: usize,
+    freed: Vec<u32>,
+}
+
+fn check_embeds(what: &str, n: i64) -> Result<()> {
+    if (0..=MAX_EMBEDS).contains(&n) {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "{what} must be in 0..={MAX_EMBEDS}, got {n}"
+        )))
+    }
+}
+
+impl EncoderCacheManager {
+    /// A cache of `cache_size` embeddings.
+    pub fn new(cache_size: i64) -> Result<Self> {
+        check_embeds("cache_size", cache_size)?;
+        Ok(Self {
+            cache_size,
+            num_free_slots: cache_size,
+            num_freeable_slots: cache_size,
+            entries: Slab::new(),
+            requests: Slab::new(),
+            head: NIL,
+            tail: NIL,
+            num_freeable_entries: 0,
+            freed: Vec::new(),
+        })
+    }
+
+    /// Total capacity in embeddings.
+    pub fn cache_size(&self) -> i64 {
+        self.cache_size
+    }
+
+    /// Capacity not held by any entry.
+    pub fn num_free_slots(&self) -> i64 {
+        self.num_free_slots
+    }
+
+    /// Free capacity plus the capacity of unreferenced (evictable) entries.
+    pub fn num_freeable_slots(&self) -> i64 {
+        self.num_freeable_slots
+    }
+
+    /// Overwrites `cache_size` (a plain attribute in vLLM, which tests assign).
+    pub fn set_cache_size(&mut self, n: i64) -> Result<()> {
+        check_embeds("cache_size", n)?;
+        self.cache_size = n;
+        Ok(())
+    }
+
+    /// Overwrites `num_free_slots` (a plain attribute in vLLM, which tests assign).
+    pub fn set_num_free_slots(&mut self, n: i64) -> Result<()> {
+        check_embeds("num_free_slots", n)?;
+        self.num_free_slots = n;
+        Ok(())
+    }
+
+    /// Overwrites `num_freeable_slots` (a plain attribute in vLLM, which tests assign).
+    pub fn set_num_freeable_slots(&mut self, n: i64) -> Result<()> {
+        check_embeds("num_freeable_slots", n)?;
+        self.num_freeable_slots = n;
+        Ok(())
+    }
+
+    /// vLLM's `reset`: forget everything (model weights changed).
+    pub fn reset(&mut self) {
+        self.entries.clear();
+        self.requests.clear();
+        self.head = NIL;
+        self.tail = NIL;
+        self.num_freeable_entries = 0;
+        self.freed.clear();
+        self.num_free_slots = self.cache_size;
+        self.num_freeable_slots = self.cache_size;
+    }
+
+    /// vLLM's `check_and_update_cache`: whether `identifier` is cached; if so the
+    /// request (through `input_id`) now references it, taking it out of `freeable`.
+    pub fn check_and_update_cache(
+        &mut self,
+        request_id: &str,
+        input_id: u32,
+        identifier: &str,
+    ) -> Result<bool> {
+        match self.find_cached(identifier) {
+            Some(entry) => self.add_cached_reference(entry, identifier, request_id, input_id),
+            None => Ok(false),
+        }
+    }
+
+    /// The first half of [`Self::check_and_update_cache`]: the entry of `identifier`
+    /// if it is in `cached`. Lets a caller skip reading the request on a miss.
+    pub fn find_cached(&self, identifier: &str) -> Option<CachedEntry> {
+        let e = self.entries.get(identifier)?;
+        self.entries[e].cached.then_some(CachedEntry(e))
+    }
+
+    /// The second half of [`Self::check_and_update_cache`], for an entry returned by
+    /// [`Self::find_cached`] for the same `identifier`. Should the manager have
+    /// changed in between, the identifier is looked up again.
+    pub fn add_cached_reference(
+        &mut self,
+        entry: CachedEntry,
+        identifier: &str,
+        request_id: &str,
+        input_id: u32,
+    ) -> Result<bool> {
+        let e = entry.0;
+        if !self.entries.is_named(e, identifier) {
+            return match self.find_cached(identifier) {
+                Some(entry) => self.add_cached_reference(entry, identifier, request_id, input_id),
+                None => Ok(false),
+            };
+        }
+        let entry = &self.entries[e];
+        if !entry.cached {
+            return Ok(false);
+        }
+        let restore = entry.refs.is_empty();
+        if restore && entry.freeable.is_none() {
+            return Err(Error::UnknownEncoderEntry {
+                identifier: self.entries.name(e).to_string(),
+                map: "freeable",
+            });
+        }
+        self.requests.ensure_room(request_id)?;
+        if restore {
+            let n = self.unlink(e);
+            self.num_freeable_slots -= n;
+        }
+        let r = self.requests.intern(request_id);
+        self.add_ref(e, r);
+        self.add_input(r, input_id, e);
+        Ok(true)
+    }
+
+    /// vLLM's `get_cached_num_encoder_embeds`: `num_embeds_by_hash.get(identifier)`.
+    pub fn get_cached_num_encoder_embeds(&self, identifier: &str) -> Option<i64> {
+        self.entries
+            .get(identifier)
+            .and_then(|e| self.entries[e].num_embeds)
+    }
+
+    /// vLLM's `can_allocate`: whether an item of `num_embeds` embeddings fits the
+    /// compute budget and, with `num_embeds_to_schedule` already promised, the
+    /// cache; evicts unreferenced entries (oldest first, into `freed`) to make room.
+    pub fn can_allocate(
+        &mut self,
+        num_embeds: i64,
+        encoder_compute_budget: i64,
+        num_embeds_to_schedule: i64,
+    ) -> Result<bool> {
+        check_embeds("num_embeds", num_embeds)?;
+        if num_embeds > encoder_compute_budget {
+            return Ok(false);
+        }
+        let need = i128::from(num_embeds) + i128::from(num_embeds_to_schedule);
+        if need <= i128::from(self.num_free_slots) {
+            return Ok(true);
+        }
+        if need > i128::from(self.num_freeable_slots) {
+            return Ok(false);
+        }
+        // Validate the whole eviction before doing any of it.
+        let mut free = i128::from(self.num_free_slots);
+        let mut victims = 0usize;
+        let mut e = self.head;
+        while need > free {
+            if e == NIL {
+                return Err(Error::UnknownEncoderEntry {
+                    identifier: "<oldest>".into(),
+                    map: "freeable",
+                });
+            }
+            let entry = &self.entries[e];
+            if !entry.cached || entry.num_embeds.is_none() {
+                let map = if entry.cached {
+                    "num_embeds_by_hash"
+                } else {
+                    "cached"
+                };
+                return Err(Error::UnknownEncoderEntry {
+                    identifier: self.entries.name(e).to_string(),
+                    map,
+                });
+            }
+            free += i128::from(entry.freeable.unwrap_or(0));
+            victims += 1;
+            e = entry.next;
+        }
+        for _ in 0..victims {
+            self.evict_oldest();
+        }
+        Ok(true)
+    }
+
+    /// vLLM's `allocate`: reserve `num_embeds` slots for `identifier` and record the
+    /// request's reference through `input_id`. Call after `can_allocate` said yes.
+    pub fn allocate(
+        &mut self,
+        request_id: &str,
+        input_id: u32,
+        identifier: &str,
+        num_embeds: i64,
+    ) -> Result<()> {
+        check_embeds("num_embeds", num_embeds)?;
+        let existing = self.entries.get(identifier);
+        if let Some(cached) = existing.and_then(|e| self.entries[e].num_embeds) {
+            if cached != num_embeds {
+                return Err(Error::InvalidArgument(format!(
+                    "encoder cache entry {identifier:?} holds {cached} embeddings, \
+                     but {num_embeds} were allocated for it"
+                )));
+            }
+        }
+        if self.num_free_slots < num_embeds || self.num_freeable_slots < num_embeds {
+            return Err(Error::EncoderCacheFull {
+                requested: num_embeds,
+                num_free_slots: self.num_free_slots,
+                num_freeable_slots: self.num_freeable_slots,
+            });
+        }
+        self.entries.ensure_room(identifier)?;
+        self.requests.ensure_room(request_id)?;
+        let e = match existing {
+            Some(e) => e,
+            None => self.entries.insert_new(identifier),
+        };
+        let entry = &mut self.entries[e];
+        entry.cached = true;
+        entry.num_embeds.get_or_insert(num_embeds);
+        let r = self.requests.intern(request_id);
+        self.add_ref(e, r);
+        self.add_input(r, input_id, e);
+        self.num_free_slots -= num_embeds;
+        self.num_freeable_slots -= num_embeds;
+        Ok(())
+    }
+
+    /// vLLM's `free_encoder_input`: drop the request's reference through `input_id`;
+    /// the entry becomes freeable (not evicted) when no request references it.
+    pub fn free_encoder_input(
+        &mut self,
+        request_id: &str,
+        input_id: u32,
+        identifier: &str,
+    ) -> Result<()> {
+        let r = self.requests.get(request_id);
+        let e = self.entries.get(identifier);
+        self.free_input(r, input_id, e, identifier)
+    }
+
+    /// vLLM's `free`: free every cached input of the request (ascending input ids).
+    pub fn free(&mut self, request_id: &str) -> Result<()> {
+        let Some(r) = self.requests.get(request_id) else {
+            return Ok(());
+        };
+        let mut inputs = self.requests[r].inputs.clone();
+        inputs.sort_unstable();
+        for (input_id, e) in inputs {
+            let name = self.entries.name(e).clone();
+            self.free_input(Some(r), input_id, Some(e), &name)?;
+        }
+        Ok(())
+    }
+
+    /// vLLM's `get_cached_input_ids`: the request's cached input ids (any order).
+    pub fn get_cached_input_ids(&self, request_id: &str) -> impl Iterator<Item = u32> + '_ {
+        let inputs = match self.requests.get(request_id) {
+            Some(r) => self.requests[r].inputs.as_slice(),
+            None => &[],
+        };
+        inputs.iter().map(|&(input_id, _)| input_id)
+    }
+
+    /// vLLM's `get_freed_mm_hashes`: drain `freed`, in eviction order, without the
+    /// identifiers that are cached again.
+    pub fn get_freed_mm_hashes(&mut self) -> Vec<Arc<str>> {
+        if self.freed.is_empty() {
+            return Vec::new();
+        }
+        let freed = std::mem::take(&mut self.freed);
+        let mut out = Vec::with_capacity(freed.len());
+        for &e in &freed {
+            if !self.entries[e].cached {
+                out.push(self.entries.name(e).clone());
+            }
+        }
+        for &e in &freed {
+            self.entries[e].freed -= 1;
+            self.release_entry_if_unused(e);
+        }
+        self.freed = freed;
+        self.freed.clear();
+        out
+    }
+
+    // ---- views of vLLM's dicts (cold: tests, debugging) ---------------------------
+
+    /// The keys of `cached` (any order).
+    pub fn cached_identifiers(&self) -> impl Iterator<Item = &str> + '_ {
+        self.entries
+            .iter()
+            .filter(|&(_, e)| self.entries[e].cached)
+            .map(|(name, _)| name)
+    }
+
+    /// `cached[identifier]`: the referencing request ids, or `None` if not cached.
+    pub fn cached_request_ids(&self, identifier: &str) -> Option<Vec<&str>> {
+        let e = self.entries.get(identifier)?;
+        let entry = &self.entries[e];
+        entry.cached.then(|| {
+            entry
+                .refs
+                .iter()
+                .map(|&r| &**self.requests.name(r))
+                .collect()
+        })
+    }
+
+    /// `freeable` items, oldest first.
+    pub fn freeable(&self) -> impl Iterator<Item = (&str, i64)> + '_ {
+        let mut e = self.head;
+        std::iter::from_fn(move || {
+            if e == NIL {
+                return None;
+            }
+            let entry = &self.entries[e];
+            let item = (&**self.entries.name(e), entry.freeable.unwrap_or(0));
+            e = entry.next;
+            Some(item)
+        })
+    }
+
+    /// `freeable.get(identifier)`.
+    pub fn freeable_get(&self, identifier: &str) -> Option<i64> {
+        self.entries
+            .get(identifier)
+            .and_then(|e| self.entries[e].freeable)
+    }
+
+    /// `len(freeable)`.
+    pub fn num_freeable_entries(&self) -> usize {
+        self.num_freeable_entries
+    }
+
+    /// `num_embeds_by_hash` items (any order).
+    pub fn num_embeds_by_hash(&self) -> impl Iterator<Item = (&str, i64)> + '_ {
+        self.entries
+            .iter()
+            .filter_map(|(name, e)| self.entries[e].num_embeds.map(|n| (name, n)))
+    }
+
+    /// The keys of `request_cached_ids` (requests with cached inputs, any order).
+    pub fn request_ids(&self) -> impl Iterator<Item = &str> + '_ {
+        self.requests
+            .iter()
+            .filter(|&(_, r)| !self.requests[r].inputs.is_empty())
+            .map(|(name, _)| name)
+    }
+
+    /// `request_hash_refs[request_id]`: identifier → number of the request's cached
+    /// inputs with that identifier, or `None` if the request has no cached input.
+    pub fn request_hash_refs(&self, request_id: &str) -> Option<Vec<(&str, u32)>> {
+        let r = self.requests.get(request_id)?;
+        let inputs = &self.requests[r].inputs;
+        if inputs.is_empty() {
+            return None;
+        }
+        let mut out: Vec<(u32, u32)> = Vec::new();
+        for &(_, e) in inputs {
+            match out.iter_mut().find(|(x, _)| *x == e) {
+                Some((_, n)) => *n += 1,
+                None => out.push((e, 1)),
+            }
+        }
+        Some(
+            out.into_iter()
+                .map(|(e, n)| (&**self.entries.name(e), n))
+                .collect(),
+        )
+    }
+
+    /// `freed`, in eviction order (not drained).
+    pub fn freed(&self) -> impl Iterator<Item = &str> + '_ {
+        self.freed.iter().map(|&e| &**self.entries.name(e))
+    }
+
+    /// `cached = {}` (what some vLLM scheduler tests do): empty `cached` only, every
+    /// other map keeps its content, exactly as rebinding the dict does in vLLM.
+    pub fn clear_cached(&mut self) {
+        let live: Vec<u32> = self.entries.iter().map(|(_, e)| e).collect();
+        for e in live {
+            let refs = std::mem::take(&mut self.entries[e].refs);
+            self.entries[e].cached = false;
+            for r in refs {
+                self.requests[r].in_cached -= 1;
+                self.release_request_if_unused(r);
+            }
+            self.release_entry_if_unused(e);
+        }
+    }
+
+    // ---- internals ---------------------------------------------------------------
+
+    /// `cached[e].add(r)`.
+    fn add_ref(&mut self, e: u32, r: u32) {
+        let refs = &mut self.entries[e].refs;
+        if !refs.contains(&r) {
+            refs.push(r);
+            self.requests[r].in_cached += 1;
+        }
+    }
+
+    /// vLLM's `_add_cached_input_id`.
+    fn add_input(&mut self, r: u32, input_id: u32, e: u32) {
+        let inputs = &mut self.requests[r].inputs;
+        if inputs.iter().any(|&(i, _)| i == input_id) {
+            return;
+        }
+        inputs.push((input_id, e));
+        self.entries[e].input_refs += 1;
+    }
+
+    fn free_input(
+        &mut self,
+        r: Option<u32>,
+        input_id: u32,
+        e: Option<u32>,
+        identifier: &str,
+    ) -> Result<()> {
+        // Validate.
+        let pos = r.and_then(|r| {
+            self.requests[r]
+                .inputs
+                .iter()
+                .position(|&(i, _)| i == input_id)
+        });
+        let mut stored = None;
+        if let (Some(r), Some(p)) = (r, pos) {
+            let cached_under = self.requests[r].inputs[p].1;
+            if Some(cached_under) != e {
+                return Err(Error::InvalidArgument(format!(
+                    "input {input_id} of request {:?} was cached as {:?}, not {identifier:?}",
+                    &**self.requests.name(r),
+                    &**self.entries.name(cached_under),
+                )));
+            }
+            stored = Some((r, p, cached_under));
+        }
+        // (discard the request's reference?, the entry's size if it becomes freeable)
+        let mut release: Option<(u32, Option<i64>)> = None;
+        if let Some(e) = e {
+            let entry = &self.entries[e];
+            if entry.cached && !entry.refs.is_empty() {
+                let still_held = r.is_some_and(|r| {
+                    self.requests[r]
+                        .inputs
+                        .iter()
+                        .enumerate()
+                        .any(|(k, &(_, x))| x == e && Some(k) != pos)
+                });
+                if !still_held {
+                    let empties =
+                        matches!((r, entry.refs.as_slice()), (Some(r), [only]) if *only == r);
+                    let size = if empties {
+                        Some(entry.num_embeds.ok_or_else(|| Error::UnknownEncoderEntry {
+                            identifier: identifier.to_owned(),
+                            map: "num_embeds_by_hash",
+                        })?)
+                    } else {
+                        None
+                    };
+                    release = Some((e, size));
+                }
+            }
+        }
+        // Mutate.
+        if let Some((r, p, cached_under)) = stored {
+            self.requests[r].inputs.swap_remove(p);
+            self.entries[cached_under].input_refs -= 1;
+        }
+        if let (Some((e, size)), Some(r)) = (release, r) {
+            let refs = &mut self.entries[e].refs;
+            if let Some(k) = refs.iter().position(|&x| x == r) {
+                refs.swap_remove(k);
+                self.requests[r].in_cached -= 1;
+            }
+            if let Some(n) = size {
+                self.push_freeable(e, n);
+                self.num_freeable_slots += n;
+            }
+        }
+        if let Some(r) = r {
+            self.release_request_if_unused(r);
+        }
+        if let Some((_, _, cached_under)) = stored {
+            self.release_entry_if_unused(cached_under);
+        }
+        Ok(())
+    }
+
+    /// `freeable[e] = n`: a new key goes to the tail, an existing one keeps its place.
+    fn push_freeable(&mut self, e: u32, n: i64) {
+        if self.entries[e].freeable.is_some() {
+            self.entries[e].freeable = Some(n);
+            return;
+        }
+        let tail = self.tail;
+        let entry = &mut self.entries[e];
+        entry.freeable = Some(n);
+        entry.prev = tail;
+        entry.next = NIL;
+        if tail == NIL {
+            self.head = e;
+        } else {
+            self.entries[tail].next = e;
+        }
+        self.tail = e;
+        self.num_freeable_entries += 1;
+    }
+
+    /// `freeable.pop(e)`: its value (the entry must be in `freeable`).
+    fn unlink(&mut self, e: u32) -> i64 {
+        let entry = &mut self.entries[e];
+        let n = entry.freeable.take().unwrap_or(0);
+        let (prev, next) = (entry.prev, entry.next);
+        entry.prev = NIL;
+        entry.next = NIL;
+        if prev == NIL {
+            self.head = next;
+        } else {
+            self.entries[prev].next = next;
+        }
+        if next == NIL {
+            self.tail = prev;
+        } else {
+            self.entries[next].prev = prev;
+        }
+        self.num_freeable_entries -= 1;
+        n
+    }
+
+    /// Evict the oldest freeable entry (validated by the caller).
+    fn evict_oldest(&mut self) {
+        let e = self.head;
+        let n = self.unlink(e);
+        let refs = std::mem::take(&mut self.entries[e].refs);
+        let entry = &mut self.entries[e];
+        entry.cached = false;
+        entry.num_embeds = None;
+        entry.freed += 1;
+        for r in refs {
+            self.requests[r].in_cached -= 1;
+            self.release_request_if_unused(r);
+        }
+        self.freed.push(e);
+        self.num_free_slots += n;
+    }
+
+    fn release_entry_if_unused(&mut self, e: u32) {
+        if self.entries[e].is_unused() {
+            self.entries.release(e);
+        }
+    }
+
+    fn release_request_if_unused(&mut self, r: u32) {
+        if self.requests[r].is_unused() {
+            self.requests.release(r);
+        }
+    }
+}
+
+/// vLLM's `compute_mm_encoder_budget`: `(encoder_compute_budget,
+/// encoder_cache_size)` in embeddings, both at least the largest item; `(0, 0)`
+/// when the model accepts no multimodal item (the caller logs vLLM's warning).
+///
+/// Fails when chunked multimodal input is disabled and the largest item does not
+/// fit one step's `max_num_batched_tokens`.
+pub fn compute_mm_encoder_budget(
+    max_num_encoder_input_tokens: i64,
+    encoder_cache_size: i64,
+    max_num_batched_tokens: i64,
+    disable_chunked_mm_input: bool,
+    mm_max_toks_per_item: &[i64],
+) -> Result<(i64, i64)> {
+    let Some(&max_item) = mm_max_toks_per_item.iter().max() else {
+        return Ok((0, 0));
+    };
+    if disable_chunked_mm_input && max_item > max_num_batched_tokens {
+        return Err(Error::InvalidArgument(format!(
+            "Chunked MM input disabled but max_tokens_per_mm_item ({max_item}) is larger \
+             than max_num_batched_tokens ({max_num_batched_tokens}). Please increase \
+             max_num_batched_tokens."
+        )));
+    }
+    Ok((
+        max_num_encoder_input_tokens.max(max_item),
+        encoder_cache_size.max(max_item),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::ErrorKind;
+
+    const BIG: i64 = 1_000_000_000;
+
+    fn freeable(m: &EncoderCacheManager) -> Vec<(String, i64)> {
+        m.freeable().map(|(k, n)| (k.to_owned(), n)).collect()
+    }
+
+    fn freed(m: &mut EncoderCacheManager) -> Vec<String> {
+        m.get_freed_mm_hashes()
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+    }
+
+    /// `can_allocate` then `allocate`, as the Scheduler does.
+    fn admit(m: &mut EncoderCacheManager, req: &str, input: u32, id: &str, n: i64) {
+        assert!(m.can_allocate(n, BIG, 0).unwrap());
+        m.allocate(req, input, id, n).unwrap();
+    }
+
+    #[test]
+    fn allocate_then_hit_shares_one_entry() {
+        let mut m = EncoderCacheManager::new(10).unwrap();
+        assert!(!m.check_and_update_cache("r1", 0, "a").unwrap());
+        admit(&mut m, "r1", 0, "a", 4);
+        assert!(m.check_and_update_cache("r2", 0, "a").unwrap());
+        assert_eq!(m.num_free_slots(), 6);
+        assert_eq!(m.num_freeable_slots(), 6);
+        let mut refs = m.cached_request_ids("a").unwrap();
+        refs.sort_unstable();
+        assert_eq!(refs, ["r1", "r2"]);
+        assert_eq!(m.get_cached_num_encoder_embeds("a"), Some(4));
+    }
+
+    #[test]
+    fn last_reference_makes_entry_freeable_not_free() {
+        let mut m = EncoderCacheManager::new(10).unwrap();
+        admit(&mut m, "r1", 0, "a", 4);
+        m.free_encoder_input("r1", 0, "a").unwrap();
+        assert_eq!(freeable(&m), [("a".to_owned(), 4)]);
+        assert_eq!(m.num_free_slots(), 6);
+        assert_eq!(m.num_freeable_slots(), 10);
+        assert_eq!(m.cached_request_ids("a"), Some(vec![]));
+        assert_eq!(m.request_ids().count(), 0);
+        // A hit restores it.
+        assert!(m.check_and_update_cache("r2", 0, "a").unwrap());
+        assert!(freeable(&m).is_empty());
+        assert_eq!(m.num_freeable_slots(), 6);
+    }
+
+    #[test]
+    fn eviction_is_oldest_first_and_only_as_much_as_needed() {
+        let mut m = EncoderCacheManager::new(10).unwrap();
+        for (i, id) in ["a", "b", "c"].iter().enumerate() {
+            admit(&mut m, "r", i as u32, id, 3);
+        }
+        m.free_encoder_input("r", 1, "b").unwrap();
+        m.free_encoder_input("r", 0, "a").unwrap();
+        m.free_encoder_input("r", 2, "c").unwrap();
+        // 1 free; 4 needed: evicting "b" (oldest freeable) is enough.
+        assert!(m.can_allocate(4, BIG, 0).unwrap());
+        assert_eq!(m.num_free_slots(), 4);
+        assert_eq!(freeable(&m), [("a".to_owned(), 3), ("c".to_owned(), 3)]);
+        assert_eq!(freed(&mut m), ["b"]);
+        assert!(freed(&mut m).is_empty());
+        // Neither budget nor capacity: no eviction.
+        assert!(!m.can_allocate(4, 3, 0).unwrap());
+        assert!(!m.can_allocate(4, BIG, 7).unwrap());
+        assert_eq!(m.num_freeable_entries(), 2);
+    }
+
+    #[test]
+    fn recached_identifier_is_not_reported_freed() {
+        let mut m = EncoderCacheManager::new(8).unwrap();
+        admit(&mut m, "ra", 0, "a", 4);
+        admit(&mut m, "rb", 0, "b", 4);
+        m.free("ra").unwrap();
+        m.free("rb").unwrap();
+        admit(&mut m, "rc", 0, "c", 4);
+        admit(&mut m, "ra", 0, "a", 4);
+        assert_eq!(freed(&mut m), ["b"]);
+    }
+
+    #[test]
+    fn repeated_item_stays_referenced_until_its_last_input_is_freed() {
+        let mut m = EncoderCacheManager::new(8).unwrap();
+        admit(&mut m, "r1", 0, "a", 4);
+        assert!(m.check_and_update_cache("r1", 1, "a").unwrap());
+        assert_eq!(m.request_hash_refs("r1"), Some(vec![("a", 2)]));
+        m.free_encoder_input("r1", 0, "a").unwrap();
+        assert_eq!(m.cached_request_ids("a"), Some(vec!["r1"]));
+        assert!(!m.can_allocate(8, BIG, 0).unwrap());
+        m.free_encoder_input("r1", 1, "a").unwrap();
+        assert_eq!(freeable(&m), [("a".to_owned(), 4)]);
+        assert!(m.request_hash_refs("r1").is_none());
+    }
+
+    #[test]
+    fn free_releases_inputs_in_ascending_order() {
+        let mut m = EncoderCacheManager::new(9).unwrap();
+        admit(&mut m, "r", 2, "c", 3);
+        admit(&mut m, "r", 0, "a", 3);
+        admit(&mut m, "r", 1, "b", 3);
+        m.free("r").unwrap();
+        let order: Vec<_> = freeable(&m).into_iter().map(|(k, _)| k).collect();
+        assert_eq!(order, ["a", "b", "c"]);
+        assert_eq!(m.num_freeable_slots(), 9);
+    }
+
+    #[test]
+    fn names_are_released_when_nothing_refers_to_them() {
+        let mut m = EncoderCacheManager::new(4).unwrap();
+        for i in 0..100 {
+            let id = format!("img{i}");
+            let req = format!("r{i}");
+            admit(&mut m, &req, 0, &id, 4);
+            m.free(&req).unwrap();
+            let _ = m.get_freed_mm_hashes();
+        }
+        // One entry cached (freeable), no request left.
+        assert_eq!(m.entries.ids.len(), 1);
+        assert_eq!(m.requests.ids.len(), 0);
+        assert!(m.entries.data.len() <= 2 && m.requests.data.len() <= 1);
+    }
+
+    #[test]
+    fn a_handle_from_find_cached_survives_changes_in_between() {
+        let mut m = EncoderCacheManager::new(4).unwrap();
+        admit(&mut m, "r1", 0, "a", 4);
+        m.free("r1").unwrap();
+        let handle = m.find_cached("a").unwrap();
+        // "a" is evicted and its slot reused for "b" before the handle is used.
+        admit(&mut m, "r2", 0, "b", 4);
+        let _ = m.get_freed_mm_hashes();
+        assert!(!m.add_cached_reference(handle, "a", "r3", 0).unwrap());
+        let handle = m.find_cached("b").unwrap();
+        assert!(m.add_cached_reference(handle, "b", "r3", 0).unwrap());
+        let mut refs = m.cached_request_ids("b").unwrap();
+        refs.sort_unstable();
+        assert_eq!(refs, ["r2", "r3"]);
+    }
+
+    #[test]
+    fn errors_leave_state_unchanged() {
+        let mut m = EncoderCacheManager::new(10).unwrap();
+        admit(&mut m, "r1", 0, "a", 4);
+        let before = format!("{m:?}");
+        let e = m.allocate("r2", 0, "a", 5).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        let e = m.allocate("r2", 0, "b", 7).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::EncoderCacheFull);
+        let e = m.free_encoder_input("r1", 0, "b").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        let e = m.can_allocate(-1, BIG, 0).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        assert_eq!(format!("{m:?}"), before);
+        assert!(EncoderCacheManager::new(-1).is_err());
+    }
+
+    #[test]
+    fn clear_cached_keeps_the_other_maps_like_vllm() {
+        let mut m = EncoderCacheManager::new(10).unwrap();
+        admit(&mut m, "r1", 0, "a", 4);
+        m.free("r1").unwrap();
+        m.clear_cached();
+        assert_eq!(m.cached_identifiers().count(), 0);
+        assert_eq!(m.freeable_get("a"), Some(4));
+        assert_eq!(m.get_cached_num_encoder_embeds("a"), Some(4));
+        // vLLM raises KeyError evicting an entry missing from `cached`.
+        let e = m.can_allocate(8, BIG, 0).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::UnknownEncoderEntry);
+        assert_eq!(m.num_free_slots(), 6);
+    }
+
+    #[test]
+    fn reset_restores_capacity_and_forgets_everything() {
+        let mut m = EncoderCacheManager::new(10).unwrap();
+        admit(&mut m, "r1", 0, "a", 4);
+        admit(&mut m, "r1", 1, "b", 6);
+        m.free_encoder_input("r1", 0, "a").unwrap();
+        assert!(m.can_allocate(4, BIG, 0).unwrap());
+        m.reset();
+        assert_eq!((m.num_free_slots(), m.num_freeable_slots()), (10, 10));
+        assert_eq!(m.cached_identifiers().count(), 0);
+        assert_eq!(m.freed().count(), 0);
+        assert_eq!(m.get_cached_num_encoder_embeds("b"), None);
+        assert_eq!(m.get_cached_input_ids("r1").count(), 0);
+    }
+
+    /// Under Scheduler-like use, `num_freeable_slots` is the free capacity plus the
+    /// sizes in `freeable`, and `num_free_slots` the capacity no entry holds.
+    #[test]
+    fn counters_match_the_maps_on_random_traces() {
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut rand = move |n: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % n
+        };
+        let mut m = EncoderCacheManager::new(64).unwrap();
+        for _ in 0..20_000 {
+            let (r, input) = (rand(12), rand(4) as u32);
+            let req = format!("r{r}");
+            // A request's inputs keep their identifiers; requests share some.
+            let item = (r * 7 + u64::from(input) * 5) % 24;
+            let id = format!("i{item}");
+            let n = 1 + (item as i64 % 7) * 3;
+            match rand(10) {
+                0..=3 => {
+                    if !m.check_and_update_cache(&req, input, &id).unwrap()
+                        && m.can_allocate(n, BIG, 0).unwrap()
+                    {
+                        m.allocate(&req, input, &id, n).unwrap();
+                    }
+                }
+                4..=6 => m.free_encoder_input(&req, input, &id).unwrap(),
+                7 => m.free(&req).unwrap(),
+                8 => drop(m.get_freed_mm_hashes()),
+                _ => {
+                    if rand(50) == 0 {
+                        m.reset();
+                    }
+                }
+            }
+            let freeable_sum: i64 = m.freeable().map(|(_, n)| n).sum();
+            let held: i64 = m.num_embeds_by_hash().map(|(_, n)| n).sum();
+            assert_eq!(m.num_freeable_slots(), m.num_free_slots() + freeable_sum);
+            assert_eq!(m.num_free_slots() + held, m.cache_size());
+            assert_eq!(m.num_freeable_entries(), m.freeable().count());
+        }
+    }
+
+    #[test]
+    fn budget_is_at_least_the_largest_item() {
+        assert_eq!(
+            compute_mm_encoder_budget(100, 200, 8192, false, &[]).unwrap(),
+            (0, 0)
+        );
+        assert_eq!(
+            compute_mm_encoder_budget(100, 200, 8192, false, &[50, 300]).unwrap(),
+            (300, 300)
+        );
+        assert_eq!(
+            compute_mm_encoder_budget(1000, 2000, 8192, true, &[50, 300]).unwrap(),
+            (1000, 2000)
+        );
+        let e = compute_mm_encoder_budget(100, 200, 256, true, &[300]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    }
+}
