@@ -51,13 +51,14 @@ def test_plugin_is_declared_and_switches_the_stock_scheduler(
         ep.name: ep.value for ep in importlib.metadata.entry_points(group="vllm.general_plugins")
     }
     assert names.get("hscache") == "hscache.vllm.plugin:register"
-    saved = scheduler_module.KVCacheManager
-    monkeypatch.setattr(scheduler_module, "KVCacheManager", saved)  # restored afterwards
+    for name in ("KVCacheManager", "EncoderCacheManager"):  # restored afterwards
+        monkeypatch.setattr(scheduler_module, name, getattr(scheduler_module, name))
     monkeypatch.setenv("HSCACHE", "1")
     monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
     vllm.plugins.load_general_plugins()  # what EngineCore.__init__ does first
     sched = make_scheduler(scheduler_module.Scheduler, Path(model_dir()), 64)
     assert isinstance(sched.kv_cache_manager, hscache.vllm.KVCacheManager)
+    assert isinstance(sched.encoder_cache_manager, hscache.vllm.EncoderCacheManager)
 
 
 def test_plugin_does_nothing_without_the_env_flag(monkeypatch: pytest.MonkeyPatch) -> None:

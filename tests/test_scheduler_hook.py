@@ -85,6 +85,7 @@ def run_stream(cls: type, model_dir: Path, seed: int, num_blocks: int) -> list[A
 def test_scheduler_subclass_installs_the_hscache_manager(model_dir: Path) -> None:
     sched = make_scheduler(hscache.vllm.Scheduler, model_dir, 256)
     assert isinstance(sched.kv_cache_manager, hscache.vllm.KVCacheManager)
+    assert isinstance(sched.encoder_cache_manager, hscache.vllm.EncoderCacheManager)
     assert isinstance(sched, VllmScheduler)
     sched_async = make_scheduler(hscache.vllm.AsyncScheduler, model_dir, 256, True)
     assert isinstance(sched_async.kv_cache_manager, hscache.vllm.KVCacheManager)

@@ -2,19 +2,35 @@
 
 Registered as the ``vllm.general_plugins`` entry point ``hscache`` (pyproject.toml).
 vLLM calls :func:`register` in every engine process before it builds the scheduler.
-With ``HSCACHE=1`` it rebinds the ``KVCacheManager`` name in vLLM's scheduler module, so
-both the synchronous and the async scheduler build hscache's manager; without it the
-plugin does nothing. ``--scheduler-cls hscache.vllm.Scheduler`` keeps working either way.
+With ``HSCACHE=1`` it rebinds, in vLLM's scheduler module, the names of the managers the
+Scheduler builds (:func:`scheduler_bindings`), so both the synchronous and the async
+scheduler use hscache's; without it the plugin does nothing.
+``--scheduler-cls hscache.vllm.Scheduler`` uses the same bindings, for its constructor
+only.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 
 def enabled() -> bool:
     """Whether ``HSCACHE`` asks for hscache (``1``, ``true``, ``yes``)."""
     return os.environ.get("HSCACHE", "0").lower() in ("1", "true", "yes", "on")
+
+
+def scheduler_bindings() -> dict[str, Any]:
+    """Names in ``vllm.v1.core.sched.scheduler`` that hscache replaces, and by what.
+
+    ``EncoderCacheManager`` is the default multimodal encoder-cache manager (vLLM still
+    picks its own ``EncoderDecoderCacheManager`` for encoder-decoder models, and an
+    explicit ``--ec-manager-config`` wins).
+    """
+    from hscache.vllm.encoder_cache_manager import EncoderCacheManager
+    from hscache.vllm.kv_cache_manager import KVCacheManager
+
+    return {"KVCacheManager": KVCacheManager, "EncoderCacheManager": EncoderCacheManager}
 
 
 def register() -> None:
@@ -23,6 +39,5 @@ def register() -> None:
         return
     import vllm.v1.core.sched.scheduler as scheduler_module
 
-    from hscache.vllm.kv_cache_manager import KVCacheManager
-
-    setattr(scheduler_module, "KVCacheManager", KVCacheManager)  # noqa: B010
+    for name, obj in scheduler_bindings().items():
+        setattr(scheduler_module, name, obj)

@@ -1,9 +1,10 @@
-"""vLLM ``Scheduler`` / ``AsyncScheduler`` subclasses that run on hscache's manager.
+"""vLLM ``Scheduler`` / ``AsyncScheduler`` subclasses that run on hscache's managers.
 
 ``vllm serve MODEL --scheduler-cls hscache.vllm.Scheduler`` (or ``AsyncScheduler``)
-switches them on. The Scheduler builds its KV-cache manager by the name bound in its
-own module; the subclasses rebind that name to hscache's manager for the duration of
-the parent constructor, so nothing else in vLLM changes.
+switches them on. The Scheduler builds its KV-cache and encoder-cache managers by the
+names bound in its own module; the subclasses rebind those names to hscache's managers
+(``plugin.scheduler_bindings``) for the duration of the parent constructor, so nothing
+else in vLLM changes.
 """
 
 from __future__ import annotations
@@ -17,31 +18,34 @@ import vllm.v1.core.sched.scheduler as _scheduler_module
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as _VllmAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
 
-from hscache.vllm.kv_cache_manager import KVCacheManager
+from hscache.vllm.plugin import scheduler_bindings
 
 _PATCH_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def _hscache_kv_cache_manager() -> Iterator[None]:
+def _hscache_managers() -> Iterator[None]:
+    bindings = scheduler_bindings()
     with _PATCH_LOCK:
-        saved = getattr(_scheduler_module, "KVCacheManager")  # noqa: B009
-        setattr(_scheduler_module, "KVCacheManager", KVCacheManager)  # noqa: B010
+        saved = {name: getattr(_scheduler_module, name) for name in bindings}
+        for name, obj in bindings.items():
+            setattr(_scheduler_module, name, obj)
         try:
             yield
         finally:
-            setattr(_scheduler_module, "KVCacheManager", saved)  # noqa: B010
+            for name, obj in saved.items():
+                setattr(_scheduler_module, name, obj)
 
 
 class _HscacheSchedulerMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        with _hscache_kv_cache_manager():
+        with _hscache_managers():
             super().__init__(*args, **kwargs)
 
 
 class Scheduler(_HscacheSchedulerMixin, _VllmScheduler):
-    """vLLM's synchronous ``Scheduler`` with hscache's ``KVCacheManager``."""
+    """vLLM's synchronous ``Scheduler`` with hscache's KV-cache and encoder-cache managers."""
 
 
 class AsyncScheduler(_HscacheSchedulerMixin, _VllmAsyncScheduler):
-    """vLLM's ``AsyncScheduler`` with hscache's ``KVCacheManager``."""
+    """vLLM's ``AsyncScheduler`` with hscache's KV-cache and encoder-cache managers."""
