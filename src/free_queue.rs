@@ -214,6 +214,16 @@ impl FreeKVCacheBlockQueue {
         self.iter().collect()
     }
 
+    /// `(previous, next)` free blocks of a queued block (`None` at either end), or
+    /// `None` if the block is not in the queue.
+    pub fn neighbors(&self, block_id: BlockId) -> Option<(Option<BlockId>, Option<BlockId>)> {
+        if !self.contains(block_id) {
+            return None;
+        }
+        let (p, n) = (self.prev[block_id as usize], self.next[block_id as usize]);
+        Some(((p != self.head).then_some(p), (n != self.tail).then_some(n)))
+    }
+
     /// The head block without popping it.
     pub fn first(&self) -> Option<BlockId> {
         let first = self.next[self.head as usize];
@@ -249,6 +259,9 @@ mod tests {
         assert_eq!(q.get_all_free_blocks(), vec![2, 0, 3, 4, 5, 1]);
         assert_eq!(q.first(), Some(2));
         assert_eq!(q.last(), Some(1));
+        assert_eq!(q.neighbors(2), Some((None, Some(0))));
+        assert_eq!(q.neighbors(1), Some((Some(5), None)));
+        assert_eq!(q.neighbors(3), Some((Some(0), Some(4))));
     }
 
     #[test]

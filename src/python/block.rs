@@ -58,6 +58,20 @@ impl PyKVCacheBlock {
         Ok(core.core.block_pool().block_hash_num_tokens(self.block_id))
     }
 
+    /// The next block in the free queue (vLLM's intrusive link): a block, the
+    /// queue's tail sentinel at the end, or None when this block is not free.
+    #[getter]
+    fn next_free_block(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
+        PyKVCacheCore::free_list_neighbor(self.core.bind(py), self.block_id, false)
+    }
+
+    /// The previous block in the free queue: a block, the head sentinel at the
+    /// start, or None when this block is not free.
+    #[getter]
+    fn prev_free_block(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
+        PyKVCacheCore::free_list_neighbor(self.core.bind(py), self.block_id, true)
+    }
+
     /// The core this block belongs to.
     #[getter]
     fn pool(&self, py: Python<'_>) -> Py<PyKVCacheCore> {

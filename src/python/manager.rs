@@ -47,6 +47,9 @@ struct VllmBindings {
     event_sink: Option<Py<PyAny>>,
     /// Called with `(request, num_blocks)` for `kv_cache_report_mode == "full"` hits.
     cached_block_event_sink: Option<Py<PyAny>>,
+    /// The free queue's head and tail sentinels (Python objects of the
+    /// `FreeKVCacheBlockQueue` view), returned at the ends of a block's free links.
+    free_list_sentinels: Option<[Py<PyAny>; 2]>,
 }
 
 /// The request fields the core reads, extracted before the core is borrowed
@@ -236,6 +239,47 @@ impl PyKVCacheCore {
         Ok(())
     }
 
+    /// A block's neighbor in the free queue (see `KVCacheBlock.next_free_block`).
+    pub(crate) fn free_list_neighbor(
+        slf: &Bound<'_, Self>,
+        block_id: BlockId,
+        prev: bool,
+    ) -> PyResult<Option<Py<PyAny>>> {
+        let neighbors = slf
+            .try_borrow()?
+            .core
+            .block_pool()
+            .free_block_queue()
+            .neighbors(block_id);
+        match neighbors {
+            None => Ok(None),
+            Some((p, n)) => Self::link_target(slf, if prev { p } else { n }, !prev),
+        }
+    }
+
+    /// A block handle, or the tail (`to_tail`) / head sentinel for `None`.
+    fn link_target(
+        slf: &Bound<'_, Self>,
+        id: Option<BlockId>,
+        to_tail: bool,
+    ) -> PyResult<Option<Py<PyAny>>> {
+        let py = slf.py();
+        match id {
+            Some(id) => {
+                let mut this = slf.try_borrow_mut()?;
+                Ok(Some(Self::handle(slf, &mut this, id)?.into_any()))
+            }
+            None => {
+                let this = slf.try_borrow()?;
+                Ok(this
+                    .bindings()?
+                    .free_list_sentinels
+                    .as_ref()
+                    .map(|s| s[usize::from(to_tail)].clone_ref(py)))
+            }
+        }
+    }
+
     fn request_id<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
         request
             .getattr(intern!(request.py(), "request_id"))?
@@ -301,8 +345,34 @@ impl PyKVCacheCore {
             watermark_statuses: [waiting.unbind(), preempted.unbind()],
             event_sink: event_sink.map(Bound::unbind),
             cached_block_event_sink: cached_block_event_sink.map(Bound::unbind),
+            free_list_sentinels: None,
         });
         Ok(())
+    }
+
+    /// Hands the core the free queue's head and tail sentinel objects.
+    fn _bind_free_list_sentinels(&mut self, head: Py<PyAny>, tail: Py<PyAny>) -> PyResult<()> {
+        let vllm = self.vllm.as_mut().ok_or_else(|| {
+            pyo3::exceptions::PyRuntimeError::new_err("_bind_vllm() must come first")
+        })?;
+        vllm.free_list_sentinels = Some([head, tail]);
+        Ok(())
+    }
+
+    /// The first (or, with `last`, the last) free block, or the opposite sentinel
+    /// when the queue is empty (vLLM's `fake_free_list_head.next_free_block`).
+    #[pyo3(signature = (last=false))]
+    fn core_free_list_end(slf: &Bound<'_, Self>, last: bool) -> PyResult<Option<Py<PyAny>>> {
+        let end = {
+            let this = slf.borrow();
+            let q = this.core.block_pool().free_block_queue();
+            if last {
+                q.last()
+            } else {
+                q.first()
+            }
+        };
+        Self::link_target(slf, end, !last)
     }
 
     // ---- vLLM's KVCacheManager interface (hot paths) -------------------------------
@@ -777,6 +847,10 @@ impl PyKVCacheCore {
             }
             visit.call(&v.event_sink)?;
             visit.call(&v.cached_block_event_sink)?;
+            if let Some(s) = &v.free_list_sentinels {
+                visit.call(&s[0])?;
+                visit.call(&s[1])?;
+            }
         }
         Ok(())
     }

@@ -44,11 +44,33 @@ class _BlockList(Sequence[KVCacheBlock]):
         return (self._core.block(i) for i in range(len(self)))
 
 
+class _FreeListSentinel:
+    """vLLM's ``fake_free_list_head`` / ``fake_free_list_tail`` (``block_id == -1``):
+    the ends of the free queue's intrusive links, answered from the core."""
+
+    block_id = -1
+    is_null = False
+
+    def __init__(self, core: KVCacheCore, is_head: bool) -> None:
+        self._core = core
+        self._is_head = is_head
+
+    @property
+    def next_free_block(self) -> Any:
+        return self._core.core_free_list_end(False) if self._is_head else None
+
+    @property
+    def prev_free_block(self) -> Any:
+        return None if self._is_head else self._core.core_free_list_end(True)
+
+
 class FreeKVCacheBlockQueue:
     """Read-only view of the core's free queue (head = next block to reuse)."""
 
     def __init__(self, core: KVCacheCore) -> None:
         self._core = core
+        self.fake_free_list_head = _FreeListSentinel(core, is_head=True)
+        self.fake_free_list_tail = _FreeListSentinel(core, is_head=False)
 
     @property
     def num_free_blocks(self) -> int:

@@ -38,7 +38,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from vllm.distributed.kv_events import BlockStored
 from vllm.logger import init_logger
+from vllm.v1.core import kv_cache_manager as _vllm_kv_cache_manager
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
@@ -117,6 +119,9 @@ class _SingleTypeManagerView:
         self.enable_caching = manager.enable_caching
         self.use_eagle = manager.use_eagle
         self.records_new_block_ids = manager.kv_cache_config.needs_kv_cache_zeroing
+        # Copy-on-write pairs: full attention never makes them, but KV connectors and
+        # tests may queue (source, copy) blocks here; take_kv_cache_block_copies drains.
+        self._pending_cow_copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
 
     @property
     def req_to_blocks(self) -> dict[str, list[KVCacheBlock]]:
@@ -302,6 +307,8 @@ class KVCacheManager(KVCacheCore):
             self.block_pool.drain_core_events if enable_kv_cache_events else None,
             self._emit_cached_block_events if enable_kv_cache_events else None,
         )
+        queue = self.block_pool.free_block_queue
+        self._bind_free_list_sentinels(queue.fake_free_list_head, queue.fake_free_list_tail)
 
     # -- stats ----------------------------------------------------------------------
 
@@ -389,12 +396,20 @@ class KVCacheManager(KVCacheCore):
         return True
 
     def take_events(self) -> list[Any]:
+        """The pool's events; ``BlockStored`` ones annotated with the group's spec."""
         events = self.block_pool.take_events()
-        kind, sliding_window = self.kv_cache_event_metadata[0]
         for event in events:
-            if getattr(event, "group_idx", None) == 0 and hasattr(event, "kv_cache_spec_kind"):
-                setattr(event, "kv_cache_spec_kind", kind)  # noqa: B010
-                setattr(event, "kv_cache_spec_sliding_window", sliding_window)  # noqa: B010
+            if not isinstance(event, BlockStored) or event.group_idx is None:
+                continue
+            if not 0 <= event.group_idx < len(self.kv_cache_event_metadata):
+                # vLLM's own logger and words: log consumers see the same line.
+                _vllm_kv_cache_manager.logger.warning(
+                    "Group index `%s` not in KV cache metadata", event.group_idx
+                )
+                continue
+            kind, sliding_window = self.kv_cache_event_metadata[event.group_idx]
+            event.kv_cache_spec_kind = kind
+            event.kv_cache_spec_sliding_window = sliding_window
         return events
 
     # -- block tables -------------------------------------------------------------------
@@ -412,8 +427,11 @@ class KVCacheManager(KVCacheCore):
     # -- worker-side hand-offs ----------------------------------------------------------
 
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
-        """No copy-on-write in full-attention-only models."""
-        return [], []
+        """Drains queued copy-on-write pairs: ``(copies, both endpoints of each)``."""
+        manager = self.coordinator.single_type_managers[0]
+        pairs, manager._pending_cow_copies = manager._pending_cow_copies, []
+        copies = [KVCacheBlockCopy(src.block_id, dst.block_id) for src, dst in pairs]
+        return copies, [block for pair in pairs for block in pair]
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         """Only Mamba "align" groups hand off boundary states."""
