@@ -40,8 +40,8 @@ from typing import Any
 
 from vllm.distributed.kv_events import BlockStored
 from vllm.logger import init_logger
-from vllm.v1.core import kv_cache_manager as _vllm_kv_cache_manager
 from vllm.utils.math_utils import cdiv
+from vllm.v1.core import kv_cache_manager as _vllm_kv_cache_manager
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
