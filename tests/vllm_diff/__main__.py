@@ -1,0 +1,120 @@
+"""Command line for the differential harness.
+
+    cd tests && python -m vllm_diff --seeds 0:200 --ops 500            # hscache.vllm vs vLLM
+    cd tests && python -m vllm_diff --candidate vllm_diff.mutants:FreeForwardOrder --seeds 0:5
+    cd tests && python -m vllm_diff --seeds 17 --minimize --dump /tmp/repro   # short repro
+    cd tests && python -m vllm_diff --replay /tmp/repro/seed17.json
+
+Environment: VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 (set by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import logging
+import os
+import sys
+import time
+
+
+def _seeds(spec: str) -> list[int]:
+    out: list[int] = []
+    for part in spec.split(","):
+        if ":" in part:
+            a, b = part.split(":")
+            out.extend(range(int(a), int(b)))
+        else:
+            out.append(int(part))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m vllm_diff",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--candidate",
+        default=None,
+        help="module:Class (default $HSCACHE_DIFF_CANDIDATE or hscache.vllm:KVCacheManager)",
+    )
+    ap.add_argument("--seeds", default="0:200", help="e.g. 0:200 or 3,17,40:50")
+    ap.add_argument("--ops", type=int, default=500, help="manager calls per trace")
+    ap.add_argument("--minimize", action="store_true", help="shrink each divergence")
+    ap.add_argument("--dump", default=None, help="write <dir>/seed<N>.json replay files")
+    ap.add_argument("--replay", default=None, help="replay a dumped .json trace")
+    ap.add_argument("--keep-going", action="store_true", help="do not stop at the first failure")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+
+    from . import trace
+
+    if not args.verbose:
+        for name in ("vllm", "vllm.v1.core.block_pool", "hscache"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+    candidate = trace.load_candidate(args.candidate)
+    print(f"candidate: {candidate.__module__}.{candidate.__qualname__}", flush=True)
+
+    if args.replay:
+        cfg, actions = trace.load_repro(args.replay)
+        print(trace.format_actions(actions))
+        try:
+            n = trace.replay(actions, cfg, candidate)
+        except trace.Divergence as d:
+            print(d)
+            return 1
+        print(f"no divergence ({n} calls)")
+        return 0
+
+    total = collections.Counter()
+    failures = 0
+    t0 = time.perf_counter()
+    for seed in _seeds(args.seeds):
+        cfg = trace.config_for_seed(seed, num_ops=args.ops)
+        t1 = time.perf_counter()
+        try:
+            summary = trace.run_trace(seed, cfg, candidate)
+        except trace.Divergence as d:
+            failures += 1
+            print(f"--- seed {seed} [{cfg.short()}]\n{d}", flush=True)
+            actions = d.actions
+            if args.minimize:
+                actions, best = trace.minimize(d, candidate)
+                print(
+                    f"--- minimized ({len(d.actions)} -> {len(actions)} actions; "
+                    f"from trace seed={best.seed}, config {best.config.short()}):"
+                )
+                print(trace.format_actions(actions))
+                print(f"config: {best.config}")
+                d = best
+            if args.dump:
+                os.makedirs(args.dump, exist_ok=True)
+                path = os.path.join(args.dump, f"seed{seed}.json")
+                trace.dump_repro(
+                    path,
+                    dataclasses.replace(d.config, deep_every=1) if args.minimize else d.config,
+                    actions,
+                )
+                print(f"wrote {path}")
+            if not args.keep_going:
+                return 1
+            continue
+        total.update(summary)
+        if args.verbose:
+            print(
+                f"seed {seed} [{cfg.short()}] ok: {summary.get('calls')} calls "
+                f"{time.perf_counter() - t1:.2f}s",
+                flush=True,
+            )
+    dt = time.perf_counter() - t0
+    print(f"{len(_seeds(args.seeds)) - failures} traces ok, {failures} diverged, {dt:.1f}s")
+    print("coverage:", dict(sorted(total.items())))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
