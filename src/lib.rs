@@ -12,6 +12,9 @@
 //! - [`hash_index`]: `BlockHashToBlockMap`, hash key → cached block(s), duplicates kept.
 //! - [`pool`]: `BlockPool`, ref counts, lazy eviction, events.
 //! - [`events`]: KV-cache event records.
+//! - [`hash`]: block hashing, bit-exact with every vLLM algorithm, plus BLAKE3; the
+//!   incremental request block hasher.
+//! - [`extra_keys`]: block-hash extra keys (LoRA, multimodal, cache salt, prompt embeds).
 //! - [`stats`]: opt-in per-operation latency counters (`hscache.stats()`).
 //! - [`testing`]: deterministic fixtures shared by tests and benches.
 //! - [`manager`]: the `KVCacheManager` facade and the full-attention group manager.
@@ -23,7 +26,9 @@
 pub mod encoder_cache;
 pub mod error;
 pub mod events;
+pub mod extra_keys;
 pub mod free_queue;
+pub mod hash;
 pub mod hash_index;
 pub mod manager;
 pub mod pool;

@@ -8,6 +8,7 @@ mod block;
 mod blocks;
 mod encoder_cache;
 mod errors;
+mod hasher;
 mod hashes;
 mod manager;
 mod slots;
@@ -69,6 +70,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         encoder_cache::py_compute_mm_encoder_budget,
         m
     )?)?;
+    m.add_class::<hasher::PyRequestBlockHasher>()?;
+    m.add_function(wrap_pyfunction!(hasher::hash_block_tokens, m)?)?;
+    m.add_function(wrap_pyfunction!(hasher::hash_object, m)?)?;
+    m.add_function(wrap_pyfunction!(hasher::serialize, m)?)?;
+    m.add_function(wrap_pyfunction!(hasher::blake3_digest, m)?)?;
+    m.add_function(wrap_pyfunction!(hasher::blake3_block, m)?)?;
     errors::register(m)?;
     Ok(())
 }
