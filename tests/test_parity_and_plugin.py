@@ -56,9 +56,18 @@ def test_plugin_is_declared_and_switches_the_stock_scheduler(
     monkeypatch.setenv("HSCACHE", "1")
     monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
     vllm.plugins.load_general_plugins()  # what EngineCore.__init__ does first
-    sched = make_scheduler(scheduler_module.Scheduler, Path(model_dir()), 64)
-    assert isinstance(sched.kv_cache_manager, hscache.vllm.KVCacheManager)
-    assert isinstance(sched.encoder_cache_manager, hscache.vllm.EncoderCacheManager)
+    import vllm.v1.engine.core as engine_core
+    from hscache.vllm.block_hasher import uninstall_block_hasher
+
+    try:
+        sched = make_scheduler(scheduler_module.Scheduler, Path(model_dir()), 64)
+        assert isinstance(sched.kv_cache_manager, hscache.vllm.KVCacheManager)
+        assert isinstance(sched.encoder_cache_manager, hscache.vllm.EncoderCacheManager)
+        # EngineCore's hasher factory is hscache's now.
+        hasher = engine_core.get_request_block_hasher(16, __import__("vllm").utils.hashing.sha256)
+        assert getattr(hasher, "hscache_algo", None) == "sha256"
+    finally:
+        uninstall_block_hasher()
 
 
 def test_plugin_does_nothing_without_the_env_flag(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,7 +4,8 @@ Registered as the ``vllm.general_plugins`` entry point ``hscache`` (pyproject.to
 vLLM calls :func:`register` in every engine process before it builds the scheduler.
 With ``HSCACHE=1`` it rebinds, in vLLM's scheduler module, the names of the managers the
 Scheduler builds (:func:`scheduler_bindings`), so both the synchronous and the async
-scheduler use hscache's; without it the plugin does nothing.
+scheduler use hscache's, and installs hscache's request block hasher (which ``EngineCore``
+builds after the scheduler); without it the plugin does nothing.
 ``--scheduler-cls hscache.vllm.Scheduler`` uses the same bindings, for its constructor
 only.
 """
@@ -39,5 +40,8 @@ def register() -> None:
         return
     import vllm.v1.core.sched.scheduler as scheduler_module
 
+    from hscache.vllm.block_hasher import install_block_hasher
+
     for name, obj in scheduler_bindings().items():
         setattr(scheduler_module, name, obj)
+    install_block_hasher()
