@@ -5,10 +5,11 @@
 # mode), then runs every check in turn and keeps going after a failure, so that one run
 # shows everything that is wrong:
 #   rustfmt, clippy (with and without the `python` feature), cargo test,
-#   ruff check + ruff format --check, pytest tests/ (hscache's own Python tests),
+#   ruff check + ruff format --check, mypy --strict, pytest tests/ (hscache's own Python tests),
 #   vLLM 0.33.0's own unit tests with hscache's KVCacheManager swapped in
 #   (tests/vllm_upstream/run.sh --swap; failures listed in known_failures.txt, which fail
-#   without the swap too, are expected).
+#   without the swap too, are expected), and the wheel smoke test (scripts/wheel_smoke.sh:
+#   build the abi3 wheel, install it into a fresh venv, run vLLM's Scheduler from there).
 # Ends with one line, `hscache tests: N passed, M failed`, and exits non-zero on any failure.
 #
 # HSCACHE_TEST_SKIP="clippy vllm-upstream ..." skips steps by name (reported as skipped).
@@ -68,11 +69,13 @@ step rustfmt cargo fmt --all -- --check
 step clippy cargo clippy --all-targets --quiet -- -D warnings
 step clippy-python cargo clippy --all-targets --features python --quiet -- -D warnings
 step cargo-test timeout 1800 cargo test --quiet
-step ruff-check ruff check python tests benches
-step ruff-format ruff format --check python tests benches
+step ruff-check ruff check python tests benches examples scripts
+step ruff-format ruff format --check python tests benches examples scripts
+step mypy timeout 900 mypy --strict --ignore-missing-imports --follow-imports=silent python/hscache
 step build timeout 1800 maturin develop --release --quiet
 step_after build pytest run_pytest
 step_after build vllm-upstream bash tests/vllm_upstream/run.sh --swap
+step wheel-smoke timeout 1200 bash scripts/wheel_smoke.sh
 
 passed=0
 failed=0
