@@ -396,12 +396,21 @@ def core_hasher(algo: str = "sha256", hbs: int = 2) -> Any:
     return _core.RequestBlockHasher(algo, hbs)
 
 
-def test_token_ids_outside_u32_raise() -> None:
+def test_token_ids_outside_u32_take_vllms_path_with_vllms_hashes() -> None:
+    """vLLM hashes any int (its tests use -1 placeholders): the core declines such ids
+    (UnsupportedError) and the drop-in hashes that call with vLLM's own hasher."""
     for bad in (-1, 2**32, 2**70):
-        with pytest.raises(InvalidArgumentError, match=r"outside 0\.\.2"):
+        with pytest.raises(UnsupportedError, match=r"outside 0\.\.2"):
             core_hasher().hash_new_blocks([], [1, bad, 3, 4], kcu.NONE_HASH)
-        with pytest.raises(InvalidArgumentError):
+        with pytest.raises(UnsupportedError):
             _core.hash_block_tokens("sha256", kcu.NONE_HASH, [bad])
+        assert bh.hash_block_tokens(hashing.sha256, None, [1, bad]) == kcu.hash_block_tokens(
+            hashing.sha256, None, [1, bad]
+        )
+        ours = bh.get_request_block_hasher(2, hashing.sha256)
+        theirs = kcu.get_request_block_hasher(2, hashing.sha256)
+        req = make_request({"prompt_token_ids": [5, bad, 7, 8, 9]}, None)
+        assert ours(req) == theirs(req)
 
 
 def test_non_bytes_parent_raises() -> None:

@@ -166,3 +166,29 @@ def test_latency_counters_are_opt_in_and_count_calls() -> None:
     finally:
         hscache.enable_stats(False)
         hscache.reset_stats()
+
+
+def test_kv_event_batch_round_trips_through_msgspec_like_vllms() -> None:
+    """hscache's events, published in vLLM's KVEventBatch, encode to the same msgpack
+    bytes as vLLM's own and decode back to equal events (what a subscriber sees)."""
+    import msgspec
+    from vllm.distributed.kv_events import KVEventBatch
+
+    batches = []
+    for cls in (VllmKVCacheManager, KVCacheManager):
+        m = cls(**manager_kwargs(5, block_size=4))
+        common = list(range(8))
+        r0 = make_request("a", [*common, 100, 101, 102, 103, 104], block_size=4)
+        _admit(m, r0)
+        m.free(r0)
+        r1 = make_request("b", [*common, 200, 201, 202, 203, 204], block_size=4)
+        _admit(m, r1)  # evicts a's tail (BlockRemoved), stores b's blocks
+        m.free(r1)
+        assert m.reset_prefix_cache()
+        batch = KVEventBatch(ts=1.5, events=m.take_events(), data_parallel_rank=0)
+        batches.append(msgspec.msgpack.encode(batch))
+    assert batches[0] == batches[1]
+    decoded = msgspec.msgpack.decode(batches[1], type=KVEventBatch)
+    kinds = [type(e).__name__ for e in decoded.events]
+    assert kinds[0] == "BlockStored" and "BlockRemoved" in kinds
+    assert kinds[-1] == "AllBlocksCleared"

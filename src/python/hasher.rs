@@ -175,8 +175,9 @@ impl<'py> ValueHolder<'py> {
     }
 }
 
-/// Token ids as `u32`; a value outside `0..2**32` is an `InvalidArgumentError`,
-/// a non-`int` (`bool`, numpy ints) an `UnsupportedError`.
+/// Token ids as `u32`. A value outside `0..2**32` (vLLM's tests use `-1` placeholders)
+/// or a non-`int` (`bool`, numpy ints) is an `UnsupportedError`: the Python layer then
+/// hashes that call with vLLM's own hasher, which accepts any int.
 fn read_tokens(
     seq: &Bound<'_, PyAny>,
     start: usize,
@@ -189,7 +190,7 @@ fn read_tokens(
             return Err(unsupported(&format!("token id at index {i}"), item));
         }
         item.extract::<u32>().map_err(|_| {
-            InvalidArgumentError::new_err(format!(
+            UnsupportedError::new_err(format!(
                 "token id {} at index {i} is outside 0..2**32",
                 item.repr()
                     .map(|r| r.to_string())
