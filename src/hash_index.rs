@@ -71,44 +71,50 @@ impl BlockHashToBlockMap {
         }
     }
 
-    /// Indexes `block_id` under `key` (after any block already there).
+    /// Indexes `block_id` under `key` (after any block already there). One table
+    /// probe: the index is large and every probe is a likely cache miss.
     #[inline]
     pub fn insert(&mut self, key: BlockHashWithGroupId, block_id: BlockId) {
-        match self.map.get_mut(&key) {
-            None => {
-                self.map.insert(key, Entry::One(block_id));
+        match self.map.entry(key) {
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(Entry::One(block_id));
             }
-            Some(entry) => match entry {
-                Entry::One(old) => *entry = Entry::Many(vec![*old, block_id]),
-                Entry::Many(ids) => ids.push(block_id),
-            },
+            std::collections::hash_map::Entry::Occupied(mut o) => {
+                let entry = o.get_mut();
+                match entry {
+                    Entry::One(old) => *entry = Entry::Many(vec![*old, block_id]),
+                    Entry::Many(ids) => ids.push(block_id),
+                }
+            }
         }
     }
 
     /// Removes `block_id` from `key`; returns whether it was there. The key goes
-    /// away with its last block.
+    /// away with its last block. The common case (the key holds only this block)
+    /// costs one table probe.
     #[inline]
     pub fn pop(&mut self, key: &BlockHashWithGroupId, block_id: BlockId) -> bool {
-        let Some(entry) = self.map.get_mut(key) else {
+        let Some(entry) = self.map.remove(key) else {
             return false;
         };
         match entry {
-            Entry::One(id) => {
-                if *id != block_id {
-                    return false;
-                }
-                self.map.remove(key);
-                true
+            Entry::One(id) if id == block_id => true,
+            Entry::One(_) => {
+                self.map.insert(*key, entry);
+                false
             }
-            Entry::Many(ids) => {
-                let Some(pos) = ids.iter().position(|&b| b == block_id) else {
-                    return false;
+            Entry::Many(mut ids) => {
+                let found = match ids.iter().position(|&b| b == block_id) {
+                    Some(pos) => {
+                        ids.remove(pos);
+                        true
+                    }
+                    None => false,
                 };
-                ids.remove(pos);
-                if ids.is_empty() {
-                    self.map.remove(key);
+                if !ids.is_empty() {
+                    self.map.insert(*key, Entry::Many(ids));
                 }
-                true
+                found
             }
         }
     }

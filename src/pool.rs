@@ -344,9 +344,9 @@ impl BlockPool {
                 group_id,
             };
             let num_tokens = ((i + 1) * block_size) as u32;
-            if self.block_hash[id as usize] == Some(key)
-                || self.cached_block_hash_to_block.contain(&key, id)
-            {
+            // The index maps a key to a block iff it is the block's hash (no
+            // secondary keys here), so this one check stands for vLLM's `contain`.
+            if self.block_hash[id as usize] == Some(key) {
                 continue;
             }
             self.block_hash[id as usize] = Some(key);
