@@ -19,10 +19,8 @@ Run (CPU, offline)::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,46 +29,20 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+from hscache.bench.scheduler_level import make_scheduler
 from hscache.hidden_states import HiddenStateCache, KeySpec, StepPlan, StepRows
 from hscache.vllm import Scheduler
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-)
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
 
 init_none_hash(sha256)
 
 VOCAB = 1000
 _P = 2_147_483_647  # 2^31 - 1: every product below stays under 2^62
-
-# The model config of facebook/opt-125m (configuration only: no weights, no tokenizer).
-_OPT_125M = {
-    "architectures": ["OPTForCausalLM"],
-    "model_type": "opt",
-    "hidden_size": 768,
-    "num_attention_heads": 12,
-    "num_hidden_layers": 12,
-    "ffn_dim": 3072,
-    "max_position_embeddings": 2048,
-    "vocab_size": 50272,
-    "word_embed_proj_dim": 768,
-    "do_layer_norm_before": True,
-    "torch_dtype": "float16",
-    "bos_token_id": 2,
-    "eos_token_id": 2,
-    "pad_token_id": 1,
-}
-_model_dir: str | None = None
 
 
 class ToyCausalModel:
@@ -118,15 +90,6 @@ class ToyCausalModel:
         return int(self.state(token_ids, end)[-1]) % VOCAB
 
 
-def _opt_model_dir() -> str:
-    global _model_dir
-    if _model_dir is None:
-        _model_dir = tempfile.mkdtemp(prefix="hscache-opt125m-")
-        with open(os.path.join(_model_dir, "config.json"), "w") as f:
-            json.dump(_OPT_125M, f)
-    return _model_dir
-
-
 def build_scheduler(
     *,
     num_blocks: int,
@@ -138,47 +101,15 @@ def build_scheduler(
     use_v2_model_runner: bool = False,
 ) -> Scheduler:
     """vLLM's ``Scheduler`` with hscache's manager, built offline the way vLLM's tests do."""
-    model_config = ModelConfig(
-        model=_opt_model_dir(),
-        dtype="float16",
-        seed=0,
-        skip_tokenizer_init=True,
-        max_model_len=max_model_len,
-    )
-    scheduler_config = SchedulerConfig(
+    scheduler: Scheduler = make_scheduler(
+        Scheduler,
+        num_blocks,
+        block_size=block_size,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         long_prefill_token_threshold=long_prefill_token_threshold,
-        enable_chunked_prefill=True,
-        is_encoder_decoder=False,
         watermark=0.0,
-    )
-    cache_config = CacheConfig(
-        block_size=block_size,
-        gpu_memory_utilization=0.9,
-        cache_dtype="auto",
-        enable_prefix_caching=True,
-    )
-    vllm_config = VllmConfig(
-        scheduler_config=scheduler_config, model_config=model_config, cache_config=cache_config
-    )
-    spec = FullAttentionSpec(
-        block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
-    )
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
-    )
-    cache_config.num_gpu_blocks = num_blocks
-    register_all_kvcache_specs(vllm_config)
-    scheduler = Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        block_size=block_size,
-        log_stats=True,
-        structured_output_manager=StructuredOutputManager(vllm_config),
     )
     scheduler.use_v2_model_runner = use_v2_model_runner
     return scheduler

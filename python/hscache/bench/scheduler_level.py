@@ -62,11 +62,15 @@ def make_scheduler(
     max_num_batched_tokens: int = 8192,
     max_model_len: int = 16384,
     async_scheduling: bool = False,
+    long_prefill_token_threshold: int = 0,
+    watermark: float | None = None,
     model_path: Path | None = None,
 ) -> Any:
-    """A vLLM ``Scheduler`` (or subclass ``cls``) with one full-attention KV-cache group."""
+    """A vLLM ``Scheduler`` (or subclass ``cls``) with one full-attention KV-cache group,
+    built offline the way vLLM's own tests build one."""
     import torch
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -77,13 +81,16 @@ def make_scheduler(
         skip_tokenizer_init=True,
         max_model_len=max_model_len,
     )
+    extra: dict[str, Any] = {} if watermark is None else {"watermark": watermark}
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
+        long_prefill_token_threshold=long_prefill_token_threshold,
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
         async_scheduling=async_scheduling,
+        **extra,
     )
     cache_config = CacheConfig(
         block_size=block_size,
@@ -103,6 +110,7 @@ def make_scheduler(
         kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
     )
     cache_config.num_gpu_blocks = num_blocks
+    register_all_kvcache_specs(vllm_config)
     return cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
