@@ -73,6 +73,7 @@ step ruff-check ruff check python tests benches examples scripts
 step ruff-format ruff format --check python tests benches examples scripts
 step mypy timeout 900 mypy --strict --ignore-missing-imports --follow-imports=silent python/hscache
 step build timeout 1800 maturin develop --release --quiet
+step_after build stubtest python -m mypy.stubtest hscache._core --allowlist tests/stubtest_allowlist.txt
 step_after build pytest run_pytest
 step_after build vllm-upstream bash tests/vllm_upstream/run.sh --swap
 step wheel-smoke timeout 1200 bash scripts/wheel_smoke.sh

@@ -1,7 +1,7 @@
 """Type stubs of the compiled extension ``hscache._core`` (built from ``src/python/``)."""
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal, overload
+from typing import Any, Literal, final, overload
 
 __version__: str
 build_profile: str
@@ -19,6 +19,7 @@ class InvalidArgumentError(ValueError): ...
 class FreeQueueError(RuntimeError): ...
 class UnsupportedError(NotImplementedError): ...
 
+@final
 class KVCacheBlock:
     """Handle of one KV-cache block; one object per block id, fields read from the core."""
 
@@ -39,6 +40,7 @@ class KVCacheBlock:
     @property
     def prev_free_block(self) -> Any: ...
 
+@final
 class KVCacheBlocks:
     """vLLM's ``KVCacheBlocks`` (duck-typed), block ids held in Rust."""
 
@@ -55,7 +57,8 @@ class KVCacheBlocks:
     def get_unhashed_block_ids(self) -> list[int]: ...
     def get_unhashed_block_ids_all_groups(self) -> list[list[int]]: ...
     def new_empty(self) -> KVCacheBlocks: ...
-    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks: ...
+    def __add__(self, other: KVCacheBlocks, /) -> KVCacheBlocks: ...
+    def __radd__(self, other: KVCacheBlocks, /) -> KVCacheBlocks: ...
 
 StoredEvent = tuple[str, int, int, int, int]
 RemovedEvent = tuple[str, bytes, int]
@@ -221,6 +224,7 @@ def compute_mm_encoder_budget(
 # num_tokens[n] and query_start_loc[n + 1].
 SlotPlan = tuple[int, list[str], bytearray, bytearray]
 
+@final
 class SlotReads:
     """The validated reads of one committed step (``SlotMirror.commit``)."""
 
@@ -239,10 +243,13 @@ class SlotReads:
     def slots(self) -> bytearray: ...
     def __len__(self) -> int: ...
 
+@final
 class SlotMirror:
     """Worker-side mirror of KV block assignments: epochs, slot mappings, validated reads."""
 
-    def __init__(self, *, num_blocks: int, block_size: int, kv_cache_group: int = 0) -> None: ...
+    def __new__(
+        cls, *, num_blocks: int, block_size: int, kv_cache_group: int = 0
+    ) -> SlotMirror: ...
     @property
     def num_blocks(self) -> int: ...
     @property
@@ -276,12 +283,13 @@ class SlotMirror:
 
 # --- block hashing (src/python/hasher.rs) ---
 
+@final
 class RequestBlockHasher:
     """hscache's ``get_request_block_hasher``: the new full-block hashes of a request."""
 
-    def __init__(
-        self, algo: str, hash_block_size: int, num_hash_lookahead_tokens: int = 0
-    ) -> None: ...
+    def __new__(
+        cls, algo: str, hash_block_size: int, num_hash_lookahead_tokens: int = 0
+    ) -> RequestBlockHasher: ...
     @property
     def algo(self) -> str: ...
     @property

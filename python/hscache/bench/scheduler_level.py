@@ -110,7 +110,7 @@ def make_scheduler(
         kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
     )
     cache_config.num_gpu_blocks = num_blocks
-    register_all_kvcache_specs(vllm_config)
+    register_all_kvcache_specs(vllm_config)  # type: ignore[no-untyped-call]
     return cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
