@@ -20,6 +20,15 @@ use crate::error::{Error, Result};
 use crate::pool::BlockPool;
 use crate::types::{cdiv, BlockHashSource, BlockId, NULL_BLOCK_ID};
 
+/// What `try_allocate_running` needs to cache the request's newly full blocks.
+pub struct RunningCache<'a, H: BlockHashSource + ?Sized> {
+    pub block_hashes: &'a H,
+    /// `total_computed + num_new_tokens`, before the `num_tokens` cap.
+    pub upper: usize,
+    pub num_tokens: &'a dyn Fn() -> Result<usize>,
+    pub num_reprefillable_tokens: usize,
+}
+
 /// Per-request bookkeeping of one group.
 #[derive(Clone, Debug, Default)]
 pub struct RequestBlocks {
@@ -303,6 +312,72 @@ impl FullAttentionManager {
         let num_hashed_tokens = block_hashes.len() * pool.hash_block_size();
         let num_full = num_tokens.min(num_hashed_tokens) / self.block_size;
         (num_cached, num_full)
+    }
+
+    /// `allocate_slots` for a request that already has a table and adopts no hits
+    /// or external tokens (decode steps and later prefill chunks): the same
+    /// decisions as the general path with one table lookup. `Ok(None)`: the request
+    /// has no table yet (the caller takes the general path).
+    #[allow(clippy::too_many_arguments)]
+    pub fn try_allocate_running<H: BlockHashSource + ?Sized>(
+        &mut self,
+        pool: &mut BlockPool,
+        request_id: &str,
+        num_tokens_need_slot: usize,
+        budget: i64,
+        cache: Option<RunningCache<'_, H>>,
+        out: &mut Vec<BlockId>,
+    ) -> Result<Option<bool>> {
+        let Some(req) = self.requests.get_mut(request_id) else {
+            return Ok(None);
+        };
+        let bs = self.block_size;
+        let required = cdiv(num_tokens_need_slot, bs);
+        let have = req.blocks.len();
+        let need = required.saturating_sub(have);
+        if need as i64 > budget {
+            return Ok(Some(false));
+        }
+        // Caching: validate before anything changes.
+        let mut cache_to = None;
+        if let Some(c) = cache {
+            let num_cached = req.num_cached_block.unwrap_or(0);
+            let num_hashed = c.block_hashes.len() * pool.hash_block_size();
+            if c.upper.min(num_hashed) / bs > num_cached {
+                let n = c
+                    .upper
+                    .min((c.num_tokens)()?)
+                    .saturating_sub(c.num_reprefillable_tokens);
+                let num_full = n.min(num_hashed) / bs;
+                if num_full > num_cached {
+                    if num_full > have + need {
+                        return Err(Error::InvalidArgument(format!(
+                            "cannot cache {num_full} blocks of request {request_id:?}: only {} \
+                             allocated",
+                            have + need
+                        )));
+                    }
+                    let known = num_full.min(have);
+                    pool.check_cacheable(c.block_hashes, &req.blocks[..known], num_cached, known)?;
+                    for i in known..num_full {
+                        c.block_hashes.get(i)?;
+                    }
+                    cache_to = Some((c.block_hashes, num_cached, num_full));
+                }
+            }
+        }
+        if need > 0 {
+            pool.get_new_blocks(need, &mut req.blocks)?;
+            out.extend_from_slice(&req.blocks[have..]);
+            if self.record_new_block_ids {
+                self.new_block_ids.extend_from_slice(&req.blocks[have..]);
+            }
+        }
+        if let Some((hashes, num_cached, num_full)) = cache_to {
+            pool.cache_full_blocks(hashes, &req.blocks, num_cached, num_full, bs, self.group_id)?;
+            req.num_cached_block = Some(num_full);
+        }
+        Ok(Some(true))
     }
 
     /// Registers the request's newly full blocks in the prefix-cache index.

@@ -32,7 +32,7 @@ use crate::error::{Error, Result};
 use crate::events::KVCacheEvent;
 use crate::pool::BlockPool;
 use crate::types::{cdiv, BlockHashSource, BlockId};
-pub use full_attention::FullAttentionManager;
+pub use full_attention::{FullAttentionManager, RunningCache};
 
 /// Construction parameters (vLLM's `KVCacheManager` keywords, resolved for one group).
 #[derive(Clone, Debug)]
@@ -219,6 +219,29 @@ impl KVCacheManager {
             0
         };
         let free = self.pool.get_num_free_blocks();
+
+        if !adopt && !args.full_sequence_must_fit {
+            let need_slot = (total + args.num_new_tokens + args.num_lookahead_tokens)
+                .min(self.config.max_model_len);
+            let cache =
+                (self.config.enable_caching && !args.delay_cache_blocks).then(|| RunningCache {
+                    block_hashes: request.block_hashes,
+                    upper: total + args.num_new_tokens,
+                    num_tokens: request.num_tokens,
+                    num_reprefillable_tokens: self.config.num_reprefillable_tokens,
+                });
+            let budget = free as i64 - args.reserved_blocks as i64 - watermark as i64;
+            if let Some(done) = self.manager.try_allocate_running(
+                &mut self.pool,
+                rid,
+                need_slot,
+                budget,
+                cache,
+                out,
+            )? {
+                return Ok(done);
+            }
+        }
 
         if args.full_sequence_must_fit {
             let full = (request.num_tokens)()?.min(self.config.max_model_len);
