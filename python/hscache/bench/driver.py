@@ -218,20 +218,6 @@ class RunResult:
     checked: bool
 
 
-def _stats_key(stats: Any) -> Decision:
-    if stats is None:
-        return (None,)
-    return (
-        stats.reset,
-        stats.requests,
-        stats.queries,
-        stats.hits,
-        stats.preempted_requests,
-        stats.preempted_queries,
-        stats.preempted_hits,
-    )
-
-
 class Side:
     """One manager and its private copy of the scheduler state (waiting / running queues)."""
 
@@ -458,7 +444,9 @@ class Side:
         counters.running_sum += len(self.running)
         if check:
             out.append(("events", list(events)))
-            out.append(("stats", _stats_key(stats)))
+            from hscache.vllm.parity import prefix_cache_stats_key
+
+            out.append(("stats", prefix_cache_stats_key(stats)))
             out.append(("usage", usage))
             if self._num_free is not None:
                 out.append(("free-blocks", self._num_free()))

@@ -37,7 +37,8 @@ def _ids(blocks: Any) -> Any:
     return None if blocks is None else blocks.get_block_ids()
 
 
-def _stats(stats: Any) -> Any:
+def prefix_cache_stats_key(stats: Any) -> Any:
+    """Comparable form of a vLLM ``PrefixCacheStats`` (or None)."""
     if stats is None:
         return None
     return (
@@ -216,7 +217,9 @@ class ParityKVCacheManager:
         self.vllm.record_prefix_cache_stats(request, num_hits)
 
     def make_prefix_cache_stats(self) -> Any:
-        return self._both("make_prefix_cache_stats", "make_prefix_cache_stats", _stats)
+        return self._both(
+            "make_prefix_cache_stats", "make_prefix_cache_stats", prefix_cache_stats_key
+        )
 
     def take_events(self) -> list[Any]:
         return list(
