@@ -68,6 +68,19 @@ PLACEHOLDER_TOKEN = 9999
 VOCAB = 500
 
 
+# Optional request features a trace's "new" action may carry (repro text, coverage).
+REQUEST_FEATURES = (
+    "mm",
+    "lora",
+    "salt",
+    "logprobs",
+    "report_full",
+    "session",
+    "embeds_seed",
+    "resumable",
+)
+
+
 class Divergence(AssertionError):
     """The candidate answered or behaved differently from vLLM's manager."""
 
@@ -626,16 +639,7 @@ def render_action(action: list) -> str:
     if kind == "new":
         s = action[1]
         extras = []
-        for key in (
-            "mm",
-            "lora",
-            "salt",
-            "logprobs",
-            "report_full",
-            "session",
-            "embeds_seed",
-            "resumable",
-        ):
+        for key in REQUEST_FEATURES:
             if s.get(key):
                 extras.append(f"{key}={s[key]!r}")
         return (
@@ -1848,16 +1852,7 @@ def summarize(actions: Sequence[list]) -> dict:
         if a[0] == "new":
             s = a[1]
             bump("requests")
-            for k in (
-                "mm",
-                "lora",
-                "salt",
-                "logprobs",
-                "report_full",
-                "session",
-                "embeds_seed",
-                "resumable",
-            ):
+            for k in REQUEST_FEATURES:
                 if s.get(k):
                     bump(f"req_{k}")
         elif a[0] == "call":
