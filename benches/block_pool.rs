@@ -106,7 +106,7 @@ fn hit_lookup(c: &mut Criterion) {
                     request_id: "warm",
                     num_computed_tokens: 0,
                     num_tokens: &|| Ok(tokens),
-                    block_hashes: &hashes,
+                    block_hashes: &|| Ok(&hashes),
                 };
                 let args = AllocateSlots {
                     num_new_tokens: tokens,
@@ -150,7 +150,7 @@ fn allocate_slots_prefill(c: &mut Criterion) {
                             request_id: "r",
                             num_computed_tokens: 0,
                             num_tokens: &|| Ok(tokens),
-                            block_hashes: &hashes,
+                            block_hashes: &|| Ok(&hashes),
                         };
                         let args = AllocateSlots {
                             num_new_tokens: tokens,

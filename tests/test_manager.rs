@@ -30,7 +30,7 @@ macro_rules! view {
             request_id: $id,
             num_computed_tokens: 0,
             num_tokens: &move || Ok($tokens),
-            block_hashes: $hashes,
+            block_hashes: &|| Ok($hashes),
         }
     };
 }

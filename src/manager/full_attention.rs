@@ -14,15 +14,15 @@
 //!   allocation is known to fit).
 //! - Freed tables are recycled, so steady-state admission allocates nothing.
 
-use rustc_hash::FxHashMap;
-
+use super::request_table::{RequestHandle, RequestTable};
 use crate::error::{Error, Result};
 use crate::pool::BlockPool;
 use crate::types::{cdiv, BlockHashSource, BlockId, NULL_BLOCK_ID};
 
 /// What `try_allocate_running` needs to cache the request's newly full blocks.
 pub struct RunningCache<'a, H: BlockHashSource + ?Sized> {
-    pub block_hashes: &'a H,
+    /// Read only once `upper` shows that a block may have become full.
+    pub block_hashes: &'a dyn Fn() -> Result<&'a H>,
     /// `total_computed + num_new_tokens`, before the `num_tokens` cap.
     pub upper: usize,
     pub num_tokens: &'a dyn Fn() -> Result<usize>,
@@ -47,7 +47,7 @@ pub struct FullAttentionManager {
     drop_eagle_block: bool,
     enable_caching: bool,
     record_new_block_ids: bool,
-    requests: FxHashMap<Box<str>, RequestBlocks>,
+    requests: RequestTable<RequestBlocks>,
     new_block_ids: Vec<BlockId>,
     spare_tables: Vec<Vec<BlockId>>,
 }
@@ -67,7 +67,7 @@ impl FullAttentionManager {
             drop_eagle_block,
             enable_caching,
             record_new_block_ids,
-            requests: FxHashMap::default(),
+            requests: RequestTable::default(),
             new_block_ids: Vec::new(),
             spare_tables: Vec::new(),
         }
@@ -99,7 +99,7 @@ impl FullAttentionManager {
 
     /// Iterates live requests (diagnostics).
     pub fn requests(&self) -> impl Iterator<Item = (&str, &RequestBlocks)> {
-        self.requests.iter().map(|(k, v)| (&**k, v))
+        self.requests.iter()
     }
 
     /// The request's table (empty if unknown).
@@ -111,19 +111,24 @@ impl FullAttentionManager {
     }
 
     fn entry(&mut self, request_id: &str) -> &mut RequestBlocks {
-        if !self.requests.contains_key(request_id) {
-            let blocks = self.spare_tables.pop().unwrap_or_default();
-            self.requests.insert(
-                request_id.into(),
-                RequestBlocks {
-                    blocks,
-                    num_cached_block: None,
-                },
-            );
-        }
+        let spare = &mut self.spare_tables;
         self.requests
-            .get_mut(request_id)
-            .expect("entry inserted above")
+            .get_or_insert_with(request_id, || RequestBlocks {
+                blocks: spare.pop().unwrap_or_default(),
+                num_cached_block: None,
+            })
+    }
+
+    /// The handle of a request that has bookkeeping (see `RequestTable`).
+    #[inline]
+    pub fn handle(&self, request_id: &str) -> Option<RequestHandle> {
+        self.requests.handle(request_id)
+    }
+
+    /// The request id a handle names, if it is still live.
+    #[inline]
+    pub fn request_id_of(&self, handle: RequestHandle) -> Option<&str> {
+        self.requests.key_of(handle)
     }
 
     /// Longest prefix hit: the cached blocks of the first hashes, up to
@@ -342,8 +347,13 @@ impl FullAttentionManager {
         let mut cache_to = None;
         if let Some(c) = cache {
             let num_cached = req.num_cached_block.unwrap_or(0);
-            let num_hashed = c.block_hashes.len() * pool.hash_block_size();
+            let num_hashed = if c.upper / bs > num_cached {
+                (c.block_hashes)()?.len() * pool.hash_block_size()
+            } else {
+                0
+            };
             if c.upper.min(num_hashed) / bs > num_cached {
+                let hashes = (c.block_hashes)()?;
                 let n = c
                     .upper
                     .min((c.num_tokens)()?)
@@ -358,11 +368,11 @@ impl FullAttentionManager {
                         )));
                     }
                     let known = num_full.min(have);
-                    pool.check_cacheable(c.block_hashes, &req.blocks[..known], num_cached, known)?;
+                    pool.check_cacheable(hashes, &req.blocks[..known], num_cached, known)?;
                     for i in known..num_full {
-                        c.block_hashes.get(i)?;
+                        hashes.get(i)?;
                     }
-                    cache_to = Some((c.block_hashes, num_cached, num_full));
+                    cache_to = Some((hashes, num_cached, num_full));
                 }
             }
         }

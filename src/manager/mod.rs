@@ -27,12 +27,14 @@
 //! manager exactly as it was.
 
 pub mod full_attention;
+pub mod request_table;
 
 use crate::error::{Error, Result};
 use crate::events::KVCacheEvent;
 use crate::pool::BlockPool;
 use crate::types::{cdiv, BlockHashSource, BlockId};
 pub use full_attention::{FullAttentionManager, RunningCache};
+pub use request_table::{RequestHandle, RequestTable};
 
 /// Construction parameters (vLLM's `KVCacheManager` keywords, resolved for one group).
 #[derive(Clone, Debug)]
@@ -61,7 +63,9 @@ pub struct RequestView<'a, H: BlockHashSource + ?Sized> {
     /// Prompt plus output tokens (`request.num_tokens`), read only when needed: in
     /// vLLM it is a Python property, and most decode steps never need it.
     pub num_tokens: &'a dyn Fn() -> Result<usize>,
-    pub block_hashes: &'a H,
+    /// `request.block_hashes`, read only when a block may be cached: most decode
+    /// steps never need it.
+    pub block_hashes: &'a dyn Fn() -> Result<&'a H>,
 }
 
 /// `allocate_slots`' arguments beyond the request.
@@ -268,7 +272,7 @@ impl KVCacheManager {
             None
         } else {
             let upper = total + args.num_new_tokens;
-            let num_hashed = request.block_hashes.len() * self.pool.hash_block_size();
+            let num_hashed = (request.block_hashes)()?.len() * self.pool.hash_block_size();
             let num_cached = if adopt && !self.manager.is_running(rid) {
                 hits.len()
             } else {
@@ -305,7 +309,7 @@ impl KVCacheManager {
             .allocate_new_blocks(&mut self.pool, rid, num_tokens_need_slot, out)?;
         if let Some(n) = cache_tokens {
             self.manager
-                .cache_blocks(&mut self.pool, rid, request.block_hashes, n)?;
+                .cache_blocks(&mut self.pool, rid, (request.block_hashes)()?, n)?;
         }
         Ok(true)
     }
@@ -329,7 +333,8 @@ impl KVCacheManager {
                 .and_then(|r| r.num_cached_block)
                 .unwrap_or(0)
         };
-        let num_hashed = request.block_hashes.len() * self.pool.hash_block_size();
+        let hashes = (request.block_hashes)()?;
+        let num_hashed = hashes.len() * self.pool.hash_block_size();
         let num_full = num_tokens.min(num_hashed) / self.config.block_size;
         if num_cached >= num_full {
             return Ok(());
@@ -342,7 +347,7 @@ impl KVCacheManager {
             )));
         }
         for i in num_cached..num_full {
-            request.block_hashes.get(i)?;
+            hashes.get(i)?;
         }
         Ok(())
     }
@@ -357,8 +362,12 @@ impl KVCacheManager {
             return Ok(());
         }
         let n = num_computed_tokens.saturating_sub(self.config.num_reprefillable_tokens);
-        self.manager
-            .cache_blocks(&mut self.pool, request.request_id, request.block_hashes, n)
+        self.manager.cache_blocks(
+            &mut self.pool,
+            request.request_id,
+            (request.block_hashes)()?,
+            n,
+        )
     }
 
     /// Frees the request's blocks, tail first (no-op for an unknown request, as in

@@ -8,13 +8,13 @@ use super::errors::BlockHashError;
 use crate::error::{Error, Result};
 use crate::types::{BlockHash, BlockHashSource};
 
-pub(crate) struct PyListHashes<'a, 'py> {
-    list: &'a Bound<'py, PyList>,
+pub(crate) struct PyListHashes<'py> {
+    list: Bound<'py, PyList>,
 }
 
-impl<'a, 'py> PyListHashes<'a, 'py> {
+impl<'py> PyListHashes<'py> {
     /// Wraps `obj`, which must be a list (vLLM's contract for `block_hashes`).
-    pub(crate) fn new(obj: &'a Bound<'py, PyAny>) -> PyResult<Self> {
+    pub(crate) fn new(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
         let list = obj.cast::<PyList>().map_err(|_| {
             BlockHashError::new_err(format!(
                 "request.block_hashes must be a list of bytes, got {}",
@@ -24,11 +24,11 @@ impl<'a, 'py> PyListHashes<'a, 'py> {
                     .unwrap_or_default()
             ))
         })?;
-        Ok(Self { list })
+        Ok(Self { list: list.clone() })
     }
 }
 
-impl BlockHashSource for PyListHashes<'_, '_> {
+impl BlockHashSource for PyListHashes<'_> {
     fn len(&self) -> usize {
         self.list.len()
     }

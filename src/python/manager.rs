@@ -12,6 +12,8 @@
 //! Low-level pool operations used by the Python `BlockPool` view carry a `core_`
 //! prefix so that they never shadow a vLLM method name.
 
+use std::cell::{OnceCell, RefCell};
+
 use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
@@ -53,12 +55,15 @@ struct VllmBindings {
 }
 
 /// The request fields the core reads, extracted before the core is borrowed
-/// (`num_tokens`, a Python property in vLLM, is read lazily).
+/// (`num_tokens`, a Python property in vLLM, and `block_hashes` are read lazily,
+/// only when a block may be cached).
 struct RequestFields<'py> {
     request: Bound<'py, PyAny>,
     request_id: Bound<'py, PyString>,
     num_computed_tokens: usize,
-    block_hashes: Bound<'py, PyAny>,
+    block_hashes: OnceCell<PyListHashes<'py>>,
+    /// The Python error behind a failed lazy read, re-raised by the caller.
+    py_err: RefCell<Option<PyErr>>,
 }
 
 impl<'py> RequestFields<'py> {
@@ -74,27 +79,49 @@ impl<'py> RequestFields<'py> {
                 .getattr(intern!(py, "num_computed_tokens"))?
                 .extract()?,
         )?;
-        let block_hashes = request.getattr(intern!(py, "block_hashes"))?;
         Ok(Self {
             request: request.clone(),
             request_id,
             num_computed_tokens,
-            block_hashes,
+            block_hashes: OnceCell::new(),
+            py_err: RefCell::new(None),
         })
     }
 
-    /// `request.num_tokens`; a Python error is kept in `err` for the caller.
-    fn num_tokens(&self, err: &std::cell::RefCell<Option<PyErr>>) -> crate::error::Result<usize> {
+    /// Keeps a Python error for the caller; the core sees a typed error.
+    fn stash(&self, e: PyErr) -> crate::error::Error {
+        let msg = e.to_string();
+        *self.py_err.borrow_mut() = Some(e);
+        crate::error::Error::InvalidArgument(msg)
+    }
+
+    /// `request.num_tokens`.
+    fn num_tokens(&self) -> crate::error::Result<usize> {
+        let py = self.request.py();
         let read = || -> PyResult<usize> {
-            let py = self.request.py();
             let n: i64 = self.request.getattr(intern!(py, "num_tokens"))?.extract()?;
             count("request.num_tokens", n)
         };
-        read().map_err(|e| {
-            let msg = e.to_string();
-            *err.borrow_mut() = Some(e);
-            crate::error::Error::InvalidArgument(msg)
-        })
+        read().map_err(|e| self.stash(e))
+    }
+
+    /// `request.block_hashes`, read on first use.
+    fn block_hashes(&self) -> crate::error::Result<&PyListHashes<'py>> {
+        if let Some(h) = self.block_hashes.get() {
+            return Ok(h);
+        }
+        let py = self.request.py();
+        let hashes = self
+            .request
+            .getattr(intern!(py, "block_hashes"))
+            .and_then(|obj| PyListHashes::new(&obj))
+            .map_err(|e| self.stash(e))?;
+        Ok(self.block_hashes.get_or_init(|| hashes))
+    }
+
+    /// The error to raise for a failed core call: the stashed Python error, if any.
+    fn error(&self, e: crate::error::Error) -> PyErr {
+        self.py_err.borrow_mut().take().unwrap_or_else(|| e.into())
     }
 }
 
@@ -488,7 +515,6 @@ impl PyKVCacheCore {
         let py = slf.py();
         let _ = count("num_encoder_tokens", num_encoder_tokens)?;
         let fields = RequestFields::read(request)?;
-        let hashes = PyListHashes::new(&fields.block_hashes)?;
         let watermark = has_scheduled_reqs && slf.borrow().core.config().watermark_blocks > 0;
         let mut hits = Vec::new();
         let adopt_hits = match new_computed_blocks {
@@ -520,13 +546,13 @@ impl PyKVCacheCore {
             apply_watermark,
             skip_zeroing,
         };
-        let py_err = std::cell::RefCell::new(None);
-        let num_tokens = || fields.num_tokens(&py_err);
+        let num_tokens = || fields.num_tokens();
+        let block_hashes = || fields.block_hashes();
         let view = RequestView {
             request_id: fields.request_id.to_str()?,
             num_computed_tokens: fields.num_computed_tokens,
             num_tokens: &num_tokens,
-            block_hashes: &hashes,
+            block_hashes: &block_hashes,
         };
         let result = {
             let mut this = slf.borrow_mut();
@@ -535,7 +561,7 @@ impl PyKVCacheCore {
             let result = match this.core.allocate_slots(&view, &args, &mut out) {
                 Ok(true) => Self::kv_cache_blocks(slf, &this, &out).map(Some),
                 Ok(false) => Ok(None),
-                Err(e) => Err(py_err.take().unwrap_or_else(|| e.into())),
+                Err(e) => Err(fields.error(e)),
             };
             this.scratch = out;
             result
@@ -553,17 +579,17 @@ impl PyKVCacheCore {
     ) -> PyResult<()> {
         let _timer = stats::Timer::start(Op::CacheBlocks);
         let fields = RequestFields::read(request)?;
-        let hashes = PyListHashes::new(&fields.block_hashes)?;
         let n = count("num_computed_tokens", num_computed_tokens)?;
-        let py_err = std::cell::RefCell::new(None);
-        let num_tokens = || fields.num_tokens(&py_err);
+        let num_tokens = || fields.num_tokens();
+        let block_hashes = || fields.block_hashes();
         let view = RequestView {
             request_id: fields.request_id.to_str()?,
             num_computed_tokens: fields.num_computed_tokens,
             num_tokens: &num_tokens,
-            block_hashes: &hashes,
+            block_hashes: &block_hashes,
         };
-        slf.borrow_mut().core.cache_blocks(&view, n)?;
+        let result = slf.borrow_mut().core.cache_blocks(&view, n);
+        result.map_err(|e| fields.error(e))?;
         Self::flush_events(slf, request)
     }
 

@@ -1,0 +1,344 @@
+//! `RequestTable`: request id → per-request state, with stable integer handles.
+//!
+//! The Scheduler names requests by string id on every call, so the lookup is on the
+//! hot path of `allocate_slots` for every running request every step, and between
+//! steps the model runner evicts the table from the CPU caches. The layout is chosen
+//! for that cold lookup:
+//! - the hash index holds only `u32` slot numbers (4 bytes per request, dense), so
+//!   probing it rarely misses;
+//! - each slot keeps the key's hash and, for ids up to [`INLINE_KEY_LEN`] bytes (every
+//!   id vLLM generates), the key bytes themselves next to the state, so a lookup costs
+//!   one miss on the slot's cache lines instead of one on a bucket plus one on a
+//!   separately allocated key.
+//!
+//! Slots are reused after `remove`; a [`RequestHandle`] carries the slot's generation,
+//! so a handle of a removed request never reaches its slot's next occupant. Batched
+//! calls name requests by handle and skip the string lookup altogether.
+
+use hashbrown::HashTable;
+use rustc_hash::FxHasher;
+use std::hash::Hasher;
+
+/// Key bytes stored inline in a slot; longer ids live in a separate allocation.
+pub const INLINE_KEY_LEN: usize = 62;
+
+/// A request's slot number (low 32 bits) and the slot's generation (high 32 bits).
+pub type RequestHandle = u64;
+
+#[derive(Clone)]
+enum SlotKey {
+    Inline {
+        len: u8,
+        bytes: [u8; INLINE_KEY_LEN],
+    },
+    Heap(Box<str>),
+}
+
+impl SlotKey {
+    fn new(key: &str) -> Self {
+        if key.len() <= INLINE_KEY_LEN {
+            let mut bytes = [0u8; INLINE_KEY_LEN];
+            bytes[..key.len()].copy_from_slice(key.as_bytes());
+            // `len <= 62` fits in a u8.
+            SlotKey::Inline {
+                len: key.len() as u8,
+                bytes,
+            }
+        } else {
+            SlotKey::Heap(key.into())
+        }
+    }
+
+    #[inline]
+    fn as_bytes(&self) -> &[u8] {
+        match self {
+            SlotKey::Inline { len, bytes } => &bytes[..*len as usize],
+            SlotKey::Heap(s) => s.as_bytes(),
+        }
+    }
+
+    #[inline]
+    fn as_str(&self) -> &str {
+        match self {
+            // Built from a `&str` prefix that ends at a char boundary (the whole key).
+            SlotKey::Inline { len, bytes } => {
+                std::str::from_utf8(&bytes[..*len as usize]).unwrap_or_default()
+            }
+            SlotKey::Heap(s) => s,
+        }
+    }
+}
+
+// Two slots per 128-byte pair of cache lines at most: the adjacent-line prefetcher
+// brings the whole slot in with its first line.
+#[derive(Clone)]
+#[repr(align(128))]
+struct Slot<T> {
+    hash: u64,
+    generation: u32,
+    occupied: bool,
+    key: SlotKey,
+    value: T,
+}
+
+/// Request id → `T`, with handles (see module docs).
+#[derive(Clone)]
+pub struct RequestTable<T> {
+    index: HashTable<u32>,
+    slots: Vec<Slot<T>>,
+    free_slots: Vec<u32>,
+    len: usize,
+}
+
+impl<T: Default> Default for RequestTable<T> {
+    fn default() -> Self {
+        Self {
+            index: HashTable::new(),
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            len: 0,
+        }
+    }
+}
+
+impl<T: Default + std::fmt::Debug> std::fmt::Debug for RequestTable<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map().entries(self.iter()).finish()
+    }
+}
+
+#[inline]
+fn hash_key(key: &str) -> u64 {
+    let mut h = FxHasher::default();
+    h.write(key.as_bytes());
+    h.finish()
+}
+
+#[inline]
+fn handle_of(slot: u32, generation: u32) -> RequestHandle {
+    (u64::from(generation) << 32) | u64::from(slot)
+}
+
+impl<T: Default> RequestTable<T> {
+    /// Number of requests.
+    #[inline]
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the table is empty.
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    #[inline]
+    fn find(&self, key: &str) -> Option<u32> {
+        let hash = hash_key(key);
+        let slots = &self.slots;
+        self.index
+            .find(hash, |&s| {
+                let slot = &slots[s as usize];
+                slot.hash == hash && slot.key.as_bytes() == key.as_bytes()
+            })
+            .copied()
+    }
+
+    /// The request's state.
+    #[inline]
+    pub fn get(&self, key: &str) -> Option<&T> {
+        let s = self.find(key)?;
+        Some(&self.slots[s as usize].value)
+    }
+
+    /// The request's state, mutably.
+    #[inline]
+    pub fn get_mut(&mut self, key: &str) -> Option<&mut T> {
+        let s = self.find(key)?;
+        Some(&mut self.slots[s as usize].value)
+    }
+
+    /// Whether the request is in the table.
+    #[inline]
+    pub fn contains_key(&self, key: &str) -> bool {
+        self.find(key).is_some()
+    }
+
+    /// The request's handle.
+    #[inline]
+    pub fn handle(&self, key: &str) -> Option<RequestHandle> {
+        let s = self.find(key)?;
+        Some(handle_of(s, self.slots[s as usize].generation))
+    }
+
+    #[inline]
+    fn slot_of(&self, handle: RequestHandle) -> Option<usize> {
+        let s = (handle & u64::from(u32::MAX)) as usize;
+        let slot = self.slots.get(s)?;
+        (slot.occupied && u64::from(slot.generation) == handle >> 32).then_some(s)
+    }
+
+    /// The state of the request `handle` names (None for a stale or unknown handle).
+    #[inline]
+    pub fn get_by_handle(&self, handle: RequestHandle) -> Option<&T> {
+        let s = self.slot_of(handle)?;
+        Some(&self.slots[s].value)
+    }
+
+    /// The state of the request `handle` names, mutably.
+    #[inline]
+    pub fn get_mut_by_handle(&mut self, handle: RequestHandle) -> Option<&mut T> {
+        let s = self.slot_of(handle)?;
+        Some(&mut self.slots[s].value)
+    }
+
+    /// The request id of `handle`.
+    pub fn key_of(&self, handle: RequestHandle) -> Option<&str> {
+        let s = self.slot_of(handle)?;
+        Some(self.slots[s].key.as_str())
+    }
+
+    /// The request's state, inserted with `make` if absent.
+    pub fn get_or_insert_with(&mut self, key: &str, make: impl FnOnce() -> T) -> &mut T {
+        let s = match self.find(key) {
+            Some(s) => s,
+            None => self.insert_new(key, make()),
+        };
+        &mut self.slots[s as usize].value
+    }
+
+    fn insert_new(&mut self, key: &str, value: T) -> u32 {
+        let hash = hash_key(key);
+        let s = match self.free_slots.pop() {
+            Some(s) => {
+                let slot = &mut self.slots[s as usize];
+                slot.hash = hash;
+                slot.key = SlotKey::new(key);
+                slot.occupied = true;
+                slot.value = value;
+                s
+            }
+            None => {
+                // 2^32 slots of 128 bytes would need 512 GiB: the cast cannot wrap.
+                let s = self.slots.len() as u32;
+                self.slots.push(Slot {
+                    hash,
+                    generation: 0,
+                    occupied: true,
+                    key: SlotKey::new(key),
+                    value,
+                });
+                s
+            }
+        };
+        let slots = &self.slots;
+        self.index
+            .insert_unique(hash, s, |&t| slots[t as usize].hash);
+        self.len += 1;
+        s
+    }
+
+    /// Removes the request; returns its state.
+    pub fn remove(&mut self, key: &str) -> Option<T> {
+        let hash = hash_key(key);
+        let slots = &self.slots;
+        let entry = self
+            .index
+            .find_entry(hash, |&s| {
+                let slot = &slots[s as usize];
+                slot.hash == hash && slot.key.as_bytes() == key.as_bytes()
+            })
+            .ok()?;
+        let (s, _) = entry.remove();
+        Some(self.vacate(s))
+    }
+
+    /// Removes the request `handle` names; returns its state.
+    pub fn remove_by_handle(&mut self, handle: RequestHandle) -> Option<T> {
+        let s = self.slot_of(handle)? as u32;
+        let hash = self.slots[s as usize].hash;
+        let entry = self.index.find_entry(hash, |&t| t == s).ok()?;
+        entry.remove();
+        Some(self.vacate(s))
+    }
+
+    fn vacate(&mut self, s: u32) -> T {
+        let slot = &mut self.slots[s as usize];
+        slot.generation = slot.generation.wrapping_add(1);
+        if let SlotKey::Heap(_) = slot.key {
+            slot.key = SlotKey::Inline {
+                len: 0,
+                bytes: [0; INLINE_KEY_LEN],
+            };
+        }
+        slot.occupied = false;
+        self.free_slots.push(s);
+        self.len -= 1;
+        std::mem::take(&mut slot.value)
+    }
+
+    /// Iterates `(request id, state)` (diagnostics; slot order).
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &T)> {
+        self.slots
+            .iter()
+            .filter(|s| s.occupied)
+            .map(|s| (s.key.as_str(), &s.value))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn insert_lookup_remove_and_handles() {
+        let mut t: RequestTable<u32> = RequestTable::default();
+        let long = "x".repeat(INLINE_KEY_LEN + 5);
+        *t.get_or_insert_with("a", || 1) += 10;
+        t.get_or_insert_with(&long, || 2);
+        assert_eq!(t.len(), 2);
+        assert_eq!(t.get("a"), Some(&11));
+        assert_eq!(t.get(&long), Some(&2));
+        assert_eq!(t.get("b"), None);
+        let ha = t.handle("a").unwrap();
+        assert_eq!(t.get_by_handle(ha), Some(&11));
+        assert_eq!(t.key_of(ha), Some("a"));
+        assert_eq!(t.remove("a"), Some(11));
+        assert_eq!(t.get_by_handle(ha), None, "a stale handle names nothing");
+        // The slot is reused by the next request, under a new generation.
+        t.get_or_insert_with("c", || 3);
+        let hc = t.handle("c").unwrap();
+        assert_eq!(hc & 0xffff_ffff, ha & 0xffff_ffff);
+        assert_ne!(hc, ha);
+        assert_eq!(t.get_by_handle(ha), None);
+        assert_eq!(t.remove_by_handle(hc), Some(3));
+        assert_eq!(t.remove(&long), Some(2));
+        assert!(t.is_empty());
+        assert_eq!(t.iter().count(), 0);
+    }
+
+    #[test]
+    fn many_keys_match_a_map() {
+        use std::collections::HashMap;
+        let mut t: RequestTable<usize> = RequestTable::default();
+        let mut m: HashMap<String, usize> = HashMap::new();
+        for i in 0..5000usize {
+            let key = format!("req-{}", (i * 7919) % 1500);
+            if i % 3 == 0 {
+                assert_eq!(t.remove(&key), m.remove(&key));
+            } else {
+                *t.get_or_insert_with(&key, || 0) += i;
+                *m.entry(key).or_insert(0) += i;
+            }
+        }
+        assert_eq!(t.len(), m.len());
+        for (k, v) in &m {
+            assert_eq!(t.get(k), Some(v));
+        }
+        let mut seen: Vec<_> = t.iter().map(|(k, v)| (k.to_owned(), *v)).collect();
+        seen.sort();
+        let mut want: Vec<_> = m.into_iter().collect();
+        want.sort();
+        assert_eq!(seen, want);
+    }
+}
