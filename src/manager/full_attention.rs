@@ -29,6 +29,84 @@ pub struct RunningCache<'a, H: BlockHashSource + ?Sized> {
     pub num_reprefillable_tokens: usize,
 }
 
+/// One running request's `allocate_slots` (no hits adopted): what it needs besides
+/// the request's table.
+struct RunningStep {
+    block_size: usize,
+    group_id: u32,
+    record_new_block_ids: bool,
+    num_tokens_need_slot: usize,
+    /// Free blocks the call may take (free minus reserved minus watermark).
+    budget: i64,
+}
+
+impl RunningStep {
+    /// Allocates and caches for `req`: `Ok(false)` if the new blocks do not fit
+    /// (nothing changes). Every input is validated before anything changes.
+    fn apply<H: BlockHashSource + ?Sized>(
+        &self,
+        pool: &mut BlockPool,
+        req: &mut RequestBlocks,
+        new_block_ids: &mut Vec<BlockId>,
+        cache: Option<RunningCache<'_, H>>,
+        out: &mut Vec<BlockId>,
+        who: &dyn Fn() -> String,
+    ) -> Result<bool> {
+        let bs = self.block_size;
+        let required = cdiv(self.num_tokens_need_slot, bs);
+        let have = req.blocks.len();
+        let need = required.saturating_sub(have);
+        if need as i64 > self.budget {
+            return Ok(false);
+        }
+        // Caching: validate before anything changes.
+        let mut cache_to = None;
+        if let Some(c) = cache {
+            let num_cached = req.num_cached_block.unwrap_or(0);
+            let num_hashed = if c.upper / bs > num_cached {
+                (c.block_hashes)()?.len() * pool.hash_block_size()
+            } else {
+                0
+            };
+            if c.upper.min(num_hashed) / bs > num_cached {
+                let hashes = (c.block_hashes)()?;
+                let n = c
+                    .upper
+                    .min((c.num_tokens)()?)
+                    .saturating_sub(c.num_reprefillable_tokens);
+                let num_full = n.min(num_hashed) / bs;
+                if num_full > num_cached {
+                    if num_full > have + need {
+                        return Err(Error::InvalidArgument(format!(
+                            "cannot cache {num_full} blocks of request {}: only {} allocated",
+                            who(),
+                            have + need
+                        )));
+                    }
+                    let known = num_full.min(have);
+                    pool.check_cacheable(hashes, &req.blocks[..known], num_cached, known)?;
+                    for i in known..num_full {
+                        hashes.get(i)?;
+                    }
+                    cache_to = Some((hashes, num_cached, num_full));
+                }
+            }
+        }
+        if need > 0 {
+            pool.get_new_blocks(need, &mut req.blocks)?;
+            out.extend_from_slice(&req.blocks[have..]);
+            if self.record_new_block_ids {
+                new_block_ids.extend_from_slice(&req.blocks[have..]);
+            }
+        }
+        if let Some((hashes, num_cached, num_full)) = cache_to {
+            pool.cache_full_blocks(hashes, &req.blocks, num_cached, num_full, bs, self.group_id)?;
+            req.num_cached_block = Some(num_full);
+        }
+        Ok(true)
+    }
+}
+
 /// Per-request bookkeeping of one group.
 #[derive(Clone, Debug, Default)]
 pub struct RequestBlocks {
@@ -36,6 +114,8 @@ pub struct RequestBlocks {
     pub blocks: Vec<BlockId>,
     /// Number of leading blocks already registered in the prefix-cache index.
     pub num_cached_block: Option<usize>,
+    /// The last batch this request was checked in (duplicate detection).
+    batch_epoch: u64,
 }
 
 /// Tables and hit search of one full-attention group (see module docs).
@@ -50,6 +130,8 @@ pub struct FullAttentionManager {
     requests: RequestTable<RequestBlocks>,
     new_block_ids: Vec<BlockId>,
     spare_tables: Vec<Vec<BlockId>>,
+    /// Counter of checked batches (see `mark_for_batch`).
+    batch_epoch: u64,
 }
 
 impl FullAttentionManager {
@@ -70,6 +152,7 @@ impl FullAttentionManager {
             requests: RequestTable::default(),
             new_block_ids: Vec::new(),
             spare_tables: Vec::new(),
+            batch_epoch: 0,
         }
     }
 
@@ -116,6 +199,7 @@ impl FullAttentionManager {
             .get_or_insert_with(request_id, || RequestBlocks {
                 blocks: spare.pop().unwrap_or_default(),
                 num_cached_block: None,
+                batch_epoch: 0,
             })
     }
 
@@ -323,7 +407,6 @@ impl FullAttentionManager {
     /// or external tokens (decode steps and later prefill chunks): the same
     /// decisions as the general path with one table lookup. `Ok(None)`: the request
     /// has no table yet (the caller takes the general path).
-    #[allow(clippy::too_many_arguments)]
     pub fn try_allocate_running<H: BlockHashSource + ?Sized>(
         &mut self,
         pool: &mut BlockPool,
@@ -336,58 +419,65 @@ impl FullAttentionManager {
         let Some(req) = self.requests.get_mut(request_id) else {
             return Ok(None);
         };
-        let bs = self.block_size;
-        let required = cdiv(num_tokens_need_slot, bs);
-        let have = req.blocks.len();
-        let need = required.saturating_sub(have);
-        if need as i64 > budget {
-            return Ok(Some(false));
-        }
-        // Caching: validate before anything changes.
-        let mut cache_to = None;
-        if let Some(c) = cache {
-            let num_cached = req.num_cached_block.unwrap_or(0);
-            let num_hashed = if c.upper / bs > num_cached {
-                (c.block_hashes)()?.len() * pool.hash_block_size()
-            } else {
-                0
-            };
-            if c.upper.min(num_hashed) / bs > num_cached {
-                let hashes = (c.block_hashes)()?;
-                let n = c
-                    .upper
-                    .min((c.num_tokens)()?)
-                    .saturating_sub(c.num_reprefillable_tokens);
-                let num_full = n.min(num_hashed) / bs;
-                if num_full > num_cached {
-                    if num_full > have + need {
-                        return Err(Error::InvalidArgument(format!(
-                            "cannot cache {num_full} blocks of request {request_id:?}: only {} \
-                             allocated",
-                            have + need
-                        )));
-                    }
-                    let known = num_full.min(have);
-                    pool.check_cacheable(hashes, &req.blocks[..known], num_cached, known)?;
-                    for i in known..num_full {
-                        hashes.get(i)?;
-                    }
-                    cache_to = Some((hashes, num_cached, num_full));
-                }
-            }
-        }
-        if need > 0 {
-            pool.get_new_blocks(need, &mut req.blocks)?;
-            out.extend_from_slice(&req.blocks[have..]);
-            if self.record_new_block_ids {
-                self.new_block_ids.extend_from_slice(&req.blocks[have..]);
-            }
-        }
-        if let Some((hashes, num_cached, num_full)) = cache_to {
-            pool.cache_full_blocks(hashes, &req.blocks, num_cached, num_full, bs, self.group_id)?;
-            req.num_cached_block = Some(num_full);
-        }
-        Ok(Some(true))
+        let step = RunningStep {
+            block_size: self.block_size,
+            group_id: self.group_id,
+            record_new_block_ids: self.record_new_block_ids,
+            num_tokens_need_slot,
+            budget,
+        };
+        step.apply(pool, req, &mut self.new_block_ids, cache, out, &|| {
+            format!("{request_id:?}")
+        })
+        .map(Some)
+    }
+
+    /// [`Self::try_allocate_running`] for the request `handle` names (batched
+    /// calls); a stale or unknown handle is an error.
+    pub fn allocate_running_by_handle<H: BlockHashSource + ?Sized>(
+        &mut self,
+        pool: &mut BlockPool,
+        handle: RequestHandle,
+        num_tokens_need_slot: usize,
+        budget: i64,
+        cache: Option<RunningCache<'_, H>>,
+        out: &mut Vec<BlockId>,
+    ) -> Result<bool> {
+        let Some(req) = self.requests.get_mut_by_handle(handle) else {
+            return Err(Error::UnknownRequest(format!("handle {handle:#x}")));
+        };
+        let step = RunningStep {
+            block_size: self.block_size,
+            group_id: self.group_id,
+            record_new_block_ids: self.record_new_block_ids,
+            num_tokens_need_slot,
+            budget,
+        };
+        step.apply(pool, req, &mut self.new_block_ids, cache, out, &|| {
+            format!("with handle {handle:#x}")
+        })
+    }
+
+    /// Starts checking a new batch (see [`Self::mark_for_batch`]).
+    pub fn begin_batch(&mut self) {
+        self.batch_epoch += 1;
+    }
+
+    /// Marks the request `handle` names as part of the batch being checked:
+    /// `None` if the handle is stale or unknown, else whether this is its first
+    /// entry in the batch and its number of cached blocks.
+    pub fn mark_for_batch(&mut self, handle: RequestHandle) -> Option<(bool, usize)> {
+        let epoch = self.batch_epoch;
+        let req = self.requests.get_mut_by_handle(handle)?;
+        let first = req.batch_epoch != epoch;
+        req.batch_epoch = epoch;
+        Some((first, req.num_cached_block.unwrap_or(0)))
+    }
+
+    /// The state of the request `handle` names (None if stale or unknown).
+    #[inline]
+    pub fn request_by_handle(&self, handle: RequestHandle) -> Option<&RequestBlocks> {
+        self.requests.get_by_handle(handle)
     }
 
     /// Registers the request's newly full blocks in the prefix-cache index.
@@ -434,8 +524,17 @@ impl FullAttentionManager {
 
     /// Frees the request's blocks, tail first.
     pub fn free(&mut self, pool: &mut BlockPool, request_id: &str) -> Result<()> {
-        let Some(req) = self.requests.get(request_id) else {
+        let Some(handle) = self.requests.handle(request_id) else {
             return Ok(());
+        };
+        self.free_by_handle(pool, handle)
+    }
+
+    /// Frees the blocks of the request `handle` names, tail first; a stale or
+    /// unknown handle is an error.
+    pub fn free_by_handle(&mut self, pool: &mut BlockPool, handle: RequestHandle) -> Result<()> {
+        let Some(req) = self.requests.get_by_handle(handle) else {
+            return Err(Error::UnknownRequest(format!("handle {handle:#x}")));
         };
         let skip = req
             .blocks
@@ -443,7 +542,7 @@ impl FullAttentionManager {
             .take_while(|&&b| b == NULL_BLOCK_ID)
             .count();
         pool.free_blocks(req.blocks[skip..].iter().rev().copied())?;
-        if let Some(mut req) = self.requests.remove(request_id) {
+        if let Some(mut req) = self.requests.remove_by_handle(handle) {
             req.blocks.clear();
             self.spare_tables.push(req.blocks);
         }

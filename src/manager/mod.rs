@@ -26,6 +26,7 @@
 //! Every argument is validated before the first mutation, so an `Err` leaves the
 //! manager exactly as it was.
 
+pub mod batch;
 pub mod full_attention;
 pub mod request_table;
 
@@ -33,6 +34,7 @@ use crate::error::{Error, Result};
 use crate::events::KVCacheEvent;
 use crate::pool::BlockPool;
 use crate::types::{cdiv, BlockHashSource, BlockId};
+pub use batch::{BatchProgress, BatchStop, RunningBatch};
 pub use full_attention::{FullAttentionManager, RunningCache};
 pub use request_table::{RequestHandle, RequestTable};
 

@@ -8,6 +8,7 @@ use super::errors::BlockHashError;
 use crate::error::{Error, Result};
 use crate::types::{BlockHash, BlockHashSource};
 
+#[derive(Clone)]
 pub(crate) struct PyListHashes<'py> {
     list: Bound<'py, PyList>,
 }

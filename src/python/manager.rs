@@ -249,7 +249,7 @@ impl PyKVCacheCore {
     }
 
     /// Calls the event sink when the core recorded events (events on only).
-    fn flush_events(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
+    pub(super) fn flush_events(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
         let sink = {
             let this = slf.borrow();
             if !this.core.block_pool().has_events() {
@@ -638,6 +638,40 @@ impl PyKVCacheCore {
     ) -> PyResult<Bound<'py, PyTuple>> {
         let ids = PyList::new(py, self.core.get_blocks(request_id))?;
         PyTuple::new(py, [ids])
+    }
+
+    /// The handle of a request that holds blocks (None otherwise), for the batched
+    /// calls; valid until the request is freed.
+    fn request_handle(&self, request_id: &str) -> Option<u64> {
+        self.core.request_handle(request_id)
+    }
+
+    /// One step's `allocate_slots` for running requests (see `batch.rs`):
+    /// `(num_allocated, new_block_ids, offsets)` as int32 bytearrays; entry
+    /// `num_allocated`, if any, did not fit and was left untouched.
+    #[pyo3(signature = (requests, handles, num_computed_tokens, num_new_tokens,
+        num_lookahead_tokens=0))]
+    fn core_allocate_slots_batch<'py>(
+        slf: &Bound<'py, Self>,
+        requests: &Bound<'py, PyList>,
+        handles: &Bound<'py, PyAny>,
+        num_computed_tokens: &Bound<'py, PyAny>,
+        num_new_tokens: &Bound<'py, PyAny>,
+        num_lookahead_tokens: i64,
+    ) -> PyResult<super::batch::BatchResult<'py>> {
+        super::batch::allocate_slots_batch(
+            slf,
+            requests,
+            handles,
+            num_computed_tokens,
+            num_new_tokens,
+            num_lookahead_tokens,
+        )
+    }
+
+    /// Frees the requests `handles` name, in order, tail first each.
+    fn core_free_batch(slf: &Bound<'_, Self>, handles: &Bound<'_, PyAny>) -> PyResult<()> {
+        super::batch::free_batch(slf, handles)
     }
 
     /// vLLM's `estimate_cached_tokens`.

@@ -4,8 +4,10 @@
 //! bookkeeping lives here; the Python adapter (`python/hscache/vllm/`) wraps
 //! these classes into vLLM's interface.
 
+mod batch;
 mod block;
 mod blocks;
+mod buffers;
 mod encoder_cache;
 mod errors;
 mod hasher;

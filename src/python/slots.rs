@@ -3,18 +3,14 @@
 //! Conversion only. `plan_scheduler_output` reads vLLM 0.33's `SchedulerOutput`
 //! attributes in place (one FFI crossing per step); `plan` takes the same facts as
 //! plain ids for tests and other engines. Slot mappings and per-request spans come
-//! back as `bytearray`s of native-endian int64 that Rust fills in place
-//! (`PyByteArray::new_with`), so `np.frombuffer` / `torch.frombuffer` view them
-//! without a copy. Why not the `numpy` crate: the extension targets abi3-py310,
-//! whose limited API has no buffer protocol for our own classes, and a writable
-//! bytearray filled once gives the same zero-copy result without pulling `ndarray`
-//! and its dependencies into every build.
+//! back as `bytearray`s of native-endian int64 (see `buffers.rs`).
 
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict, PyList, PyString, PyTuple};
 use rustc_hash::FxHashMap;
 
+use super::buffers::i64_bytearray;
 use super::errors::{count, BlockIdError, InvalidArgumentError};
 use crate::slots::{Assignment, ScheduledRequest, SlotMirror, StepInput, StepReads};
 use crate::types::BlockId;
@@ -46,19 +42,6 @@ fn block_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
         .extract()
         .map_err(|_| InvalidArgumentError::new_err("block ids must be a sequence of ints"))?;
     raw.into_iter().map(block_id).collect()
-}
-
-fn i64_bytearray<'py>(
-    py: Python<'py>,
-    n: usize,
-    values: impl Iterator<Item = i64>,
-) -> PyResult<Bound<'py, PyByteArray>> {
-    PyByteArray::new_with(py, n * 8, |buf| {
-        for (chunk, v) in buf.chunks_exact_mut(8).zip(values) {
-            chunk.copy_from_slice(&v.to_ne_bytes());
-        }
-        Ok(())
-    })
 }
 
 #[pyclass(name = "SlotMirror", module = "hscache._core")]

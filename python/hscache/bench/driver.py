@@ -55,6 +55,11 @@ OP_FREE = "free"
 OP_TAKE_EVENTS = "take_events"
 OP_MAKE_STATS = "make_prefix_cache_stats"
 OP_USAGE = "usage"
+# Batched path (``--batched``): the candidate replaces the per-request calls of the
+# running loop and of finishes by one call each per step.
+OP_ALLOC_BATCH = "allocate_slots_batch(running)"
+OP_HANDLE = "request_handle"
+OP_FREE_BATCH = "free_batch"
 
 Decision = tuple[Any, ...]
 
@@ -222,11 +227,19 @@ class Side:
     """One manager and its private copy of the scheduler state (waiting / running queues)."""
 
     def __init__(
-        self, label: str, manager: Any, scenario: Scenario, timer_overhead_ns: int
+        self,
+        label: str,
+        manager: Any,
+        scenario: Scenario,
+        timer_overhead_ns: int,
+        batched: bool = False,
     ) -> None:
         from vllm.v1.request import RequestStatus
 
         self.label = label
+        self.batched = batched
+        # Batched path: request id -> handle, taken when a request is admitted.
+        self.handles: dict[str, int] = {}
         self.manager = manager
         self.scenario = scenario
         self.overhead = timer_overhead_ns
@@ -262,12 +275,83 @@ class Side:
         self.manager.free(request)
         t1 = pc()
         self._rec(OP_FREE, t1 - t0)
+        self.handles.pop(request.request_id, None)
         request.status = self._status.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.waiting.appendleft(request)
         self.counters.preemptions += 1
         out.append(("preempt", request.request_id))
+
+    def _schedule_running_batched(
+        self,
+        budget: int,
+        scheduled: list[tuple[Any, int, Any, int]],
+        preempted: list[Any],
+        out: list[Decision],
+    ) -> int:
+        """The running loop with one ``allocate_slots_batch`` call (``--batched``).
+
+        The per-request token counts are the per-call loop's (they depend only on the
+        budget, and a preemption only removes requests from the tail, which have not
+        been scheduled yet). The loop that computes them reads each request's
+        ``num_computed_tokens`` anyway and also collects the handles (taken, timed,
+        once per admission); it is untimed like the per-call loop's own argument
+        computation, and only the batched call is timed.
+        """
+        sc = self.scenario
+        running = self.running
+        handle_of = self.handles
+        initial_budget = budget
+        reqs: list[Any] = []
+        handles: list[int] = []
+        computed: list[int] = []
+        counts: list[int] = []
+        for req in running:
+            if budget <= 0:
+                break
+            c = req.num_computed_tokens
+            n = min(req.num_tokens - c, budget, sc.max_model_len - 1 - c)
+            if n <= 0:
+                continue
+            reqs.append(req)
+            handles.append(handle_of[req.request_id])
+            computed.append(c)
+            counts.append(n)
+            budget -= n
+        pc = time.perf_counter_ns
+        start = 0
+        while start < len(reqs):
+            t0 = pc()
+            result = self.manager.allocate_slots_batch(
+                reqs[start:] if start else reqs,
+                handles[start:] if start else handles,
+                computed[start:] if start else computed,
+                counts[start:] if start else counts,
+            )
+            t1 = pc()
+            self._rec(OP_ALLOC_BATCH, t1 - t0)
+            ids, offsets = result.new_block_ids, result.offsets
+            for j in range(result.num_allocated):
+                e = start + j
+                scheduled.append((reqs[e], counts[e], ids[offsets[j] : offsets[j + 1]], 3))
+            start += result.num_allocated
+            if start == len(reqs):
+                break
+            # Entry `start` did not fit: preempt from the tail and retry it, as the
+            # per-call loop does after a None.
+            req = reqs[start]
+            victim = running.pop()
+            self._preempt(victim, out)
+            preempted.append(victim)
+            if victim is req:
+                break
+            # The victim came from the tail of the running queue, so it is the last
+            # pending entry or was never gathered: drop it from the pending entries.
+            if reqs[-1] is victim:
+                del reqs[-1], handles[-1], computed[-1], counts[-1]
+        # Budget left: only the scheduled entries consumed theirs.
+        return initial_budget - sum(counts[:start])
 
     def step(self, measuring: bool, check: bool) -> list[Decision]:
         """One scheduler step + model output; returns the decisions made (for comparison)."""
@@ -298,31 +382,34 @@ class Side:
         preempted: list[Any] = []
 
         # --- running requests (decode and prefill-chunk continuations) ---
-        i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
-            n = req.num_tokens - req.num_computed_tokens
-            n = min(n, budget, sc.max_model_len - 1 - req.num_computed_tokens)
-            if n <= 0:
+        if self.batched:
+            budget = self._schedule_running_batched(budget, scheduled, preempted, out)
+        else:
+            i = 0
+            while i < len(running) and budget > 0:
+                req = running[i]
+                n = req.num_tokens - req.num_computed_tokens
+                n = min(n, budget, sc.max_model_len - 1 - req.num_computed_tokens)
+                if n <= 0:
+                    i += 1
+                    continue
+                while True:
+                    t0 = pc()
+                    blocks = allocate_slots(req, n, num_lookahead_tokens=0)
+                    t1 = pc()
+                    rec(OP_ALLOC_RUNNING, t1 - t0)
+                    if blocks is not None:
+                        break
+                    victim = running.pop()
+                    self._preempt(victim, out)
+                    preempted.append(victim)
+                    if victim is req:
+                        break
+                if blocks is None:
+                    break
+                scheduled.append((req, n, blocks, 0))
+                budget -= n
                 i += 1
-                continue
-            while True:
-                t0 = pc()
-                blocks = allocate_slots(req, n, num_lookahead_tokens=0)
-                t1 = pc()
-                rec(OP_ALLOC_RUNNING, t1 - t0)
-                if blocks is not None:
-                    break
-                victim = running.pop()
-                self._preempt(victim, out)
-                preempted.append(victim)
-                if victim is req:
-                    break
-            if blocks is None:
-                break
-            scheduled.append((req, n, blocks, 0))
-            budget -= n
-            i += 1
 
         # --- waiting requests (admissions, including preempted ones) ---
         if not preempted:
@@ -356,6 +443,12 @@ class Side:
                     counters.admission_failures += 1
                     out.append(("admit-fail", req.request_id, hit))
                     break
+                if self.batched:
+                    t0 = pc()
+                    handle = mgr.request_handle(req.request_id)
+                    t1 = pc()
+                    rec(OP_HANDLE, t1 - t0)
+                    self.handles[req.request_id] = handle
                 t0 = pc()
                 record_prefix_cache_stats(req, hit)
                 t1 = pc()
@@ -378,6 +471,13 @@ class Side:
 
         # --- scheduler output: block ids handed to the workers ---
         for req, n, blocks, kind in scheduled:
+            if kind == 3:
+                # Batched: the new ids are already arrays; lists only for the check.
+                ids = (blocks.tolist(),) if len(blocks) else None
+                if check:
+                    hashes = req.block_hashes
+                    out.append(("sched", req.request_id, 0, n, ids, type(hashes), len(hashes)))
+                continue
             if kind == 1:
                 t0 = pc()
                 ids = blocks.get_block_ids()
@@ -415,12 +515,19 @@ class Side:
                     finished.append(req)
         if finished:
             done = {id(r) for r in finished}
+            if self.batched:
+                finished_handles = [self.handles.pop(r.request_id) for r in finished]
+                t0 = pc()
+                mgr.free_batch(finished_handles)
+                t1 = pc()
+                rec(OP_FREE_BATCH, t1 - t0)
             for req in finished:
                 req.status = status.FINISHED_LENGTH_CAPPED
-                t0 = pc()
-                mgr.free(req)
-                t1 = pc()
-                rec(OP_FREE, t1 - t0)
+                if not self.batched:
+                    t0 = pc()
+                    mgr.free(req)
+                    t1 = pc()
+                    rec(OP_FREE, t1 - t0)
                 del self.outputs[req.request_id]
                 out.append(("finish", req.request_id))
             self.running = [r for r in running if id(r) not in done]
@@ -492,6 +599,7 @@ class StepDriver:
         seed: int = 0,
         check: bool = True,
         timer_overhead_ns: int | None = None,
+        batched: bool = False,
     ) -> None:
         self.scenario = scenario
         self.seed = seed
@@ -503,7 +611,11 @@ class StepDriver:
             "vllm", build_manager(reference_cls, scenario), scenario, self.overhead
         )
         self.candidate = Side(
-            "hscache", build_manager(candidate_cls, scenario), scenario, self.overhead
+            "hscache",
+            build_manager(candidate_cls, scenario),
+            scenario,
+            self.overhead,
+            batched=batched,
         )
         self.step_index = 0
         self._measured_start: WorkloadCounters | None = None
@@ -557,10 +669,16 @@ def run_scenario(
     check: bool = True,
     progress: Callable[[int, int], None] | None = None,
     timer_overhead_ns: int | None = None,
+    batched: bool = False,
 ) -> RunResult:
-    """Run ``scenario`` on both managers; ``progress(done, total)`` is called after each step."""
+    """Run ``scenario`` on both managers; ``progress(done, total)`` is called after each step.
+
+    ``batched``: the candidate uses ``allocate_slots_batch`` / ``free_batch`` for the
+    running set and finishes instead of one call per request."""
     t_start = time.perf_counter()
-    driver = StepDriver(scenario, reference_cls, candidate_cls, seed, check, timer_overhead_ns)
+    driver = StepDriver(
+        scenario, reference_cls, candidate_cls, seed, check, timer_overhead_ns, batched
+    )
     total = scenario.total_steps
     for done in driver.steps():
         if progress is not None:

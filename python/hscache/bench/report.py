@@ -116,7 +116,8 @@ def summarize(run: RunResult, repeats: Sequence[RunResult] = ()) -> ScenarioSumm
         ops.append(
             OpSummary(
                 name=name,
-                calls_per_step=len(r) / steps if steps else math.nan,
+                # The candidate's own operations (the batched path) count its calls.
+                calls_per_step=len(r or c) / steps if steps else math.nan,
                 vllm_median_ns=r_med,
                 hscache_median_ns=c_med,
                 vllm_mean_ns=sum(r) / len(r) if r else math.nan,

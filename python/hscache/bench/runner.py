@@ -74,6 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="construct the managers without KV cache events (diagnostic; default: events on)",
     )
+    parser.add_argument(
+        "--batched",
+        action="store_true",
+        help="the candidate serves the running set and finishes with one batched call per "
+        "step (allocate_slots_batch / free_batch) instead of one call per request",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -83,7 +89,10 @@ def select_scenarios(args: argparse.Namespace) -> list[Scenario]:
         from hscache.bench.scenarios import find_scenario
 
         names = [n.strip() for item in args.scenario for n in item.split(",") if n.strip()]
-        chosen = [find_scenario(n) for n in names]
+        try:
+            chosen = [find_scenario(n) for n in names]
+        except KeyError as exc:
+            raise SystemExit(f"--scenario: {exc.args[0]}") from None
     elif args.quick:
         chosen = list(QUICK_SCENARIOS)
     else:
@@ -127,7 +136,11 @@ def _banner(
 ) -> None:
     print("hscache bench: vLLM KVCacheManager vs candidate, same process, same trace", file=out)
     print(f"  reference : {args.reference}", file=out)
-    print(f"  candidate : {args.candidate}", file=out)
+    print(
+        f"  candidate : {args.candidate}"
+        + (" (batched running-set path)" if args.batched else " (drop-in, one call per request)"),
+        file=out,
+    )
     print(
         f"  hscache._core: version {info['version'] or '?'}, "
         f"build profile {info['build_profile'] or 'unknown'}"
@@ -270,6 +283,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                         check=not args.no_check,
                         progress=bar.update,
                         timer_overhead_ns=overhead,
+                        batched=args.batched,
                     )
                 )
             except DivergenceError as exc:
@@ -323,6 +337,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             "timer_overhead_ns": overhead,
             "quick": bool(args.quick),
             "kv_events": not args.no_events,
+            "batched": bool(args.batched),
             "repeat": args.repeat,
             "candidate_fallback_scenarios": fallbacks,
         }

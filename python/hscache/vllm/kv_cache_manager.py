@@ -36,8 +36,9 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 from vllm.distributed.kv_events import BlockStored
 from vllm.logger import init_logger
 from vllm.utils.math_utils import cdiv
@@ -65,6 +66,27 @@ logger = init_logger(__name__)
 
 _SIGNATURE = inspect.signature(VllmKVCacheManager.__init__)
 _WATERMARK_STATUSES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+class BatchAllocation(NamedTuple):
+    """What ``allocate_slots_batch`` allocated."""
+
+    num_allocated: int
+    """Entries allocated; entry ``num_allocated`` (if any) did not fit."""
+    new_block_ids: np.ndarray
+    """int32: the new block ids of every allocated entry, concatenated."""
+    offsets: np.ndarray
+    """int32, ``num_allocated + 1`` values: entry ``i``'s new blocks are
+    ``new_block_ids[offsets[i]:offsets[i + 1]]``."""
+
+
+def _int64_arg(values: Sequence[int] | np.ndarray) -> list[int] | bytes:
+    """A list as is (read item by item in Rust), an array as native int64 bytes."""
+    if isinstance(values, np.ndarray):
+        return np.ascontiguousarray(values, dtype=np.int64).tobytes()
+    if isinstance(values, list):
+        return values
+    return list(values)
 
 
 def _env_flag(name: str) -> bool:
@@ -423,6 +445,43 @@ class KVCacheManager(KVCacheCore):
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Deprecated in vLLM (cascade attention is gone): always ``[0]``."""
         return [0]
+
+    # -- batched running-set calls (hscache only) ---------------------------------------
+
+    def allocate_slots_batch(
+        self,
+        requests: list[Request],
+        handles: Sequence[int] | np.ndarray,
+        num_computed_tokens: Sequence[int] | np.ndarray,
+        num_new_tokens: Sequence[int] | np.ndarray,
+        num_lookahead_tokens: int = 0,
+    ) -> BatchAllocation:
+        """One step's ``allocate_slots`` for running requests, in one call.
+
+        Entry ``i`` is ``allocate_slots(requests[i], num_new_tokens[i],
+        num_lookahead_tokens=...)`` for a running request whose
+        ``num_computed_tokens`` is ``num_computed_tokens[i]`` and whose handle
+        (``request_handle``) is ``handles[i]``. Entries are allocated in order up to
+        the first one that does not fit, which is left untouched
+        (``num_allocated`` is its index): free a victim from the tail and call again
+        with the remaining entries, as vLLM's Scheduler does after a ``None``. Every
+        entry is validated before anything changes. Arrays may be lists of ints or
+        numpy integer arrays.
+        """
+        done, ids, offsets = self.core_allocate_slots_batch(
+            requests,
+            _int64_arg(handles),
+            _int64_arg(num_computed_tokens),
+            _int64_arg(num_new_tokens),
+            num_lookahead_tokens,
+        )
+        return BatchAllocation(
+            done, np.frombuffer(ids, dtype=np.int32), np.frombuffer(offsets, dtype=np.int32)
+        )
+
+    def free_batch(self, handles: Sequence[int] | np.ndarray) -> None:
+        """``free`` for each request ``handles`` names, in order (all checked first)."""
+        self.core_free_batch(_int64_arg(handles))
 
     # -- worker-side hand-offs ----------------------------------------------------------
 
