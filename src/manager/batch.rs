@@ -170,7 +170,7 @@ impl KVCacheManager {
                 Ok(hashes.get_or_init(|| h))
             };
             let num_tokens = || num_tokens_of(i);
-            let cache = caching.then(|| RunningCache {
+            let cache = caching.then_some(RunningCache {
                 block_hashes: &block_hashes,
                 upper,
                 num_tokens: &num_tokens,
