@@ -285,8 +285,8 @@ fn run_trace(seed: u64) -> [usize; 4] {
         let done_b = step_batched(&mut b, bs, &ns, &mut lb);
         assert_eq!(done_a, done_b);
         for (side, done) in [(&mut a, done_a), (&mut b, done_b)] {
-            for i in 0..done {
-                side.running[i].num_computed += ns[i];
+            for (r, n) in side.running.iter_mut().zip(&ns[..done]) {
+                r.num_computed += n;
             }
         }
         let mut budget_left: usize = token_budget - ns[..done_a].iter().sum::<usize>();
