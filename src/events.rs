@@ -4,7 +4,8 @@
 //! `AllBlocksCleared`) as compact records. A `BlockStored` record names the block
 //! range of one `cache_full_blocks` call; the Python adapter turns it into vLLM's
 //! msgspec struct right after the call, reading the token ids, hashes, LoRA and
-//! extra keys from the request it has at hand, so the struct's fields are exactly
+//! extra keys from the request it has at hand (per block in Rust, with
+//! `block_stored_fields` of `src/python/events.rs`), so the struct's fields are exactly
 //! what vLLM would have filled.
 
 use crate::types::BlockHashWithGroupId;

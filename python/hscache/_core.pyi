@@ -326,3 +326,33 @@ def blake3_digest(data: bytes) -> bytes: ...
 def blake3_block(
     parent: bytes, token_ids: Sequence[int], extras_cbor: bytes | None = None
 ) -> bytes: ...
+
+# --- KV-cache events (src/python/events.rs) ---
+
+def block_stored_fields(
+    request: Any,
+    start_block: int,
+    end_block: int,
+    block_size: int,
+    num_hash_lookahead_tokens: int,
+    int_block_hashes: bool,
+) -> tuple[
+    list[Any],
+    Any,
+    list[int],
+    int | None,
+    str | None,
+    list[tuple[Any, ...] | None] | None,
+    str | None,
+    list[list[int]] | None,
+]:
+    """The request-dependent fields of vLLM's ``BlockStored`` for blocks
+    ``start_block..end_block`` of ``request``: ``(block_hashes, parent_block_hash,
+    token_ids, lora_id, lora_name, extra_keys, session_id, lookahead_token_ids)``,
+    equal to what vLLM 0.33's ``BlockPool.cache_full_blocks`` puts in its event.
+
+    Hashes are converted as ``maybe_convert_block_hash`` does when ``int_block_hashes``
+    (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), else returned as the same objects; extra
+    keys come in ``to_event_extra_keys``'s untagged shape. Raises ``UnsupportedError``
+    for a request it cannot convert exactly (the caller then uses vLLM's helpers).
+    """

@@ -33,7 +33,7 @@ fn obj_id(obj: &Bound<'_, PyAny>) -> ObjId {
     ObjId::new(obj.as_ptr() as usize as u64)
 }
 
-fn type_name(obj: &Bound<'_, PyAny>) -> String {
+pub(crate) fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type()
         .name()
         .map(|n| n.to_string())
@@ -307,13 +307,16 @@ fn mm_position<'py>(i: usize, feature: &Bound<'py, PyAny>) -> PyResult<(usize, u
 
 /// The multimodal features a call needs, read from vLLM's `request.mm_features`:
 /// none when the last item ends at or before `start` (vLLM then never scans them).
-struct MmHolder<'py> {
-    positions: Vec<(usize, usize)>,
-    identifiers: Vec<Bound<'py, PyAny>>,
+/// Also read by `events.rs`, which keeps the identifier objects for its event keys.
+pub(crate) struct MmHolder<'py> {
+    /// `(mm_position.offset, mm_position.length)` of each item, in list order.
+    pub(crate) positions: Vec<(usize, usize)>,
+    /// Each item's `identifier` object, in list order.
+    pub(crate) identifiers: Vec<Bound<'py, PyAny>>,
 }
 
 impl<'py> MmHolder<'py> {
-    fn read(features: Option<&Bound<'py, PyAny>>, start: usize) -> PyResult<Self> {
+    pub(crate) fn read(features: Option<&Bound<'py, PyAny>>, start: usize) -> PyResult<Self> {
         let mut h = Self {
             positions: Vec::new(),
             identifiers: Vec::new(),

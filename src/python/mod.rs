@@ -1,6 +1,6 @@
 //! PyO3 bindings (feature `python`): the `hscache._core` extension module.
 //!
-//! Conversion only: arguments in, one core call, results and errors out. No
+//! Conversion only: arguments in, core calls, results and errors out. No
 //! bookkeeping lives here; the Python adapter (`python/hscache/vllm/`) wraps
 //! these classes into vLLM's interface.
 
@@ -10,6 +10,7 @@ mod blocks;
 mod buffers;
 mod encoder_cache;
 mod errors;
+mod events;
 mod hasher;
 mod hashes;
 mod manager;
@@ -78,6 +79,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hasher::serialize, m)?)?;
     m.add_function(wrap_pyfunction!(hasher::blake3_digest, m)?)?;
     m.add_function(wrap_pyfunction!(hasher::blake3_block, m)?)?;
+    m.add_function(wrap_pyfunction!(events::block_stored_fields, m)?)?;
     errors::register(m)?;
     Ok(())
 }

@@ -4,13 +4,22 @@ The core records ``("stored", group, start_block, end_block, block_size)``,
 ``("removed", hash, group)`` and ``("cleared",)`` in pool-operation order. A stored
 record is converted right after the call that produced it, with the request of that
 call, so that token ids, LoRA, extra keys and session id are read exactly when vLLM
-reads them. Extra keys come from vLLM's own helpers, so the event shape is vLLM's.
+reads them.
+
+The per-block fields of a ``BlockStored`` (converted hashes, token ids, extra keys in
+the untagged shape of vLLM's ``to_event_extra_keys``, lookahead token ids) are built by
+the core (``hscache._core.block_stored_fields``, ``src/python/events.rs``) with its
+port of vLLM's extra-key functions; this module owns the event structs and the
+fallback: a request the core cannot convert exactly raises ``UnsupportedError`` and
+that event is built by :func:`_block_stored_py`, the same conversion with vLLM's own
+helpers (also the reference of the differential tests).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from vllm import envs
 from vllm.distributed.kv_events import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -25,6 +34,9 @@ from vllm.v1.core.kv_cache_utils import (
     to_event_extra_keys,
 )
 
+from hscache._core import block_stored_fields
+from hscache.exceptions import UnsupportedError
+
 
 def block_stored(
     request: Any,
@@ -36,6 +48,59 @@ def block_stored(
     medium: str = MEDIUM_GPU,
 ) -> BlockStored:
     """The ``BlockStored`` event of blocks ``start_block..end_block`` of ``request``."""
+    try:
+        (
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            lora_id,
+            lora_name,
+            extra_keys,
+            session_id,
+            lookahead_token_ids,
+        ) = block_stored_fields(
+            request,
+            start_block,
+            end_block,
+            block_size,
+            num_hash_lookahead_tokens,
+            envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES,
+        )
+    except UnsupportedError:
+        return _block_stored_py(
+            request,
+            start_block,
+            end_block,
+            block_size,
+            group_idx,
+            num_hash_lookahead_tokens,
+            medium,
+        )
+    return BlockStored(
+        block_hashes=block_hashes,
+        parent_block_hash=parent_block_hash,
+        token_ids=token_ids,
+        block_size=block_size,
+        lora_id=lora_id,
+        medium=medium,
+        lora_name=lora_name,
+        extra_keys=extra_keys,
+        group_idx=group_idx,
+        session_id=session_id,
+        lookahead_token_ids=lookahead_token_ids,
+    )
+
+
+def _block_stored_py(
+    request: Any,
+    start_block: int,
+    end_block: int,
+    block_size: int,
+    group_idx: int,
+    num_hash_lookahead_tokens: int,
+    medium: str = MEDIUM_GPU,
+) -> BlockStored:
+    """:func:`block_stored` with vLLM's own helpers, one call per block (the fallback)."""
     hashes = request.block_hashes
     all_token_ids = request.all_token_ids
     extra_keys_list: list[tuple[Any, ...] | None] = []

@@ -1,0 +1,383 @@
+//! KV-cache events for Python: `block_stored_fields`, the per-block part of vLLM's
+//! `BlockStored` event (wraps `src/extra_keys.rs`).
+//!
+//! The core records `("stored", group, start_block, end_block, block_size)`; the Python
+//! adapter (`python/hscache/vllm/events.py`) builds vLLM's struct from the request of
+//! the call. This module computes the fields that take work per block: the converted
+//! hashes, the token ids, the per-block extra keys in the untagged event shape of
+//! vLLM's `to_event_extra_keys`, and the lookahead token ids. The values are vLLM's
+//! own objects wherever vLLM's event carries them (hashes when not converted to ints,
+//! multimodal identifiers, LoRA name, cache salt, prompt-embedding digests), so the
+//! event equals, field for field, what vLLM 0.33's `BlockPool.cache_full_blocks` emits.
+//!
+//! Extra keys are computed by the core's `generate_block_hash_extra_keys` /
+//! `generate_lookahead_block_hash_extra_keys` with the multimodal scan starting at
+//! item 0 for every event, as vLLM's `cache_full_blocks` does. Nothing here is
+//! serialized, so the core's keys only carry *which* object each key holds: item `i`'s
+//! identifier is passed as `Atom::Int(i)`, the LoRA pair and the salt as placeholders.
+//!
+//! Anything this reader cannot represent exactly (a multimodal item with a `None`
+//! identifier, which vLLM asserts on only when its scan reaches it; positions that are
+//! not non-negative ints; a token window or memoized digest of an unexpected type;
+//! arithmetic beyond `isize`) raises `UnsupportedError`, and the adapter converts that
+//! event with its pure-Python path instead.
+
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PySlice, PyTuple};
+
+use super::errors::UnsupportedError;
+use super::hasher::{type_name, MmHolder};
+use crate::extra_keys::{
+    generate_block_hash_extra_keys, generate_lookahead_block_hash_extra_keys, prompt_embeds_digest,
+    ExtraKey, MmFeature, RequestExtraKeys,
+};
+use crate::hash::value::Atom;
+
+fn unsupported(what: impl std::fmt::Display) -> PyErr {
+    UnsupportedError::new_err(format!("block_stored_fields: {what}"))
+}
+
+/// `a * b` (token positions), or `UnsupportedError` when it does not fit an `isize`
+/// (Python's slices would still work; the pure-Python path handles it).
+fn mul(a: usize, b: usize) -> PyResult<usize> {
+    a.checked_mul(b)
+        .filter(|&v| isize::try_from(v).is_ok())
+        .ok_or_else(|| unsupported("token position out of range"))
+}
+
+fn add(a: usize, b: usize) -> PyResult<usize> {
+    a.checked_add(b)
+        .filter(|&v| isize::try_from(v).is_ok())
+        .ok_or_else(|| unsupported("token position out of range"))
+}
+
+/// A block index or count argument as `usize`; anything else (negative, beyond
+/// `isize`, not an int) is left to the pure-Python path, which gives Python's answer.
+fn index_arg(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+    obj.extract::<usize>()
+        .ok()
+        .filter(|&v| isize::try_from(v).is_ok())
+        .ok_or_else(|| unsupported(format!("{name} is not an int in 0..2**63")))
+}
+
+/// `seq[lo:hi]` (both fit `isize`, checked by [`mul`] / [`add`]): a list slice for a
+/// `list`, else the object's own `__getitem__` with a slice.
+fn slice<'py>(seq: &Bound<'py, PyAny>, lo: usize, hi: usize) -> PyResult<Bound<'py, PyAny>> {
+    if let Ok(list) = seq.cast::<PyList>() {
+        return Ok(list.get_slice(lo, hi).into_any());
+    }
+    // Both fit `isize` (callers check): the casts are lossless.
+    let s = PySlice::new(seq.py(), lo as isize, hi as isize, 1);
+    seq.get_item(s)
+}
+
+/// vLLM's `maybe_convert_block_hash` with the flag read once by the caller: the hash
+/// object itself, or `int.from_bytes(h, "big") & (2**64 - 1)` (its last 8 bytes).
+fn convert_hash<'py>(h: Bound<'py, PyAny>, to_int: bool) -> PyResult<Bound<'py, PyAny>> {
+    if !to_int {
+        return Ok(h);
+    }
+    let bytes = h
+        .cast::<PyBytes>()
+        .map_err(|_| unsupported(format!("block hash is a {}, not bytes", type_name(&h))))?
+        .as_bytes();
+    let tail = &bytes[bytes.len().saturating_sub(8)..];
+    let v = tail.iter().fold(0u64, |acc, &b| (acc << 8) | u64::from(b));
+    Ok(v.into_pyobject(h.py())?.into_any())
+}
+
+/// The prompt-embedding digests of a request, as vLLM's
+/// `_gen_prompt_embeds_extra_hash_keys` finds them: memoized on the request
+/// (`_prompt_embeds_per_block_hashes[(start, end)]`, filled by the block hasher for
+/// the same ranges), else SHA-256 of `tensor_data(prompt_embeds[start:end])`, then
+/// memoized there exactly as vLLM does.
+struct PromptEmbeds<'py> {
+    embeds: Bound<'py, PyAny>,
+    memo: Bound<'py, PyDict>,
+    /// vLLM's `tensor_data`, imported on the first memo miss.
+    tensor_data: Option<Bound<'py, PyAny>>,
+}
+
+impl<'py> PromptEmbeds<'py> {
+    fn read(request: &Bound<'py, PyAny>, embeds: Bound<'py, PyAny>) -> PyResult<Self> {
+        let py = request.py();
+        let memo = request
+            .getattr(intern!(py, "_prompt_embeds_per_block_hashes"))
+            .map_err(|_| unsupported("request has no _prompt_embeds_per_block_hashes"))?;
+        let memo = memo
+            .cast_exact::<PyDict>()
+            .map_err(|_| unsupported("_prompt_embeds_per_block_hashes is not a dict"))?
+            .clone();
+        Ok(Self {
+            embeds,
+            memo,
+            tensor_data: None,
+        })
+    }
+
+    /// The digest of rows `[start, end)`: the bytes object (vLLM's own when memoized)
+    /// and its value for the core.
+    fn digest(&mut self, start: usize, end: usize) -> PyResult<(Bound<'py, PyBytes>, [u8; 32])> {
+        let py = self.memo.py();
+        let key = PyTuple::new(py, [start, end])?;
+        let obj = match self.memo.get_item(&key)? {
+            Some(d) => d,
+            None => {
+                let tensor_data = match &self.tensor_data {
+                    Some(f) => f.clone(),
+                    None => {
+                        let f = py
+                            .import(intern!(py, "vllm.v1.core.kv_cache_utils"))?
+                            .getattr(intern!(py, "tensor_data"))?;
+                        self.tensor_data = Some(f.clone());
+                        f
+                    }
+                };
+                let rows = slice(&self.embeds, start, end)?;
+                let data = tensor_data
+                    .call1((rows,))?
+                    .call_method0(intern!(py, "tobytes"))?;
+                let data = data
+                    .cast::<PyBytes>()
+                    .map_err(|_| unsupported("tensor_data(...).tobytes() is not bytes"))?;
+                let d = PyBytes::new(py, &prompt_embeds_digest(data.as_bytes())).into_any();
+                self.memo.set_item(key, &d)?;
+                d
+            }
+        };
+        let bytes = obj
+            .cast_exact::<PyBytes>()
+            .map_err(|_| unsupported("memoized prompt-embeds digest is not bytes"))?
+            .clone();
+        let value = <[u8; 32]>::try_from(bytes.as_bytes())
+            .map_err(|_| unsupported("memoized prompt-embeds digest is not 32 bytes"))?;
+        Ok((bytes, value))
+    }
+}
+
+/// The multimodal items of `request.mm_features` for the scan from `start`, each with
+/// its list index as identifier (see the module docs). Reader errors become
+/// `UnsupportedError`: the pure-Python path then reports (or accepts) them as vLLM does.
+fn mm_items<'py>(
+    request: &Bound<'py, PyAny>,
+    start: usize,
+) -> PyResult<(MmHolder<'py>, Vec<MmFeature<'static>>)> {
+    let py = request.py();
+    let features = request.getattr(intern!(py, "mm_features"))?;
+    let holder = MmHolder::read(Some(&features), start)
+        .map_err(|e| unsupported(format!("mm_features: {e}")))?;
+    if holder.identifiers.iter().any(|id| id.is_none()) {
+        return Err(unsupported("a multimodal item has identifier None"));
+    }
+    let items = holder
+        .positions
+        .iter()
+        .enumerate()
+        .map(|(i, &(offset, length))| {
+            let index = i128::try_from(i).map_err(|_| unsupported("too many items"))?;
+            MmFeature::new(offset, length, Atom::Int(index))
+                .map_err(|e| unsupported(format!("mm_features[{i}]: {e}")))
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    Ok((holder, items))
+}
+
+/// Per-request objects the event keys are made of.
+struct KeyObjects<'a, 'py> {
+    lora_name: Option<&'a Bound<'py, PyAny>>,
+    cache_salt: &'a Bound<'py, PyAny>,
+    identifiers: &'a [Bound<'py, PyAny>],
+}
+
+/// One block's entry of `to_event_extra_keys`: `None` without keys, else a tuple of
+/// `(identifier, offset)` for multimodal keys and the bare value for the others.
+fn event_keys<'py>(
+    py: Python<'py>,
+    keys: &[ExtraKey<'_>],
+    objs: &KeyObjects<'_, 'py>,
+    digest: Option<&Bound<'py, PyBytes>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    if keys.is_empty() {
+        return Ok(py.None().into_bound(py));
+    }
+    let mut items: Vec<Bound<'py, PyAny>> = Vec::with_capacity(keys.len());
+    for key in keys {
+        let item = match key {
+            ExtraKey::Lora { .. } => objs
+                .lora_name
+                .ok_or_else(|| PyRuntimeError::new_err("LoRA key without a LoRA request"))?
+                .clone(),
+            ExtraKey::Mm { identifier, offset } => {
+                let ident = match identifier {
+                    Atom::Int(i) => usize::try_from(*i)
+                        .ok()
+                        .and_then(|i| objs.identifiers.get(i)),
+                    _ => None,
+                }
+                .ok_or_else(|| PyRuntimeError::new_err("multimodal key of an unknown item"))?;
+                PyTuple::new(py, [ident.clone(), (*offset).into_pyobject(py)?.into_any()])?
+                    .into_any()
+            }
+            ExtraKey::CacheSalt(_) => objs.cache_salt.clone(),
+            ExtraKey::PromptEmbeds(_) => digest
+                .ok_or_else(|| PyRuntimeError::new_err("prompt-embeds key without a digest"))?
+                .clone()
+                .into_any(),
+        };
+        items.push(item);
+    }
+    Ok(PyTuple::new(py, items)?.into_any())
+}
+
+/// The fields of vLLM's `BlockStored` event for blocks `start_block..end_block` of
+/// `request` (blocks of `block_size` tokens) that depend on the request:
+/// `(block_hashes, parent_block_hash, token_ids, lora_id, lora_name, extra_keys,
+/// session_id, lookahead_token_ids)`. `int_block_hashes` is vLLM's
+/// `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`. Raises `UnsupportedError` for requests it
+/// cannot convert exactly (see the module docs).
+#[pyfunction]
+#[pyo3(signature = (
+    request, start_block, end_block, block_size, num_hash_lookahead_tokens, int_block_hashes
+))]
+pub fn block_stored_fields<'py>(
+    py: Python<'py>,
+    request: &Bound<'py, PyAny>,
+    start_block: &Bound<'py, PyAny>,
+    end_block: &Bound<'py, PyAny>,
+    block_size: &Bound<'py, PyAny>,
+    num_hash_lookahead_tokens: &Bound<'py, PyAny>,
+    int_block_hashes: bool,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let start_block = index_arg("start_block", start_block)?;
+    let end_block = index_arg("end_block", end_block)?;
+    let block_size = index_arg("block_size", block_size)?;
+    let la = index_arg("num_hash_lookahead_tokens", num_hash_lookahead_tokens)?;
+    let n = end_block.saturating_sub(start_block);
+    let none = py.None().into_bound(py);
+
+    // Hashes: `[maybe_convert_block_hash(h) for h in hashes[start:end]]` and the parent.
+    let hashes = request.getattr(intern!(py, "block_hashes"))?;
+    let sliced = slice(&hashes, start_block, end_block)?;
+    let block_hashes = match sliced.cast_exact::<PyList>() {
+        Ok(list) if !int_block_hashes => list.clone(),
+        _ => PyList::new(
+            py,
+            sliced
+                .try_iter()?
+                .map(|h| convert_hash(h?, int_block_hashes))
+                .collect::<PyResult<Vec<_>>>()?,
+        )?,
+    };
+    let parent = if start_block > 0 {
+        convert_hash(hashes.get_item(start_block - 1)?, int_block_hashes)?
+    } else {
+        none.clone()
+    };
+
+    // Token ids: one window `all_token_ids[start*bs : end*bs + la]`, sliced here.
+    let first_token = mul(start_block, block_size)?;
+    let last_token = mul(end_block.max(start_block), block_size)?;
+    let all_token_ids = request.getattr(intern!(py, "all_token_ids"))?;
+    let window = slice(&all_token_ids, first_token, add(last_token, la)?)?;
+    let window = window
+        .cast_exact::<PyList>()
+        .map_err(|_| unsupported("all_token_ids[a:b] is not a list"))?;
+    let span = last_token - first_token;
+    let token_ids = if la == 0 {
+        window.clone()
+    } else {
+        window.get_slice(0, span)
+    };
+    let lookahead_token_ids = if la == 0 {
+        none.clone()
+    } else {
+        let lists = (1..=n)
+            .map(|k| {
+                let end = k * block_size; // <= span, which fits isize
+                Ok(window.get_slice(end, add(end, la)?))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, lists)?.into_any()
+    };
+
+    // LoRA (`lora_id`, `lora_name` fields and the key), session id, salt, embeddings.
+    let lora = request.getattr(intern!(py, "lora_request"))?;
+    let has_lora = lora.is_truthy()?;
+    let (lora_id, lora_name, lora_key) = if has_lora {
+        (
+            lora.getattr(intern!(py, "adapter_id"))?,
+            lora.getattr(intern!(py, "name"))?,
+            Some(lora.getattr(intern!(py, "lora_name"))?),
+        )
+    } else {
+        (none.clone(), none.clone(), None)
+    };
+    let session_id = request.getattr(intern!(py, "session_id"))?;
+    let cache_salt = request.getattr(intern!(py, "cache_salt"))?;
+    // The salt is keyed on the block starting at token 0 only.
+    let salt_keyed = n > 0 && (start_block == 0 || block_size == 0) && cache_salt.is_truthy()?;
+    let embeds = request.getattr(intern!(py, "prompt_embeds"))?;
+    let mut embeds = if embeds.is_none() {
+        None
+    } else {
+        Some(PromptEmbeds::read(request, embeds)?)
+    };
+    let (mm, mm_features) = mm_items(request, first_token)?;
+
+    let extra_keys = if n == 0 {
+        none.clone()
+    } else if !has_lora && !salt_keyed && embeds.is_none() && mm_features.is_empty() {
+        // No block can have a key: `[None] * n`.
+        PyList::new(py, std::iter::repeat(&none).take(n))?.into_any()
+    } else {
+        let req_keys = RequestExtraKeys {
+            lora: has_lora.then_some((Atom::None, Atom::None)),
+            mm_features: &mm_features,
+            // Truthy placeholder: the core keys it on the block at token 0.
+            cache_salt: salt_keyed.then_some(Atom::Int(1)),
+        };
+        let objs = KeyObjects {
+            lora_name: lora_key.as_ref(),
+            cache_salt: &cache_salt,
+            identifiers: &mm.identifiers,
+        };
+        let mut keys = Vec::new();
+        let mut mm_idx = 0;
+        let mut out = Vec::with_capacity(n);
+        for i in start_block..end_block {
+            let start = i * block_size; // <= last_token, which fits isize
+            let end = start + block_size;
+            let hash_end = add(end, la)?;
+            let digest = match embeds.as_mut() {
+                Some(e) => Some(e.digest(start, hash_end)?),
+                None => None,
+            };
+            let value = digest.as_ref().map(|d| d.1);
+            mm_idx = if la > 0 {
+                generate_lookahead_block_hash_extra_keys(
+                    &req_keys, start, end, hash_end, mm_idx, value, &mut keys,
+                )?
+            } else {
+                generate_block_hash_extra_keys(&req_keys, start, end, mm_idx, value, &mut keys)?
+            };
+            out.push(event_keys(py, &keys, &objs, digest.as_ref().map(|d| &d.0))?);
+        }
+        PyList::new(py, out)?.into_any()
+    };
+
+    PyTuple::new(
+        py,
+        [
+            block_hashes.into_any(),
+            parent,
+            token_ids.into_any(),
+            lora_id,
+            lora_name,
+            extra_keys,
+            session_id,
+            lookahead_token_ids,
+        ],
+    )
+}
