@@ -4,7 +4,8 @@
 //! runs the core batch. Only entries that may have filled a block touch their
 //! `Request` (for `block_hashes` and `num_tokens`, checked to belong to the
 //! entry's handle). With KV events on, the core stops after each entry that recorded
-//! events so that they are converted with that entry's request, then resumes.
+//! events; its records are taken with that entry's request, and the Python
+//! `BlockPool.drain_core_event_batches` converts them all once the batch is done.
 
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -13,7 +14,7 @@ use pyo3::types::{PyByteArray, PyList, PyString};
 use super::buffers::{read_i64s, u32_as_i32_bytearray};
 use super::errors::{count, InvalidArgumentError, UnknownRequestError};
 use super::hashes::PyListHashes;
-use super::manager::PyKVCacheCore;
+use super::manager::{events_to_py, PyKVCacheCore};
 use crate::error::Error;
 use crate::manager::{BatchStop, RequestHandle, RunningBatch};
 
@@ -100,8 +101,11 @@ pub(crate) fn allocate_slots_batch<'py>(
     let mut ids = Vec::with_capacity(batch.len());
     let mut offsets = Vec::with_capacity(batch.len() + 1);
     offsets.push(0u32);
+    // With events on, the core stops after each entry that recorded events; its
+    // records are taken with the entry's request and converted together at the end.
+    let event_batches = PyList::empty(py);
     let mut start = 0;
-    loop {
+    let outcome = loop {
         let progress = slf.borrow_mut().core.allocate_running_batch(
             &batch,
             start,
@@ -110,13 +114,24 @@ pub(crate) fn allocate_slots_batch<'py>(
             events,
             &mut ids,
             &mut offsets,
-        )?;
+        );
+        let progress = match progress {
+            Ok(p) => p,
+            Err(e) => break Err(PyErr::from(e)),
+        };
         start = progress.next;
         if progress.stop != BatchStop::Events {
-            break;
+            break Ok(());
         }
-        PyKVCacheCore::flush_events(slf, &requests.get_item(start - 1)?)?;
+        let records = events_to_py(py, slf.borrow_mut().core.take_events())?;
+        event_batches.append((requests.get_item(start - 1)?, records))?;
+    };
+    // Deliver what was recorded even if an entry failed: nothing is lost.
+    if !event_batches.is_empty() {
+        slf.getattr(intern!(py, "block_pool"))?
+            .call_method1(intern!(py, "drain_core_event_batches"), (event_batches,))?;
     }
+    outcome?;
     Ok((
         start,
         u32_as_i32_bytearray(py, &ids)?,

@@ -125,6 +125,36 @@ impl<'py> RequestFields<'py> {
     }
 }
 
+/// The core's event records as the tuples `hscache.vllm.events.convert` reads.
+pub(super) fn events_to_py(
+    py: Python<'_>,
+    events: Vec<KVCacheEvent>,
+) -> PyResult<Bound<'_, PyList>> {
+    let list = PyList::empty(py);
+    for e in events {
+        let item = match e {
+            KVCacheEvent::BlockStored {
+                group_id,
+                start_block,
+                end_block,
+                block_size,
+            } => ("stored", group_id, start_block, end_block, block_size)
+                .into_pyobject(py)?
+                .into_any(),
+            KVCacheEvent::BlockRemoved { key } => (
+                "removed",
+                PyBytes::new(py, key.hash.as_bytes()),
+                key.group_id,
+            )
+                .into_pyobject(py)?
+                .into_any(),
+            KVCacheEvent::AllBlocksCleared => PyTuple::new(py, ["cleared"])?.into_any(),
+        };
+        list.append(item)?;
+    }
+    Ok(list)
+}
+
 impl PyKVCacheCore {
     fn handle(slf: &Bound<'_, Self>, this: &mut Self, id: BlockId) -> PyResult<Py<PyKVCacheBlock>> {
         let py = slf.py();
@@ -863,29 +893,7 @@ impl PyKVCacheCore {
     /// Drains event records as tuples: `("stored", group, start_block, end_block,
     /// block_size)`, `("removed", hash_bytes, group)`, `("cleared",)`.
     fn core_take_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let list = PyList::empty(py);
-        for e in self.core.take_events() {
-            let item = match e {
-                KVCacheEvent::BlockStored {
-                    group_id,
-                    start_block,
-                    end_block,
-                    block_size,
-                } => ("stored", group_id, start_block, end_block, block_size)
-                    .into_pyobject(py)?
-                    .into_any(),
-                KVCacheEvent::BlockRemoved { key } => (
-                    "removed",
-                    PyBytes::new(py, key.hash.as_bytes()),
-                    key.group_id,
-                )
-                    .into_pyobject(py)?
-                    .into_any(),
-                KVCacheEvent::AllBlocksCleared => PyTuple::new(py, ["cleared"])?.into_any(),
-            };
-            list.append(item)?;
-        }
-        Ok(list)
+        events_to_py(py, self.core.take_events())
     }
 
     /// Raises RuntimeError if a structural invariant is broken (tests).

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, overload
 
+from vllm import envs
 from vllm.distributed.kv_events import MEDIUM_GPU, KVCacheEvent
 
 from hscache._core import KVCacheBlock, KVCacheCore
@@ -128,6 +129,24 @@ class BlockPool:
                     request,
                     self.num_hash_lookahead_tokens,
                     self.medium,
+                )
+            )
+
+    def drain_core_event_batches(self, batches: list[tuple[Any, list[Any]]]) -> None:
+        """Converts the records a batched call took entry by entry: ``(request, records)``
+        pairs in call order (the flag for int hashes is read once for the batch)."""
+        if not self.enable_kv_cache_events:
+            return
+        int_block_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+        queue = self.kv_event_queue
+        for request, records in batches:
+            queue.extend(
+                events.convert(
+                    records,
+                    request,
+                    self.num_hash_lookahead_tokens,
+                    self.medium,
+                    int_block_hashes,
                 )
             )
 

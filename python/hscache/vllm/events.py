@@ -46,8 +46,14 @@ def block_stored(
     group_idx: int,
     num_hash_lookahead_tokens: int,
     medium: str = MEDIUM_GPU,
+    int_block_hashes: bool | None = None,
 ) -> BlockStored:
-    """The ``BlockStored`` event of blocks ``start_block..end_block`` of ``request``."""
+    """The ``BlockStored`` event of blocks ``start_block..end_block`` of ``request``.
+
+    ``int_block_hashes``: ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, read now if None.
+    """
+    if int_block_hashes is None:
+        int_block_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
     try:
         (
             block_hashes,
@@ -64,7 +70,7 @@ def block_stored(
             end_block,
             block_size,
             num_hash_lookahead_tokens,
-            envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES,
+            int_block_hashes,
         )
     except UnsupportedError:
         return _block_stored_py(
@@ -141,9 +147,12 @@ def convert(
     request: Any | None,
     num_hash_lookahead_tokens: int,
     medium: str = MEDIUM_GPU,
+    int_block_hashes: bool | None = None,
 ) -> list[KVCacheEvent]:
     """vLLM events of the core's records; ``request`` is the call's request."""
     out: list[KVCacheEvent] = []
+    if int_block_hashes is None:
+        int_block_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
     for rec in records:
         kind = rec[0]
         if kind == "removed":
@@ -160,7 +169,14 @@ def convert(
             _, group, start, end, block_size = rec
             out.append(
                 block_stored(
-                    request, start, end, block_size, group, num_hash_lookahead_tokens, medium
+                    request,
+                    start,
+                    end,
+                    block_size,
+                    group,
+                    num_hash_lookahead_tokens,
+                    medium,
+                    int_block_hashes,
                 )
             )
         else:
