@@ -243,7 +243,7 @@ def geometric_mean(values: Sequence[float]) -> float:
     return math.exp(sum(math.log(v) for v in good) / len(good))
 
 
-def format_summary(summaries: Sequence[ScenarioSummary]) -> str:
+def format_summary(summaries: Sequence[ScenarioSummary], path: str | None = None) -> str:
     """The final table: one row per scenario plus the geometric mean of the ratios."""
     rows = [
         [
@@ -288,7 +288,8 @@ def format_summary(summaries: Sequence[ScenarioSummary]) -> str:
         "ratio (total)",
         *(["ratio range over repeats"] if repeated else []),
     ]
-    return "Summary: KV bookkeeping time per scheduler step\n" + _table(header, rows)
+    which = f" ({path} path)" if path else ""
+    return f"Summary{which}: KV bookkeeping time per scheduler step\n" + _table(header, rows)
 
 
 def _clean(value: Any) -> Any:
@@ -307,11 +308,15 @@ def to_json(
     runs: Sequence[RunResult],
     meta: dict[str, Any],
     include_raw: bool = True,
+    paths: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """The machine-readable document written by ``--json``."""
+    """The machine-readable document written by ``--json``; ``paths[i]`` names the
+    candidate path (``drop-in`` or ``batched``) of ``summaries[i]``."""
+    paths = list(paths) if paths is not None else ["drop-in"] * len(summaries)
     scenarios = []
-    for summary, run in zip(summaries, runs, strict=True):
+    for summary, run, path in zip(summaries, runs, paths, strict=True):
         entry = asdict(summary)
+        entry["path"] = path
         entry["config"] = asdict(run.scenario)
         if include_raw:
             entry["raw_step_ns"] = {
@@ -319,10 +324,15 @@ def to_json(
                 "hscache": run.candidate.step_ns,
             }
         scenarios.append(entry)
+    by_path = {
+        p: geometric_mean([s.ratio for s, q in zip(summaries, paths, strict=True) if q == p])
+        for p in dict.fromkeys(paths)
+    }
     doc = {
         "meta": meta,
         "scenarios": scenarios,
-        "geomean_ratio": geometric_mean([s.ratio for s in summaries]),
+        "geomean_ratio": by_path.get("drop-in", geometric_mean([s.ratio for s in summaries])),
+        "geomean_ratio_by_path": by_path,
     }
     return dict(_clean(doc))
 

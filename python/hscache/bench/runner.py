@@ -75,11 +75,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="construct the managers without KV cache events (diagnostic; default: events on)",
     )
     parser.add_argument(
-        "--batched",
-        action="store_true",
-        help="the candidate serves the running set and finishes with one batched call per "
-        "step (allocate_slots_batch / free_batch) instead of one call per request",
+        "--mode",
+        choices=("both", "drop-in", "batched"),
+        default="both",
+        help="drop-in: the candidate gets vLLM's per-request calls; batched: it serves the "
+        "running set and finishes with one call each per step (allocate_slots_batch / "
+        "free_batch); both (default): one pass of each",
     )
+    parser.add_argument("--batched", action="store_true", help="same as --mode batched")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -131,16 +134,22 @@ def _is_debug(profile: str | None) -> bool:
     return profile is not None and "debug" in profile.lower()
 
 
+def _modes(args: argparse.Namespace) -> list[str]:
+    """The candidate paths to measure, in order."""
+    if args.batched or args.mode == "batched":
+        return ["batched"]
+    if args.mode == "drop-in":
+        return ["drop-in"]
+    return ["drop-in", "batched"]
+
+
 def _banner(
     out: TextIO, args: argparse.Namespace, scenarios: Sequence[Scenario], info: dict[str, Any]
 ) -> None:
     print("hscache bench: vLLM KVCacheManager vs candidate, same process, same trace", file=out)
     print(f"  reference : {args.reference}", file=out)
-    print(
-        f"  candidate : {args.candidate}"
-        + (" (batched running-set path)" if args.batched else " (drop-in, one call per request)"),
-        file=out,
-    )
+    print(f"  candidate : {args.candidate}", file=out)
+    print(f"  paths     : {', '.join(_modes(args))}", file=out)
     print(
         f"  hscache._core: version {info['version'] or '?'}, "
         f"build profile {info['build_profile'] or 'unknown'}"
@@ -266,53 +275,82 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     show = not args.no_progress
     runs: list[RunResult] = []
     summaries: list[ScenarioSummary] = []
+    modes_of_runs: list[str] = []
     fallbacks: list[str] = []
     t_all = time.perf_counter()
-    for sc in scenarios:
-        repeats: list[RunResult] = []
-        for k in range(args.repeat):
-            desc = sc.name if args.repeat == 1 else f"{sc.name} [{k + 1}/{args.repeat}]"
-            bar = _Progress(sc.total_steps, desc, show)
-            try:
-                repeats.append(
-                    run_scenario(
-                        sc,
-                        reference,
-                        candidate,
-                        seed=args.seed,
-                        check=not args.no_check,
-                        progress=bar.update,
-                        timer_overhead_ns=overhead,
-                        batched=args.batched,
+    for mode in _modes(args):
+        batched = mode == "batched"
+        title = (
+            "drop-in path: vLLM's per-request calls"
+            if not batched
+            else "batched path: one allocate_slots_batch + one free_batch per step"
+        )
+        print(f"#### {title}\n", file=stream)
+        mode_summaries: list[ScenarioSummary] = []
+        for sc in scenarios:
+            repeats: list[RunResult] = []
+            for k in range(args.repeat):
+                desc = sc.name if args.repeat == 1 else f"{sc.name} [{k + 1}/{args.repeat}]"
+                bar = _Progress(sc.total_steps, f"{desc} ({mode})", show)
+                try:
+                    repeats.append(
+                        run_scenario(
+                            sc,
+                            reference,
+                            candidate,
+                            seed=args.seed,
+                            check=not args.no_check,
+                            progress=bar.update,
+                            timer_overhead_ns=overhead,
+                            batched=batched,
+                        )
                     )
+                except DivergenceError as exc:
+                    bar.close()
+                    print(
+                        f"\nDIVERGENCE in scenario {sc.name} ({mode}, seed {args.seed}):\n{exc}",
+                        file=stream,
+                    )
+                    print(
+                        "The candidate made a different decision from vLLM; aborting.",
+                        file=stream,
+                    )
+                    return 3
+                except AttributeError as exc:
+                    bar.close()
+                    if not batched:
+                        raise
+                    print(f"\nthe candidate has no batched API ({exc}); skipping", file=stream)
+                    break
+                finally:
+                    bar.close()
+            if not repeats:
+                break
+            result = merge_runs(repeats)
+            if result.candidate.class_name == result.reference.class_name and (
+                args.candidate != args.reference
+            ):
+                fallbacks.append(sc.name)
+                print(
+                    f"WARNING: in {sc.name} the candidate constructed "
+                    f"{result.candidate.class_name} (a fallback to the reference manager); "
+                    "its ratio measures nothing.",
+                    file=stream,
                 )
-            except DivergenceError as exc:
-                bar.close()
-                print(f"\nDIVERGENCE in scenario {sc.name} (seed {args.seed}):\n{exc}", file=stream)
-                print("The candidate made a different decision from vLLM; aborting.", file=stream)
-                return 3
-            finally:
-                bar.close()
-        result = merge_runs(repeats)
-        if result.candidate.class_name == result.reference.class_name and (
-            args.candidate != args.reference
-        ):
-            fallbacks.append(sc.name)
-            print(
-                f"WARNING: in {sc.name} the candidate constructed {result.candidate.class_name} "
-                "(a fallback to the reference manager); its ratio measures nothing.",
-                file=stream,
-            )
-        summary = summarize(result, repeats)
-        runs.append(result)
-        summaries.append(summary)
-        print(format_scenario(summary), file=stream)
-        print(f"   ({result.wall_s:.1f} s wall for both managers)\n", file=stream)
-        stream.flush()
+            summary = summarize(result, repeats)
+            runs.append(result)
+            summaries.append(summary)
+            modes_of_runs.append(mode)
+            mode_summaries.append(summary)
+            print(format_scenario(summary), file=stream)
+            print(f"   ({result.wall_s:.1f} s wall for both managers)\n", file=stream)
+            stream.flush()
+        if mode_summaries:
+            print(format_summary(mode_summaries, mode), file=stream)
+            print("", file=stream)
 
-    print(format_summary(summaries), file=stream)
     print(
-        f"\n{len(scenarios)} scenarios in {time.perf_counter() - t_all:.1f} s; decisions "
+        f"{len(runs)} scenario runs in {time.perf_counter() - t_all:.1f} s; decisions "
         + ("identical at every step." if not args.no_check else "not checked (--no-check)."),
         file=stream,
     )
@@ -337,11 +375,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             "timer_overhead_ns": overhead,
             "quick": bool(args.quick),
             "kv_events": not args.no_events,
-            "batched": bool(args.batched),
+            "paths": _modes(args),
             "repeat": args.repeat,
             "candidate_fallback_scenarios": fallbacks,
         }
-        doc = to_json(summaries, runs, meta)
+        doc = to_json(summaries, runs, meta, paths=modes_of_runs)
         write_json(args.json, doc)
         print(f"results written to {args.json}", file=stream)
     if args.plot:
