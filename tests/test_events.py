@@ -31,21 +31,17 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.utils import hashing
 from vllm.v1.request import Request
 
-from tests.test_block_hasher import make_request, random_request_args
+# The autouse fixture that starts each test from sha256's NONE_HASH and restores vLLM's
+# globals after it.
+from tests.test_block_hasher import (  # noqa: F401 (autouse fixture)
+    _none_hash,
+    make_request,
+    random_request_args,
+)
 
 pytestmark = pytest.mark.vllm
 
 INT_FLAG = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
-
-
-@pytest.fixture(autouse=True)
-def _none_hash() -> Any:
-    saved = (getattr(kcu, "NONE_HASH", None), kcu._NONE_HASH_SEED)
-    kcu.init_none_hash(hashing.sha256)
-    yield
-    if saved[0] is not None:
-        kcu.NONE_HASH = saved[0]
-    kcu._NONE_HASH_SEED = saved[1]
 
 
 def set_int_hashes(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:

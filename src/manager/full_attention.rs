@@ -416,20 +416,24 @@ impl FullAttentionManager {
         cache: Option<RunningCache<'_, H>>,
         out: &mut Vec<BlockId>,
     ) -> Result<Option<bool>> {
+        let step = self.running_step(num_tokens_need_slot, budget);
         let Some(req) = self.requests.get_mut(request_id) else {
             return Ok(None);
-        };
-        let step = RunningStep {
-            block_size: self.block_size,
-            group_id: self.group_id,
-            record_new_block_ids: self.record_new_block_ids,
-            num_tokens_need_slot,
-            budget,
         };
         step.apply(pool, req, &mut self.new_block_ids, cache, out, &|| {
             format!("{request_id:?}")
         })
         .map(Some)
+    }
+
+    fn running_step(&self, num_tokens_need_slot: usize, budget: i64) -> RunningStep {
+        RunningStep {
+            block_size: self.block_size,
+            group_id: self.group_id,
+            record_new_block_ids: self.record_new_block_ids,
+            num_tokens_need_slot,
+            budget,
+        }
     }
 
     /// [`Self::try_allocate_running`] for the request `handle` names (batched
@@ -443,15 +447,9 @@ impl FullAttentionManager {
         cache: Option<RunningCache<'_, H>>,
         out: &mut Vec<BlockId>,
     ) -> Result<bool> {
+        let step = self.running_step(num_tokens_need_slot, budget);
         let Some(req) = self.requests.get_mut_by_handle(handle) else {
             return Err(Error::UnknownRequest(format!("handle {handle:#x}")));
-        };
-        let step = RunningStep {
-            block_size: self.block_size,
-            group_id: self.group_id,
-            record_new_block_ids: self.record_new_block_ids,
-            num_tokens_need_slot,
-            budget,
         };
         step.apply(pool, req, &mut self.new_block_ids, cache, out, &|| {
             format!("with handle {handle:#x}")
