@@ -88,7 +88,7 @@ class KVCacheCore:
         self,
         waiting: Any,
         preempted: Any,
-        event_sink: Callable[[Any], None] | None = None,
+        event_sink: list[tuple[Any, list[Any]]] | None = None,
         cached_block_event_sink: Callable[[Any, int], None] | None = None,
     ) -> None: ...
     # vLLM's KVCacheManager interface

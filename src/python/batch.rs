@@ -4,8 +4,8 @@
 //! runs the core batch. Only entries that may have filled a block touch their
 //! `Request` (for `block_hashes` and `num_tokens`, checked to belong to the
 //! entry's handle). With KV events on, the core stops after each entry that recorded
-//! events; its records are taken with that entry's request, and the Python
-//! `BlockPool.drain_core_event_batches` converts them all once the batch is done.
+//! events so that its records are queued with that entry's request (converted when
+//! the Python `BlockPool`'s event queue is next read).
 
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -14,7 +14,7 @@ use pyo3::types::{PyByteArray, PyList, PyString};
 use super::buffers::{read_i64s, u32_as_i32_bytearray};
 use super::errors::{count, InvalidArgumentError, UnknownRequestError};
 use super::hashes::PyListHashes;
-use super::manager::{events_to_py, PyKVCacheCore};
+use super::manager::PyKVCacheCore;
 use crate::error::Error;
 use crate::manager::{BatchStop, RequestHandle, RunningBatch};
 
@@ -101,11 +101,10 @@ pub(crate) fn allocate_slots_batch<'py>(
     let mut ids = Vec::with_capacity(batch.len());
     let mut offsets = Vec::with_capacity(batch.len() + 1);
     offsets.push(0u32);
-    // With events on, the core stops after each entry that recorded events; its
-    // records are taken with the entry's request and converted together at the end.
-    let event_batches = PyList::empty(py);
+    // With events on, the core stops after each entry that recorded events, whose
+    // records are queued with that entry's request, and resumes.
     let mut start = 0;
-    let outcome = loop {
+    loop {
         let progress = slf.borrow_mut().core.allocate_running_batch(
             &batch,
             start,
@@ -114,24 +113,13 @@ pub(crate) fn allocate_slots_batch<'py>(
             events,
             &mut ids,
             &mut offsets,
-        );
-        let progress = match progress {
-            Ok(p) => p,
-            Err(e) => break Err(PyErr::from(e)),
-        };
+        )?;
         start = progress.next;
         if progress.stop != BatchStop::Events {
-            break Ok(());
+            break;
         }
-        let records = events_to_py(py, slf.borrow_mut().core.take_events())?;
-        event_batches.append((requests.get_item(start - 1)?, records))?;
-    };
-    // Deliver what was recorded even if an entry failed: nothing is lost.
-    if !event_batches.is_empty() {
-        slf.getattr(intern!(py, "block_pool"))?
-            .call_method1(intern!(py, "drain_core_event_batches"), (event_batches,))?;
+        PyKVCacheCore::flush_events(slf, &requests.get_item(start - 1)?)?;
     }
-    outcome?;
     Ok((
         start,
         u32_as_i32_bytearray(py, &ids)?,

@@ -45,8 +45,9 @@ struct VllmBindings {
     empty_kv_cache_blocks: Py<PyKVCacheBlocks>,
     /// `RequestStatus.WAITING` and `RequestStatus.PREEMPTED` (the watermark applies).
     watermark_statuses: [Py<PyAny>; 2],
-    /// Called with `(request,)` after a call that recorded events (events on only).
-    event_sink: Option<Py<PyAny>>,
+    /// The list to which a call that recorded events appends `(request, records)`
+    /// (events on only); the Python `BlockPool` converts it in order when read.
+    event_sink: Option<Py<PyList>>,
     /// Called with `(request, num_blocks)` for `kv_cache_report_mode == "full"` hits.
     cached_block_event_sink: Option<Py<PyAny>>,
     /// The free queue's head and tail sentinels (Python objects of the
@@ -278,22 +279,26 @@ impl PyKVCacheCore {
         Ok(true)
     }
 
-    /// Calls the event sink when the core recorded events (events on only).
+    /// Queues the call's event records with its request when the core recorded
+    /// events (events on only): one list append, no Python call.
     pub(super) fn flush_events(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
-        let sink = {
-            let this = slf.borrow();
+        let py = slf.py();
+        let (sink, records) = {
+            let mut this = slf.borrow_mut();
             if !this.core.block_pool().has_events() {
                 return Ok(());
             }
-            this.bindings()?
+            let Some(sink) = this
+                .bindings()?
                 .event_sink
                 .as_ref()
-                .map(|s| s.clone_ref(slf.py()))
+                .map(|s| s.clone_ref(py))
+            else {
+                return Ok(());
+            };
+            (sink, this.core.take_events())
         };
-        if let Some(sink) = sink {
-            sink.bind(slf.py()).call1((request,))?;
-        }
-        Ok(())
+        sink.bind(py).append((request, events_to_py(py, records)?))
     }
 
     /// A block's neighbor in the free queue (see `KVCacheBlock.next_free_block`).
@@ -390,7 +395,7 @@ impl PyKVCacheCore {
         slf: &Bound<'_, Self>,
         waiting: Bound<'_, PyAny>,
         preempted: Bound<'_, PyAny>,
-        event_sink: Option<Bound<'_, PyAny>>,
+        event_sink: Option<Bound<'_, PyList>>,
         cached_block_event_sink: Option<Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let empty = Py::new(

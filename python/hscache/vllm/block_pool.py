@@ -118,28 +118,36 @@ class BlockPool:
         self.null_block = core.block(0)
         self.free_block_queue = FreeKVCacheBlockQueue(core)
         self.cached_block_hash_to_block = BlockHashToBlockMap(core)
-        self.kv_event_queue: list[KVCacheEvent] = []
+        self._kv_event_queue: list[KVCacheEvent] = []
+        # ``(request, records)`` pairs the core appends after each call that recorded
+        # events, converted in order on the next read of the queue (see ``_convert``).
+        self.pending_event_records: list[tuple[Any, list[Any]]] = []
 
-    def drain_core_events(self, request: Any | None = None) -> None:
-        """Converts the core's pending event records (call after every mutation)."""
-        if self.enable_kv_cache_events and self._core.has_events:
-            self.kv_event_queue.extend(
-                events.convert(
-                    self._core.core_take_events(),
-                    request,
-                    self.num_hash_lookahead_tokens,
-                    self.medium,
-                )
-            )
+    @property
+    def kv_event_queue(self) -> list[KVCacheEvent]:
+        """vLLM's event queue: every event so far, in pool-operation order."""
+        self._convert_pending()
+        return self._kv_event_queue
 
-    def drain_core_event_batches(self, batches: list[tuple[Any, list[Any]]]) -> None:
-        """Converts the records a batched call took entry by entry: ``(request, records)``
-        pairs in call order (the flag for int hashes is read once for the batch)."""
-        if not self.enable_kv_cache_events:
+    @kv_event_queue.setter
+    def kv_event_queue(self, queue: list[KVCacheEvent]) -> None:
+        self._convert_pending()
+        self._kv_event_queue = queue
+
+    def _convert_pending(self) -> None:
+        """Converts the records the core queued with their requests.
+
+        A ``BlockStored`` reads only what a request never changes once its blocks are
+        cached (the token ids and hashes of those blocks, LoRA, multimodal features,
+        salt, session id), so converting at the next read gives the events vLLM builds
+        inside the call; the int-hash flag is read once for the whole backlog.
+        """
+        pending = self.pending_event_records
+        if not pending:
             return
         int_block_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
-        queue = self.kv_event_queue
-        for request, records in batches:
+        queue = self._kv_event_queue
+        for request, records in pending:
             queue.extend(
                 events.convert(
                     records,
@@ -147,6 +155,19 @@ class BlockPool:
                     self.num_hash_lookahead_tokens,
                     self.medium,
                     int_block_hashes,
+                )
+            )
+        pending.clear()
+
+    def drain_core_events(self, request: Any | None = None) -> None:
+        """Converts the core's event records (call after every pool-level mutation)."""
+        if self.enable_kv_cache_events and self._core.has_events:
+            self.kv_event_queue.extend(
+                events.convert(
+                    self._core.core_take_events(),
+                    request,
+                    self.num_hash_lookahead_tokens,
+                    self.medium,
                 )
             )
 
@@ -194,5 +215,6 @@ class BlockPool:
     def take_events(self) -> list[KVCacheEvent]:
         if not self.enable_kv_cache_events:
             return []
-        taken, self.kv_event_queue = self.kv_event_queue, []
+        taken = self.kv_event_queue
+        self._kv_event_queue = []
         return taken

@@ -326,7 +326,7 @@ class KVCacheManager(KVCacheCore):
         self._bind_vllm(
             RequestStatus.WAITING,
             RequestStatus.PREEMPTED,
-            self.block_pool.drain_core_events if enable_kv_cache_events else None,
+            self.block_pool.pending_event_records if enable_kv_cache_events else None,
             self._emit_cached_block_events if enable_kv_cache_events else None,
         )
         queue = self.block_pool.free_block_queue
