@@ -341,8 +341,13 @@ def write_json(path: str | Path, doc: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")
 
 
-def write_plot(path: str | Path, summaries: Sequence[ScenarioSummary]) -> bool:
-    """Bar chart of the per-scenario ratios; False (and nothing written) without matplotlib."""
+def write_plot(
+    path: str | Path,
+    summaries: Sequence[ScenarioSummary],
+    paths: Sequence[str] | None = None,
+) -> bool:
+    """Bar chart of the per-scenario ratios, one bar per (scenario, candidate path);
+    False (and nothing written) without matplotlib."""
     try:
         import matplotlib
 
@@ -351,6 +356,8 @@ def write_plot(path: str | Path, summaries: Sequence[ScenarioSummary]) -> bool:
     except ImportError:
         return False
     names = [s.name for s in summaries]
+    if paths is not None and len(set(paths)) > 1:
+        names = [f"{n}\n({p})" for n, p in zip(names, paths, strict=True)]
     ratios = [0.0 if math.isnan(s.ratio) else s.ratio for s in summaries]
     fig, ax = plt.subplots(figsize=(max(4.0, 1.3 * len(names) + 1.5), 3.6))
     bars = ax.bar(names, ratios, color="#3b7dd8")

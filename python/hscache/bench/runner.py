@@ -383,7 +383,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         write_json(args.json, doc)
         print(f"results written to {args.json}", file=stream)
     if args.plot:
-        if write_plot(args.plot, summaries):
+        if write_plot(args.plot, summaries, modes_of_runs):
             print(f"plot written to {args.plot}", file=stream)
         else:
             print("--plot: matplotlib is not installed; no plot written", file=stream)
