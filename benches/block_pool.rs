@@ -14,6 +14,7 @@ use hscache::free_queue::FreeKVCacheBlockQueue;
 use hscache::manager::{AllocateSlots, KVCacheManager, KVCacheManagerConfig, RequestView};
 use hscache::pool::BlockPool;
 use hscache::testing::prompt_hashes;
+use hscache::types::{BlockHash, BlockId};
 
 const POOL_SIZES: [u32; 2] = [1024, 65536];
 
@@ -91,6 +92,27 @@ fn touch_free(c: &mut Criterion) {
     g.finish();
 }
 
+/// Admits a new request of `tokens` tokens with no hits, caching its full blocks.
+fn prefill(
+    m: &mut KVCacheManager,
+    id: &str,
+    hashes: &[BlockHash],
+    tokens: usize,
+    out: &mut Vec<BlockId>,
+) {
+    let view = RequestView {
+        request_id: id,
+        num_computed_tokens: 0,
+        num_tokens: &|| Ok(tokens),
+        block_hashes: &|| Ok(hashes),
+    };
+    let args = AllocateSlots {
+        num_new_tokens: tokens,
+        ..Default::default()
+    };
+    m.allocate_slots(&view, &args, out).expect("fits");
+}
+
 fn hit_lookup(c: &mut Criterion) {
     let mut g = c.benchmark_group("manager/find_longest_cache_hit");
     for blocks in [64usize, 512] {
@@ -102,18 +124,7 @@ fn hit_lookup(c: &mut Criterion) {
                 let mut m = manager(65536);
                 let hashes = prompt_hashes(3, blocks as u64, 4, 0);
                 let tokens = blocks * 16 + 1;
-                let view = RequestView {
-                    request_id: "warm",
-                    num_computed_tokens: 0,
-                    num_tokens: &|| Ok(tokens),
-                    block_hashes: &|| Ok(&hashes),
-                };
-                let args = AllocateSlots {
-                    num_new_tokens: tokens,
-                    ..Default::default()
-                };
-                let mut out = vec![];
-                m.allocate_slots(&view, &args, &mut out).expect("fits");
+                prefill(&mut m, "warm", &hashes, tokens, &mut vec![]);
                 let mut hits = Vec::with_capacity(blocks);
                 b.iter(|| {
                     hits.clear();
@@ -146,18 +157,8 @@ fn allocate_slots_prefill(c: &mut Criterion) {
                         prompt_hashes(seed, blocks as u64, 0, 0)
                     },
                     |hashes| {
-                        let view = RequestView {
-                            request_id: "r",
-                            num_computed_tokens: 0,
-                            num_tokens: &|| Ok(tokens),
-                            block_hashes: &|| Ok(&hashes),
-                        };
-                        let args = AllocateSlots {
-                            num_new_tokens: tokens,
-                            ..Default::default()
-                        };
                         out.clear();
-                        m.allocate_slots(&view, &args, &mut out).expect("fits");
+                        prefill(&mut m, "r", &hashes, tokens, &mut out);
                         m.free("r").expect("allocated");
                     },
                     BatchSize::SmallInput,

@@ -34,8 +34,7 @@ def main() -> int:
         return 1
 
     import hscache.vllm
-    from hscache.bench.scheduler_level import make_scheduler, request_stream
-    from vllm.v1.outputs import ModelRunnerOutput
+    from hscache.bench.scheduler_level import make_scheduler, request_stream, stub_runner_output
 
     sched = make_scheduler(hscache.vllm.Scheduler, 512, max_model_len=4096)
     assert isinstance(sched.kv_cache_manager, hscache.vllm.KVCacheManager)
@@ -43,15 +42,7 @@ def main() -> int:
         for req in new:
             sched.add_request(req)
         out = sched.schedule()
-        ids = list(out.num_scheduled_tokens)
-        sched.update_from_output(
-            out,
-            ModelRunnerOutput(
-                req_ids=ids,
-                req_id_to_index={r: i for i, r in enumerate(ids)},
-                sampled_token_ids=[[step] for _ in ids],
-            ),
-        )
+        sched.update_from_output(out, stub_runner_output(out, lambda _i, step=step: step))
     print(f"wheel smoke: ok (hscache {hscache.__version__} from {core_path.parent})")
     return 0
 

@@ -535,9 +535,13 @@ def test_hscache_scheduler_end_to_end_with_the_installed_hasher() -> None:
     every request, schedule. hscache's Scheduler on hscache's hashes makes vLLM's
     decisions (same prefix-cache hits) on vLLM's hashes, step for step."""
     import hscache.vllm
-    from hscache.bench.scheduler_level import make_scheduler, model_dir, summarize
+    from hscache.bench.scheduler_level import (
+        make_scheduler,
+        model_dir,
+        stub_runner_output,
+        summarize,
+    )
     from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
-    from vllm.v1.outputs import ModelRunnerOutput
 
     bh.install_block_hasher()
     try:
@@ -572,14 +576,9 @@ def test_hscache_scheduler_end_to_end_with_the_installed_hasher() -> None:
             out = sched.schedule()
             trace.append(summarize(out))
             hits += sum(r.num_computed_tokens > 0 for r in out.scheduled_new_reqs)
-            ids = list(out.num_scheduled_tokens)
             sched.update_from_output(
                 out,
-                ModelRunnerOutput(
-                    req_ids=ids,
-                    req_id_to_index={r: i for i, r in enumerate(ids)},
-                    sampled_token_ids=[[(step * 7 + i) % 1000] for i in range(len(ids))],
-                ),
+                stub_runner_output(out, lambda i, step=step: (step * 7 + i) % 1000),
             )
         return trace, [list(r.block_hashes) for r in requests], hits
 

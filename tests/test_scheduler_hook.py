@@ -20,9 +20,9 @@ pytest.importorskip("vllm")
 import hscache.vllm
 from hscache.bench.scheduler_level import make_scheduler as _make_scheduler
 from hscache.bench.scheduler_level import model_dir as _model_dir
+from hscache.bench.scheduler_level import stub_runner_output
 from hscache.bench.scheduler_level import summarize as output_summary
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
-from vllm.v1.outputs import ModelRunnerOutput
 
 from tests.vllm_helpers import make_request
 
@@ -67,14 +67,9 @@ def run_stream(cls: type, model_dir: Path, seed: int, num_blocks: int) -> list[A
             sched.add_request(req)
         out = sched.schedule()
         trace.append(output_summary(out))
-        req_ids = list(out.num_scheduled_tokens)
-        sampled = [[(step * 7 + i) % 1000] for i in range(len(req_ids))]
-        runner_out = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
+        sched.update_from_output(
+            out, stub_runner_output(out, lambda i, step=step: (step * 7 + i) % 1000)
         )
-        sched.update_from_output(out, runner_out)
         stats = sched.make_stats()
         if stats is not None:
             pc = stats.prefix_cache_stats

@@ -275,14 +275,7 @@ impl KVCacheManager {
         } else {
             let upper = total + args.num_new_tokens;
             let num_hashed = (request.block_hashes)()?.len() * self.pool.hash_block_size();
-            let num_cached = if adopt && !self.manager.is_running(rid) {
-                hits.len()
-            } else {
-                self.manager
-                    .request(rid)
-                    .and_then(|r| r.num_cached_block)
-                    .unwrap_or(0)
-            };
+            let num_cached = self.num_cached_after_adopting(rid, hits, adopt);
             if upper.min(num_hashed) / bs <= num_cached {
                 None
             } else {
@@ -316,6 +309,19 @@ impl KVCacheManager {
         Ok(true)
     }
 
+    /// The request's cached blocks once stage 2 has run: the adopted hits for a new
+    /// request, else what it has cached so far.
+    fn num_cached_after_adopting(&self, rid: &str, hits: &[BlockId], adopt: bool) -> usize {
+        if adopt && !self.manager.is_running(rid) {
+            hits.len()
+        } else {
+            self.manager
+                .request(rid)
+                .and_then(|r| r.num_cached_block)
+                .unwrap_or(0)
+        }
+    }
+
     /// Checks that caching `num_tokens` after this allocation will succeed.
     fn check_cache_after_allocation<H: BlockHashSource + ?Sized>(
         &self,
@@ -327,14 +333,7 @@ impl KVCacheManager {
     ) -> Result<()> {
         let rid = request.request_id;
         let running = self.manager.is_running(rid);
-        let num_cached = if adopt && !running {
-            hits.len()
-        } else {
-            self.manager
-                .request(rid)
-                .and_then(|r| r.num_cached_block)
-                .unwrap_or(0)
-        };
+        let num_cached = self.num_cached_after_adopting(rid, hits, adopt);
         let hashes = (request.block_hashes)()?;
         let num_hashed = hashes.len() * self.pool.hash_block_size();
         let num_full = num_tokens.min(num_hashed) / self.config.block_size;

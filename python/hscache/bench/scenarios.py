@@ -89,81 +89,84 @@ class RequestSpec:
     """The tokens the emulated model emits, one per decode step; its length is max_tokens."""
 
 
+# The two prompt shapes the scenarios share: ~1k-token prompts behind 256-512-token system
+# prompts, and ~8k-token prompts behind 1-3k-token ones. A scenario is a shape plus a running
+# set, a pool, output lengths and step counts (`dataclasses.replace`).
+_PROMPTS_1K = Scenario(
+    name="",
+    description="",
+    max_running=0,
+    num_blocks=0,
+    prompt_len=(768, 1_280),
+    output_len=(0, 0),
+    num_prefixes=8,
+    prefix_len=(256, 512),
+    prefix_share=0.9,
+    repeat_share=0.05,
+)
+_PROMPTS_8K = replace(
+    _PROMPTS_1K,
+    prompt_len=(6_144, 10_240),
+    num_prefixes=4,
+    prefix_len=(1_024, 3_072),
+    prefix_share=0.8,
+)
+
 # Running-set sizes 64 / 256 / 512 / 1024, ~1k and ~8k prompts with shared system prompts,
 # chunked prefill under an 8192-token budget, roomy pools (>= 64k blocks) and two under pressure
 # (preemptions, evictions, failed admissions). Step counts keep the default run to ~2-3 minutes.
 DEFAULT_SCENARIOS: tuple[Scenario, ...] = (
-    Scenario(
+    replace(
+        _PROMPTS_8K,
         name="r64-p8k",
         description="64 running, ~8k-token prompts, 4 shared 1-3k system prompts, 64k pool",
         max_running=64,
         num_blocks=65_536,
-        prompt_len=(6_144, 10_240),
         output_len=(64, 512),
-        num_prefixes=4,
-        prefix_len=(1_024, 3_072),
-        prefix_share=0.8,
-        repeat_share=0.05,
         warmup_steps=60,
         steps=1_000,
         tags=("roomy",),
     ),
-    Scenario(
+    replace(
+        _PROMPTS_1K,
         name="r256-p1k",
         description="256 running, ~1k-token prompts, 8 shared system prompts, 64k pool",
         max_running=256,
         num_blocks=65_536,
-        prompt_len=(768, 1_280),
         output_len=(32, 512),
-        num_prefixes=8,
-        prefix_len=(256, 512),
-        prefix_share=0.9,
-        repeat_share=0.05,
         warmup_steps=60,
         steps=1_000,
         tags=("roomy",),
     ),
-    Scenario(
+    replace(
+        _PROMPTS_1K,
         name="r1024-p1k",
         description="1024 running, ~1k-token prompts, 8 shared system prompts, 128k pool",
         max_running=1024,
         num_blocks=131_072,
-        prompt_len=(768, 1_280),
         output_len=(64, 768),
-        num_prefixes=8,
-        prefix_len=(256, 512),
-        prefix_share=0.9,
-        repeat_share=0.05,
         warmup_steps=140,
         steps=500,
         tags=("roomy",),
     ),
-    Scenario(
+    replace(
+        _PROMPTS_1K,
         name="r512-p1k-pressure",
         description="up to 512 running, ~1k-token prompts, 16k-block pool: preemptions, evictions",
         max_running=512,
         num_blocks=16_384,
-        prompt_len=(768, 1_280),
         output_len=(256, 1_024),
-        num_prefixes=8,
-        prefix_len=(256, 512),
-        prefix_share=0.9,
-        repeat_share=0.05,
         warmup_steps=60,
         steps=1_000,
         tags=("pressure",),
     ),
-    Scenario(
+    replace(
+        _PROMPTS_8K,
         name="r256-p8k-pressure",
         description="up to 256 running, ~8k-token prompts, 64k pool full: failed admissions",
         max_running=256,
         num_blocks=65_536,
-        prompt_len=(6_144, 10_240),
         output_len=(256, 2_048),
-        num_prefixes=4,
-        prefix_len=(1_024, 3_072),
-        prefix_share=0.8,
-        repeat_share=0.05,
         warmup_steps=100,
         steps=600,
         tags=("pressure",),
@@ -172,32 +175,26 @@ DEFAULT_SCENARIOS: tuple[Scenario, ...] = (
 
 # Small versions of the same shapes for a ~20 s smoke run.
 QUICK_SCENARIOS: tuple[Scenario, ...] = (
-    Scenario(
+    replace(
+        _PROMPTS_1K,
         name="quick-r64-p1k",
         description="64 running, ~1k-token prompts, shared system prompts, roomy pool",
         max_running=64,
         num_blocks=16_384,
-        prompt_len=(768, 1_280),
         output_len=(16, 128),
         num_prefixes=4,
-        prefix_len=(256, 512),
-        prefix_share=0.9,
-        repeat_share=0.05,
         warmup_steps=15,
         steps=100,
         tags=("roomy", "quick"),
     ),
-    Scenario(
+    replace(
+        _PROMPTS_1K,
         name="quick-r128-pressure",
         description="up to 128 running, ~1k-token prompts, 2k-block pool under pressure",
         max_running=128,
         num_blocks=2_048,
-        prompt_len=(768, 1_280),
         output_len=(128, 512),
         num_prefixes=4,
-        prefix_len=(256, 512),
-        prefix_share=0.9,
-        repeat_share=0.05,
         warmup_steps=20,
         steps=100,
         tags=("pressure", "quick"),

@@ -10,6 +10,7 @@ same stream; every step's ``SchedulerOutput`` is compared, and the whole
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -17,7 +18,7 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,23 @@ def summarize(out: Any) -> tuple[Any, ...]:
     )
 
 
+def _stub_token(step: int, i: int) -> int:
+    return (step + i) % 50000
+
+
+def stub_runner_output(out: Any, token_of: Callable[[int], int]) -> Any:
+    """A ``ModelRunnerOutput`` for ``out`` in which the ``i``-th scheduled request samples
+    ``token_of(i)`` (the stub model of the scheduler-level benchmark and the tests)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    req_ids = list(out.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=[[token_of(i)] for i in range(len(req_ids))],
+    )
+
+
 def run_scheduler(
     cls: type,
     *,
@@ -178,8 +196,6 @@ def run_scheduler(
     check: list[Any] | None = None,
 ) -> list[int]:
     """Step a scheduler through the stream; returns per-step ns of schedule+update."""
-    from vllm.v1.outputs import ModelRunnerOutput
-
     sched = make_scheduler(cls, num_blocks)
     stream = list(request_stream(seed, steps, 16, prompt_len, arrivals_per_step))
     times: list[int] = []
@@ -192,12 +208,7 @@ def run_scheduler(
             t0 = time.perf_counter_ns()
             out = sched.schedule()
             t1 = time.perf_counter_ns()
-            req_ids = list(out.num_scheduled_tokens)
-            runner_out = ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                sampled_token_ids=[[(step + i) % 50000] for i in range(len(req_ids))],
-            )
+            runner_out = stub_runner_output(out, functools.partial(_stub_token, step))
             t2 = time.perf_counter_ns()
             sched.update_from_output(out, runner_out)
             t3 = time.perf_counter_ns()

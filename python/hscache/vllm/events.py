@@ -2,9 +2,11 @@
 
 The core records ``("stored", group, start_block, end_block, block_size)``,
 ``("removed", hash, group)`` and ``("cleared",)`` in pool-operation order. A stored
-record is converted right after the call that produced it, with the request of that
-call, so that token ids, LoRA, extra keys and session id are read exactly when vLLM
-reads them.
+record is converted with the request of the call that produced it, when the pool's
+event queue is next read (``hscache.vllm.block_pool``): it reads only what a request
+never changes once those blocks are cached (their token ids and hashes, LoRA,
+multimodal features, salt, session id), so the event equals the one vLLM builds inside
+the call.
 
 The per-block fields of a ``BlockStored`` (converted hashes, token ids, extra keys in
 the untagged shape of vLLM's ``to_event_extra_keys``, lookahead token ids) are built by
@@ -12,7 +14,8 @@ the core (``hscache._core.block_stored_fields``, ``src/python/events.rs``) with 
 port of vLLM's extra-key functions; this module owns the event structs and the
 fallback: a request the core cannot convert exactly raises ``UnsupportedError`` and
 that event is built by :func:`_block_stored_py`, the same conversion with vLLM's own
-helpers (also the reference of the differential tests).
+helpers end to end, kept whole on purpose: it is also the reference of the
+differential tests (``tests/test_events.py``).
 """
 
 from __future__ import annotations
