@@ -250,6 +250,36 @@ impl BlockPool {
         Ok(())
     }
 
+    /// Checks that dropping one reference per listed block (in any number of
+    /// `free_blocks` calls) would succeed: ids in range, no reference dropped twice
+    /// more than held. Nothing changes.
+    pub fn check_free(&mut self, ids: impl Iterator<Item = BlockId> + Clone) -> Result<()> {
+        let mut failure = None;
+        let mut taken = 0usize;
+        for id in ids.clone() {
+            if let Err(e) = self.check_block_id(id as i64) {
+                failure = Some(e);
+                break;
+            }
+            if id != NULL_BLOCK_ID {
+                let rc = &mut self.ref_cnt[id as usize];
+                if *rc == 0 {
+                    failure = Some(Error::DoubleFree(id));
+                    break;
+                }
+                *rc -= 1;
+            }
+            taken += 1;
+        }
+        // Restore every reference taken above.
+        for id in ids.take(taken) {
+            if id != NULL_BLOCK_ID {
+                self.ref_cnt[id as usize] += 1;
+            }
+        }
+        failure.map_or(Ok(()), Err)
+    }
+
     /// Drops one reference per listed block, first = evicted first (see module docs).
     pub fn free_blocks<I>(&mut self, ordered_blocks: I) -> Result<()>
     where

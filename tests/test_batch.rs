@@ -204,6 +204,9 @@ fn step_batched(side: &mut Side, bs: usize, ns: &[usize], log: &mut Vec<String>)
             assert!(may_cache.contains(&i), "entry {i} read but not listed");
             Ok(running[i].num_tokens)
         };
+        side.m
+            .check_running_batch_caching(&batch, &may_cache, &hashes_of, &num_tokens_of)
+            .unwrap();
         let mut ids = vec![];
         let mut offsets = vec![0u32];
         let progress = side
@@ -429,6 +432,16 @@ fn bad_batches_change_nothing() {
     assert_eq!(err.kind(), ErrorKind::InvalidArgument);
     assert_eq!(m.block_pool().get_num_free_blocks(), free_before);
     assert_eq!(m.get_blocks("a").len(), 3);
+    // A block of the request already freed behind its back: free_batch refuses
+    // before freeing anything (the pool-level free is undone by a touch).
+    let table = m.get_blocks("a").to_vec();
+    m.block_pool_mut().free_blocks([table[0]]).unwrap();
+    assert_eq!(
+        m.free_batch(&[h]).unwrap_err().kind(),
+        ErrorKind::DoubleFree
+    );
+    assert_eq!(m.get_blocks("a"), table.as_slice());
+    m.block_pool_mut().touch(&[table[0]]).unwrap();
     // A freed request's handle goes stale, also once its slot is reused.
     m.free_batch(&[h]).unwrap();
     assert_eq!(m.request_id_of(h), None);

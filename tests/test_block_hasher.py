@@ -474,10 +474,9 @@ class _Str(str):
 
 @pytest.mark.parametrize("algo", ALL_ALGOS)
 def test_values_the_core_cannot_reproduce_fall_back_to_vllm(algo: str) -> None:
-    for value in [(True,), (1.5,), (2**127,), (_Str("s"),), ("\udcff",), ((((((),),),),),) * 0]:
-        if value:
-            with pytest.raises(UnsupportedError):
-                _core.hash_object("sha256", value)
+    for value in [(True,), (1.5,), (2**127,), (_Str("s"),), ("\udcff",)]:
+        with pytest.raises(UnsupportedError):
+            _core.hash_object(algo, value)
     fn = hash_fn(algo)
     variants = [
         {"prompt_token_ids": [True, 2, 3, 4, 5, 6]},  # bool token ids

@@ -314,6 +314,9 @@ def test_scanned_item_without_identifier_raises_vllms_assertion() -> None:
         kcu.get_request_block_hasher(4, hashing.sha256),
     )
     r.mm_features = [feature(1, 2, None)]
+    # vLLM's own helper asserts on the item; hscache's conversion raises the same.
+    with pytest.raises(AssertionError):
+        kcu.generate_block_hash_extra_keys(r, 0, 4, 0)
     with pytest.raises(AssertionError):
         events.block_stored(r, 0, 2, 4, 0, 0)
 
@@ -326,3 +329,14 @@ def test_parent_out_of_range_raises_like_python() -> None:
     for fn in (events.block_stored, events._block_stored_py):
         with pytest.raises(IndexError):
             fn(r, 6, 7, 4, 0, 0)
+
+
+def test_a_huge_range_is_refused_without_allocating() -> None:
+    """The core never records one; a caller-made range far past the hashes must not make
+    the extension size lists by it (it raises instead, and nothing is built)."""
+    r = make_request(
+        {"prompt_token_ids": list(range(16)), "mm_features": None, "lora_request": None},
+        kcu.get_request_block_hasher(4, hashing.sha256),
+    )
+    with pytest.raises(UnsupportedError, match="far past"):
+        _core.block_stored_fields(r, 0, 2**40, 4, 0, False)

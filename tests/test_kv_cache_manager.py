@@ -4,10 +4,9 @@ fallback to vLLM for unsupported configurations, and the Scheduler hook."""
 from __future__ import annotations
 
 import pytest
-
-pytest.importorskip("vllm")
-
+import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
 from hscache import exceptions
+from hscache._core import KVCacheCore
 from hscache.vllm import KVCacheManager
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 
@@ -73,6 +72,9 @@ def test_vllm_prefill_expectations() -> None:
         ),
         (lambda m, r: m.record_blocks_for_zeroing("a", -3), exceptions.InvalidArgumentError),
         (lambda m, r: m.block_pool.free_blocks([object()]), exceptions.InvalidArgumentError),
+        # Sizes far past the pool fail cleanly (no giant allocation up front).
+        (lambda m, r: m.block_pool.get_new_blocks(2**40), exceptions.OutOfBlocksError),
+        (lambda m, r: m.get_blocks("a") + _other_pool_blocks(), exceptions.InvalidArgumentError),
     ],
 )
 def test_bad_input_raises_and_leaves_state_unchanged(call, exc) -> None:
@@ -84,6 +86,32 @@ def test_bad_input_raises_and_leaves_state_unchanged(call, exc) -> None:
         call(m, req)
     assert _state(m) == before
     m._core.check_invariants()
+
+
+def _other_pool_blocks():
+    other = KVCacheManager(**manager_kwargs(16))
+    req = make_request("b", list(range(40)))
+    _admit(other, req)
+    return other.get_blocks("b")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"block_size": 0}, {"block_size": 2**21}, {"max_model_len": 2**33}, {"num_blocks": 2**31}],
+)
+def test_constructor_bounds_raise(kwargs: dict) -> None:
+    args = {"num_blocks": 16, "block_size": 16, "max_model_len": 256, **kwargs}
+    with pytest.raises(ValueError):
+        KVCacheCore(**args)
+
+
+def test_bare_core_refuses_before_allocating() -> None:
+    """A ``KVCacheCore`` without vLLM bindings cannot build results: it fails first."""
+    core = KVCacheCore(num_blocks=16, block_size=16, max_model_len=256)
+    free = core.num_free_blocks
+    with pytest.raises(RuntimeError, match="_bind_vllm"):
+        core.allocate_slots(make_request("x", list(range(20))), 20)
+    assert core.num_free_blocks == free
 
 
 def test_malformed_block_hashes_raise_before_any_change() -> None:

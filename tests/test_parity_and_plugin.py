@@ -5,11 +5,9 @@ from __future__ import annotations
 import importlib.metadata
 from pathlib import Path
 
-import pytest
-
-pytest.importorskip("vllm")
-
 import hscache.vllm
+import pytest
+import vllm
 import vllm.plugins
 import vllm.v1.core.sched.scheduler as scheduler_module
 from hscache.bench.scheduler_level import model_dir

@@ -35,6 +35,14 @@ fn queue_op(n: u32) -> impl Strategy<Value = QueueOp> {
     ]
 }
 
+/// Ids an append/prepend must refuse: a duplicate, or one already in the queue.
+fn invalid_ids(ids: &[u32], queued: &[u32]) -> bool {
+    let mut s = ids.to_vec();
+    s.sort_unstable();
+    s.dedup();
+    s.len() != ids.len() || ids.iter().any(|i| queued.contains(i))
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
@@ -63,11 +71,12 @@ proptest! {
                         None => prop_assert!(r.is_err()),
                     }
                 }
-                QueueOp::AppendN(ids) | QueueOp::PrependN(ids) if {
-                    let mut s = ids.clone(); s.sort(); s.dedup();
-                    s.len() != ids.len() || ids.iter().any(|i| model.contains(i))
-                } => {
-                    prop_assert!(q.append_n(&ids).is_err() || ids.is_empty());
+                // Duplicates, or ids already queued: an error that changes nothing.
+                QueueOp::AppendN(ids) if invalid_ids(&ids, &model) => {
+                    prop_assert!(q.append_n(&ids).is_err());
+                }
+                QueueOp::PrependN(ids) if invalid_ids(&ids, &model) => {
+                    prop_assert!(q.prepend_n(&ids).is_err());
                 }
                 QueueOp::AppendN(ids) => { q.append_n(&ids).unwrap(); model.extend(ids); }
                 QueueOp::PrependN(ids) => {

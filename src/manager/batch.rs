@@ -18,10 +18,11 @@
 //! `num_computed_tokens[i]` computed tokens, `num_new_tokens[i]` new tokens, the
 //! batch's lookahead, no hits, no external tokens, no reserved blocks and no
 //! watermark (the watermark only applies to waiting and preempted requests).
-//! [`KVCacheManager::check_running_batch`] validates every entry first, so a bad
-//! handle or count changes nothing.
+//! [`KVCacheManager::check_running_batch`] (handles, counts) and
+//! [`KVCacheManager::check_running_batch_caching`] (the blocks each entry would cache:
+//! hash lists, cacheability) validate every entry first, so bad input changes nothing.
 
-use super::{KVCacheManager, RequestHandle, RunningCache};
+use super::{KVCacheManager, KVCacheManagerConfig, RequestHandle, RunningCache};
 use crate::error::{Error, Result};
 use crate::types::{BlockHashSource, BlockId};
 
@@ -63,6 +64,37 @@ pub struct BatchProgress {
     /// The first entry not allocated.
     pub next: usize,
     pub stop: BatchStop,
+}
+
+/// Calls `f(num_tokens_need_slot, cache inputs)` for entry `i`: the arguments of
+/// the entry's running `allocate_slots`, with `hashes_of(i)` read at most once.
+fn with_entry<S: BlockHashSource, R>(
+    config: &KVCacheManagerConfig,
+    batch: &RunningBatch<'_>,
+    i: usize,
+    hashes_of: &dyn Fn(usize) -> Result<S>,
+    num_tokens_of: &dyn Fn(usize) -> Result<usize>,
+    f: impl FnOnce(usize, Option<RunningCache<'_, S>>) -> R,
+) -> R {
+    let total = batch.num_computed_tokens[i].min(config.max_model_len);
+    let upper = total + batch.num_new_tokens[i];
+    let need_slot = (upper + batch.num_lookahead_tokens).min(config.max_model_len);
+    let hashes = std::cell::OnceCell::new();
+    let block_hashes = || -> Result<&S> {
+        if let Some(h) = hashes.get() {
+            return Ok(h);
+        }
+        let h = hashes_of(i)?;
+        Ok(hashes.get_or_init(|| h))
+    };
+    let num_tokens = || num_tokens_of(i);
+    let cache = config.enable_caching.then_some(RunningCache {
+        block_hashes: &block_hashes,
+        upper,
+        num_tokens: &num_tokens,
+        num_reprefillable_tokens: config.num_reprefillable_tokens,
+    });
+    f(need_slot, cache)
 }
 
 impl KVCacheManager {
@@ -133,6 +165,32 @@ impl KVCacheManager {
         Ok(())
     }
 
+    /// Validates, for every entry listed in `may_cache`, the blocks its allocation
+    /// would cache (hash list long enough and well formed, blocks cacheable), so that
+    /// [`Self::allocate_running_batch`] cannot fail half-way on a bad request.
+    pub fn check_running_batch_caching<S: BlockHashSource>(
+        &self,
+        batch: &RunningBatch<'_>,
+        may_cache: &[usize],
+        hashes_of: &dyn Fn(usize) -> Result<S>,
+        num_tokens_of: &dyn Fn(usize) -> Result<usize>,
+    ) -> Result<()> {
+        for &i in may_cache {
+            with_entry(
+                &self.config,
+                batch,
+                i,
+                hashes_of,
+                num_tokens_of,
+                |need, c| {
+                    self.manager
+                        .check_running_by_handle(&self.pool, batch.handles[i], need, c)
+                },
+            )?;
+        }
+        Ok(())
+    }
+
     /// Allocates entries `start..` of a batch checked by
     /// [`Self::check_running_batch`] (see module docs). New block ids are appended to
     /// `new_block_ids`, and after each allocated entry the new length of
@@ -140,9 +198,7 @@ impl KVCacheManager {
     /// read entry `i`'s `block_hashes` and `num_tokens`; they are called only for
     /// entries the check listed in `may_cache`.
     ///
-    /// An error (for instance a malformed hash list) leaves the failing entry
-    /// untouched and the entries before it allocated, as the same sequence of
-    /// `allocate_slots` calls would.
+    /// With both checks passed nothing input-dependent can fail here.
     #[allow(clippy::too_many_arguments)]
     pub fn allocate_running_batch<S: BlockHashSource>(
         &mut self,
@@ -154,36 +210,25 @@ impl KVCacheManager {
         new_block_ids: &mut Vec<BlockId>,
         offsets: &mut Vec<u32>,
     ) -> Result<BatchProgress> {
-        let max_model_len = self.config.max_model_len;
-        let caching = self.config.enable_caching;
-        let reprefillable = self.config.num_reprefillable_tokens;
         for i in start..batch.len() {
-            let total = batch.num_computed_tokens[i].min(max_model_len);
-            let upper = total + batch.num_new_tokens[i];
-            let need_slot = (upper + batch.num_lookahead_tokens).min(max_model_len);
-            let hashes = std::cell::OnceCell::new();
-            let block_hashes = || -> Result<&S> {
-                if let Some(h) = hashes.get() {
-                    return Ok(h);
-                }
-                let h = hashes_of(i)?;
-                Ok(hashes.get_or_init(|| h))
-            };
-            let num_tokens = || num_tokens_of(i);
-            let cache = caching.then_some(RunningCache {
-                block_hashes: &block_hashes,
-                upper,
-                num_tokens: &num_tokens,
-                num_reprefillable_tokens: reprefillable,
-            });
             let budget = self.pool.get_num_free_blocks() as i64;
-            let fits = self.manager.allocate_running_by_handle(
-                &mut self.pool,
-                batch.handles[i],
-                need_slot,
-                budget,
-                cache,
-                new_block_ids,
+            let (manager, pool) = (&mut self.manager, &mut self.pool);
+            let fits = with_entry(
+                &self.config,
+                batch,
+                i,
+                hashes_of,
+                num_tokens_of,
+                |need, c| {
+                    manager.allocate_running_by_handle(
+                        pool,
+                        batch.handles[i],
+                        need,
+                        budget,
+                        c,
+                        new_block_ids,
+                    )
+                },
             )?;
             if !fits {
                 return Ok(BatchProgress {
@@ -206,8 +251,8 @@ impl KVCacheManager {
     }
 
     /// Frees the requests `handles` name, in order, each tail first (vLLM's `free`
-    /// per finished request). Every handle is checked first: a stale or unknown one
-    /// frees nothing and is an error.
+    /// per finished request). Every handle and every block reference is checked
+    /// first: a stale or unknown handle, or a block already freed, frees nothing.
     pub fn free_batch(&mut self, handles: &[RequestHandle]) -> Result<()> {
         self.manager.begin_batch();
         for (i, &handle) in handles.iter().enumerate() {
@@ -225,6 +270,17 @@ impl KVCacheManager {
                 Some((true, _)) => {}
             }
         }
+        // Every request's references must be droppable before the first is freed
+        // (blocks shared between the requests count once per holder).
+        let manager = &self.manager;
+        let blocks = handles.iter().flat_map(|&h| {
+            manager
+                .request_by_handle(h)
+                .map_or(&[][..], |r| r.blocks.as_slice())
+                .iter()
+                .copied()
+        });
+        self.pool.check_free(blocks)?;
         for &handle in handles {
             self.manager.free_by_handle(&mut self.pool, handle)?;
         }

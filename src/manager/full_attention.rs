@@ -40,7 +40,62 @@ struct RunningStep {
     budget: i64,
 }
 
+/// What a running step caches: `(hashes, num_cached, num_full)`.
+type CachePlan<'h, H> = Option<(&'h H, usize, usize)>;
+
 impl RunningStep {
+    /// New blocks the step takes from the free queue.
+    fn num_new_blocks(&self, req: &RequestBlocks) -> usize {
+        cdiv(self.num_tokens_need_slot, self.block_size).saturating_sub(req.blocks.len())
+    }
+
+    /// Validates the caching part of the step (nothing changes): the blocks it will
+    /// register, once `need` new blocks are allocated.
+    fn plan_cache<'h, H: BlockHashSource + ?Sized>(
+        &self,
+        pool: &BlockPool,
+        req: &RequestBlocks,
+        need: usize,
+        cache: Option<RunningCache<'h, H>>,
+        who: &dyn Fn() -> String,
+    ) -> Result<CachePlan<'h, H>> {
+        let Some(c) = cache else {
+            return Ok(None);
+        };
+        let bs = self.block_size;
+        let have = req.blocks.len();
+        let num_cached = req.num_cached_block.unwrap_or(0);
+        if c.upper / bs <= num_cached {
+            return Ok(None);
+        }
+        let hashes = (c.block_hashes)()?;
+        let num_hashed = hashes.len() * pool.hash_block_size();
+        if c.upper.min(num_hashed) / bs <= num_cached {
+            return Ok(None);
+        }
+        let n = c
+            .upper
+            .min((c.num_tokens)()?)
+            .saturating_sub(c.num_reprefillable_tokens);
+        let num_full = n.min(num_hashed) / bs;
+        if num_full <= num_cached {
+            return Ok(None);
+        }
+        if num_full > have + need {
+            return Err(Error::InvalidArgument(format!(
+                "cannot cache {num_full} blocks of request {}: only {} allocated",
+                who(),
+                have + need
+            )));
+        }
+        let known = num_full.min(have);
+        pool.check_cacheable(hashes, &req.blocks[..known], num_cached, known)?;
+        for i in known..num_full {
+            hashes.get(i)?;
+        }
+        Ok(Some((hashes, num_cached, num_full)))
+    }
+
     /// Allocates and caches for `req`: `Ok(false)` if the new blocks do not fit
     /// (nothing changes). Every input is validated before anything changes.
     fn apply<H: BlockHashSource + ?Sized>(
@@ -52,46 +107,12 @@ impl RunningStep {
         out: &mut Vec<BlockId>,
         who: &dyn Fn() -> String,
     ) -> Result<bool> {
-        let bs = self.block_size;
-        let required = cdiv(self.num_tokens_need_slot, bs);
         let have = req.blocks.len();
-        let need = required.saturating_sub(have);
+        let need = self.num_new_blocks(req);
         if need as i64 > self.budget {
             return Ok(false);
         }
-        // Caching: validate before anything changes.
-        let mut cache_to = None;
-        if let Some(c) = cache {
-            let num_cached = req.num_cached_block.unwrap_or(0);
-            let num_hashed = if c.upper / bs > num_cached {
-                (c.block_hashes)()?.len() * pool.hash_block_size()
-            } else {
-                0
-            };
-            if c.upper.min(num_hashed) / bs > num_cached {
-                let hashes = (c.block_hashes)()?;
-                let n = c
-                    .upper
-                    .min((c.num_tokens)()?)
-                    .saturating_sub(c.num_reprefillable_tokens);
-                let num_full = n.min(num_hashed) / bs;
-                if num_full > num_cached {
-                    if num_full > have + need {
-                        return Err(Error::InvalidArgument(format!(
-                            "cannot cache {num_full} blocks of request {}: only {} allocated",
-                            who(),
-                            have + need
-                        )));
-                    }
-                    let known = num_full.min(have);
-                    pool.check_cacheable(hashes, &req.blocks[..known], num_cached, known)?;
-                    for i in known..num_full {
-                        hashes.get(i)?;
-                    }
-                    cache_to = Some((hashes, num_cached, num_full));
-                }
-            }
-        }
+        let cache_to = self.plan_cache(pool, req, need, cache, who)?;
         if need > 0 {
             pool.get_new_blocks(need, &mut req.blocks)?;
             out.extend_from_slice(&req.blocks[have..]);
@@ -100,6 +121,7 @@ impl RunningStep {
             }
         }
         if let Some((hashes, num_cached, num_full)) = cache_to {
+            let bs = self.block_size;
             pool.cache_full_blocks(hashes, &req.blocks, num_cached, num_full, bs, self.group_id)?;
             req.num_cached_block = Some(num_full);
         }
@@ -470,6 +492,26 @@ impl FullAttentionManager {
         let first = req.batch_epoch != epoch;
         req.batch_epoch = epoch;
         Some((first, req.num_cached_block.unwrap_or(0)))
+    }
+
+    /// Validates the caching part of [`Self::allocate_running_by_handle`] without
+    /// changing anything (batched calls check every entry before the first runs).
+    pub fn check_running_by_handle<H: BlockHashSource + ?Sized>(
+        &self,
+        pool: &BlockPool,
+        handle: RequestHandle,
+        num_tokens_need_slot: usize,
+        cache: Option<RunningCache<'_, H>>,
+    ) -> Result<()> {
+        let step = self.running_step(num_tokens_need_slot, 0);
+        let Some(req) = self.requests.get_by_handle(handle) else {
+            return Err(Error::UnknownRequest(format!("handle {handle:#x}")));
+        };
+        let need = step.num_new_blocks(req);
+        step.plan_cache(pool, req, need, cache, &|| {
+            format!("with handle {handle:#x}")
+        })
+        .map(|_| ())
     }
 
     /// The state of the request `handle` names (None if stale or unknown).

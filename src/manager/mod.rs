@@ -100,8 +100,27 @@ pub struct KVCacheManager {
 impl KVCacheManager {
     /// A manager for one full-attention group.
     pub fn new(config: KVCacheManagerConfig) -> Result<Self> {
-        if config.block_size == 0 {
-            return Err(Error::InvalidArgument("block_size must be > 0".into()));
+        // Bounds that keep every count sum below usize::MAX, token offsets below
+        // 2^32 and block ids valid as int32 (the batched calls' output arrays).
+        if config.block_size == 0 || config.block_size > 1 << 20 {
+            return Err(Error::InvalidArgument(format!(
+                "block_size must be in 1..=1048576, got {}",
+                config.block_size
+            )));
+        }
+        if config.max_model_len > u32::MAX as usize {
+            return Err(Error::InvalidArgument(format!(
+                "max_model_len must be at most {}, got {}",
+                u32::MAX,
+                config.max_model_len
+            )));
+        }
+        if config.num_blocks > i32::MAX as u32 {
+            return Err(Error::InvalidArgument(format!(
+                "num_blocks must be at most {}, got {}",
+                i32::MAX,
+                config.num_blocks
+            )));
         }
         let pool = BlockPool::new(
             config.num_blocks,

@@ -98,6 +98,13 @@ pub(crate) fn allocate_slots_batch<'py>(
     };
     let hashes_of = |i: usize| prepared_of(i).map(|p| p.0.clone());
     let num_tokens_of = |i: usize| prepared_of(i).map(|p| p.1);
+    // What each entry would cache, checked before the first entry changes anything.
+    slf.borrow().core.check_running_batch_caching(
+        &batch,
+        &may_cache,
+        &hashes_of,
+        &num_tokens_of,
+    )?;
     let mut ids = Vec::with_capacity(batch.len());
     let mut offsets = Vec::with_capacity(batch.len() + 1);
     offsets.push(0u32);

@@ -19,6 +19,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 use pyo3::PyTraverseError;
 
+use super::errors::InvalidArgumentError;
 use super::manager::PyKVCacheCore;
 use crate::types::BlockId;
 
@@ -121,6 +122,11 @@ impl PyKVCacheBlocks {
     /// Concatenation per group (vLLM's `__add__`).
     fn __add__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<Self> {
         let other = other.cast::<PyKVCacheBlocks>()?.get();
+        if !other.core.bind(py).is(self.core.bind(py)) {
+            return Err(InvalidArgumentError::new_err(
+                "cannot add KVCacheBlocks of another KV-cache pool",
+            ));
+        }
         let mut ids = self.ids.clone();
         ids.extend_from_slice(&other.ids);
         Ok(Self::new(self.core.clone_ref(py), ids))

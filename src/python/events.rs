@@ -28,6 +28,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PySlice, PyTuple};
 
 use super::errors::UnsupportedError;
+
+/// How far past `block_hashes` a range may reach and still be converted here.
+const MAX_BLOCKS_PAST_HASHES: usize = 64;
 use super::hasher::{type_name, MmHolder};
 use crate::extra_keys::{
     generate_block_hash_extra_keys, generate_lookahead_block_hash_extra_keys, prompt_embeds_digest,
@@ -259,6 +262,14 @@ pub fn block_stored_fields<'py>(
 
     // Hashes: `[maybe_convert_block_hash(h) for h in hashes[start:end]]` and the parent.
     let hashes = request.getattr(intern!(py, "block_hashes"))?;
+    // The core only records hashed blocks. A range far past them (any huge one
+    // included) is left to vLLM's helpers, so that no caller-chosen size is ever
+    // allocated here.
+    if end_block > hashes.len()?.saturating_add(MAX_BLOCKS_PAST_HASHES) {
+        return Err(UnsupportedError::new_err(
+            "end_block is far past the request's block hashes",
+        ));
+    }
     let sliced = slice(&hashes, start_block, end_block)?;
     let block_hashes = match sliced.cast_exact::<PyList>() {
         Ok(list) if !int_block_hashes => list.clone(),

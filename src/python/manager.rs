@@ -288,12 +288,9 @@ impl PyKVCacheCore {
             if !this.core.block_pool().has_events() {
                 return Ok(());
             }
-            let Some(sink) = this
-                .bindings()?
-                .event_sink
-                .as_ref()
-                .map(|s| s.clone_ref(py))
-            else {
+            // Without a sink (a bare core) the records stay for `core_take_events`.
+            let sink = this.vllm.as_ref().and_then(|v| v.event_sink.as_ref());
+            let Some(sink) = sink.map(|s| s.clone_ref(py)) else {
                 return Ok(());
             };
             (sink, this.core.take_events())
@@ -488,7 +485,7 @@ impl PyKVCacheCore {
             Some(n) => count("max_cache_hit_length", n)?,
             None => {
                 let n: i64 = request.getattr(intern!(py, "num_tokens"))?.extract()?;
-                count("request.num_tokens - 1", n - 1)?
+                count("request.num_tokens - 1", n.saturating_sub(1))?
             }
         };
         let hashes_obj = request.getattr(intern!(py, "block_hashes"))?;
@@ -548,6 +545,8 @@ impl PyKVCacheCore {
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let _timer = stats::Timer::start(Op::AllocateSlots);
         let py = slf.py();
+        // The result needs the vLLM bindings: fail before anything changes.
+        slf.borrow().bindings()?;
         let _ = count("num_encoder_tokens", num_encoder_tokens)?;
         let fields = RequestFields::read(request)?;
         let watermark = has_scheduled_reqs && slf.borrow().core.config().watermark_blocks > 0;
@@ -858,7 +857,8 @@ impl PyKVCacheCore {
     ) -> PyResult<Bound<'py, PyList>> {
         let n = count("num_blocks", num_blocks)?;
         let mut this = slf.borrow_mut();
-        let mut ids = Vec::with_capacity(n);
+        // No capacity up front: `n` is checked against the free blocks by the pool.
+        let mut ids = Vec::new();
         this.core.block_pool_mut().get_new_blocks(n, &mut ids)?;
         Self::handles_list(slf, &mut this, &ids)
     }

@@ -355,6 +355,10 @@ class Side:
         self.name = name
         self.cfg = cfg
         self.mgr = cls(**manager_kwargs(cfg))
+        if name == "cand" and cls is not ReferenceKVCacheManager:
+            # A constructor fall-back to vLLM's manager would compare vLLM with itself.
+            if type(self.mgr) is ReferenceKVCacheManager:
+                raise RuntimeError(f"the candidate fell back to vLLM's manager for {cfg}")
         factory = hasher_factory or get_request_block_hasher
         self.hasher = factory(cfg.block_size, get_hash_fn_by_name(cfg.hash_fn), cfg.hash_lookahead)
         self.reqs: dict[str, Request] = {}

@@ -165,6 +165,8 @@ def summarize(out: Any) -> tuple[Any, ...]:
         sorted(zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True)),
         sorted(out.num_scheduled_tokens.items()),
         sorted(out.finished_req_ids),
+        sorted(cached.resumed_req_ids),
+        sorted(out.preempted_req_ids or ()),
     )
 
 
