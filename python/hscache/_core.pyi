@@ -88,7 +88,7 @@ class KVCacheCore:
         self,
         waiting: Any,
         preempted: Any,
-        event_sink: list[tuple[Any, list[Any]]] | None = None,
+        event_sink: tuple[list[Any], EventBuilder] | None = None,
         cached_block_event_sink: Callable[[Any, int], None] | None = None,
     ) -> None: ...
     # vLLM's KVCacheManager interface
@@ -167,6 +167,8 @@ class KVCacheCore:
     def core_free_block_ids(self) -> list[int]: ...
     def core_free_list_end(self, last: bool = False) -> Any: ...
     def _bind_free_list_sentinels(self, head: Any, tail: Any) -> None: ...
+    def core_flush_events(self, request: Any | None = None) -> None:
+        """Builds the recorded events with ``request`` and appends them to the sink."""
     def core_take_events(self) -> list[StoredEvent | RemovedEvent | tuple[str]]: ...
     def check_invariants(self) -> None: ...
 
@@ -356,3 +358,31 @@ def block_stored_fields(
     keys come in ``to_event_extra_keys``'s untagged shape. Raises ``UnsupportedError``
     for a request it cannot convert exactly (the caller then uses vLLM's helpers).
     """
+
+class EventBuilder:
+    """Builds vLLM's KV-cache event structs for one pool, inside the recording call.
+
+    ``fallback(request, start, end, block_size, group_idx, lookahead, medium)`` builds a
+    ``BlockStored`` that ``block_stored_fields`` cannot (it raised ``UnsupportedError``).
+    """
+
+    def __init__(
+        self,
+        block_stored: type,
+        block_removed: type,
+        all_blocks_cleared: type,
+        medium: str | None,
+        num_hash_lookahead_tokens: int,
+        int_block_hashes: bool,
+        fallback: Callable[..., Any],
+    ) -> None: ...
+    @property
+    def num_hash_lookahead_tokens(self) -> int: ...
+    @property
+    def int_block_hashes(self) -> bool: ...
+    @property
+    def medium(self) -> str | None: ...
+    def block_stored(
+        self, request: Any, start_block: int, end_block: int, block_size: int, group_idx: int
+    ) -> Any:
+        """vLLM's ``BlockStored`` for blocks ``start_block..end_block`` of ``request``."""

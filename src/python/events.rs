@@ -25,7 +25,8 @@
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PySlice, PyTuple};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyDict, PyList, PySlice, PyTuple, PyType};
 
 use super::errors::UnsupportedError;
 
@@ -36,6 +37,7 @@ use crate::extra_keys::{
     generate_block_hash_extra_keys, generate_lookahead_block_hash_extra_keys, prompt_embeds_digest,
     ExtraKey, MmFeature, RequestExtraKeys,
 };
+use crate::events::KVCacheEvent;
 use crate::hash::value::Atom;
 
 fn unsupported(what: impl std::fmt::Display) -> PyErr {
@@ -74,6 +76,30 @@ fn slice<'py>(seq: &Bound<'py, PyAny>, lo: usize, hi: usize) -> PyResult<Bound<'
     // Both fit `isize` (callers check): the casts are lossless.
     let s = PySlice::new(seq.py(), lo as isize, hi as isize, 1);
     seq.get_item(s)
+}
+
+/// The list behind vLLM's read-only `ConstantList` view (whose `__getitem__` is
+/// `self._x[item]`), so that slicing it costs no Python frame; any other sequence
+/// as it is.
+fn token_list<'py>(seq: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    static CONSTANT_LIST: PyOnceLock<Option<Py<PyType>>> = PyOnceLock::new();
+    let py = seq.py();
+    let constant_list = CONSTANT_LIST.get_or_init(py, || {
+        py.import(intern!(py, "vllm.v1.utils"))
+            .and_then(|m| m.getattr(intern!(py, "ConstantList")))
+            .and_then(|t| Ok(t.cast_into::<PyType>()?.unbind()))
+            .ok()
+    });
+    if let Some(t) = constant_list {
+        if seq.get_type().is(t.bind(py)) {
+            if let Ok(inner) = seq.getattr(intern!(py, "_x")) {
+                if inner.is_exact_instance_of::<PyList>() {
+                    return Ok(inner);
+                }
+            }
+        }
+    }
+    Ok(seq.clone())
 }
 
 /// vLLM's `maybe_convert_block_hash` with the flag read once by the caller: the hash
@@ -253,10 +279,27 @@ pub fn block_stored_fields<'py>(
     num_hash_lookahead_tokens: &Bound<'py, PyAny>,
     int_block_hashes: bool,
 ) -> PyResult<Bound<'py, PyTuple>> {
-    let start_block = index_arg("start_block", start_block)?;
-    let end_block = index_arg("end_block", end_block)?;
-    let block_size = index_arg("block_size", block_size)?;
-    let la = index_arg("num_hash_lookahead_tokens", num_hash_lookahead_tokens)?;
+    let fields = stored_fields(
+        request,
+        index_arg("start_block", start_block)?,
+        index_arg("end_block", end_block)?,
+        index_arg("block_size", block_size)?,
+        index_arg("num_hash_lookahead_tokens", num_hash_lookahead_tokens)?,
+        int_block_hashes,
+    )?;
+    PyTuple::new(py, fields)
+}
+
+/// [`block_stored_fields`] with the arguments already read, in its tuple's order.
+fn stored_fields<'py>(
+    request: &Bound<'py, PyAny>,
+    start_block: usize,
+    end_block: usize,
+    block_size: usize,
+    la: usize,
+    int_block_hashes: bool,
+) -> PyResult<[Bound<'py, PyAny>; 8]> {
+    let py = request.py();
     let n = end_block.saturating_sub(start_block);
     let none = py.None().into_bound(py);
 
@@ -290,7 +333,7 @@ pub fn block_stored_fields<'py>(
     // Token ids: one window `all_token_ids[start*bs : end*bs + la]`, sliced here.
     let first_token = mul(start_block, block_size)?;
     let last_token = mul(end_block.max(start_block), block_size)?;
-    let all_token_ids = request.getattr(intern!(py, "all_token_ids"))?;
+    let all_token_ids = token_list(&request.getattr(intern!(py, "all_token_ids"))?)?;
     let window = slice(&all_token_ids, first_token, add(last_token, la)?)?;
     let window = window
         .cast_exact::<PyList>()
@@ -378,17 +421,275 @@ pub fn block_stored_fields<'py>(
         PyList::new(py, out)?.into_any()
     };
 
-    PyTuple::new(
-        py,
-        [
-            block_hashes.into_any(),
-            parent,
-            token_ids.into_any(),
-            lora_id,
-            lora_name,
-            extra_keys,
-            session_id,
-            lookahead_token_ids,
-        ],
-    )
+    Ok([
+        block_hashes.into_any(),
+        parent,
+        token_ids.into_any(),
+        lora_id,
+        lora_name,
+        extra_keys,
+        session_id,
+        lookahead_token_ids,
+    ])
+}
+
+/// vLLM 0.33's `BlockStored` fields, in declaration order: when the class has
+/// exactly these, events are built with positional arguments (no keyword dict).
+const BLOCK_STORED_FIELDS: [&str; 15] = [
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
+    "lookahead_token_ids",
+];
+
+/// The leading `BlockRemoved` fields this module fills (the rest keep defaults).
+const BLOCK_REMOVED_FIELDS: [&str; 3] = ["block_hashes", "medium", "group_idx"];
+
+/// Whether `cls.__struct_fields__` is `expected` (`prefix`: starts with it).
+fn has_fields(cls: &Bound<'_, PyAny>, expected: &[&str], prefix: bool) -> bool {
+    let Ok(fields) = cls.getattr(intern!(cls.py(), "__struct_fields__")) else {
+        return false;
+    };
+    let Ok(fields) = fields.extract::<Vec<String>>() else {
+        return false;
+    };
+    let n = expected.len();
+    (fields.len() == n || (prefix && fields.len() > n))
+        && fields.iter().zip(expected).all(|(a, b)| a == b)
+}
+
+/// Builds vLLM's KV-cache event structs from the core's records, inside the call
+/// that recorded them (as vLLM's `BlockPool` does), with the configuration of one
+/// pool: the event classes, the medium, the lookahead, the int-hash flag (vLLM's
+/// `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`, read once when the pool is built) and
+/// the pure-Python fallback for requests [`block_stored_fields`] cannot convert.
+#[pyclass(name = "EventBuilder", module = "hscache._core", frozen)]
+pub struct PyEventBuilder {
+    block_stored: Py<PyAny>,
+    block_removed: Py<PyAny>,
+    all_blocks_cleared: Py<PyAny>,
+    medium: Py<PyAny>,
+    num_hash_lookahead_tokens: usize,
+    int_block_hashes: bool,
+    /// `fallback(request, start, end, block_size, group_idx, lookahead, medium)`.
+    fallback: Py<PyAny>,
+    stored_positional: bool,
+    removed_positional: bool,
+}
+
+#[pymethods]
+impl PyEventBuilder {
+    #[new]
+    #[pyo3(signature = (
+        block_stored, block_removed, all_blocks_cleared, medium, num_hash_lookahead_tokens,
+        int_block_hashes, fallback
+    ))]
+    fn new(
+        block_stored: Bound<'_, PyAny>,
+        block_removed: Bound<'_, PyAny>,
+        all_blocks_cleared: Bound<'_, PyAny>,
+        medium: Bound<'_, PyAny>,
+        num_hash_lookahead_tokens: usize,
+        int_block_hashes: bool,
+        fallback: Bound<'_, PyAny>,
+    ) -> Self {
+        Self {
+            stored_positional: has_fields(&block_stored, &BLOCK_STORED_FIELDS, false),
+            removed_positional: has_fields(&block_removed, &BLOCK_REMOVED_FIELDS, true),
+            block_stored: block_stored.unbind(),
+            block_removed: block_removed.unbind(),
+            all_blocks_cleared: all_blocks_cleared.unbind(),
+            medium: medium.unbind(),
+            num_hash_lookahead_tokens,
+            int_block_hashes,
+            fallback: fallback.unbind(),
+        }
+    }
+
+    #[getter]
+    fn num_hash_lookahead_tokens(&self) -> usize {
+        self.num_hash_lookahead_tokens
+    }
+
+    #[getter]
+    fn int_block_hashes(&self) -> bool {
+        self.int_block_hashes
+    }
+
+    #[getter]
+    fn medium(&self, py: Python<'_>) -> Py<PyAny> {
+        self.medium.clone_ref(py)
+    }
+
+    /// vLLM's `BlockStored` for blocks `start_block..end_block` of `request`, as
+    /// `BlockPool.cache_full_blocks` emits it for group `group_idx`.
+    fn block_stored<'py>(
+        &self,
+        request: &Bound<'py, PyAny>,
+        start_block: &Bound<'py, PyAny>,
+        end_block: &Bound<'py, PyAny>,
+        block_size: &Bound<'py, PyAny>,
+        group_idx: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let fields = index_arg("start_block", start_block).and_then(|start| {
+            let end = index_arg("end_block", end_block)?;
+            let bs = index_arg("block_size", block_size)?;
+            let fields = stored_fields(
+                request,
+                start,
+                end,
+                bs,
+                self.num_hash_lookahead_tokens,
+                self.int_block_hashes,
+            )?;
+            Ok((fields, block_size))
+        });
+        self.stored_struct(request, fields, (start_block, end_block, block_size), group_idx)
+    }
+
+    fn __traverse__(&self, visit: pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        visit.call(&self.block_stored)?;
+        visit.call(&self.block_removed)?;
+        visit.call(&self.all_blocks_cleared)?;
+        visit.call(&self.medium)?;
+        visit.call(&self.fallback)
+    }
+}
+
+impl PyEventBuilder {
+    /// The struct for `fields`, or the fallback's event when they are
+    /// `UnsupportedError`.
+    fn stored_struct<'py>(
+        &self,
+        request: &Bound<'py, PyAny>,
+        fields: PyResult<([Bound<'py, PyAny>; 8], &Bound<'py, PyAny>)>,
+        range: (&Bound<'py, PyAny>, &Bound<'py, PyAny>, &Bound<'py, PyAny>),
+        group_idx: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = request.py();
+        let (fields, block_size) = match fields {
+            Ok(f) => f,
+            Err(e) if e.is_instance_of::<UnsupportedError>(py) => {
+                let (start, end, bs) = range;
+                return self.fallback.bind(py).call1((
+                    request,
+                    start,
+                    end,
+                    bs,
+                    group_idx,
+                    self.num_hash_lookahead_tokens,
+                    self.medium.bind(py),
+                ));
+            }
+            Err(e) => return Err(e),
+        };
+        let [hashes, parent, token_ids, lora_id, lora_name, extra_keys, session_id, lookahead] =
+            fields;
+        let medium = self.medium.bind(py).clone();
+        let cls = self.block_stored.bind(py);
+        if self.stored_positional {
+            let none = py.None().into_bound(py);
+            let args = PyTuple::new(
+                py,
+                [
+                    hashes,
+                    parent,
+                    token_ids,
+                    block_size.clone(),
+                    lora_id,
+                    medium,
+                    lora_name,
+                    extra_keys,
+                    group_idx.clone(),
+                    none.clone(),
+                    none.clone(),
+                    none.clone(),
+                    none,
+                    session_id,
+                    lookahead,
+                ],
+            )?;
+            return cls.call1(args);
+        }
+        let kwargs = PyDict::new(py);
+        for (k, v) in [
+            ("block_hashes", hashes),
+            ("parent_block_hash", parent),
+            ("token_ids", token_ids),
+            ("block_size", block_size.clone()),
+            ("lora_id", lora_id),
+            ("medium", medium),
+            ("lora_name", lora_name),
+            ("extra_keys", extra_keys),
+            ("group_idx", group_idx.clone()),
+            ("session_id", session_id),
+            ("lookahead_token_ids", lookahead),
+        ] {
+            kwargs.set_item(k, v)?;
+        }
+        cls.call((), Some(&kwargs))
+    }
+
+    /// vLLM's event for one core record; `request` is the recording call's (a
+    /// `BlockStored` record without one is a `RuntimeError`).
+    pub(crate) fn build<'py>(
+        &self,
+        py: Python<'py>,
+        event: KVCacheEvent,
+        request: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        match event {
+            KVCacheEvent::BlockStored {
+                group_id,
+                start_block,
+                end_block,
+                block_size,
+            } => {
+                let request = request.ok_or_else(|| {
+                    PyRuntimeError::new_err("a BlockStored record needs the request of its call")
+                })?;
+                // u32 -> usize is lossless on the 32- and 64-bit targets PyO3 supports.
+                let fields = stored_fields(
+                    request,
+                    start_block as usize,
+                    end_block as usize,
+                    block_size as usize,
+                    self.num_hash_lookahead_tokens,
+                    self.int_block_hashes,
+                );
+                let start = start_block.into_pyobject(py)?.into_any();
+                let end = end_block.into_pyobject(py)?.into_any();
+                let bs = block_size.into_pyobject(py)?.into_any();
+                let group = group_id.into_pyobject(py)?.into_any();
+                self.stored_struct(request, fields.map(|f| (f, &bs)), (&start, &end, &bs), &group)
+            }
+            KVCacheEvent::BlockRemoved { key } => {
+                let hash = PyBytes::new(py, key.hash.as_bytes()).into_any();
+                let hashes = PyList::new(py, [convert_hash(hash, self.int_block_hashes)?])?;
+                let medium = self.medium.bind(py);
+                let cls = self.block_removed.bind(py);
+                if self.removed_positional {
+                    cls.call1((hashes, medium, key.group_id))
+                } else {
+                    let kwargs = PyDict::new(py);
+                    kwargs.set_item("block_hashes", hashes)?;
+                    kwargs.set_item("medium", medium)?;
+                    kwargs.set_item("group_idx", key.group_id)?;
+                    cls.call((), Some(&kwargs))
+                }
+            }
+            KVCacheEvent::AllBlocksCleared => self.all_blocks_cleared.bind(py).call0(),
+        }
+    }
 }

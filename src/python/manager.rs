@@ -22,6 +22,7 @@ use pyo3::{intern, PyTraverseError};
 use super::block::PyKVCacheBlock;
 use super::blocks::PyKVCacheBlocks;
 use super::errors::{count, InvalidArgumentError};
+use super::events::PyEventBuilder;
 use super::hashes::{hash_from_bytes, PyListHashes};
 use crate::events::KVCacheEvent;
 use crate::manager::{AllocateSlots, KVCacheManager, KVCacheManagerConfig, RequestView};
@@ -45,9 +46,10 @@ struct VllmBindings {
     empty_kv_cache_blocks: Py<PyKVCacheBlocks>,
     /// `RequestStatus.WAITING` and `RequestStatus.PREEMPTED` (the watermark applies).
     watermark_statuses: [Py<PyAny>; 2],
-    /// The list to which a call that recorded events appends `(request, records)`
-    /// (events on only); the Python `BlockPool` converts it in order when read.
-    event_sink: Option<Py<PyList>>,
+    /// The list to which a call that recorded events appends vLLM's event structs,
+    /// built by `event_builder` with the call's request (events on only); the
+    /// Python `BlockPool` moves them to its event queue when that is read.
+    event_sink: Option<(Py<PyList>, Py<PyEventBuilder>)>,
     /// Called with `(request, num_blocks)` for `kv_cache_report_mode == "full"` hits.
     cached_block_event_sink: Option<Py<PyAny>>,
     /// The free queue's head and tail sentinels (Python objects of the
@@ -279,23 +281,36 @@ impl PyKVCacheCore {
         Ok(true)
     }
 
-    /// Queues the call's event records with its request when the core recorded
-    /// events (events on only): one list append, no Python call.
+    /// Builds the events of the call's records with its request (vLLM's structs,
+    /// as vLLM's `BlockPool` builds them inside the call) and appends them to the
+    /// sink (events on only). A record whose event cannot be built raises; the
+    /// events before it are kept.
     pub(super) fn flush_events(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
+        Self::flush_events_of(slf, Some(request))
+    }
+
+    /// [`Self::flush_events`] for a call with or without a request (pool-level
+    /// calls such as eviction record no `BlockStored`).
+    fn flush_events_of(slf: &Bound<'_, Self>, request: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let py = slf.py();
-        let (sink, records) = {
+        let (sink, builder, records) = {
             let mut this = slf.borrow_mut();
             if !this.core.block_pool().has_events() {
                 return Ok(());
             }
             // Without a sink (a bare core) the records stay for `core_take_events`.
             let sink = this.vllm.as_ref().and_then(|v| v.event_sink.as_ref());
-            let Some(sink) = sink.map(|s| s.clone_ref(py)) else {
+            let Some((sink, builder)) = sink.map(|(s, b)| (s.clone_ref(py), b.clone_ref(py)))
+            else {
                 return Ok(());
             };
-            (sink, this.core.take_events())
+            (sink, builder, this.core.take_events())
         };
-        sink.bind(py).append((request, events_to_py(py, records)?))
+        let (sink, builder) = (sink.bind(py), builder.get());
+        for record in records {
+            sink.append(builder.build(py, record, request)?)?;
+        }
+        Ok(())
     }
 
     /// A block's neighbor in the free queue (see `KVCacheBlock.next_free_block`).
@@ -387,12 +402,14 @@ impl PyKVCacheCore {
     }
 
     /// Hands the core the vLLM objects its drop-in methods compare with and call.
+    /// `event_sink`: `(list, EventBuilder)` with events on: each call's events are
+    /// built and appended to the list before it returns.
     #[pyo3(signature = (waiting, preempted, event_sink=None, cached_block_event_sink=None))]
     fn _bind_vllm(
         slf: &Bound<'_, Self>,
         waiting: Bound<'_, PyAny>,
         preempted: Bound<'_, PyAny>,
-        event_sink: Option<Bound<'_, PyList>>,
+        event_sink: Option<(Bound<'_, PyList>, Bound<'_, PyEventBuilder>)>,
         cached_block_event_sink: Option<Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let empty = Py::new(
@@ -402,7 +419,7 @@ impl PyKVCacheCore {
         slf.borrow_mut().vllm = Some(VllmBindings {
             empty_kv_cache_blocks: empty,
             watermark_statuses: [waiting.unbind(), preempted.unbind()],
-            event_sink: event_sink.map(Bound::unbind),
+            event_sink: event_sink.map(|(s, b)| (s.unbind(), b.unbind())),
             cached_block_event_sink: cached_block_event_sink.map(Bound::unbind),
             free_list_sentinels: None,
         });
@@ -895,6 +912,13 @@ impl PyKVCacheCore {
             .get_all_free_blocks()
     }
 
+    /// Builds and queues the events recorded so far (see `flush_events`): pool-level
+    /// calls pass no request.
+    #[pyo3(signature = (request=None))]
+    fn core_flush_events(slf: &Bound<'_, Self>, request: Option<Bound<'_, PyAny>>) -> PyResult<()> {
+        Self::flush_events_of(slf, request.as_ref())
+    }
+
     /// Drains event records as tuples: `("stored", group, start_block, end_block,
     /// block_size)`, `("removed", hash_bytes, group)`, `("cleared",)`.
     fn core_take_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
@@ -918,7 +942,10 @@ impl PyKVCacheCore {
             for s in &v.watermark_statuses {
                 visit.call(s)?;
             }
-            visit.call(&v.event_sink)?;
+            if let Some((sink, builder)) = &v.event_sink {
+                visit.call(sink)?;
+                visit.call(builder)?;
+            }
             visit.call(&v.cached_block_event_sink)?;
             if let Some(s) = &v.free_list_sentinels {
                 visit.call(&s[0])?;

@@ -80,6 +80,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hasher::blake3_digest, m)?)?;
     m.add_function(wrap_pyfunction!(hasher::blake3_block, m)?)?;
     m.add_function(wrap_pyfunction!(events::block_stored_fields, m)?)?;
+    m.add_class::<events::PyEventBuilder>()?;
     errors::register(m)?;
     Ok(())
 }

@@ -4,7 +4,7 @@ The Scheduler calls ``block_pool.free_blocks(reversed(blocks))`` for deferred fr
 and reads ``get_num_free_blocks()``; connectors and tests read ``blocks[i]``,
 ``null_block``, ``free_block_queue`` and ``cached_block_hash_to_block``. Every call
 goes straight to the core; this class holds no bookkeeping of its own, only the
-queue of converted KV events.
+queue of KV events the core built.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, overload
 
-from vllm import envs
 from vllm.distributed.kv_events import MEDIUM_GPU, KVCacheEvent
 
 from hscache._core import KVCacheBlock, KVCacheCore
@@ -119,57 +118,32 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(core)
         self.cached_block_hash_to_block = BlockHashToBlockMap(core)
         self._kv_event_queue: list[KVCacheEvent] = []
-        # ``(request, records)`` pairs the core appends after each call that recorded
-        # events, converted in order on the next read of the queue (see ``_convert``).
-        self.pending_event_records: list[tuple[Any, list[Any]]] = []
+        # The events each call builds in the core (``EventBuilder``, with the call's
+        # request, before it returns), moved to the queue when it is next read.
+        self.pending_events: list[KVCacheEvent] = []
+        self.event_builder = events.make_event_builder(num_hash_lookahead_tokens, medium)
 
     @property
     def kv_event_queue(self) -> list[KVCacheEvent]:
         """vLLM's event queue: every event so far, in pool-operation order."""
-        self._convert_pending()
+        self._move_pending()
         return self._kv_event_queue
 
     @kv_event_queue.setter
     def kv_event_queue(self, queue: list[KVCacheEvent]) -> None:
-        self._convert_pending()
+        self._move_pending()
         self._kv_event_queue = queue
 
-    def _convert_pending(self) -> None:
-        """Converts the records the core queued with their requests.
-
-        A ``BlockStored`` reads only what a request never changes once its blocks are
-        cached (the token ids and hashes of those blocks, LoRA, multimodal features,
-        salt, session id), so converting at the next read gives the events vLLM builds
-        inside the call; the int-hash flag is read once for the whole backlog.
-        """
-        pending = self.pending_event_records
-        if not pending:
-            return
-        int_block_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
-        queue = self._kv_event_queue
-        for request, records in pending:
-            queue.extend(
-                events.convert(
-                    records,
-                    request,
-                    self.num_hash_lookahead_tokens,
-                    self.medium,
-                    int_block_hashes,
-                )
-            )
-        pending.clear()
+    def _move_pending(self) -> None:
+        pending = self.pending_events
+        if pending:
+            self._kv_event_queue.extend(pending)
+            pending.clear()
 
     def drain_core_events(self, request: Any | None = None) -> None:
-        """Converts the core's event records (call after every pool-level mutation)."""
+        """Builds the core's queued events (call after every pool-level mutation)."""
         if self.enable_kv_cache_events and self._core.has_events:
-            self.kv_event_queue.extend(
-                events.convert(
-                    self._core.core_take_events(),
-                    request,
-                    self.num_hash_lookahead_tokens,
-                    self.medium,
-                )
-            )
+            self._core.core_flush_events(request)
 
     def get_num_free_blocks(self) -> int:
         return self._core.num_free_blocks

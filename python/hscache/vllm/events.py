@@ -1,21 +1,17 @@
-"""Turns the core's compact event records into vLLM's KV-cache event structs.
+"""vLLM's KV-cache event structs for the core's event records.
 
-The core records ``("stored", group, start_block, end_block, block_size)``,
-``("removed", hash, group)`` and ``("cleared",)`` in pool-operation order. A stored
-record is converted with the request of the call that produced it, when the pool's
-event queue is next read (``hscache.vllm.block_pool``): it reads only what a request
-never changes once those blocks are cached (their token ids and hashes, LoRA,
-multimodal features, salt, session id), so the event equals the one vLLM builds inside
-the call.
+The core records ``BlockStored`` (a block range of the recording call's request),
+``BlockRemoved`` and ``AllBlocksCleared``. The core builds vLLM's structs itself, inside
+the call that recorded them, as vLLM's ``BlockPool`` does: ``hscache._core.EventBuilder``
+(``src/python/events.rs``) holds one pool's event configuration and computes the
+per-block fields of a ``BlockStored`` (converted hashes, token ids, extra keys in the
+untagged shape of vLLM's ``to_event_extra_keys``, lookahead token ids) with the core's
+port of vLLM's extra-key functions.
 
-The per-block fields of a ``BlockStored`` (converted hashes, token ids, extra keys in
-the untagged shape of vLLM's ``to_event_extra_keys``, lookahead token ids) are built by
-the core (``hscache._core.block_stored_fields``, ``src/python/events.rs``) with its
-port of vLLM's extra-key functions; this module owns the event structs and the
-fallback: a request the core cannot convert exactly raises ``UnsupportedError`` and
-that event is built by :func:`_block_stored_py`, the same conversion with vLLM's own
-helpers end to end, kept whole on purpose: it is also the reference of the
-differential tests (``tests/test_events.py``).
+This module makes the builder (:func:`make_event_builder`) and owns the fallback: a
+request the core cannot convert exactly is built by :func:`_block_stored_py`, the same
+conversion with vLLM's own helpers end to end, kept whole on purpose: it is also the
+reference of the differential tests (``tests/test_events.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +24,6 @@ from vllm.distributed.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    KVCacheEvent,
 )
 from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys,
@@ -37,8 +32,30 @@ from vllm.v1.core.kv_cache_utils import (
     to_event_extra_keys,
 )
 
-from hscache._core import block_stored_fields
-from hscache.exceptions import UnsupportedError
+from hscache._core import EventBuilder
+
+
+def make_event_builder(
+    num_hash_lookahead_tokens: int,
+    medium: str = MEDIUM_GPU,
+    int_block_hashes: bool | None = None,
+) -> EventBuilder:
+    """The event builder of one pool.
+
+    ``int_block_hashes``: ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, read now if None (a
+    pool reads it once, when it is built).
+    """
+    if int_block_hashes is None:
+        int_block_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+    return EventBuilder(
+        BlockStored,
+        BlockRemoved,
+        AllBlocksCleared,
+        medium,
+        num_hash_lookahead_tokens,
+        int_block_hashes,
+        _block_stored_py,
+    )
 
 
 def block_stored(
@@ -51,53 +68,17 @@ def block_stored(
     medium: str = MEDIUM_GPU,
     int_block_hashes: bool | None = None,
 ) -> BlockStored:
-    """The ``BlockStored`` event of blocks ``start_block..end_block`` of ``request``.
-
-    ``int_block_hashes``: ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, read now if None.
-    """
-    if int_block_hashes is None:
-        int_block_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
-    try:
-        (
-            block_hashes,
-            parent_block_hash,
-            token_ids,
-            lora_id,
-            lora_name,
-            extra_keys,
-            session_id,
-            lookahead_token_ids,
-        ) = block_stored_fields(
-            request,
-            start_block,
-            end_block,
-            block_size,
-            num_hash_lookahead_tokens,
-            int_block_hashes,
-        )
-    except UnsupportedError:
+    """The ``BlockStored`` event of blocks ``start_block..end_block`` of ``request``."""
+    if not (isinstance(num_hash_lookahead_tokens, int) and num_hash_lookahead_tokens >= 0):
+        # No pool has such a lookahead: vLLM's helpers give vLLM's answer.
         return _block_stored_py(
-            request,
-            start_block,
-            end_block,
-            block_size,
-            group_idx,
-            num_hash_lookahead_tokens,
-            medium,
+            request, start_block, end_block, block_size, group_idx, num_hash_lookahead_tokens, medium
         )
-    return BlockStored(
-        block_hashes=block_hashes,
-        parent_block_hash=parent_block_hash,
-        token_ids=token_ids,
-        block_size=block_size,
-        lora_id=lora_id,
-        medium=medium,
-        lora_name=lora_name,
-        extra_keys=extra_keys,
-        group_idx=group_idx,
-        session_id=session_id,
-        lookahead_token_ids=lookahead_token_ids,
+    builder = make_event_builder(num_hash_lookahead_tokens, medium, int_block_hashes)
+    event: BlockStored = builder.block_stored(
+        request, start_block, end_block, block_size, group_idx
     )
+    return event
 
 
 def _block_stored_py(
@@ -143,45 +124,3 @@ def _block_stored_py(
         session_id=request.session_id,
         lookahead_token_ids=lookahead_token_ids,
     )
-
-
-def convert(
-    records: list[Any],
-    request: Any | None,
-    num_hash_lookahead_tokens: int,
-    medium: str = MEDIUM_GPU,
-    int_block_hashes: bool | None = None,
-) -> list[KVCacheEvent]:
-    """vLLM events of the core's records; ``request`` is the call's request."""
-    out: list[KVCacheEvent] = []
-    if int_block_hashes is None:
-        int_block_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
-    for rec in records:
-        kind = rec[0]
-        if kind == "removed":
-            out.append(
-                BlockRemoved(
-                    block_hashes=[maybe_convert_block_hash(rec[1])],
-                    medium=medium,
-                    group_idx=rec[2],
-                )
-            )
-        elif kind == "stored":
-            if request is None:
-                raise RuntimeError("a BlockStored record needs the request of its call")
-            _, group, start, end, block_size = rec
-            out.append(
-                block_stored(
-                    request,
-                    start,
-                    end,
-                    block_size,
-                    group,
-                    num_hash_lookahead_tokens,
-                    medium,
-                    int_block_hashes,
-                )
-            )
-        else:
-            out.append(AllBlocksCleared())
-    return out

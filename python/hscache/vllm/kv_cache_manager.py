@@ -59,7 +59,6 @@ from vllm.v1.request import Request, RequestStatus
 from hscache._core import KVCacheBlock, KVCacheCore
 from hscache.exceptions import InvalidArgumentError
 from hscache.vllm.block_pool import BlockPool
-from hscache.vllm.events import block_stored
 from hscache.vllm.parity import ParityKVCacheManager, building_parity_side
 
 logger = init_logger(__name__)
@@ -326,7 +325,9 @@ class KVCacheManager(KVCacheCore):
         self._bind_vllm(
             RequestStatus.WAITING,
             RequestStatus.PREEMPTED,
-            self.block_pool.pending_event_records if enable_kv_cache_events else None,
+            (self.block_pool.pending_events, self.block_pool.event_builder)
+            if enable_kv_cache_events
+            else None,
             self._emit_cached_block_events if enable_kv_cache_events else None,
         )
         queue = self.block_pool.free_block_queue
@@ -368,15 +369,7 @@ class KVCacheManager(KVCacheCore):
     def _emit_cached_block_events(self, request: Request, num_blocks: int) -> None:
         """BlockStored for reused hits (``kv_cache_report_mode == "full"``)."""
         self.block_pool.kv_event_queue.append(
-            block_stored(
-                request,
-                0,
-                num_blocks,
-                self.block_size,
-                0,
-                self.block_pool.num_hash_lookahead_tokens,
-                self.block_pool.medium,
-            )
+            self.block_pool.event_builder.block_stored(request, 0, num_blocks, self.block_size, 0)
         )
 
     def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> Any:
