@@ -1,7 +1,7 @@
 """``BlockStored`` events built by the core against the pure-Python conversion.
 
-``hscache.vllm.events.block_stored`` takes its per-block fields from
-``hscache._core.block_stored_fields``; ``events._block_stored_py`` is the conversion
+``hscache.vllm.events.block_stored`` (the core's ``EventBuilder``) takes its per-block
+fields from ``hscache._core.block_stored_fields``; ``events._block_stored_py`` is the conversion
 with vLLM's own helpers (``generate_block_hash_extra_keys``, its lookahead variant,
 ``maybe_convert_block_hash``, ``to_event_extra_keys``), i.e. what vLLM's
 ``BlockPool.cache_full_blocks`` emits. On thousands of random requests (LoRA,
@@ -340,3 +340,44 @@ def test_a_huge_range_is_refused_without_allocating() -> None:
     )
     with pytest.raises(UnsupportedError, match="far past"):
         _core.block_stored_fields(r, 0, 2**40, 4, 0, False)
+
+
+class _ReorderedStored(msgspec.Struct, kw_only=True):
+    """A ``BlockStored`` look-alike whose fields are not in vLLM's order."""
+
+    group_idx: int | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    block_hashes: list[Any]
+    parent_block_hash: Any
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+
+
+def test_builder_uses_keywords_for_a_struct_in_another_field_order() -> None:
+    """Positional construction only for vLLM 0.33's exact field order; any other
+    class gets keywords, so every field still lands where it belongs."""
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved
+
+    r = make_request(
+        {"prompt_token_ids": list(range(40)), "mm_features": None, "lora_request": None},
+        kcu.get_request_block_hasher(4, hashing.sha256),
+    )
+    ints = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+    vllm_order = events.make_event_builder(0)
+    reordered = _core.EventBuilder(
+        _ReorderedStored, BlockRemoved, AllBlocksCleared, "GPU", 0, ints, events._block_stored_py
+    )
+    want = vllm_order.block_stored(r, 2, 5, 4, 0)
+    assert type(want).__name__ == "BlockStored"
+    assert_same_event(want, events._block_stored_py(r, 2, 5, 4, 0, 0))
+    got = reordered.block_stored(r, 2, 5, 4, 0)
+    assert isinstance(got, _ReorderedStored)
+    for field in _ReorderedStored.__struct_fields__:
+        assert getattr(got, field) == getattr(want, field), field

@@ -359,6 +359,7 @@ def block_stored_fields(
     for a request it cannot convert exactly (the caller then uses vLLM's helpers).
     """
 
+@final
 class EventBuilder:
     """Builds vLLM's KV-cache event structs for one pool, inside the recording call.
 
@@ -366,8 +367,8 @@ class EventBuilder:
     ``BlockStored`` that ``block_stored_fields`` cannot (it raised ``UnsupportedError``).
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         block_stored: type,
         block_removed: type,
         all_blocks_cleared: type,
@@ -375,7 +376,7 @@ class EventBuilder:
         num_hash_lookahead_tokens: int,
         int_block_hashes: bool,
         fallback: Callable[..., Any],
-    ) -> None: ...
+    ) -> EventBuilder: ...
     @property
     def num_hash_lookahead_tokens(self) -> int: ...
     @property

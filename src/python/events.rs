@@ -33,11 +33,11 @@ use super::errors::UnsupportedError;
 /// How far past `block_hashes` a range may reach and still be converted here.
 const MAX_BLOCKS_PAST_HASHES: usize = 64;
 use super::hasher::{type_name, MmHolder};
+use crate::events::KVCacheEvent;
 use crate::extra_keys::{
     generate_block_hash_extra_keys, generate_lookahead_block_hash_extra_keys, prompt_embeds_digest,
     ExtraKey, MmFeature, RequestExtraKeys,
 };
-use crate::events::KVCacheEvent;
 use crate::hash::value::Atom;
 
 fn unsupported(what: impl std::fmt::Display) -> PyErr {
@@ -555,7 +555,12 @@ impl PyEventBuilder {
             )?;
             Ok((fields, block_size))
         });
-        self.stored_struct(request, fields, (start_block, end_block, block_size), group_idx)
+        self.stored_struct(
+            request,
+            fields,
+            (start_block, end_block, block_size),
+            group_idx,
+        )
     }
 
     fn __traverse__(&self, visit: pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
@@ -672,7 +677,12 @@ impl PyEventBuilder {
                 let end = end_block.into_pyobject(py)?.into_any();
                 let bs = block_size.into_pyobject(py)?.into_any();
                 let group = group_id.into_pyobject(py)?.into_any();
-                self.stored_struct(request, fields.map(|f| (f, &bs)), (&start, &end, &bs), &group)
+                self.stored_struct(
+                    request,
+                    fields.map(|f| (f, &bs)),
+                    (&start, &end, &bs),
+                    &group,
+                )
             }
             KVCacheEvent::BlockRemoved { key } => {
                 let hash = PyBytes::new(py, key.hash.as_bytes()).into_any();

@@ -71,9 +71,8 @@ def block_stored(
     """The ``BlockStored`` event of blocks ``start_block..end_block`` of ``request``."""
     if not (isinstance(num_hash_lookahead_tokens, int) and num_hash_lookahead_tokens >= 0):
         # No pool has such a lookahead: vLLM's helpers give vLLM's answer.
-        return _block_stored_py(
-            request, start_block, end_block, block_size, group_idx, num_hash_lookahead_tokens, medium
-        )
+        la = num_hash_lookahead_tokens
+        return _block_stored_py(request, start_block, end_block, block_size, group_idx, la, medium)
     builder = make_event_builder(num_hash_lookahead_tokens, medium, int_block_hashes)
     event: BlockStored = builder.block_stored(
         request, start_block, end_block, block_size, group_idx
