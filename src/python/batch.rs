@@ -4,8 +4,8 @@
 //! runs the core batch. Only entries that may have filled a block touch their
 //! `Request` (for `block_hashes` and `num_tokens`, checked to belong to the
 //! entry's handle). With KV events on, the core stops after each entry that recorded
-//! events so that its records are queued with that entry's request (converted when
-//! the Python `BlockPool`'s event queue is next read).
+//! events so that its events are built with that entry's request (the pool's
+//! `EventBuilder`, `src/python/events.rs`), and resumes.
 
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -109,7 +109,7 @@ pub(crate) fn allocate_slots_batch<'py>(
     let mut offsets = Vec::with_capacity(batch.len() + 1);
     offsets.push(0u32);
     // With events on, the core stops after each entry that recorded events, whose
-    // records are queued with that entry's request, and resumes.
+    // events are built with that entry's request, and resumes.
     let mut start = 0;
     loop {
         let progress = slf.borrow_mut().core.allocate_running_batch(

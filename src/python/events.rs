@@ -1,14 +1,18 @@
-//! KV-cache events for Python: `block_stored_fields`, the per-block part of vLLM's
-//! `BlockStored` event (wraps `src/extra_keys.rs`).
+//! KV-cache events for Python: [`PyEventBuilder`], which turns the core's records
+//! into vLLM's event structs inside the call that recorded them, and
+//! `block_stored_fields`, the per-block part of vLLM's `BlockStored` event (wraps
+//! `src/extra_keys.rs`).
 //!
-//! The core records `("stored", group, start_block, end_block, block_size)`; the Python
-//! adapter (`python/hscache/vllm/events.py`) builds vLLM's struct from the request of
-//! the call. This module computes the fields that take work per block: the converted
-//! hashes, the token ids, the per-block extra keys in the untagged event shape of
-//! vLLM's `to_event_extra_keys`, and the lookahead token ids. The values are vLLM's
-//! own objects wherever vLLM's event carries them (hashes when not converted to ints,
-//! multimodal identifiers, LoRA name, cache salt, prompt-embedding digests), so the
-//! event equals, field for field, what vLLM 0.33's `BlockPool.cache_full_blocks` emits.
+//! The core records `BlockStored { group, start_block, end_block, block_size }` (a
+//! range of the recording call's request), `BlockRemoved` and `AllBlocksCleared`; the
+//! bindings hand each call's records and request to the pool's `EventBuilder`
+//! (`python/hscache/vllm/events.py` makes it). This module computes the fields that
+//! take work per block: the converted hashes, the token ids, the per-block extra keys
+//! in the untagged event shape of vLLM's `to_event_extra_keys`, and the lookahead
+//! token ids. The values are vLLM's own objects wherever vLLM's event carries them
+//! (hashes when not converted to ints, multimodal identifiers, LoRA name, cache salt,
+//! prompt-embedding digests), so the event equals, field for field, what vLLM 0.33's
+//! `BlockPool.cache_full_blocks` emits.
 //!
 //! Extra keys are computed by the core's `generate_block_hash_extra_keys` /
 //! `generate_lookahead_block_hash_extra_keys` with the multimodal scan starting at
