@@ -36,7 +36,6 @@ pub struct BlockPool {
     hash_block_size: usize,
     enable_kv_cache_events: bool,
     ref_cnt: Vec<u32>,
-    block_hash: Vec<Option<BlockHashWithGroupId>>,
     block_hash_num_tokens: Vec<u32>,
     free_block_queue: FreeKVCacheBlockQueue,
     cached_block_hash_to_block: BlockHashToBlockMap,
@@ -72,10 +71,9 @@ impl BlockPool {
             hash_block_size,
             enable_kv_cache_events,
             ref_cnt: vec![0; n],
-            block_hash: vec![None; n],
             block_hash_num_tokens: vec![0; n],
             free_block_queue,
-            cached_block_hash_to_block: BlockHashToBlockMap::new(),
+            cached_block_hash_to_block: BlockHashToBlockMap::new(n),
             events: Vec::new(),
             scratch_first: Vec::new(),
             scratch_last: Vec::new(),
@@ -128,14 +126,13 @@ impl BlockPool {
     /// The primary hash key of a block, if it is cached.
     #[inline]
     pub fn block_hash(&self, block_id: BlockId) -> Option<&BlockHashWithGroupId> {
-        self.block_hash[block_id as usize].as_ref()
+        self.cached_block_hash_to_block.key_of(block_id)
     }
 
     /// The prefix length (tokens) the block's hash covers, if it is cached.
     #[inline]
     pub fn block_hash_num_tokens(&self, block_id: BlockId) -> Option<u32> {
-        self.block_hash[block_id as usize]
-            .as_ref()
+        self.block_hash(block_id)
             .map(|_| self.block_hash_num_tokens[block_id as usize])
     }
 
@@ -184,7 +181,6 @@ impl BlockPool {
         for &id in &out[start..] {
             if self.enable_caching {
                 Self::evict_cached(
-                    &mut self.block_hash,
                     &mut self.cached_block_hash_to_block,
                     self.enable_kv_cache_events.then_some(&mut self.events),
                     id,
@@ -199,7 +195,6 @@ impl BlockPool {
     /// whether a key was removed.
     fn maybe_evict_cached_block(&mut self, block_id: BlockId) -> bool {
         Self::evict_cached(
-            &mut self.block_hash,
             &mut self.cached_block_hash_to_block,
             self.enable_kv_cache_events.then_some(&mut self.events),
             block_id,
@@ -209,17 +204,13 @@ impl BlockPool {
     /// `maybe_evict_cached_block` over split borrows, so that callers iterating
     /// another field of the pool can use it.
     fn evict_cached(
-        block_hash: &mut [Option<BlockHashWithGroupId>],
         index: &mut BlockHashToBlockMap,
         events: Option<&mut Vec<KVCacheEvent>>,
         block_id: BlockId,
     ) -> bool {
-        let Some(key) = block_hash[block_id as usize].take() else {
+        let Some(key) = index.remove_block(block_id) else {
             return false;
         };
-        if !index.pop(&key, block_id) {
-            return false;
-        }
         if let Some(events) = events {
             events.push(KVCacheEvent::BlockRemoved { key });
         }
@@ -309,7 +300,7 @@ impl BlockPool {
             }
             *rc -= 1;
             if *rc == 0 {
-                if self.block_hash[id as usize].is_none() || !self.enable_caching {
+                if self.block_hash(id).is_none() || !self.enable_caching {
                     first.push(id);
                 } else {
                     last.push(id);
@@ -376,10 +367,9 @@ impl BlockPool {
             let num_tokens = ((i + 1) * block_size) as u32;
             // The index maps a key to a block iff it is the block's hash (no
             // secondary keys here), so this one check stands for vLLM's `contain`.
-            if self.block_hash[id as usize] == Some(key) {
+            if self.block_hash(id) == Some(&key) {
                 continue;
             }
-            self.block_hash[id as usize] = Some(key);
             self.block_hash_num_tokens[id as usize] = num_tokens;
             self.cached_block_hash_to_block.insert(key, id);
         }
@@ -420,7 +410,7 @@ impl BlockPool {
                 continue;
             }
             let hash = block_hashes.get(i)?;
-            if let Some(existing) = &self.block_hash[id as usize] {
+            if let Some(existing) = self.block_hash(id) {
                 if existing.hash != hash {
                     return Err(Error::Unsupported(format!(
                         "block {id} is already cached under another hash (partial-block \
@@ -451,7 +441,6 @@ impl BlockPool {
             return false;
         }
         self.cached_block_hash_to_block.clear();
-        self.block_hash.iter_mut().for_each(|h| *h = None);
         if self.enable_kv_cache_events {
             self.events.push(KVCacheEvent::AllBlocksCleared);
         }
@@ -480,11 +469,6 @@ impl BlockPool {
                 return Err(format!("block {id}: ref_cnt {rc} but queued={queued}"));
             }
             free += queued as usize;
-            if let Some(key) = &self.block_hash[id as usize] {
-                if !self.cached_block_hash_to_block.contain(key, id) {
-                    return Err(format!("block {id} has a hash that is not indexed"));
-                }
-            }
         }
         if self.free_block_queue.contains(NULL_BLOCK_ID) {
             return Err("the null block is in the free queue".into());
@@ -495,14 +479,10 @@ impl BlockPool {
                 self.get_num_free_blocks()
             ));
         }
-        for (key, ids) in self.cached_block_hash_to_block.iter() {
-            for &id in ids {
-                if self.block_hash[id as usize].as_ref() != Some(key) {
-                    return Err(format!("index maps a key to block {id} with another hash"));
-                }
-            }
+        if self.block_hash(NULL_BLOCK_ID).is_some() {
+            return Err("the null block has a hash".into());
         }
-        Ok(())
+        self.cached_block_hash_to_block.check_invariants()
     }
 }
 
