@@ -562,21 +562,29 @@ impl PyKVCacheCore {
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let _timer = stats::Timer::start(Op::AllocateSlots);
         let py = slf.py();
-        // The result needs the vLLM bindings: fail before anything changes.
-        slf.borrow().bindings()?;
+        // One shared borrow for what the call needs from the bindings; the result
+        // needs them too, so a core without them fails before anything changes.
+        let watermark_statuses = {
+            let this = slf.borrow();
+            let bindings = this.bindings()?;
+            (has_scheduled_reqs && this.core.config().watermark_blocks > 0).then(|| {
+                let [waiting, preempted] = &bindings.watermark_statuses;
+                [waiting.clone_ref(py), preempted.clone_ref(py)]
+            })
+        };
         let _ = count("num_encoder_tokens", num_encoder_tokens)?;
         let fields = RequestFields::read(request)?;
-        let watermark = has_scheduled_reqs && slf.borrow().core.config().watermark_blocks > 0;
         let mut hits = Vec::new();
         let adopt_hits = match new_computed_blocks {
             Some(blocks) => Self::hit_ids(slf, blocks, &mut hits)?,
             None => false,
         };
-        let apply_watermark = watermark && {
-            let status = request.getattr(intern!(py, "status"))?;
-            let this = slf.borrow();
-            let statuses = &this.bindings()?.watermark_statuses;
-            status.is(statuses[0].bind(py)) || status.is(statuses[1].bind(py))
+        let apply_watermark = match &watermark_statuses {
+            Some([waiting, preempted]) => {
+                let status = request.getattr(intern!(py, "status"))?;
+                status.is(waiting.bind(py)) || status.is(preempted.bind(py))
+            }
+            None => false,
         };
         let skip_zeroing = match skip_zeroing_group_ids {
             Some(ids) => ids.contains(0)?,
@@ -605,7 +613,7 @@ impl PyKVCacheCore {
             num_tokens: &num_tokens,
             block_hashes: &block_hashes,
         };
-        let result = {
+        let (result, has_events) = {
             let mut this = slf.borrow_mut();
             let mut out = std::mem::take(&mut this.scratch);
             out.clear();
@@ -615,9 +623,11 @@ impl PyKVCacheCore {
                 Err(e) => Err(fields.error(e)),
             };
             this.scratch = out;
-            result
+            (result, this.core.block_pool().has_events())
         };
-        Self::flush_events(slf, request)?;
+        if has_events {
+            Self::flush_events(slf, request)?;
+        }
         result
     }
 
