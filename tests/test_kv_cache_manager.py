@@ -220,3 +220,41 @@ def test_kv_event_batch_round_trips_through_msgspec_like_vllms() -> None:
     kinds = [type(e).__name__ for e in decoded.events]
     assert kinds[0] == "BlockStored" and "BlockRemoved" in kinds
     assert kinds[-1] == "AllBlocksCleared"
+
+
+class _ReentrantRequest:
+    """A request whose ``block_hashes`` calls back into the manager while the core
+    reads it (from inside ``allocate_slots`` / ``allocate_slots_batch``)."""
+
+    def __init__(self, inner, manager: KVCacheManager, call) -> None:
+        self.__dict__["_inner"] = inner
+        self.__dict__["_manager"] = manager
+        self.__dict__["_call"] = call
+
+    @property
+    def block_hashes(self):  # type: ignore[no-untyped-def]
+        self._call(self._manager)
+        return self._inner.block_hashes
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._inner, name)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m: m.usage,  # a shared read
+        lambda m: m.free(make_request("zz", [1, 2, 3])),  # a mutation
+        lambda m: m.get_block_ids("a"),
+    ],
+)
+def test_reentrant_request_raises_runtime_error_and_changes_nothing(call) -> None:
+    """Calling back into the manager from a request attribute the core reads is a
+    RuntimeError ("Already borrowed"), never a panic, and the call changes nothing."""
+    m = KVCacheManager(**manager_kwargs(16))
+    req = _ReentrantRequest(make_request("a", list(range(40))), m, call)
+    before = _state(m)
+    with pytest.raises(RuntimeError, match="borrowed"):
+        m.allocate_slots(req, 40)
+    assert _state(m) == before
+    m._core.check_invariants()

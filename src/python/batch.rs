@@ -66,7 +66,7 @@ pub(crate) fn allocate_slots_batch<'py>(
     }
     let mut may_cache = Vec::new();
     let events = {
-        let mut this = slf.borrow_mut();
+        let mut this = slf.try_borrow_mut()?;
         this.core.check_running_batch(&batch, &mut may_cache)?;
         this.core.config().enable_kv_cache_events
     };
@@ -79,7 +79,7 @@ pub(crate) fn allocate_slots_batch<'py>(
             .getattr(intern!(py, "request_id"))?
             .cast_into::<PyString>()
             .map_err(|_| InvalidArgumentError::new_err("request.request_id must be a str"))?;
-        if slf.borrow().core.request_id_of(handles[i]) != Some(rid.to_str()?) {
+        if slf.try_borrow()?.core.request_id_of(handles[i]) != Some(rid.to_str()?) {
             return Err(InvalidArgumentError::new_err(format!(
                 "entry {i}: requests[{i}] ({rid}) is not the request of handle {:#x}",
                 handles[i]
@@ -99,7 +99,7 @@ pub(crate) fn allocate_slots_batch<'py>(
     let hashes_of = |i: usize| prepared_of(i).map(|p| p.0.clone());
     let num_tokens_of = |i: usize| prepared_of(i).map(|p| p.1);
     // What each entry would cache, checked before the first entry changes anything.
-    slf.borrow().core.check_running_batch_caching(
+    slf.try_borrow()?.core.check_running_batch_caching(
         &batch,
         &may_cache,
         &hashes_of,
@@ -112,7 +112,7 @@ pub(crate) fn allocate_slots_batch<'py>(
     // events are built with that entry's request, and resumes.
     let mut start = 0;
     loop {
-        let progress = slf.borrow_mut().core.allocate_running_batch(
+        let progress = slf.try_borrow_mut()?.core.allocate_running_batch(
             &batch,
             start,
             &hashes_of,
@@ -140,5 +140,5 @@ pub(crate) fn free_batch(
     handles_obj: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
     let handles = handles("handles", handles_obj)?;
-    Ok(slf.borrow_mut().core.free_batch(&handles)?)
+    Ok(slf.try_borrow_mut()?.core.free_batch(&handles)?)
 }

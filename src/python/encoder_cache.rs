@@ -120,12 +120,12 @@ impl PyEncoderCacheCore {
     ) -> PyResult<bool> {
         let ident = identifier(request, input_id)?;
         // A miss (the common case for a new item) does not read the rest of the request.
-        let Some(entry) = slf.borrow().core.find_cached(ident.to_str()?) else {
+        let Some(entry) = slf.try_borrow()?.core.find_cached(ident.to_str()?) else {
             return Ok(false);
         };
         let rid = request_id(request)?;
         let input = input_index(input_id)?;
-        let hit = slf.borrow_mut().core.add_cached_reference(
+        let hit = slf.try_borrow_mut()?.core.add_cached_reference(
             entry,
             ident.to_str()?,
             rid.to_str()?,
@@ -142,7 +142,7 @@ impl PyEncoderCacheCore {
     ) -> PyResult<Option<i64>> {
         let ident = identifier(request, input_id)?;
         let n = slf
-            .borrow()
+            .try_borrow()?
             .core
             .get_cached_num_encoder_embeds(ident.to_str()?);
         Ok(n)
@@ -157,7 +157,7 @@ impl PyEncoderCacheCore {
         num_embeds_to_schedule: i64,
     ) -> PyResult<bool> {
         let n = num_embeds(request, input_id)?;
-        let ok = slf.borrow_mut().core.can_allocate(
+        let ok = slf.try_borrow_mut()?.core.can_allocate(
             n,
             encoder_compute_budget,
             num_embeds_to_schedule,
@@ -171,7 +171,7 @@ impl PyEncoderCacheCore {
         let rid = request_id(request)?;
         let n = num_embeds(request, input_id)?;
         let input = input_index(input_id)?;
-        slf.borrow_mut()
+        slf.try_borrow_mut()?
             .core
             .allocate(rid.to_str()?, input, ident.to_str()?, n)?;
         Ok(())
@@ -186,7 +186,7 @@ impl PyEncoderCacheCore {
         let ident = identifier(request, input_id)?;
         let rid = request_id(request)?;
         let input = input_index(input_id)?;
-        slf.borrow_mut()
+        slf.try_borrow_mut()?
             .core
             .free_encoder_input(rid.to_str()?, input, ident.to_str()?)?;
         Ok(())
@@ -195,7 +195,7 @@ impl PyEncoderCacheCore {
     /// vLLM's `free`: every cached input of the request.
     fn free(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
         let rid = request_id(request)?;
-        slf.borrow_mut().core.free(rid.to_str()?)?;
+        slf.try_borrow_mut()?.core.free(rid.to_str()?)?;
         Ok(())
     }
 
@@ -205,7 +205,7 @@ impl PyEncoderCacheCore {
         request: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PySet>> {
         let rid = request_id(request)?;
-        let this = slf.borrow();
+        let this = slf.try_borrow()?;
         PySet::new(slf.py(), this.core.get_cached_input_ids(rid.to_str()?))
     }
 

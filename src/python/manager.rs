@@ -263,7 +263,7 @@ impl PyKVCacheCore {
     ) -> PyResult<bool> {
         let py = slf.py();
         if let Ok(ours) = blocks.cast::<PyKVCacheBlocks>() {
-            let this = slf.borrow();
+            let this = slf.try_borrow()?;
             if ours.is(this.bindings()?.empty_kv_cache_blocks.bind(py)) {
                 return Ok(false);
             }
@@ -294,7 +294,7 @@ impl PyKVCacheCore {
     fn flush_events_of(slf: &Bound<'_, Self>, request: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let py = slf.py();
         let (sink, builder, records) = {
-            let mut this = slf.borrow_mut();
+            let mut this = slf.try_borrow_mut()?;
             if !this.core.block_pool().has_events() {
                 return Ok(());
             }
@@ -416,7 +416,7 @@ impl PyKVCacheCore {
             slf.py(),
             PyKVCacheBlocks::new(slf.clone().unbind(), Vec::new()),
         )?;
-        slf.borrow_mut().vllm = Some(VllmBindings {
+        slf.try_borrow_mut()?.vllm = Some(VllmBindings {
             empty_kv_cache_blocks: empty,
             watermark_statuses: [waiting.unbind(), preempted.unbind()],
             event_sink: event_sink.map(|(s, b)| (s.unbind(), b.unbind())),
@@ -440,7 +440,7 @@ impl PyKVCacheCore {
     #[pyo3(signature = (last=false))]
     fn core_free_list_end(slf: &Bound<'_, Self>, last: bool) -> PyResult<Option<Py<PyAny>>> {
         let end = {
-            let this = slf.borrow();
+            let this = slf.try_borrow()?;
             let q = this.core.block_pool().free_block_queue();
             if last {
                 q.last()
@@ -475,7 +475,7 @@ impl PyKVCacheCore {
         let _timer = stats::Timer::start(Op::GetComputedBlocks);
         let py = slf.py();
         let empty = {
-            let this = slf.borrow();
+            let this = slf.try_borrow()?;
             let vllm = this.bindings()?;
             (!this.core.config().enable_caching)
                 .then(|| vllm.empty_kv_cache_blocks.bind(py).clone().into_any())
@@ -487,7 +487,7 @@ impl PyKVCacheCore {
             .getattr(intern!(py, "skip_reading_prefix_cache"))?
             .is_truthy()?
         {
-            let this = slf.borrow();
+            let this = slf.try_borrow()?;
             return Ok((
                 this.bindings()?
                     .empty_kv_cache_blocks
@@ -507,7 +507,7 @@ impl PyKVCacheCore {
         };
         let hashes_obj = request.getattr(intern!(py, "block_hashes"))?;
         let hashes = PyListHashes::new(&hashes_obj)?;
-        let mut this = slf.borrow_mut();
+        let mut this = slf.try_borrow_mut()?;
         let mut ids = std::mem::take(&mut this.scratch);
         ids.clear();
         let result = this
@@ -565,7 +565,7 @@ impl PyKVCacheCore {
         // One shared borrow for what the call needs from the bindings; the result
         // needs them too, so a core without them fails before anything changes.
         let watermark_statuses = {
-            let this = slf.borrow();
+            let this = slf.try_borrow()?;
             let bindings = this.bindings()?;
             (has_scheduled_reqs && this.core.config().watermark_blocks > 0).then(|| {
                 let [waiting, preempted] = &bindings.watermark_statuses;
@@ -614,7 +614,7 @@ impl PyKVCacheCore {
             block_hashes: &block_hashes,
         };
         let (result, has_events) = {
-            let mut this = slf.borrow_mut();
+            let mut this = slf.try_borrow_mut()?;
             let mut out = std::mem::take(&mut this.scratch);
             out.clear();
             let result = match this.core.allocate_slots(&view, &args, &mut out) {
@@ -649,7 +649,7 @@ impl PyKVCacheCore {
             num_tokens: &num_tokens,
             block_hashes: &block_hashes,
         };
-        let result = slf.borrow_mut().core.cache_blocks(&view, n);
+        let result = slf.try_borrow_mut()?.core.cache_blocks(&view, n);
         result.map_err(|e| fields.error(e))?;
         Self::flush_events(slf, request)
     }
@@ -659,7 +659,7 @@ impl PyKVCacheCore {
     fn free(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
         let _timer = stats::Timer::start(Op::Free);
         let rid = Self::request_id(request)?;
-        Ok(slf.borrow_mut().core.free(rid.to_str()?)?)
+        Ok(slf.try_borrow_mut()?.core.free(rid.to_str()?)?)
     }
 
     /// vLLM's `pop_blocks_for_free`: the request's blocks in allocation order, not
@@ -670,7 +670,7 @@ impl PyKVCacheCore {
     ) -> PyResult<Bound<'py, PyList>> {
         let _timer = stats::Timer::start(Op::PopBlocksForFree);
         let rid = Self::request_id(request)?;
-        let mut this = slf.borrow_mut();
+        let mut this = slf.try_borrow_mut()?;
         let mut ids = std::mem::take(&mut this.scratch);
         ids.clear();
         this.core.pop_blocks_for_free(rid.to_str()?, &mut ids);
@@ -682,7 +682,7 @@ impl PyKVCacheCore {
     /// vLLM's `get_blocks`: the request's blocks as `KVCacheBlocks`.
     fn get_blocks<'py>(slf: &Bound<'py, Self>, request_id: &str) -> PyResult<Bound<'py, PyAny>> {
         let _timer = stats::Timer::start(Op::GetBlocks);
-        let mut this = slf.borrow_mut();
+        let mut this = slf.try_borrow_mut()?;
         let mut ids = std::mem::take(&mut this.scratch);
         ids.clear();
         ids.extend_from_slice(this.core.get_blocks(request_id));
@@ -789,7 +789,7 @@ impl PyKVCacheCore {
 
     /// The handle of block `block_id`.
     fn block(slf: &Bound<'_, Self>, block_id: i64) -> PyResult<Py<PyKVCacheBlock>> {
-        let mut this = slf.borrow_mut();
+        let mut this = slf.try_borrow_mut()?;
         let id = this.core.block_pool().check_block_id(block_id)?;
         Self::handle(slf, &mut this, id)
     }
@@ -808,7 +808,7 @@ impl PyKVCacheCore {
             Self::ids_of(slf, blocks, &mut hits)?;
         }
         let n = count("num_tokens", num_tokens)?;
-        let this = slf.borrow();
+        let this = slf.try_borrow()?;
         Ok(this.core.single_type_manager().get_num_blocks_to_allocate(
             this.core.block_pool(),
             request_id,
@@ -825,7 +825,7 @@ impl PyKVCacheCore {
     ) -> PyResult<(Bound<'py, PyList>, usize)> {
         let max_len = count("max_cache_hit_length", max_cache_hit_length)?;
         let hashes = PyListHashes::new(block_hashes)?;
-        let mut this = slf.borrow_mut();
+        let mut this = slf.try_borrow_mut()?;
         let mut ids = Vec::new();
         let hit = this
             .core
@@ -857,7 +857,7 @@ impl PyKVCacheCore {
 
     /// The request's blocks as a plain list (empty if unknown).
     fn core_blocks<'py>(slf: &Bound<'py, Self>, request_id: &str) -> PyResult<Bound<'py, PyList>> {
-        let mut this = slf.borrow_mut();
+        let mut this = slf.try_borrow_mut()?;
         let ids = this.core.get_blocks(request_id).to_vec();
         Self::handles_list(slf, &mut this, &ids)
     }
@@ -867,14 +867,18 @@ impl PyKVCacheCore {
         let _timer = stats::Timer::start(Op::FreeBlocks);
         let mut ids = Vec::new();
         Self::ids_of(slf, blocks, &mut ids)?;
-        Ok(slf.borrow_mut().core.block_pool_mut().free_blocks(ids)?)
+        Ok(slf
+            .try_borrow_mut()?
+            .core
+            .block_pool_mut()
+            .free_blocks(ids)?)
     }
 
     /// Takes a reference on each block (removing free ones from the free queue).
     fn core_touch(slf: &Bound<'_, Self>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
         let mut ids = Vec::new();
         Self::ids_of(slf, blocks, &mut ids)?;
-        Ok(slf.borrow_mut().core.block_pool_mut().touch(&ids)?)
+        Ok(slf.try_borrow_mut()?.core.block_pool_mut().touch(&ids)?)
     }
 
     /// Hands out `num_blocks` blocks from the head of the free queue.
@@ -883,7 +887,7 @@ impl PyKVCacheCore {
         num_blocks: i64,
     ) -> PyResult<Bound<'py, PyList>> {
         let n = count("num_blocks", num_blocks)?;
-        let mut this = slf.borrow_mut();
+        let mut this = slf.try_borrow_mut()?;
         // No capacity up front: `n` is checked against the free blocks by the pool.
         let mut ids = Vec::new();
         this.core.block_pool_mut().get_new_blocks(n, &mut ids)?;
@@ -897,7 +901,7 @@ impl PyKVCacheCore {
         group_id: u32,
     ) -> PyResult<Option<Py<PyKVCacheBlock>>> {
         let hash = hash_from_bytes(block_hash)?;
-        let mut this = slf.borrow_mut();
+        let mut this = slf.try_borrow_mut()?;
         match this.core.block_pool().get_cached_block(&hash, group_id) {
             Some(id) => Ok(Some(Self::handle(slf, &mut this, id)?)),
             None => Ok(None),
