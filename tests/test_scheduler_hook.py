@@ -21,6 +21,7 @@ from hscache.bench.scheduler_level import model_dir as _model_dir
 from hscache.bench.scheduler_level import stub_runner_output
 from hscache.bench.scheduler_level import summarize as output_summary
 from hscache.vllm.parity import prefix_cache_stats_key
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 
 from tests.vllm_helpers import make_request
@@ -49,9 +50,11 @@ def make_scheduler(
     )
 
 
-def run_stream(cls: type, model_dir: Path, seed: int, num_blocks: int) -> list[Any]:
+def run_stream(
+    cls: type, model_dir: Path, seed: int, num_blocks: int, async_scheduling: bool = False
+) -> list[Any]:
     rng = random.Random(seed)
-    sched = make_scheduler(cls, model_dir, num_blocks)
+    sched = make_scheduler(cls, model_dir, num_blocks, async_scheduling)
     prefixes = [[rng.randrange(1000) for _ in range(rng.choice([16, 40, 64]))] for _ in range(3)]
     trace: list[Any] = []
     next_id = 0
@@ -95,6 +98,22 @@ def test_same_scheduler_outputs_as_vllm(model_dir: Path, seed: int, num_blocks: 
     want = run_stream(VllmScheduler, model_dir, seed, num_blocks)
     got = run_stream(hscache.vllm.Scheduler, model_dir, seed, num_blocks)
     # The streams must exercise what matters: prefix hits, and preemption on small pools.
+    outputs = [r for r in want if len(r) == 6]
+    assert any(any(ct > 0 for _, _, ct in r[0]) for r in outputs), "no prefix hit"
+    if num_blocks <= SMALL_POOL:
+        assert any(r[5] or r[4] for r in outputs), "no preemption or resumption"
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g == w, f"step record {i} differs (seed {seed}, {num_blocks} blocks)"
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("num_blocks", [SMALL_POOL, 400])
+def test_same_async_scheduler_outputs_as_vllm(model_dir: Path, seed: int, num_blocks: int) -> None:
+    """vLLM's ``AsyncScheduler`` (output placeholders, one step ahead) against
+    ``hscache.vllm.AsyncScheduler`` on the same stream."""
+    want = run_stream(VllmAsyncScheduler, model_dir, seed, num_blocks, async_scheduling=True)
+    got = run_stream(hscache.vllm.AsyncScheduler, model_dir, seed, num_blocks, True)
     outputs = [r for r in want if len(r) == 6]
     assert any(any(ct > 0 for _, _, ct in r[0]) for r in outputs), "no prefix hit"
     if num_blocks <= SMALL_POOL:
