@@ -79,6 +79,18 @@ def run_stream(
     return trace
 
 
+def assert_same_streams(want: list[Any], got: list[Any], seed: int, num_blocks: int) -> None:
+    """Equal step records, on streams that exercise what matters: prefix hits, and
+    preemption on small pools."""
+    outputs = [r for r in want if len(r) == 6]
+    assert any(any(ct > 0 for _, _, ct in r[0]) for r in outputs), "no prefix hit"
+    if num_blocks <= SMALL_POOL:
+        assert any(r[5] or r[4] for r in outputs), "no preemption or resumption"
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g == w, f"step record {i} differs (seed {seed}, {num_blocks} blocks)"
+
+
 def test_scheduler_subclass_installs_the_hscache_manager(model_dir: Path) -> None:
     sched = make_scheduler(hscache.vllm.Scheduler, model_dir, 256)
     assert isinstance(sched.kv_cache_manager, hscache.vllm.KVCacheManager)
@@ -97,14 +109,7 @@ def test_scheduler_subclass_installs_the_hscache_manager(model_dir: Path) -> Non
 def test_same_scheduler_outputs_as_vllm(model_dir: Path, seed: int, num_blocks: int) -> None:
     want = run_stream(VllmScheduler, model_dir, seed, num_blocks)
     got = run_stream(hscache.vllm.Scheduler, model_dir, seed, num_blocks)
-    # The streams must exercise what matters: prefix hits, and preemption on small pools.
-    outputs = [r for r in want if len(r) == 6]
-    assert any(any(ct > 0 for _, _, ct in r[0]) for r in outputs), "no prefix hit"
-    if num_blocks <= SMALL_POOL:
-        assert any(r[5] or r[4] for r in outputs), "no preemption or resumption"
-    assert len(got) == len(want)
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert g == w, f"step record {i} differs (seed {seed}, {num_blocks} blocks)"
+    assert_same_streams(want, got, seed, num_blocks)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -114,10 +119,4 @@ def test_same_async_scheduler_outputs_as_vllm(model_dir: Path, seed: int, num_bl
     ``hscache.vllm.AsyncScheduler`` on the same stream."""
     want = run_stream(VllmAsyncScheduler, model_dir, seed, num_blocks, async_scheduling=True)
     got = run_stream(hscache.vllm.AsyncScheduler, model_dir, seed, num_blocks, True)
-    outputs = [r for r in want if len(r) == 6]
-    assert any(any(ct > 0 for _, _, ct in r[0]) for r in outputs), "no prefix hit"
-    if num_blocks <= SMALL_POOL:
-        assert any(r[5] or r[4] for r in outputs), "no preemption or resumption"
-    assert len(got) == len(want)
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert g == w, f"step record {i} differs (seed {seed}, {num_blocks} blocks)"
+    assert_same_streams(want, got, seed, num_blocks)
