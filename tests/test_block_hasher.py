@@ -190,6 +190,40 @@ def test_hash_block_tokens_matches_vllm(algo: str) -> None:
         assert bh.hash_block_tokens(fn, parent, tokens, extra) == want
 
 
+def _blake3_scheme(parent: bytes, tokens: list[int], extra: Any) -> bytes:
+    """The ``blake3`` block scheme of ``src/hash.rs``'s module docs, written again with the
+    independent ``blake3`` package (a dependency of vLLM) and ``cbor2``."""
+    import blake3 as ref
+
+    k0 = parent if len(parent) == 32 else ref.blake3(parent).digest()
+    key = k0
+    if extra is not None:
+        cbor = cbor2.dumps(extra, canonical=True)
+        k = next(k for k in range(1, 5) if (len(cbor) + k) % 4 == 1)
+        key = ref.blake3(cbor + bytes(k - 1) + bytes([k]), key=k0).digest()
+    data = b"".join(t.to_bytes(4, "little") for t in tokens)
+    return ref.blake3(data, key=key).digest()
+
+
+def test_blake3_matches_an_independent_implementation() -> None:
+    """Golden values: hscache's BLAKE3 (digests and the block scheme, with and without
+    extra keys, 16- and 32-byte parents) against the ``blake3`` package."""
+    import blake3 as ref
+
+    rng = random.Random("blake3")
+    for n in [0, 1, 63, 64, 65, 1023, 1024, 1025, 2048, 4097, 100_000]:
+        data = rng.randbytes(n)
+        assert _core.blake3_digest(data) == ref.blake3(data).digest()
+    for _ in range(300):
+        parent = rng.randbytes(rng.choice([16, 32]))
+        tokens = [rng.randrange(2**32) for _ in range(rng.randrange(0, 70))]
+        extra = random_extra_keys(rng)
+        want = _blake3_scheme(parent, tokens, extra)
+        assert _core.hash_block_tokens("blake3", parent, tokens, extra) == want
+        cbor = None if extra is None else cbor2.dumps(extra, canonical=True)
+        assert _core.blake3_block(parent, tokens, cbor) == want
+
+
 def test_blake3_chain_properties() -> None:
     parent = bytes(32)
     h = _core.hash_block_tokens("blake3", parent, [1, 2, 3])
