@@ -150,11 +150,25 @@ def test_unknown_request_is_a_no_op_like_vllm() -> None:
     assert m.get_blocks("ghost") is m.empty_kv_cache_blocks
 
 
-def test_unsupported_config_falls_back_to_vllm(caplog: pytest.LogCaptureFixture) -> None:
-    kwargs = manager_kwargs(32)
-    kwargs["kv_cache_config"] = hybrid_config(32)
-    m = KVCacheManager(**kwargs)
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"kv_cache_config": hybrid_config(32)}, "2 KV-cache groups"),
+        ({"scheduler_block_size": 32}, "scheduler_block_size differs"),
+        ({"metrics_collector": object()}, "metrics collection"),
+    ],
+)
+def test_unsupported_config_falls_back_to_vllm_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, change: dict, reason: str
+) -> None:
+    from hscache.vllm import kv_cache_manager as module
+
+    said: list[str] = []
+    monkeypatch.setattr(module.logger, "info", lambda msg, *a: said.append(msg % a))
+    m = KVCacheManager(**{**manager_kwargs(32), **change})
     assert type(m) is VllmKVCacheManager
+    assert len(said) == 1 and said[0].startswith("hscache: using vLLM's Python KVCacheManager")
+    assert reason in said[0]
 
 
 def test_disable_env_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
