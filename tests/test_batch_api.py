@@ -12,14 +12,9 @@ Owns two kinds of evidence:
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 import pytest
-
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
 from hscache.bench.driver import (
     CANDIDATE_SPEC,

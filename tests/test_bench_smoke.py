@@ -8,15 +8,10 @@ that decides differently, and that the command line writes its JSON. No timing a
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
 from hscache.bench.driver import (
     REFERENCE_SPEC,

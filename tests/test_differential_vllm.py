@@ -23,10 +23,6 @@ import os
 import sys
 
 import pytest
-
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
