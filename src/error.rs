@@ -4,8 +4,9 @@
 //! anything, so an `Err` always leaves the state exactly as it was. The Python
 //! bindings map each [`ErrorKind`] to one exception class (`src/python/errors.rs`),
 //! so callers can test the kind without parsing messages.
-
-use crate::types::BlockId;
+//!
+//! The lowest layer of the crate: it imports no other module (block ids are plain
+//! `u32`s here, the same type as [`crate::types::BlockId`]).
 
 /// Everything that can go wrong in the core.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -18,7 +19,7 @@ pub enum Error {
     BlockIdOutOfRange { block_id: i64, num_blocks: u32 },
     /// Freeing a block whose reference count is already zero.
     #[error("double free: block {0} has reference count 0")]
-    DoubleFree(BlockId),
+    DoubleFree(u32),
     /// A block hash that is empty or longer than [`crate::types::MAX_HASH_LEN`] bytes.
     #[error("block hash has {0} bytes; expected 1 to 32 bytes")]
     BadHashLength(usize),
@@ -30,10 +31,10 @@ pub enum Error {
     NoFreeBlocks,
     /// A block that should be in the free queue is not (or vice versa).
     #[error("block {0} is not in the free queue")]
-    NotInFreeQueue(BlockId),
+    NotInFreeQueue(u32),
     /// A block that is already in the free queue was appended again.
     #[error("block {0} is already in the free queue")]
-    AlreadyInFreeQueue(BlockId),
+    AlreadyInFreeQueue(u32),
     /// An argument outside its valid range (negative counts, counts past
     /// `max_model_len`, inconsistent combinations).
     #[error("invalid argument: {0}")]

@@ -17,6 +17,8 @@
 //! - [`extra_keys`]: block-hash extra keys (LoRA, multimodal, cache salt, prompt embeds).
 //! - [`stats`]: opt-in per-operation latency counters (`hscache.stats()`).
 //! - [`testing`]: deterministic fixtures shared by tests and benches.
+//! - [`request_table`]: `RequestTable`, request id → per-request state with stable
+//!   handles (the manager's, the encoder cache's and the slot mirror's tables).
 //! - [`manager`]: the `KVCacheManager` facade and the full-attention group manager.
 //! - [`encoder_cache`]: `EncoderCacheManager`, the multimodal encoder-output cache budget.
 //! - [`slots`]: `SlotMirror`, the worker-side mirror of block assignments (epochs, slot
@@ -32,6 +34,7 @@ pub mod hash;
 pub mod hash_index;
 pub mod manager;
 pub mod pool;
+pub mod request_table;
 pub mod slots;
 pub mod stats;
 pub mod testing;

@@ -14,9 +14,9 @@
 //!   allocation is known to fit).
 //! - Freed tables are recycled, so steady-state admission allocates nothing.
 
-use super::request_table::{RequestHandle, RequestTable};
 use crate::error::{Error, Result};
 use crate::pool::BlockPool;
+use crate::request_table::{RequestHandle, RequestTable};
 use crate::types::{cdiv, BlockHashSource, BlockId, NULL_BLOCK_ID};
 
 /// What `try_allocate_running` needs to cache the request's newly full blocks.

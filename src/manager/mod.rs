@@ -28,15 +28,14 @@
 
 pub mod batch;
 pub mod full_attention;
-pub mod request_table;
 
 use crate::error::{Error, Result};
 use crate::events::KVCacheEvent;
 use crate::pool::BlockPool;
+pub use crate::request_table::{RequestHandle, RequestTable};
 use crate::types::{cdiv, BlockHashSource, BlockId};
 pub use batch::{BatchProgress, BatchStop, RunningBatch};
 pub use full_attention::{FullAttentionManager, RunningCache};
-pub use request_table::{RequestHandle, RequestTable};
 
 /// Construction parameters (vLLM's `KVCacheManager` keywords, resolved for one group).
 #[derive(Clone, Debug)]
