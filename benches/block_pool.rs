@@ -11,26 +11,15 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, Throughput};
 use hscache::free_queue::FreeKVCacheBlockQueue;
-use hscache::manager::{AllocateSlots, KVCacheManager, KVCacheManagerConfig, RequestView};
+use hscache::manager::{AllocateSlots, KVCacheManager, PlainRequest};
 use hscache::pool::BlockPool;
-use hscache::testing::prompt_hashes;
-use hscache::types::{BlockHash, BlockId};
+use hscache::testing::{full_attention_manager, prompt_hashes, request};
+use hscache::types::BlockId;
 
 const POOL_SIZES: [u32; 2] = [1024, 65536];
 
 fn manager(num_blocks: u32) -> KVCacheManager {
-    KVCacheManager::new(KVCacheManagerConfig {
-        num_blocks,
-        block_size: 16,
-        max_model_len: 1 << 20,
-        enable_caching: true,
-        enable_kv_cache_events: false,
-        use_eagle: false,
-        watermark_blocks: 0,
-        num_reprefillable_tokens: 0,
-        needs_kv_cache_zeroing: false,
-    })
-    .expect("valid config")
+    full_attention_manager(num_blocks, 16, 1 << 20, true, false, false)
 }
 
 fn free_queue(c: &mut Criterion) {
@@ -57,13 +46,13 @@ fn allocate_free(c: &mut Criterion) {
         let batch = 512usize.min(n as usize - 1);
         g.throughput(Throughput::Elements(batch as u64));
         g.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, &n| {
-            let mut pool = BlockPool::new(n, true, 16, false).expect("valid");
+            let mut pool = BlockPool::new(n, true, 16, false, false).expect("valid");
             let mut out = Vec::with_capacity(batch);
             b.iter(|| {
                 out.clear();
                 pool.get_new_blocks(batch, &mut out).expect("enough blocks");
-                pool.free_blocks(out.iter().rev().copied())
-                    .expect("allocated");
+                out.reverse();
+                pool.free_blocks(&out).expect("allocated");
             });
         });
     }
@@ -75,42 +64,30 @@ fn touch_free(c: &mut Criterion) {
     let batch = 512usize;
     g.throughput(Throughput::Elements(batch as u64));
     g.bench_function("65536", |b| {
-        let mut pool = BlockPool::new(65536, true, 16, false).expect("valid");
+        let mut pool = BlockPool::new(65536, true, 16, false, false).expect("valid");
         let mut ids = vec![];
         pool.get_new_blocks(batch, &mut ids).expect("enough blocks");
         let hashes = prompt_hashes(1, batch as u64, 2, 0);
-        pool.cache_full_blocks(&hashes, &ids, 0, batch, 16, 0)
+        pool.cache_full_blocks(&hashes, &ids, 0, batch, 16, 0, None)
             .expect("cacheable");
-        pool.free_blocks(ids.iter().rev().copied())
-            .expect("allocated");
+        let rev: Vec<BlockId> = ids.iter().rev().copied().collect();
+        pool.free_blocks(&rev).expect("allocated");
         b.iter(|| {
             pool.touch(black_box(&ids)).expect("free cached blocks");
-            pool.free_blocks(ids.iter().rev().copied())
-                .expect("touched");
+            pool.free_blocks(&rev).expect("touched");
         });
     });
     g.finish();
 }
 
-/// Admits a new request of `tokens` tokens with no hits, caching its full blocks.
-fn prefill(
-    m: &mut KVCacheManager,
-    id: &str,
-    hashes: &[BlockHash],
-    tokens: usize,
-    out: &mut Vec<BlockId>,
-) {
-    let view = RequestView {
-        request_id: id,
-        num_computed_tokens: 0,
-        num_tokens: &|| Ok(tokens),
-        block_hashes: &|| Ok(hashes),
-    };
+/// Admits a new request with no hits, caching its full blocks.
+fn prefill(m: &mut KVCacheManager, req: &PlainRequest, out: &mut Vec<BlockId>) {
     let args = AllocateSlots {
-        num_new_tokens: tokens,
+        num_new_tokens: req.num_tokens,
         ..Default::default()
     };
-    m.allocate_slots(&view, &args, out).expect("fits");
+    let mut ends = smallvec::SmallVec::new();
+    m.allocate_slots(req, &args, out, &mut ends).expect("fits");
 }
 
 fn hit_lookup(c: &mut Criterion) {
@@ -124,12 +101,13 @@ fn hit_lookup(c: &mut Criterion) {
                 let mut m = manager(65536);
                 let hashes = prompt_hashes(3, blocks as u64, 4, 0);
                 let tokens = blocks * 16 + 1;
-                prefill(&mut m, "warm", &hashes, tokens, &mut vec![]);
-                let mut hits = Vec::with_capacity(blocks);
+                prefill(&mut m, &request("warm", 0, tokens, &hashes), &mut vec![]);
+                let mut hits = vec![Vec::with_capacity(blocks)];
                 b.iter(|| {
-                    hits.clear();
+                    hits[0].clear();
                     black_box(
-                        m.find_longest_cache_hit(&hashes, tokens - 1, &mut hits)
+                        m.coordinator()
+                            .find_longest_cache_hit(&hashes, tokens - 1, &mut hits)
                             .expect("ok"),
                     )
                 });
@@ -154,11 +132,11 @@ fn allocate_slots_prefill(c: &mut Criterion) {
                 b.iter_batched(
                     || {
                         seed += 1;
-                        prompt_hashes(seed, blocks as u64, 0, 0)
+                        request("r", 0, tokens, &prompt_hashes(seed, blocks as u64, 0, 0))
                     },
-                    |hashes| {
+                    |req| {
                         out.clear();
-                        prefill(&mut m, "r", &hashes, tokens, &mut out);
+                        prefill(&mut m, &req, &mut out);
                         m.free("r").expect("allocated");
                     },
                     BatchSize::SmallInput,

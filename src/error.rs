@@ -60,6 +60,14 @@ pub enum Error {
     /// A valid request the core does not implement (yet).
     #[error("not supported by hscache: {0}")]
     Unsupported(String),
+    /// A broken internal invariant (a bug of hscache, or state changed behind the
+    /// core's back). The manager that hit it is poisoned.
+    #[error("internal error: {0}")]
+    Internal(String),
+    /// An earlier internal error left this manager in an unknown state; every call
+    /// refuses to run.
+    #[error("this KV-cache manager is poisoned by an earlier internal error: {0}")]
+    Poisoned(String),
 }
 
 /// Stable, message-independent classification of [`Error`].
@@ -76,6 +84,7 @@ pub enum ErrorKind {
     EncoderCacheFull,
     UnknownEncoderEntry,
     Unsupported,
+    Internal,
 }
 
 impl Error {
@@ -93,6 +102,7 @@ impl Error {
             Error::EncoderCacheFull { .. } => ErrorKind::EncoderCacheFull,
             Error::UnknownEncoderEntry { .. } => ErrorKind::UnknownEncoderEntry,
             Error::Unsupported(_) => ErrorKind::Unsupported,
+            Error::Internal(_) | Error::Poisoned(_) => ErrorKind::Internal,
         }
     }
 }

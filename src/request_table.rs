@@ -207,6 +207,38 @@ impl<T: Default> RequestTable<T> {
         &mut self.slots[s as usize].value
     }
 
+    /// The request's slot number (stable while it lives) and state, mutably.
+    #[inline]
+    pub fn get_mut_with_slot(&mut self, key: &str) -> Option<(u32, &mut T)> {
+        let s = self.find(key)?;
+        Some((s, &mut self.slots[s as usize].value))
+    }
+
+    /// The request's slot number and state, inserted with `make` if absent.
+    pub fn get_or_insert_with_slot(
+        &mut self,
+        key: &str,
+        make: impl FnOnce() -> T,
+    ) -> (u32, &mut T) {
+        let s = match self.find(key) {
+            Some(s) => s,
+            None => self.insert_new(key, make()),
+        };
+        (s, &mut self.slots[s as usize].value)
+    }
+
+    /// The id of the request in `slot`, if one lives there.
+    pub fn key_of_slot(&self, slot: u32) -> Option<&str> {
+        let s = self.slots.get(slot as usize)?;
+        s.occupied.then(|| s.key.as_str())
+    }
+
+    /// The slot number a handle names (valid only while the handle is).
+    #[inline]
+    pub fn slot_of_handle(handle: RequestHandle) -> u32 {
+        (handle & u64::from(u32::MAX)) as u32
+    }
+
     fn insert_new(&mut self, key: &str, value: T) -> u32 {
         let hash = hash_key(key);
         let s = match self.free_slots.pop() {

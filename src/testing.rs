@@ -25,3 +25,99 @@ pub fn prompt_hashes(prefix_seed: u64, shared: u64, own_seed: u64, own: u64) -> 
         .chain((0..own).map(|i| chain_hash(own_seed, shared + i)))
         .collect()
 }
+
+use crate::manager::{
+    AllocateSlots, GroupedBlocks, KVCacheManager, KVCacheManagerConfig, PlainRequest,
+};
+use crate::types::BlockId;
+
+/// A one-group full-attention manager.
+pub fn full_attention_manager(
+    num_blocks: u32,
+    block_size: usize,
+    max_model_len: usize,
+    caching: bool,
+    events: bool,
+    zeroing: bool,
+) -> KVCacheManager {
+    let mut c = KVCacheManagerConfig::full_attention(num_blocks, block_size, max_model_len);
+    c.coordinator.enable_caching = caching;
+    c.coordinator.enable_kv_cache_events = events;
+    c.coordinator.needs_kv_cache_zeroing = zeroing;
+    KVCacheManager::new(c).expect("a valid full-attention config")
+}
+
+/// A request of `num_tokens` tokens (all prompt), `num_computed` of them computed,
+/// with `hashes`.
+pub fn request(
+    id: &str,
+    num_computed: usize,
+    num_tokens: usize,
+    hashes: &[BlockHash],
+) -> PlainRequest {
+    PlainRequest {
+        request_id: id.to_owned(),
+        num_computed_tokens: num_computed,
+        num_tokens,
+        num_prompt_tokens: num_tokens,
+        block_hashes: hashes.to_vec(),
+        ..PlainRequest::default()
+    }
+}
+
+/// `get_computed_blocks`: the hit length and each group's hit blocks.
+pub fn lookup(m: &mut KVCacheManager, req: &PlainRequest) -> (usize, Vec<Vec<BlockId>>) {
+    let mut out = vec![Vec::new(); m.num_kv_cache_groups()];
+    let (hit, _) = m
+        .get_computed_blocks(req, None, &|| Ok(false), &mut out)
+        .expect("lookup");
+    (hit, out)
+}
+
+/// `allocate_slots` with `hits` (per group, `None`: the empty singleton): the new
+/// blocks of every group, concatenated, or None if they do not fit.
+pub fn allocate(
+    m: &mut KVCacheManager,
+    req: &PlainRequest,
+    hits: Option<&[Vec<BlockId>]>,
+    args: AllocateSlots<'_>,
+) -> crate::Result<Option<Vec<BlockId>>> {
+    let flat: Vec<BlockId> = hits.map(|h| h.concat()).unwrap_or_default();
+    let ends: Vec<usize> = hits
+        .map(|h| {
+            h.iter()
+                .scan(0, |acc, g| {
+                    *acc += g.len();
+                    Some(*acc)
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let args = AllocateSlots {
+        new_computed_blocks: hits.map(|_| GroupedBlocks {
+            ids: &flat,
+            ends: &ends,
+        }),
+        ..args
+    };
+    let mut out = Vec::new();
+    let mut group_ends = smallvec::SmallVec::new();
+    Ok(m.allocate_slots(req, &args, &mut out, &mut group_ends)?
+        .then_some(out))
+}
+
+/// Lookup + allocation of a new request, as the Scheduler admits it: the hit length
+/// and the request's group-0 table.
+pub fn admit(m: &mut KVCacheManager, req: &PlainRequest) -> (usize, Vec<BlockId>) {
+    let (hit, hits) = lookup(m, req);
+    let args = AllocateSlots {
+        num_new_tokens: req.num_tokens - hit,
+        num_new_computed_tokens: hit,
+        ..Default::default()
+    };
+    let any = hits.iter().any(|h| !h.is_empty());
+    allocate(m, req, any.then_some(&hits[..]), args)
+        .expect("allocate")
+        .expect("fits");
+    (hit, m.get_blocks(&req.request_id, 0).to_vec())
+}

@@ -100,12 +100,70 @@ impl BlockHashSource for [BlockHash] {
     }
 }
 
+impl<T: BlockHashSource + ?Sized> BlockHashSource for &T {
+    fn len(&self) -> usize {
+        (**self).len()
+    }
+    fn get(&self, i: usize) -> Result<BlockHash> {
+        (**self).get(i)
+    }
+}
+
 impl BlockHashSource for Vec<BlockHash> {
     fn len(&self) -> usize {
         self.as_slice().len()
     }
     fn get(&self, i: usize) -> Result<BlockHash> {
         BlockHashSource::get(self.as_slice(), i)
+    }
+}
+
+/// vLLM's `BlockHashListWithBlockSize`: a request's hashes (computed every
+/// `hash_block_size` tokens) viewed at a coarser `block_size`, a multiple of it. The
+/// hash at the last fine boundary of a coarse block chains over the whole prefix, so
+/// it is that block's hash: `view[i] = hashes[(i + 1) * scale - 1]`. With `scale == 1`
+/// the view is the list itself.
+#[derive(Clone, Copy)]
+pub struct HashView<'a, H: BlockHashSource + ?Sized> {
+    hashes: &'a H,
+    scale: usize,
+}
+
+impl<'a, H: BlockHashSource + ?Sized> HashView<'a, H> {
+    /// The view of `hashes` at `scale = block_size / hash_block_size` (>= 1).
+    #[inline]
+    pub fn new(hashes: &'a H, scale: usize) -> Self {
+        Self {
+            hashes,
+            scale: scale.max(1),
+        }
+    }
+
+    /// The raw (hash-block-granular) list behind the view.
+    #[inline]
+    pub fn raw(&self) -> &'a H {
+        self.hashes
+    }
+
+    /// Hash blocks per viewed block.
+    #[inline]
+    pub fn scale(&self) -> usize {
+        self.scale
+    }
+}
+
+impl<H: BlockHashSource + ?Sized> BlockHashSource for HashView<'_, H> {
+    #[inline]
+    fn len(&self) -> usize {
+        self.hashes.len() / self.scale
+    }
+    #[inline]
+    fn get(&self, i: usize) -> Result<BlockHash> {
+        let raw = i
+            .checked_add(1)
+            .and_then(|n| n.checked_mul(self.scale))
+            .ok_or_else(|| Error::InvalidArgument(format!("block hash index {i} out of range")))?;
+        self.hashes.get(raw - 1)
     }
 }
 

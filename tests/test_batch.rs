@@ -7,10 +7,8 @@
 //! `free_batch` per step. After every step the new block ids, preemptions, block
 //! tables, free-queue order, KV events and pool invariants must be identical.
 
-use hscache::manager::{
-    AllocateSlots, BatchStop, KVCacheManager, KVCacheManagerConfig, RequestView, RunningBatch,
-};
-use hscache::testing::prompt_hashes;
+use hscache::manager::{AllocateSlots, BatchStop, KVCacheManager, RunningBatch};
+use hscache::testing::{allocate, full_attention_manager, lookup, prompt_hashes, request};
 use hscache::types::{BlockHash, BlockId};
 use hscache::ErrorKind;
 
@@ -46,18 +44,7 @@ impl Req {
 }
 
 fn manager(num_blocks: u32, block_size: usize, caching: bool, zeroing: bool) -> KVCacheManager {
-    KVCacheManager::new(KVCacheManagerConfig {
-        num_blocks,
-        block_size,
-        max_model_len: 4096,
-        enable_caching: caching,
-        enable_kv_cache_events: true,
-        use_eagle: false,
-        watermark_blocks: 0,
-        num_reprefillable_tokens: 0,
-        needs_kv_cache_zeroing: zeroing,
-    })
-    .unwrap()
+    full_attention_manager(num_blocks, block_size, 4096, caching, true, zeroing)
 }
 
 /// One side's scheduler state (both sides hold identical copies).
@@ -79,31 +66,18 @@ fn admit(
         let Some(req) = side.waiting.front() else {
             break;
         };
-        let mut hits = vec![];
-        let hit = side
-            .m
-            .find_longest_cache_hit(req.hashes(bs), req.num_tokens - 1, &mut hits)
-            .unwrap();
+        let view = request(&req.id, 0, req.num_tokens, req.hashes(bs));
+        let (hit, hits) = lookup(&mut side.m, &view);
         let n = (req.num_tokens - hit).min(*budget);
         let args = AllocateSlots {
             num_new_tokens: n,
             num_new_computed_tokens: hit,
-            new_computed_blocks: Some(&hits),
             ..Default::default()
         };
-        let tokens = req.num_tokens;
-        let hashes = req.hashes(bs);
-        let view = RequestView {
-            request_id: &req.id,
-            num_computed_tokens: 0,
-            num_tokens: &|| Ok(tokens),
-            block_hashes: &|| Ok(hashes),
-        };
-        let mut new = vec![];
-        if !side.m.allocate_slots(&view, &args, &mut new).unwrap() {
+        let Some(new) = allocate(&mut side.m, &view, Some(&hits), args).unwrap() else {
             log.push(format!("admit-fail {}", req.id));
             break;
-        }
+        };
         let mut req = side.waiting.pop_front().unwrap();
         log.push(format!("admit {} hit={hit} n={n} {new:?}", req.id));
         *budget -= n;
@@ -146,19 +120,12 @@ fn step_per_call(side: &mut Side, bs: usize, ns: &[usize], log: &mut Vec<String>
     let mut preempted = vec![];
     while i < ns.len().min(side.running.len()) {
         let r = &side.running[i];
-        let (tokens, hashes) = (r.num_tokens, r.hashes(bs));
-        let view = RequestView {
-            request_id: &r.id,
-            num_computed_tokens: r.num_computed,
-            num_tokens: &|| Ok(tokens),
-            block_hashes: &|| Ok(hashes),
-        };
+        let view = request(&r.id, r.num_computed, r.num_tokens, r.hashes(bs));
         let args = AllocateSlots {
             num_new_tokens: ns[i],
             ..Default::default()
         };
-        let mut new = vec![];
-        if side.m.allocate_slots(&view, &args, &mut new).unwrap() {
+        if let Some(new) = allocate(&mut side.m, &view, None, args).unwrap() {
             log.push(format!("sched {} {} {new:?}", side.running[i].id, ns[i]));
             i += 1;
             continue;
@@ -204,8 +171,9 @@ fn step_batched(side: &mut Side, bs: usize, ns: &[usize], log: &mut Vec<String>)
             assert!(may_cache.contains(&i), "entry {i} read but not listed");
             Ok(running[i].num_tokens)
         };
-        side.m
-            .check_running_batch_caching(&batch, &may_cache, &hashes_of, &num_tokens_of)
+        let planned = side
+            .m
+            .plan_running_batch(&batch, &may_cache, &hashes_of, &num_tokens_of)
             .unwrap();
         let mut ids = vec![];
         let mut offsets = vec![0u32];
@@ -214,8 +182,8 @@ fn step_batched(side: &mut Side, bs: usize, ns: &[usize], log: &mut Vec<String>)
             .allocate_running_batch(
                 &batch,
                 start,
-                &hashes_of,
-                &num_tokens_of,
+                &may_cache,
+                &planned,
                 false,
                 &mut ids,
                 &mut offsets,
@@ -339,14 +307,14 @@ fn run_trace(seed: u64) -> [usize; 4] {
             "seed {seed} step {step}: free queue"
         );
         for r in &a.running {
-            assert_eq!(a.m.get_blocks(&r.id), b.m.get_blocks(&r.id));
+            assert_eq!(a.m.get_blocks(&r.id, 0), b.m.get_blocks(&r.id, 0));
         }
         let events = a.m.take_events();
         seen[3] += events.len();
         assert_eq!(events, b.m.take_events(), "seed {seed} step {step}");
         assert_eq!(a.m.take_new_block_ids(), b.m.take_new_block_ids());
-        a.m.block_pool().check_invariants().unwrap();
-        b.m.block_pool().check_invariants().unwrap();
+        a.m.check_invariants().unwrap();
+        b.m.check_invariants().unwrap();
         if a.running.is_empty() && a.waiting.is_empty() {
             break;
         }
@@ -377,17 +345,12 @@ fn batched_running_set_matches_per_call_allocation() {
 fn bad_batches_change_nothing() {
     let mut m = manager(64, 16, true, false);
     let hashes = prompt_hashes(1, 0, 2, 4);
-    let view = RequestView {
-        request_id: "a",
-        num_computed_tokens: 0,
-        num_tokens: &|| Ok(40),
-        block_hashes: &|| Ok(&hashes[..2]),
-    };
+    let view = request("a", 0, 40, &hashes[..2]);
     let args = AllocateSlots {
         num_new_tokens: 40,
         ..Default::default()
     };
-    assert!(m.allocate_slots(&view, &args, &mut vec![]).unwrap());
+    assert!(allocate(&mut m, &view, None, args).unwrap().is_some());
     let h = m.request_handle("a").unwrap();
     assert_eq!(m.request_id_of(h), Some("a"));
     let free_before = m.block_pool().get_num_free_blocks();
@@ -431,26 +394,26 @@ fn bad_batches_change_nothing() {
     let err = m.free_batch(&[h, h]).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::InvalidArgument);
     assert_eq!(m.block_pool().get_num_free_blocks(), free_before);
-    assert_eq!(m.get_blocks("a").len(), 3);
+    assert_eq!(m.get_blocks("a", 0).len(), 3);
     // A block of the request already freed behind its back: free_batch refuses
     // before freeing anything (the pool-level free is undone by a touch).
-    let table = m.get_blocks("a").to_vec();
-    m.block_pool_mut().free_blocks([table[0]]).unwrap();
+    let table = m.get_blocks("a", 0).to_vec();
+    m.free_blocks(&[table[0]]).unwrap();
     assert_eq!(
         m.free_batch(&[h]).unwrap_err().kind(),
         ErrorKind::DoubleFree
     );
-    assert_eq!(m.get_blocks("a"), table.as_slice());
-    m.block_pool_mut().touch(&[table[0]]).unwrap();
+    assert_eq!(m.get_blocks("a", 0), table.as_slice());
+    m.block_pool_mut().unwrap().touch(&[table[0]]).unwrap();
     // A freed request's handle goes stale, also once its slot is reused.
     m.free_batch(&[h]).unwrap();
     assert_eq!(m.request_id_of(h), None);
-    assert!(m.allocate_slots(&view, &args, &mut vec![]).unwrap());
+    assert!(allocate(&mut m, &view, None, args).unwrap().is_some());
     let h2 = m.request_handle("a").unwrap();
     assert_ne!(h, h2);
     assert_eq!(
         m.free_batch(&[h]).unwrap_err().kind(),
         ErrorKind::UnknownRequest
     );
-    m.block_pool().check_invariants().unwrap();
+    m.check_invariants().unwrap();
 }

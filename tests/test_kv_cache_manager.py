@@ -3,14 +3,19 @@ fallback to vLLM for unsupported configurations, and the Scheduler hook."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
 from hscache import exceptions
 from hscache._core import KVCacheCore
 from hscache.vllm import KVCacheManager
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
+from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
+from vllm.v1.kv_cache_interface import KVCacheGroupRole
 
-from tests.vllm_helpers import hybrid_config, make_request, manager_kwargs
+from tests.vllm_helpers import full_attention_config, hybrid_config, make_request, manager_kwargs
 
 
 def _state(m: KVCacheManager) -> tuple[list[int], float, dict[str, list[int]]]:
@@ -85,7 +90,7 @@ def test_bad_input_raises_and_leaves_state_unchanged(call, exc) -> None:
     with pytest.raises(exc):
         call(m, req)
     assert _state(m) == before
-    m._core.check_invariants()
+    m.check_invariants()
 
 
 def _other_pool_blocks():
@@ -100,14 +105,34 @@ def _other_pool_blocks():
     [{"block_size": 0}, {"block_size": 2**21}, {"max_model_len": 2**33}, {"num_blocks": 2**31}],
 )
 def test_constructor_bounds_raise(kwargs: dict) -> None:
-    args = {"num_blocks": 16, "block_size": 16, "max_model_len": 256, **kwargs}
     with pytest.raises(ValueError):
-        KVCacheCore(**args)
+        _bare_core(**kwargs)
+
+
+def _bare_core(num_blocks: int = 16, block_size: int = 16, max_model_len: int = 256) -> Any:
+    group = {
+        "kind": "full_attention",
+        "block_size": block_size,
+        "dcp_sharded": True,
+        "prefix_cacheable": True,
+        "is_eagle_group": False,
+        "is_full_attention_spec": True,
+        "is_attention_spec": True,
+        "is_cross_or_encoder_only": False,
+        "spec_class": 0,
+    }
+    return KVCacheCore(
+        num_blocks=num_blocks,
+        groups=[group],
+        max_model_len=max_model_len,
+        scheduler_block_size=max(block_size, 1),
+        hash_block_size=max(block_size, 1),
+    )
 
 
 def test_bare_core_refuses_before_allocating() -> None:
     """A ``KVCacheCore`` without vLLM bindings cannot build results: it fails first."""
-    core = KVCacheCore(num_blocks=16, block_size=16, max_model_len=256)
+    core = _bare_core()
     free = core.num_free_blocks
     with pytest.raises(RuntimeError, match="_bind_vllm"):
         core.allocate_slots(make_request("x", list(range(20))), 20)
@@ -151,24 +176,47 @@ def test_unknown_request_is_a_no_op_like_vllm() -> None:
 
 
 @pytest.mark.parametrize(
-    ("change", "reason"),
+    "change",
     [
-        ({"kv_cache_config": hybrid_config(32)}, "2 KV-cache groups"),
-        ({"scheduler_block_size": 32}, "scheduler_block_size differs"),
-        ({"metrics_collector": object()}, "metrics collection"),
+        {"kv_cache_config": hybrid_config(32)},
+        {"scheduler_block_size": 32},
+        {"metrics_collector": KVCacheMetricsCollector(sample_rate=1.0)},
     ],
 )
+def test_configs_that_used_to_fall_back_are_served(change: dict) -> None:
+    m = KVCacheManager(**{**manager_kwargs(32), **change})
+    assert isinstance(m, KVCacheManager)
+    req = make_request("a", list(range(40)))
+    _admit(m, req)
+    m.free(req)
+    m.check_invariants()
+
+
+def _hisparse_config() -> Any:
+    config = full_attention_config(32)
+    group = config.kv_cache_groups[0]
+    config.kv_cache_groups = [dataclasses.replace(group, role=KVCacheGroupRole.HISPARSE_SOURCE)]
+    return config
+
+
 def test_unsupported_config_falls_back_to_vllm_and_says_why(
-    monkeypatch: pytest.MonkeyPatch, change: dict, reason: str
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from hscache.vllm import kv_cache_manager as module
 
     said: list[str] = []
     monkeypatch.setattr(module.logger, "info", lambda msg, *a: said.append(msg % a))
-    m = KVCacheManager(**{**manager_kwargs(32), **change})
+    m = KVCacheManager(**{**manager_kwargs(32), "kv_cache_config": _hisparse_config()})
     assert type(m) is VllmKVCacheManager
     assert len(said) == 1 and said[0].startswith("hscache: using vLLM's Python KVCacheManager")
-    assert reason in said[0]
+    assert "HiSparse" in said[0]
+
+
+def test_strict_mode_raises_instead_of_falling_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HSCACHE_STRICT", "1")
+    with pytest.raises(exceptions.UnsupportedConfigError, match="HiSparse"):
+        KVCacheManager(**{**manager_kwargs(32), "kv_cache_config": _hisparse_config()})
+    assert isinstance(KVCacheManager(**manager_kwargs(16)), KVCacheManager)
 
 
 def test_disable_env_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -271,4 +319,4 @@ def test_reentrant_request_raises_runtime_error_and_changes_nothing(call) -> Non
     with pytest.raises(RuntimeError, match="borrowed"):
         m.allocate_slots(req, 40)
     assert _state(m) == before
-    m._core.check_invariants()
+    m.check_invariants()

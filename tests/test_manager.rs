@@ -2,37 +2,13 @@
 //! tests assert (`tests/v1/core/test_prefix_caching.py`): block ids, hit lengths
 //! and free-queue orders.
 
-use hscache::manager::{AllocateSlots, KVCacheManager, KVCacheManagerConfig, RequestView};
-use hscache::testing::prompt_hashes;
+use hscache::manager::{AllocateSlots, KVCacheManager};
+use hscache::testing::{allocate, full_attention_manager, lookup, prompt_hashes, request};
 use hscache::types::{BlockHash, BlockId};
 use hscache::ErrorKind;
 
 fn manager(num_blocks: u32, block_size: usize, caching: bool) -> KVCacheManager {
-    KVCacheManager::new(KVCacheManagerConfig {
-        num_blocks,
-        block_size,
-        max_model_len: 8192,
-        enable_caching: caching,
-        enable_kv_cache_events: true,
-        use_eagle: false,
-        watermark_blocks: 0,
-        num_reprefillable_tokens: 0,
-        needs_kv_cache_zeroing: false,
-    })
-    .unwrap()
-}
-
-/// A `RequestView` of a fresh request (a macro: the `num_tokens` closure is a
-/// temporary that lives for the enclosing statement).
-macro_rules! view {
-    ($id:expr, $tokens:expr, $hashes:expr) => {
-        RequestView {
-            request_id: $id,
-            num_computed_tokens: 0,
-            num_tokens: &move || Ok($tokens),
-            block_hashes: &|| Ok($hashes),
-        }
-    };
+    full_attention_manager(num_blocks, block_size, 8192, caching, true, false)
 }
 
 /// Lookup + allocation of a new request, as the Scheduler admits it.
@@ -40,23 +16,9 @@ fn admit(
     m: &mut KVCacheManager,
     id: &str,
     tokens: usize,
-    hashes: &Vec<BlockHash>,
+    hashes: &[BlockHash],
 ) -> (usize, Vec<BlockId>) {
-    let mut hits = vec![];
-    let hit = m
-        .find_longest_cache_hit(hashes, tokens - 1, &mut hits)
-        .unwrap();
-    let args = AllocateSlots {
-        num_new_tokens: tokens - hit,
-        num_new_computed_tokens: hit,
-        new_computed_blocks: if hits.is_empty() { None } else { Some(&hits) },
-        ..Default::default()
-    };
-    let mut new = vec![];
-    assert!(m
-        .allocate_slots(&view!(id, tokens, hashes), &args, &mut new)
-        .unwrap());
-    (hit, m.get_blocks(id).to_vec())
+    hscache::testing::admit(m, &request(id, 0, tokens, hashes))
 }
 
 fn queue(m: &KVCacheManager) -> Vec<BlockId> {
@@ -76,7 +38,7 @@ fn prefill_hits_shared_prefix_and_frees_in_vllm_order() {
     assert_eq!(queue(&m), vec![4, 6, 7, 8, 9, 10]);
     m.free("1").unwrap();
     assert_eq!(queue(&m), vec![5, 4, 6, 7, 8, 9, 10, 3, 2, 1]);
-    m.block_pool().check_invariants().unwrap();
+    m.check_invariants().unwrap();
 }
 
 #[test]
@@ -113,21 +75,17 @@ fn failed_allocation_leaves_hits_untouched() {
     admit(&mut m, "a", 13, &h);
     m.free("a").unwrap();
     let before = queue(&m);
-    let mut hits = vec![];
-    let hit = m.find_longest_cache_hit(&h, 100, &mut hits).unwrap();
+    let req = request("b", 0, 112, &h);
+    let (hit, hits) = lookup(&mut m, &req);
     assert_eq!(hit, 12);
     let args = AllocateSlots {
         num_new_tokens: 100,
         num_new_computed_tokens: hit,
-        new_computed_blocks: Some(&hits),
         ..Default::default()
     };
-    let mut new = vec![];
-    assert!(!m
-        .allocate_slots(&view!("b", 112, &h), &args, &mut new)
-        .unwrap());
+    assert_eq!(allocate(&mut m, &req, Some(&hits), args).unwrap(), None);
     assert_eq!(queue(&m), before);
-    assert!(m.get_blocks("b").is_empty());
+    assert!(m.get_blocks("b", 0).is_empty());
 }
 
 #[test]
@@ -145,42 +103,35 @@ fn bad_input_is_an_error_and_changes_nothing() {
     let h = prompt_hashes(1, 2, 0, 0);
     admit(&mut m, "a", 9, &h);
     let before = queue(&m);
-    let args = AllocateSlots::default();
-    let mut out = vec![];
-    let err = m
-        .allocate_slots(&view!("a", 9, &h), &args, &mut out)
-        .unwrap_err();
+    let a = request("a", 9, 9, &h);
+    let err = allocate(&mut m, &a, None, AllocateSlots::default()).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::InvalidArgument);
     let args = AllocateSlots {
         num_new_tokens: 1 << 20,
         ..Default::default()
     };
     assert_eq!(
-        m.allocate_slots(&view!("a", 9, &h), &args, &mut out)
-            .unwrap_err()
-            .kind(),
+        allocate(&mut m, &a, None, args).unwrap_err().kind(),
         ErrorKind::InvalidArgument
     );
-    let hits = [99];
     let args = AllocateSlots {
         num_new_tokens: 4,
         num_new_computed_tokens: 4,
-        new_computed_blocks: Some(&hits),
         ..Default::default()
     };
     assert_eq!(
-        m.allocate_slots(&view!("b", 9, &h), &args, &mut out)
+        allocate(&mut m, &request("b", 0, 9, &h), Some(&[vec![99]]), args)
             .unwrap_err()
             .kind(),
         ErrorKind::BlockIdOutOfRange
     );
     assert_eq!(
-        m.block_pool_mut().free_blocks([5]).unwrap_err().kind(),
+        m.free_blocks(&[5]).unwrap_err().kind(),
         ErrorKind::DoubleFree
     );
     assert_eq!(queue(&m), before);
-    assert_eq!(m.get_blocks("a"), &[1, 2, 3]);
-    m.block_pool().check_invariants().unwrap();
+    assert_eq!(m.get_blocks("a", 0), &[1, 2, 3]);
+    m.check_invariants().unwrap();
 }
 
 #[test]
@@ -191,23 +142,18 @@ fn duplicate_blocks_are_both_indexed_and_first_is_returned() {
     for id in ["a", "b"] {
         let args = AllocateSlots {
             num_new_tokens: 9,
-            new_computed_blocks: None,
             ..Default::default()
         };
-        let mut out = vec![];
-        assert!(m
-            .allocate_slots(&view!(id, 9, &h), &args, &mut out)
-            .unwrap());
+        assert!(allocate(&mut m, &request(id, 0, 9, &h), None, args)
+            .unwrap()
+            .is_some());
     }
-    assert_eq!(m.get_blocks("a"), &[1, 2, 3]);
-    assert_eq!(m.get_blocks("b"), &[4, 5, 6]);
-    let mut hits = vec![];
-    m.find_longest_cache_hit(&h, 8, &mut hits).unwrap();
-    assert_eq!(hits, vec![1, 2]);
+    assert_eq!(m.get_blocks("a", 0), &[1, 2, 3]);
+    assert_eq!(m.get_blocks("b", 0), &[4, 5, 6]);
+    let probe = request("c", 0, 9, &h);
+    assert_eq!(lookup(&mut m, &probe).1, vec![vec![1, 2]]);
     m.free("a").unwrap();
     m.evict_blocks(&[1]).unwrap();
-    hits.clear();
-    m.find_longest_cache_hit(&h, 8, &mut hits).unwrap();
-    assert_eq!(hits, vec![4, 2]);
-    m.block_pool().check_invariants().unwrap();
+    assert_eq!(lookup(&mut m, &probe).1, vec![vec![4, 2]]);
+    m.check_invariants().unwrap();
 }

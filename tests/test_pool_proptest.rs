@@ -190,7 +190,7 @@ proptest! {
     #[test]
     fn pool_matches_model(ops in proptest::collection::vec(pool_op(), 1..120)) {
         const N: u32 = 16;
-        let mut pool = BlockPool::new(N, true, 1, true).unwrap();
+        let mut pool = BlockPool::new(N, true, 1, true, false).unwrap();
         let mut model = ModelPool::new(N);
         let mut live: Vec<Vec<BlockId>> = vec![];
         for op in ops {
@@ -205,11 +205,11 @@ proptest! {
                     let mut ids = live.remove(i % live.len());
                     let len = ids.len();
                     ids.rotate_left(rot % len);
-                    pool.free_blocks(ids.iter().copied()).unwrap();
+                    pool.free_blocks(&ids).unwrap();
                     model.free(&ids);
                     // A second free of the same blocks is a double free, rejected whole.
                     if ids.iter().any(|&b| model.ref_cnt[b as usize] == 0) {
-                        prop_assert!(pool.free_blocks(ids.iter().copied()).is_err());
+                        prop_assert!(pool.free_blocks(&ids).is_err());
                     }
                 }
                 PoolOp::Hit(k) => {
@@ -228,7 +228,7 @@ proptest! {
                     let id = table[j];
                     // cache_full_blocks over a one-block table slice.
                     if pool.block_hash(id).is_none() {
-                        pool.cache_full_blocks(&vec![key(k)], &[id], 0, 1, 1, 0).unwrap();
+                        pool.cache_full_blocks(&vec![key(k)], &[id], 0, 1, 1, 0, None).unwrap();
                         model.cache(id, k);
                     }
                 }

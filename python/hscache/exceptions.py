@@ -1,7 +1,9 @@
 """The exceptions hscache raises, each a subclass of the builtin a vLLM caller expects.
 
-Every one is raised before any state changes: after catching it, the manager is
-exactly as it was before the call.
+Every one except ``InternalError`` is raised before any state changes: after catching
+it, the manager is exactly as it was before the call. ``InternalError`` means a broken
+invariant (a bug, or state changed behind the manager's back); the manager that raised
+it is poisoned and refuses every later call, saying why.
 """
 
 from hscache._core import (
@@ -10,6 +12,7 @@ from hscache._core import (
     DoubleFreeError,
     EncoderCacheFullError,
     FreeQueueError,
+    InternalError,
     InvalidArgumentError,
     OutOfBlocksError,
     UnknownEncoderEntryError,
@@ -23,12 +26,20 @@ __all__ = [
     "DoubleFreeError",
     "EncoderCacheFullError",
     "FreeQueueError",
+    "InternalError",
     "InvalidArgumentError",
     "OutOfBlocksError",
     "UnknownEncoderEntryError",
     "UnknownRequestError",
+    "UnsupportedConfigError",
     "UnsupportedError",
 ]
+
+
+class UnsupportedConfigError(UnsupportedError):
+    """NotImplementedError: with ``HSCACHE_STRICT=1``, a KV-cache configuration the core
+    does not serve (instead of falling back to vLLM's manager); the message names why."""
+
 
 UnknownRequestError.__doc__ = "KeyError: the operation needs a request the manager does not know."
 BlockIdError.__doc__ = "ValueError: a block id outside ``0..num_gpu_blocks``."
@@ -46,3 +57,6 @@ UnknownEncoderEntryError.__doc__ = (
     "KeyError: an encoder-cache entry is missing where vLLM would raise KeyError."
 )
 UnsupportedError.__doc__ = "NotImplementedError: valid input the core does not implement yet."
+InternalError.__doc__ = (
+    "RuntimeError: a broken internal invariant; the manager is poisoned (see module docs)."
+)

@@ -5,8 +5,7 @@
 //! tail of the running queue whenever a call returns `None`, and `free(request)` once
 //! per finished request. The batched forms here make exactly those decisions for a
 //! whole step from arrays:
-//! - requests are named by [`RequestHandle`] (from [`KVCacheManager::request_handle`]),
-//!   so no string lookup happens per request;
+//! - requests are named by [`RequestHandle`] (from [`KVCacheManager::request_handle`]);
 //! - [`KVCacheManager::allocate_running_batch`] processes entries in order and stops
 //!   at the first one whose blocks do not fit, leaving it untouched: the caller
 //!   preempts (frees) from its tail and resumes at that entry, as the Scheduler does
@@ -14,15 +13,22 @@
 //! - it also stops after an entry that recorded KV events when asked to, so that a
 //!   binding can convert each request's events with that request.
 //!
-//! Entry `i` is equivalent to `allocate_slots` for a running request with
-//! `num_computed_tokens[i]` computed tokens, `num_new_tokens[i]` new tokens, the
-//! batch's lookahead, no hits, no external tokens, no reserved blocks and no
-//! watermark (the watermark only applies to waiting and preempted requests).
-//! [`KVCacheManager::check_running_batch`] (handles, counts) and
-//! [`KVCacheManager::check_running_batch_caching`] (the blocks each entry would cache:
-//! hash lists, cacheability) validate every entry first, so bad input changes nothing.
+//! Entry `i` is `allocate_slots` for a running request with `num_computed_tokens[i]`
+//! computed tokens, `num_new_tokens[i]` new tokens, the batch's lookahead, no hits,
+//! no external tokens, no reserved blocks and no watermark (the watermark only
+//! applies to waiting and preempted requests) — the same code path as the per-call
+//! API, so the decisions cannot drift. Every entry is validated (handles, counts,
+//! the hashes it may cache) before the first one changes anything.
+//!
+//! Layouts whose groups free skipped blocks or cache on every step (sliding window,
+//! chunked local, Mamba, R-SWA, mixed block sizes) read per-request fields the
+//! arrays do not carry: the batched calls refuse them (`Unsupported`); the per-call
+//! API serves them.
 
-use super::{KVCacheManager, KVCacheManagerConfig, RequestHandle, RunningCache};
+use smallvec::SmallVec;
+
+use super::request::{PlannedHashes, RequestLike, RequestStatus};
+use super::{AllocateSlots, KVCacheManager, RequestHandle};
 use crate::error::{Error, Result};
 use crate::types::{BlockHashSource, BlockId};
 
@@ -66,58 +72,89 @@ pub struct BatchProgress {
     pub stop: BatchStop,
 }
 
-/// Calls `f(num_tokens_need_slot, cache inputs)` for entry `i`: the arguments of
-/// the entry's running `allocate_slots`, with `hashes_of(i)` read at most once.
-fn with_entry<S: BlockHashSource, R>(
-    config: &KVCacheManagerConfig,
-    batch: &RunningBatch<'_>,
-    i: usize,
-    hashes_of: &dyn Fn(usize) -> Result<S>,
-    num_tokens_of: &dyn Fn(usize) -> Result<usize>,
-    f: impl FnOnce(usize, Option<RunningCache<'_, S>>) -> R,
-) -> R {
-    let total = batch.num_computed_tokens[i].min(config.max_model_len);
-    let upper = total + batch.num_new_tokens[i];
-    let need_slot = (upper + batch.num_lookahead_tokens).min(config.max_model_len);
-    let hashes = std::cell::OnceCell::new();
-    let block_hashes = || -> Result<&S> {
-        if let Some(h) = hashes.get() {
-            return Ok(h);
-        }
-        let h = hashes_of(i)?;
-        Ok(hashes.get_or_init(|| h))
-    };
-    let num_tokens = || num_tokens_of(i);
-    let cache = config.enable_caching.then_some(RunningCache {
-        block_hashes: &block_hashes,
-        upper,
-        num_tokens: &num_tokens,
-        num_reprefillable_tokens: config.num_reprefillable_tokens,
-    });
-    f(need_slot, cache)
+/// A batch entry as the request the per-call path reads: only the fields a
+/// running request's allocation needs in the layouts the batch serves.
+struct Entry<'a> {
+    request_id: &'a str,
+    num_computed_tokens: usize,
+    hashes: Option<&'a PlannedHashes>,
+    num_tokens: Option<usize>,
+}
+
+impl RequestLike for Entry<'_> {
+    type Hashes = PlannedHashes;
+    fn request_id(&self) -> &str {
+        self.request_id
+    }
+    fn num_computed_tokens(&self) -> usize {
+        self.num_computed_tokens
+    }
+    fn num_tokens(&self) -> Result<usize> {
+        self.num_tokens
+            .ok_or_else(|| Error::Internal("a batch entry read num_tokens unplanned".into()))
+    }
+    fn num_prompt_tokens(&self) -> Result<usize> {
+        Err(Error::Internal(
+            "a batch entry read num_prompt_tokens".into(),
+        ))
+    }
+    fn num_in_flight_tokens(&self) -> Result<usize> {
+        Err(Error::Internal(
+            "a batch entry read num_in_flight_tokens".into(),
+        ))
+    }
+    fn shared_prefix_boundary(&self) -> Result<usize> {
+        Err(Error::Internal(
+            "a batch entry read shared_prefix_boundary".into(),
+        ))
+    }
+    fn status(&self) -> Result<RequestStatus> {
+        Ok(RequestStatus::Other)
+    }
+    fn skip_reading_prefix_cache(&self) -> Result<bool> {
+        Ok(false)
+    }
+    fn block_hashes(&self) -> Result<&PlannedHashes> {
+        self.hashes
+            .ok_or_else(|| Error::Internal("a batch entry read block_hashes unplanned".into()))
+    }
 }
 
 impl KVCacheManager {
     /// The handle of a request that holds blocks (None otherwise). Handles stay
     /// valid until the request is freed.
     pub fn request_handle(&self, request_id: &str) -> Option<RequestHandle> {
-        self.manager.handle(request_id)
+        self.coordinator.requests.handle(request_id)
     }
 
     /// The request id a live handle names.
     pub fn request_id_of(&self, handle: RequestHandle) -> Option<&str> {
-        self.manager.request_id_of(handle)
+        self.coordinator.requests.key_of(handle)
     }
 
-    /// Validates a batch: equal lengths, live and distinct handles, counts within
-    /// `max_model_len`, at least one new token per entry. Appends to
-    /// `may_cache` the entries that may fill a block (whose `hashes_of` /
-    /// `num_tokens_of` [`Self::allocate_running_batch`] may call), in order.
+    fn check_batch_layout(&self) -> Result<()> {
+        let needs = self.coordinator.needs();
+        if needs.in_flight_for_skip || needs.cache_every_call || needs.prompt_for_cache {
+            return Err(Error::Unsupported(
+                "the batched calls serve layouts without skipped blocks or partial caching \
+                 (full attention); use allocate_slots per request"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Validates a batch: a layout the batch serves, equal lengths, live and
+    /// distinct handles, counts within `max_model_len`, at least one new token per
+    /// entry. Appends to `may_cache` the entries that may fill a block (whose
+    /// hashes and `num_tokens` [`Self::allocate_running_batch`] reads), in order.
     pub fn check_running_batch(
         &mut self,
         batch: &RunningBatch<'_>,
         may_cache: &mut Vec<usize>,
     ) -> Result<()> {
+        self.guard()?;
+        self.check_batch_layout()?;
         let n = batch.len();
         if batch.num_computed_tokens.len() != n || batch.num_new_tokens.len() != n {
             return Err(Error::InvalidArgument(format!(
@@ -128,19 +165,20 @@ impl KVCacheManager {
             )));
         }
         self.check_tokens("num_lookahead_tokens", batch.num_lookahead_tokens)?;
-        let bs = self.config.block_size;
         let max_model_len = self.config.max_model_len;
-        let caching = self.config.enable_caching;
-        self.manager.begin_batch();
+        let caching = self.enable_caching();
         let start = may_cache.len();
+        let epoch = self.next_batch_epoch();
         for i in 0..n {
             let handle = batch.handles[i];
-            let Some((first, num_cached)) = self.manager.mark_for_batch(handle) else {
+            let Some(state) = self.coordinator.requests.get_mut_by_handle(handle) else {
                 may_cache.truncate(start);
                 return Err(Error::UnknownRequest(format!(
                     "entry {i}: handle {handle:#x} names no live request"
                 )));
             };
+            let first = state.batch_epoch != epoch;
+            state.batch_epoch = epoch;
             let bad = if !first {
                 Some(format!("entry {i}: handle {handle:#x} appears twice"))
             } else if batch.num_new_tokens[i] == 0 {
@@ -158,86 +196,105 @@ impl KVCacheManager {
                 return Err(Error::InvalidArgument(msg));
             }
             let upper = batch.num_computed_tokens[i].min(max_model_len) + batch.num_new_tokens[i];
-            if caching && upper / bs > num_cached {
+            let state = self.coordinator.requests.get_by_handle(handle);
+            let may = caching
+                && self
+                    .coordinator
+                    .managers()
+                    .iter()
+                    .enumerate()
+                    .any(|(g, m)| {
+                        let cached = state
+                            .and_then(|s| s.groups.get(g))
+                            .and_then(|gb| gb.num_cached_block)
+                            .unwrap_or(0);
+                        self.coordinator.get_num_cacheable_tokens(upper, g) / m.base().block_size
+                            > cached
+                    });
+            if may {
                 may_cache.push(i);
             }
         }
         Ok(())
     }
 
-    /// Validates, for every entry listed in `may_cache`, the blocks its allocation
-    /// would cache (hash list long enough and well formed, blocks cacheable), so that
+    fn next_batch_epoch(&mut self) -> u64 {
+        self.batch_epoch += 1;
+        self.batch_epoch
+    }
+
+    /// Reads, for every entry listed in `may_cache`, the hashes its allocation may
+    /// cache (from `hashes_of(i)`) and its `num_tokens`, so that
     /// [`Self::allocate_running_batch`] cannot fail half-way on a bad request.
-    pub fn check_running_batch_caching<S: BlockHashSource>(
+    pub fn plan_running_batch<S: BlockHashSource>(
         &self,
         batch: &RunningBatch<'_>,
         may_cache: &[usize],
         hashes_of: &dyn Fn(usize) -> Result<S>,
         num_tokens_of: &dyn Fn(usize) -> Result<usize>,
-    ) -> Result<()> {
+    ) -> Result<Vec<(PlannedHashes, usize)>> {
+        let mut planned = Vec::with_capacity(may_cache.len());
         for &i in may_cache {
-            with_entry(
-                &self.config,
-                batch,
-                i,
-                hashes_of,
-                num_tokens_of,
-                |need, c| {
-                    self.manager
-                        .check_running_by_handle(&self.pool, batch.handles[i], need, c)
-                },
-            )?;
+            let handle = batch.handles[i];
+            let rid = self
+                .request_id_of(handle)
+                .ok_or_else(|| Error::UnknownRequest(format!("handle {handle:#x}")))?;
+            let hashes = hashes_of(i)?;
+            let n = num_tokens_of(i)?;
+            let upper = batch.num_computed_tokens[i].min(self.config.max_model_len)
+                + batch.num_new_tokens[i];
+            let mut points = SmallVec::new();
+            let (lo, hi) =
+                self.coordinator
+                    .cache_reads(rid, upper.min(n), 0, hashes.len(), None, &mut points);
+            planned.push((PlannedHashes::read(&hashes, lo, hi, points, Vec::new())?, n));
         }
-        Ok(())
+        Ok(planned)
     }
 
     /// Allocates entries `start..` of a batch checked by
-    /// [`Self::check_running_batch`] (see module docs). New block ids are appended to
-    /// `new_block_ids`, and after each allocated entry the new length of
-    /// `new_block_ids` is pushed to `offsets`. `hashes_of(i)` and `num_tokens_of(i)`
-    /// read entry `i`'s `block_hashes` and `num_tokens`; they are called only for
-    /// entries the check listed in `may_cache`.
-    ///
-    /// With both checks passed nothing input-dependent can fail here.
+    /// [`Self::check_running_batch`] and planned by [`Self::plan_running_batch`] (see
+    /// module docs). New block ids are appended to `new_block_ids`, and after each
+    /// allocated entry the new length of `new_block_ids` is pushed to `offsets`.
     #[allow(clippy::too_many_arguments)]
-    pub fn allocate_running_batch<S: BlockHashSource>(
+    pub fn allocate_running_batch(
         &mut self,
         batch: &RunningBatch<'_>,
         start: usize,
-        hashes_of: &dyn Fn(usize) -> Result<S>,
-        num_tokens_of: &dyn Fn(usize) -> Result<usize>,
+        may_cache: &[usize],
+        planned: &[(PlannedHashes, usize)],
         stop_after_events: bool,
         new_block_ids: &mut Vec<BlockId>,
         offsets: &mut Vec<u32>,
     ) -> Result<BatchProgress> {
+        let mut ends: SmallVec<[usize; 4]> = SmallVec::new();
         for i in start..batch.len() {
-            let budget = self.pool.get_num_free_blocks() as i64;
-            let (manager, pool) = (&mut self.manager, &mut self.pool);
-            let fits = with_entry(
-                &self.config,
-                batch,
-                i,
-                hashes_of,
-                num_tokens_of,
-                |need, c| {
-                    manager.allocate_running_by_handle(
-                        pool,
-                        batch.handles[i],
-                        need,
-                        budget,
-                        c,
-                        new_block_ids,
-                    )
-                },
-            )?;
-            if !fits {
+            let handle = batch.handles[i];
+            let rid: Box<str> = self
+                .request_id_of(handle)
+                .ok_or_else(|| Error::UnknownRequest(format!("handle {handle:#x}")))?
+                .into();
+            let plan = may_cache.binary_search(&i).ok().map(|k| &planned[k]);
+            let entry = Entry {
+                request_id: &rid,
+                num_computed_tokens: batch.num_computed_tokens[i],
+                hashes: plan.map(|p| &p.0),
+                num_tokens: plan.map(|p| p.1),
+            };
+            let args = AllocateSlots {
+                num_new_tokens: batch.num_new_tokens[i],
+                num_lookahead_tokens: batch.num_lookahead_tokens,
+                ..AllocateSlots::default()
+            };
+            ends.clear();
+            if !self.allocate_slots(&entry, &args, new_block_ids, &mut ends)? {
                 return Ok(BatchProgress {
                     next: i,
                     stop: BatchStop::NoFit,
                 });
             }
             offsets.push(u32::try_from(new_block_ids.len()).unwrap_or(u32::MAX));
-            if stop_after_events && self.pool.has_events() {
+            if stop_after_events && self.block_pool().has_events() {
                 return Ok(BatchProgress {
                     next: i + 1,
                     stop: BatchStop::Events,
@@ -254,36 +311,27 @@ impl KVCacheManager {
     /// per finished request). Every handle and every block reference is checked
     /// first: a stale or unknown handle, or a block already freed, frees nothing.
     pub fn free_batch(&mut self, handles: &[RequestHandle]) -> Result<()> {
-        self.manager.begin_batch();
+        self.guard()?;
+        let epoch = self.next_batch_epoch();
         for (i, &handle) in handles.iter().enumerate() {
-            match self.manager.mark_for_batch(handle) {
-                None => {
-                    return Err(Error::UnknownRequest(format!(
-                        "entry {i}: handle {handle:#x} names no live request"
-                    )))
-                }
-                Some((false, _)) => {
-                    return Err(Error::InvalidArgument(format!(
-                        "entry {i}: handle {handle:#x} appears twice"
-                    )))
-                }
-                Some((true, _)) => {}
+            let Some(state) = self.coordinator.requests.get_mut_by_handle(handle) else {
+                return Err(Error::UnknownRequest(format!(
+                    "entry {i}: handle {handle:#x} names no live request"
+                )));
+            };
+            if state.batch_epoch == epoch {
+                return Err(Error::InvalidArgument(format!(
+                    "entry {i}: handle {handle:#x} appears twice"
+                )));
             }
+            state.batch_epoch = epoch;
         }
-        // Every request's references must be droppable before the first is freed
-        // (blocks shared between the requests count once per holder).
-        let manager = &self.manager;
-        let blocks = handles.iter().flat_map(|&h| {
-            manager
-                .request_by_handle(h)
-                .map_or(&[][..], |r| r.blocks.as_slice())
-                .iter()
-                .copied()
-        });
-        self.pool.check_free(blocks)?;
-        for &handle in handles {
-            self.manager.free_by_handle(&mut self.pool, handle)?;
-        }
+        // One checked free of every request: a stale handle or a block already freed
+        // frees nothing (blocks shared between the requests count once per holder).
+        let mut scratch = std::mem::take(&mut self.free_scratch);
+        let r = self.coordinator.free_handles(handles, &mut scratch);
+        self.free_scratch = scratch;
+        r?;
         Ok(())
     }
 }

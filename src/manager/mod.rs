@@ -1,13 +1,12 @@
-//! `KVCacheManager`: the scheduler-facing facade over the pool and the group manager.
+//! `KVCacheManager`: the scheduler-facing facade over the coordinator.
 //!
-//! Mirrors vLLM 0.33 `v1/core/kv_cache_manager.py::KVCacheManager` together with the
-//! coordinator layer (`kv_cache_coordinator.py`) for one KV-cache group: with prefix
-//! caching on this is vLLM's `UnitaryKVCacheCoordinator`, with it off the
-//! `KVCacheCoordinatorNoPrefixCache` (same tables, no hits, freed blocks reused
-//! LIFO). Hybrid models (several groups) are not implemented in the core yet; the
-//! Python adapter falls back to vLLM's manager for them.
+//! Mirrors vLLM 0.33 `v1/core/kv_cache_manager.py::KVCacheManager`: the rules of
+//! the Scheduler's interface live here (when a lookup is skipped, the
+//! `num_tokens - 1` hit cap, when the watermark applies, what `allocate_slots`
+//! counts, adopts, allocates and caches); the groups' mechanics live in
+//! [`coordinator`] and the single-type managers beside it.
 //!
-//! `allocate_slots` follows vLLM's three stages on the token layout
+//! `allocate_slots` follows vLLM's stages on the token layout
 //!
 //! ```text
 //! | comp | new_comp | ext_comp | new | lookahead |
@@ -15,97 +14,190 @@
 //!        |<-------- to be allocated ----------->|
 //! ```
 //!
-//! 1. count the blocks needed (new blocks + prefix hits that sit in the free queue)
-//!    and give up (`Ok(None)`) if they do not fit beside the watermark and the
-//!    reserved blocks — hits are not touched then;
+//! 0. plan: validate every argument, read every request field the call may need
+//!    and the hashes it may cache — nothing has changed yet, and an `Err` leaves
+//!    the manager exactly as it was;
+//! 1. free the blocks attention skips (done even if the call then does not fit, as
+//!    in vLLM), count the blocks needed (new blocks + prefix hits that sit in the
+//!    free queue) and give up (`Ok(false)`) if they do not fit beside the
+//!    watermark and the reserved blocks — hits are not touched then;
 //! 2. adopt the hits (touch) and allocate blocks for external tokens;
 //! 3. allocate blocks for the new and lookahead tokens, then cache every block
-//!    fully covered by the request's hashes, capped at `num_tokens` so draft
-//!    tokens are never cached.
+//!    fully covered by the request's hashes, capped at `num_tokens` so draft tokens
+//!    are never cached.
 //!
-//! Every argument is validated before the first mutation, so an `Err` leaves the
-//! manager exactly as it was.
+//! Steps 1–3 cannot fail on input. If one fails anyway (a broken invariant, e.g.
+//! blocks freed twice behind the manager's back), the manager is *poisoned*: that
+//! call and every later one raise, naming the first failure.
 
 pub mod batch;
+pub mod chunked_local;
+pub mod circular_buffer;
+pub mod coordinator;
+pub mod cross_attention;
 pub mod full_attention;
+pub mod mamba;
+pub mod request;
+pub mod rswa;
+pub mod single_type;
+pub mod sink;
+pub mod sliding_window;
+pub mod spec;
+
+use smallvec::SmallVec;
 
 use crate::error::{Error, Result};
-use crate::events::KVCacheEvent;
+use crate::events::{KVCacheEvent, MetricsOp};
 use crate::pool::BlockPool;
 pub use crate::request_table::{RequestHandle, RequestTable};
-use crate::types::{cdiv, BlockHashSource, BlockId};
+use crate::types::{cdiv, BlockHash, BlockHashSource, BlockId, NULL_BLOCK_ID};
 pub use batch::{BatchProgress, BatchStop, RunningBatch};
-pub use full_attention::{FullAttentionManager, RunningCache};
+pub use coordinator::{CoordinatorConfig, CoordinatorKind, KVCacheCoordinator};
+pub use request::{PlainRequest, PlannedHashes, RequestLike, RequestStatus};
+pub use single_type::{BoundaryOffload, GroupBlocks};
+pub use spec::{GroupSpec, MambaCacheMode, MambaParams, ManagerKind};
 
-/// Construction parameters (vLLM's `KVCacheManager` keywords, resolved for one group).
+/// Construction parameters (vLLM's `KVCacheManager` keywords, resolved).
 #[derive(Clone, Debug)]
 pub struct KVCacheManagerConfig {
-    /// Blocks in the pool, null block included (`kv_cache_config.num_blocks`).
-    pub num_blocks: u32,
-    /// Tokens per block (also the hash block size).
-    pub block_size: usize,
+    pub coordinator: CoordinatorConfig,
     pub max_model_len: usize,
-    pub enable_caching: bool,
-    pub enable_kv_cache_events: bool,
-    /// EAGLE last-block drop on hits.
-    pub use_eagle: bool,
     /// `int(watermark * num_blocks)`.
     pub watermark_blocks: usize,
-    /// `max(0, num_prefill_lookahead - 1)`: tokens never cached at the end.
-    pub num_reprefillable_tokens: usize,
-    /// Record allocated block ids for worker-side zeroing.
-    pub needs_kv_cache_zeroing: bool,
+    /// `enable_mamba_shared_prefix_checkpoint`.
+    pub enable_mamba_shared_prefix_checkpoint: bool,
 }
 
-/// What the manager reads from a vLLM `Request`.
-pub struct RequestView<'a, H: BlockHashSource + ?Sized> {
-    pub request_id: &'a str,
-    pub num_computed_tokens: usize,
-    /// Prompt plus output tokens (`request.num_tokens`), read only when needed: in
-    /// vLLM it is a Python property, and most decode steps never need it.
-    pub num_tokens: &'a dyn Fn() -> Result<usize>,
-    /// `request.block_hashes`, read only when a block may be cached: most decode
-    /// steps never need it.
-    pub block_hashes: &'a dyn Fn() -> Result<&'a H>,
+impl KVCacheManagerConfig {
+    /// One full-attention group of `block_size` tokens (tests, benches, the batched
+    /// API's common case).
+    pub fn full_attention(num_blocks: u32, block_size: usize, max_model_len: usize) -> Self {
+        Self {
+            coordinator: CoordinatorConfig {
+                num_blocks,
+                groups: vec![GroupSpec::full_attention(block_size)],
+                use_eagle: false,
+                enable_caching: true,
+                enable_kv_cache_events: false,
+                dcp_world_size: 1,
+                pcp_world_size: 1,
+                scheduler_block_size: block_size,
+                hash_block_size: block_size,
+                collect_metrics: false,
+                num_hash_lookahead_tokens: 0,
+                num_prefill_lookahead: 0,
+                retention_interval: None,
+                needs_kv_cache_zeroing: false,
+                allow_partial_hash_hits: true,
+            },
+            max_model_len,
+            watermark_blocks: 0,
+            enable_mamba_shared_prefix_checkpoint: false,
+        }
+    }
+}
+
+/// Block ids of every KV-cache group, concatenated: group `g` is
+/// `ids[ends[g - 1]..ends[g]]` (`ends[-1]` = 0).
+#[derive(Clone, Copy, Debug)]
+pub struct GroupedBlocks<'a> {
+    pub ids: &'a [BlockId],
+    pub ends: &'a [usize],
+}
+
+impl<'a> GroupedBlocks<'a> {
+    /// Group `g`'s blocks (empty past the last group).
+    #[inline]
+    pub fn group(&self, g: usize) -> &'a [BlockId] {
+        let start = if g == 0 {
+            0
+        } else {
+            self.ends.get(g - 1).copied().unwrap_or(0)
+        };
+        let end = self.ends.get(g).copied().unwrap_or(start);
+        self.ids.get(start..end).unwrap_or(&[])
+    }
 }
 
 /// `allocate_slots`' arguments beyond the request.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub struct AllocateSlots<'a> {
     pub num_new_tokens: usize,
     pub num_new_computed_tokens: usize,
     /// `None`: the manager's empty `KVCacheBlocks` singleton (no lookup result);
-    /// `Some(ids)`: a lookup result, possibly empty.
-    pub new_computed_blocks: Option<&'a [BlockId]>,
+    /// `Some(blocks)`: a lookup result, possibly empty.
+    pub new_computed_blocks: Option<GroupedBlocks<'a>>,
     pub num_lookahead_tokens: usize,
     pub num_external_computed_tokens: usize,
     pub delay_cache_blocks: bool,
+    pub num_encoder_tokens: usize,
     pub full_sequence_must_fit: bool,
     pub reserved_blocks: usize,
-    /// The watermark applies (waiting/preempted request while others are scheduled).
-    pub apply_watermark: bool,
-    /// Skip zeroing of the external-token blocks (async loads write them).
-    pub skip_zeroing: bool,
+    /// Other requests are scheduled this step (the watermark may apply).
+    pub has_scheduled_reqs: bool,
+    /// Groups whose external-token blocks an async load writes (not zeroed).
+    pub skip_zeroing_group_ids: &'a [u32],
+}
+
+impl Default for AllocateSlots<'_> {
+    fn default() -> Self {
+        Self {
+            num_new_tokens: 0,
+            num_new_computed_tokens: 0,
+            new_computed_blocks: None,
+            num_lookahead_tokens: 0,
+            num_external_computed_tokens: 0,
+            delay_cache_blocks: false,
+            num_encoder_tokens: 0,
+            full_sequence_must_fit: false,
+            reserved_blocks: 0,
+            has_scheduled_reqs: true,
+            skip_zeroing_group_ids: &[],
+        }
+    }
+}
+
+/// What a caching step reads, decided in the plan.
+struct CachePlan {
+    num_tokens: usize,
+    hashes: PlannedHashes,
+    num_prompt_tokens: usize,
+    shared_prefix_boundary: usize,
 }
 
 /// The core KV-cache manager (see module docs).
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct KVCacheManager {
     config: KVCacheManagerConfig,
-    pool: BlockPool,
-    manager: FullAttentionManager,
+    coordinator: KVCacheCoordinator,
+    mamba_shared_prefix_checkpoint: bool,
+    /// Set by the first apply-phase failure; every later call refuses to run.
+    poisoned: Option<String>,
+    /// Reused buffers (hashes of a caching step, a request's blocks when freed).
+    hash_buffer: Vec<BlockHash>,
+    free_scratch: Vec<BlockId>,
+    /// Counter of checked batches (duplicate detection in the batched calls).
+    batch_epoch: u64,
 }
 
 impl KVCacheManager {
-    /// A manager for one full-attention group.
+    /// vLLM's constructor: every assertion vLLM makes is an `Err`.
     pub fn new(config: KVCacheManagerConfig) -> Result<Self> {
+        let c = &config.coordinator;
         // Bounds that keep every count sum below usize::MAX, token offsets below
         // 2^32 and block ids valid as int32 (the batched calls' output arrays).
-        if config.block_size == 0 || config.block_size > 1 << 20 {
-            return Err(Error::InvalidArgument(format!(
-                "block_size must be in 1..=1048576, got {}",
-                config.block_size
-            )));
+        for g in &c.groups {
+            if g.block_size == 0 || g.block_size > 1 << 20 {
+                return Err(Error::InvalidArgument(format!(
+                    "block_size must be in 1..=1048576, got {}",
+                    g.block_size
+                )));
+            }
+        }
+        if c.scheduler_block_size > 1 << 30 || c.hash_block_size > 1 << 30 {
+            return Err(Error::InvalidArgument(
+                "scheduler_block_size and hash_block_size must be at most 2**30".into(),
+            ));
         }
         if config.max_model_len > u32::MAX as usize {
             return Err(Error::InvalidArgument(format!(
@@ -114,75 +206,106 @@ impl KVCacheManager {
                 config.max_model_len
             )));
         }
-        if config.num_blocks > i32::MAX as u32 {
+        if c.num_blocks > i32::MAX as u32 {
             return Err(Error::InvalidArgument(format!(
                 "num_blocks must be at most {}, got {}",
                 i32::MAX,
-                config.num_blocks
+                c.num_blocks
             )));
         }
-        let pool = BlockPool::new(
-            config.num_blocks,
-            config.enable_caching,
-            config.block_size,
-            config.enable_kv_cache_events,
-        )?;
-        let manager = FullAttentionManager::new(
-            config.block_size,
-            0,
-            config.enable_caching,
-            config.use_eagle,
-            config.needs_kv_cache_zeroing,
-        );
+        let mut coordinator = KVCacheCoordinator::new(c.clone())?;
+        // One predicate for both sides of the feature (vLLM's comment): multi-module
+        // MTP is excluded because caching then lags the chunk end.
+        let mamba_shared_prefix_checkpoint = config.enable_mamba_shared_prefix_checkpoint
+            && !coordinator.eagle_group_ids().is_empty()
+            && coordinator.enable_partial_hash_hits()
+            && coordinator.num_reprefillable_tokens() == 0;
+        if mamba_shared_prefix_checkpoint {
+            coordinator.set_mamba_shared_prefix_checkpoint();
+        }
         Ok(Self {
             config,
-            pool,
-            manager,
+            coordinator,
+            mamba_shared_prefix_checkpoint,
+            poisoned: None,
+            hash_buffer: Vec::new(),
+            free_scratch: Vec::new(),
+            batch_epoch: 0,
         })
     }
+
+    // ---- configuration and state ---------------------------------------------------
 
     /// The construction parameters.
     pub fn config(&self) -> &KVCacheManagerConfig {
         &self.config
     }
 
+    /// The coordinator (groups, managers, request tables).
+    #[inline]
+    pub fn coordinator(&self) -> &KVCacheCoordinator {
+        &self.coordinator
+    }
+
     /// The shared block pool.
     #[inline]
     pub fn block_pool(&self) -> &BlockPool {
-        &self.pool
+        self.coordinator.block_pool()
     }
 
     /// The shared block pool, mutable (deferred frees go through it).
     #[inline]
-    pub fn block_pool_mut(&mut self) -> &mut BlockPool {
-        &mut self.pool
+    pub fn block_pool_mut(&mut self) -> Result<&mut BlockPool> {
+        self.guard()?;
+        Ok(self.coordinator.block_pool_mut())
     }
 
-    /// The single group's manager.
+    /// Whether prefix caching is on.
     #[inline]
-    pub fn single_type_manager(&self) -> &FullAttentionManager {
-        &self.manager
+    pub fn enable_caching(&self) -> bool {
+        self.config.coordinator.enable_caching
+    }
+
+    /// Number of KV-cache groups.
+    #[inline]
+    pub fn num_kv_cache_groups(&self) -> usize {
+        self.coordinator.num_groups()
+    }
+
+    /// vLLM's `mamba_shared_prefix_checkpoint`.
+    #[inline]
+    pub fn mamba_shared_prefix_checkpoint(&self) -> bool {
+        self.mamba_shared_prefix_checkpoint
     }
 
     /// KV-cache usage in `[0, 1]`.
     pub fn usage(&self) -> f64 {
-        self.pool.get_usage()
+        self.block_pool().get_usage()
     }
 
-    /// Longest prefix hit of a request (vLLM's `get_computed_blocks` minus the
-    /// skip and stats logic, which the adapter owns). Hit blocks are appended to
-    /// `out`; returns the hit length in tokens. Ref counts are not changed.
-    pub fn find_longest_cache_hit<H: BlockHashSource + ?Sized>(
-        &self,
-        block_hashes: &H,
-        max_cache_hit_length: usize,
-        out: &mut Vec<BlockId>,
-    ) -> Result<usize> {
-        if !self.config.enable_caching {
-            return Ok(0);
+    /// The first apply-phase failure, if the manager is poisoned.
+    pub fn poisoned(&self) -> Option<&str> {
+        self.poisoned.as_deref()
+    }
+
+    #[inline]
+    fn guard(&self) -> Result<()> {
+        match &self.poisoned {
+            None => Ok(()),
+            Some(msg) => Err(Error::Poisoned(msg.clone())),
         }
-        self.manager
-            .find_longest_cache_hit(&self.pool, block_hashes, max_cache_hit_length, out)
+    }
+
+    /// An apply-phase result: an error poisons the manager.
+    fn applied<T>(&mut self, r: Result<T>) -> Result<T> {
+        if let Err(e) = &r {
+            let msg = e.to_string();
+            self.poisoned = Some(msg.clone());
+            return Err(Error::Internal(format!(
+                "{msg} (the KV-cache manager is now poisoned)"
+            )));
+        }
+        r
     }
 
     fn check_tokens(&self, name: &str, n: usize) -> Result<()> {
@@ -195,14 +318,123 @@ impl KVCacheManager {
         Ok(())
     }
 
-    /// vLLM's `allocate_slots` (see module docs). New block ids are appended to
-    /// `out`; `Ok(false)` means the allocation does not fit (vLLM returns `None`).
-    pub fn allocate_slots<H: BlockHashSource + ?Sized>(
+    // ---- prefix-cache lookups ------------------------------------------------------
+
+    /// vLLM's `prefix_cache_lookup_enabled`: caching on and the request does not
+    /// skip reading the cache (prompt logprobs, all-token pooling).
+    pub fn prefix_cache_lookup_enabled<R: RequestLike>(&self, request: &R) -> Result<bool> {
+        Ok(self.enable_caching() && !request.skip_reading_prefix_cache()?)
+    }
+
+    /// The lookup's hit cap: `max_cache_hit_length`, by default `num_tokens - 1`
+    /// (the last token is always recomputed to get its logits).
+    fn max_hit_length<R: RequestLike>(&self, request: &R, given: Option<usize>) -> Result<usize> {
+        match given {
+            Some(n) => Ok(n),
+            None => Ok(request.num_tokens()?.saturating_sub(1)),
+        }
+    }
+
+    /// vLLM's `get_computed_blocks`: the hit blocks of each group (appended to
+    /// `out[g]`, which must hold one list per group), the hit length and the shared
+    /// prefix boundary. Ref counts are not changed. `report_full(request)` says
+    /// whether the request asked for `kv_cache_report_mode == "full"` (read only for
+    /// a hit with events on).
+    pub fn get_computed_blocks<R: RequestLike>(
         &mut self,
-        request: &RequestView<'_, H>,
+        request: &R,
+        max_cache_hit_length: Option<usize>,
+        report_full: &dyn Fn() -> Result<bool>,
+        out: &mut [Vec<BlockId>],
+    ) -> Result<(usize, usize)> {
+        self.guard()?;
+        if out.len() != self.num_kv_cache_groups() {
+            return Err(Error::InvalidArgument("one output list per group".into()));
+        }
+        if !self.prefix_cache_lookup_enabled(request)? {
+            return Ok((0, 0));
+        }
+        let max_len = self.max_hit_length(request, max_cache_hit_length)?;
+        let hashes = request.block_hashes()?;
+        let (hit, uncached) = self
+            .coordinator
+            .find_longest_cache_hit(&hashes, max_len, out)?;
+        if hit > 0 && self.block_pool().enable_kv_cache_events() && report_full()? {
+            let num_hashes = hashes.len();
+            let r = self
+                .coordinator
+                .emit_cached_block_events(num_hashes, hit, out);
+            self.applied(r)?;
+        }
+        let shared_prefix_boundary = if uncached > 0 { hit + uncached } else { 0 };
+        Ok((hit, shared_prefix_boundary))
+    }
+
+    /// vLLM's `get_computed_blocks_for_connector`: hybrid Mamba models report the
+    /// full-attention hit (a connector supplies the Mamba state) and whether the
+    /// groups' hits diverged; everything else is `get_computed_blocks`.
+    pub fn get_computed_blocks_for_connector<R: RequestLike>(
+        &mut self,
+        request: &R,
+        max_cache_hit_length: Option<usize>,
+        report_full: &dyn Fn() -> Result<bool>,
+        out: &mut [Vec<BlockId>],
+    ) -> Result<(usize, usize, bool)> {
+        self.guard()?;
+        let fa = self.coordinator.full_attention_group_id();
+        let hybrid_mamba = self.coordinator.kind() == CoordinatorKind::Hybrid
+            && fa.is_some()
+            && self
+                .coordinator
+                .managers()
+                .iter()
+                .any(|m| m.base().spec.is_mamba());
+        let (Some(fa), true) = (fa, hybrid_mamba) else {
+            let (hit, spb) =
+                self.get_computed_blocks(request, max_cache_hit_length, report_full, out)?;
+            return Ok((hit, spb, false));
+        };
+        if !self.prefix_cache_lookup_enabled(request)? {
+            return Ok((0, 0, false));
+        }
+        let max_len = self.max_hit_length(request, max_cache_hit_length)?;
+        let mut lengths: SmallVec<[usize; 4]> = SmallVec::from_elem(0, out.len());
+        let mut found: Vec<Vec<BlockId>> = vec![Vec::new(); out.len()];
+        self.coordinator.find_longest_cache_hit_per_group(
+            &request.block_hashes()?,
+            max_len,
+            &mut found,
+            &mut lengths,
+        )?;
+        let num_local = lengths[fa as usize];
+        if lengths.iter().any(|&h| h > num_local) {
+            // A lagging group hit deeper than full attention: its full-attention
+            // blocks were evicted; use the boundary every group agrees on.
+            let (hit, spb) =
+                self.get_computed_blocks(request, max_cache_hit_length, report_full, out)?;
+            return Ok((hit, spb, false));
+        }
+        for (o, f) in out.iter_mut().zip(found) {
+            o.extend(f);
+        }
+        let diverged = lengths.iter().copied().min().unwrap_or(0) < num_local;
+        Ok((num_local, 0, diverged))
+    }
+
+    // ---- allocation ------------------------------------------------------------------
+
+    /// vLLM's `allocate_slots` (see module docs). The new blocks are appended to
+    /// `out`, group after group; `ends[g]` is pushed as the end of group `g`.
+    /// `Ok(false)`: the allocation does not fit (vLLM returns `None`).
+    pub fn allocate_slots<R: RequestLike>(
+        &mut self,
+        request: &R,
         args: &AllocateSlots<'_>,
         out: &mut Vec<BlockId>,
+        ends: &mut SmallVec<[usize; 4]>,
     ) -> Result<bool> {
+        self.guard()?;
+        // ---- plan: validate, read, decide what to read for caching ----
         if args.num_new_tokens == 0
             && args.num_external_computed_tokens == 0
             && args.num_new_computed_tokens == 0
@@ -219,221 +451,441 @@ impl KVCacheManager {
             args.num_external_computed_tokens,
         )?;
         self.check_tokens("num_lookahead_tokens", args.num_lookahead_tokens)?;
-        self.check_tokens("request.num_computed_tokens", request.num_computed_tokens)?;
-        let bs = self.config.block_size;
-        let hits: &[BlockId] = args.new_computed_blocks.unwrap_or(&[]);
+        self.check_tokens("num_encoder_tokens", args.num_encoder_tokens)?;
+        self.check_tokens("request.num_computed_tokens", request.num_computed_tokens())?;
+        let rid = request.request_id();
+        let n_groups = self.num_kv_cache_groups();
+        let no_hits = GroupedBlocks {
+            ids: &[],
+            ends: &[],
+        };
+        let hits = args.new_computed_blocks.unwrap_or(no_hits);
         let adopt = args.new_computed_blocks.is_some() || args.num_external_computed_tokens > 0;
-        let rid = request.request_id;
-
-        let num_local = request.num_computed_tokens + args.num_new_computed_tokens;
-        let total_uncapped = num_local + args.num_external_computed_tokens;
-        let total = total_uncapped.min(self.config.max_model_len);
-        if !hits.is_empty() && num_local % bs != 0 {
-            return Err(Error::Unsupported(
-                "prefix hits that end inside a block (copy-on-write of a partial block)".into(),
-            ));
-        }
+        let running = self
+            .coordinator
+            .request(rid)
+            .is_some_and(|s| s.groups.iter().any(|g| g.num_cached_block.is_some()));
         if adopt {
-            self.manager
-                .check_new_computed_blocks(&self.pool, rid, hits)?;
+            self.check_hits(rid, hits, running)?;
         }
-        let watermark = if args.apply_watermark {
+        let max_len = self.config.max_model_len;
+        let num_local = request.num_computed_tokens() + args.num_new_computed_tokens;
+        let total_uncapped = num_local + args.num_external_computed_tokens;
+        let total = total_uncapped.min(max_len);
+        let watermark = if args.has_scheduled_reqs
+            && self.config.watermark_blocks > 0
+            && request.status()? == RequestStatus::WaitingOrPreempted
+        {
             self.config.watermark_blocks
         } else {
             0
         };
-        let free = self.pool.get_num_free_blocks();
-
-        if !adopt && !args.full_sequence_must_fit {
-            let need_slot = (total + args.num_new_tokens + args.num_lookahead_tokens)
-                .min(self.config.max_model_len);
-            let cache =
-                (self.config.enable_caching && !args.delay_cache_blocks).then(|| RunningCache {
-                    block_hashes: request.block_hashes,
-                    upper: total + args.num_new_tokens,
-                    num_tokens: request.num_tokens,
-                    num_reprefillable_tokens: self.config.num_reprefillable_tokens,
-                });
-            let budget = free as i64 - args.reserved_blocks as i64 - watermark as i64;
-            if let Some(done) = self.manager.try_allocate_running(
-                &mut self.pool,
-                rid,
-                need_slot,
-                budget,
-                cache,
-                out,
-            )? {
-                return Ok(done);
-            }
-        }
-
+        let needs = self.coordinator.needs();
+        let prompt = if needs.prompt_for_skip || needs.prompt_for_cache || needs.prefill_end {
+            request.num_prompt_tokens()?
+        } else {
+            0
+        };
+        let prefill_end = if needs.prefill_end {
+            prompt.max(request.num_tokens()?.saturating_sub(1))
+        } else {
+            0
+        };
+        let in_flight = if needs.in_flight_for_skip {
+            request.num_in_flight_tokens()?
+        } else {
+            0
+        };
+        let num_tokens_main_model = total + args.num_new_tokens;
+        let num_tokens_need_slot = (num_tokens_main_model + args.num_lookahead_tokens).min(max_len);
+        let cache = if args.delay_cache_blocks || !self.enable_caching() {
+            None
+        } else {
+            let adopting = (adopt && !running).then_some(num_local);
+            self.plan_cache(request, total + args.num_new_tokens, true, adopting, prompt)?
+        };
+        let hit = |g: usize| hits.group(g);
         if args.full_sequence_must_fit {
-            let full = (request.num_tokens)()?.min(self.config.max_model_len);
-            let need = self
-                .manager
-                .get_num_blocks_to_allocate(&self.pool, rid, full, hits)?;
-            if need + watermark > free {
+            let full = request.num_tokens()?.min(max_len);
+            let need = self.coordinator.get_num_blocks_to_allocate(
+                rid,
+                full,
+                &hit,
+                args.num_encoder_tokens,
+                total,
+                num_local,
+                full,
+                true,
+                prefill_end,
+            )?;
+            if need + watermark as i64 > self.block_pool().get_num_free_blocks() as i64 {
                 return Ok(false);
             }
         }
-        let num_tokens_main_model = total + args.num_new_tokens;
-        let num_tokens_need_slot =
-            (num_tokens_main_model + args.num_lookahead_tokens).min(self.config.max_model_len);
-        let need =
-            self.manager
-                .get_num_blocks_to_allocate(&self.pool, rid, num_tokens_need_slot, hits)?;
-        if (need + watermark) as i64 > free as i64 - args.reserved_blocks as i64 {
+
+        // ---- stage 1: free skipped blocks, count, check the fit ----
+        if needs.in_flight_for_skip {
+            let processed = total.saturating_sub(in_flight);
+            let p = needs.prompt_for_skip.then_some(prompt);
+            let r = self.coordinator.remove_skipped_blocks(rid, processed, p);
+            self.applied(r)?;
+        }
+        let need = self.coordinator.get_num_blocks_to_allocate(
+            rid,
+            num_tokens_need_slot,
+            &hit,
+            args.num_encoder_tokens,
+            total_uncapped,
+            num_local,
+            num_tokens_main_model,
+            false,
+            prefill_end,
+        );
+        let need = self.applied(need)?;
+        let available =
+            self.block_pool().get_num_free_blocks() as i64 - args.reserved_blocks as i64;
+        if need + watermark as i64 > available {
             return Ok(false);
         }
 
-        // Validate the caching step before anything changes. `num_tokens` only caps
-        // what would be cached; skip reading it when nothing new can be cached.
-        let cache_tokens = if args.delay_cache_blocks || !self.config.enable_caching {
-            None
-        } else {
-            let upper = total + args.num_new_tokens;
-            let num_hashed = (request.block_hashes)()?.len() * self.pool.hash_block_size();
-            let num_cached = self.num_cached_after_adopting(rid, hits, adopt);
-            if upper.min(num_hashed) / bs <= num_cached {
-                None
-            } else {
-                let n = upper.min((request.num_tokens)()?);
-                Some(n.saturating_sub(self.config.num_reprefillable_tokens))
-            }
-        };
-        if let Some(n) = cache_tokens {
-            self.check_cache_after_allocation(request, n, hits, adopt, num_tokens_need_slot)?;
-        }
-
-        // Stage 2: adopt hits, allocate external-token blocks.
-        if adopt && !self.manager.is_running(rid) {
-            self.manager
-                .add_local_computed_blocks(&mut self.pool, rid, hits)?;
-            self.manager.allocate_external_computed_blocks(
-                &mut self.pool,
+        // ---- stage 2: adopt hits, allocate external-token blocks ----
+        if adopt {
+            let skip = |g: usize| args.skip_zeroing_group_ids.contains(&(g as u32));
+            let r = self.coordinator.allocate_new_computed_blocks(
                 rid,
+                &hit,
                 num_local,
                 args.num_external_computed_tokens,
-                !args.skip_zeroing,
-            )?;
+                &skip,
+            );
+            self.applied(r)?;
         }
-        // Stage 3: new and lookahead slots, then caching.
-        self.manager
-            .allocate_new_blocks(&mut self.pool, rid, num_tokens_need_slot, out)?;
-        if let Some(n) = cache_tokens {
-            self.manager
-                .cache_blocks(&mut self.pool, rid, (request.block_hashes)()?, n)?;
+        // ---- stage 3: new and lookahead slots, then caching ----
+        let start = ends.len();
+        let r = self.coordinator.allocate_new_blocks(
+            rid,
+            num_tokens_need_slot,
+            num_tokens_main_model,
+            args.num_encoder_tokens,
+            out,
+            ends,
+        );
+        self.applied(r)?;
+        debug_assert_eq!(ends.len() - start, n_groups);
+        if let Some(plan) = cache {
+            let r = self.coordinator.cache_blocks(
+                rid,
+                &plan.hashes,
+                plan.num_tokens,
+                plan.num_prompt_tokens,
+                request.num_computed_tokens(),
+                plan.shared_prefix_boundary,
+            );
+            self.hash_buffer = plan.hashes.into_buffer();
+            self.applied(r)?;
         }
         Ok(true)
     }
 
-    /// The request's cached blocks once stage 2 has run: the adopted hits for a new
-    /// request, else what it has cached so far.
-    fn num_cached_after_adopting(&self, rid: &str, hits: &[BlockId], adopt: bool) -> usize {
-        if adopt && !self.manager.is_running(rid) {
-            hits.len()
-        } else {
-            self.manager
-                .request(rid)
-                .and_then(|r| r.num_cached_block)
-                .unwrap_or(0)
-        }
-    }
-
-    /// Checks that caching `num_tokens` after this allocation will succeed.
-    fn check_cache_after_allocation<H: BlockHashSource + ?Sized>(
-        &self,
-        request: &RequestView<'_, H>,
-        num_tokens: usize,
-        hits: &[BlockId],
-        adopt: bool,
-        num_tokens_need_slot: usize,
-    ) -> Result<()> {
-        let rid = request.request_id;
-        let running = self.manager.is_running(rid);
-        let num_cached = self.num_cached_after_adopting(rid, hits, adopt);
-        let hashes = (request.block_hashes)()?;
-        let num_hashed = hashes.len() * self.pool.hash_block_size();
-        let num_full = num_tokens.min(num_hashed) / self.config.block_size;
-        if num_cached >= num_full {
-            return Ok(());
-        }
-        let have = self.manager.blocks(rid).len() + if adopt && !running { hits.len() } else { 0 };
-        let table_len = have.max(cdiv(num_tokens_need_slot, self.config.block_size));
-        if num_full > table_len {
+    /// Validates a lookup result handed back to `allocate_slots`: one list per
+    /// group, ids in range, ref-0 hits still in the free queue, no hits for a
+    /// running request or a request that already holds blocks, none with caching
+    /// off.
+    fn check_hits(&self, rid: &str, hits: GroupedBlocks<'_>, running: bool) -> Result<()> {
+        let n = self.num_kv_cache_groups();
+        if !hits.ends.is_empty() && hits.ends.len() != n {
             return Err(Error::InvalidArgument(format!(
-                "cannot cache {num_full} blocks of request {rid:?}: only {table_len} allocated"
+                "new_computed_blocks has {} groups; the manager has {n}",
+                hits.ends.len()
             )));
         }
-        for i in num_cached..num_full {
-            hashes.get(i)?;
+        let pool = self.block_pool();
+        pool.validate_touch(hits.ids)?;
+        if hits.ids.is_empty() {
+            return Ok(());
+        }
+        if running {
+            return Err(Error::InvalidArgument(format!(
+                "request {rid:?} is already running and cannot adopt prefix hits"
+            )));
+        }
+        if !self.enable_caching() && hits.ids.iter().any(|&b| b != NULL_BLOCK_ID) {
+            return Err(Error::InvalidArgument(
+                "computed blocks must be empty when prefix caching is disabled".into(),
+            ));
+        }
+        if let Some(state) = self.coordinator.request(rid) {
+            for (g, m) in self.coordinator.managers().iter().enumerate() {
+                let takes_hits = !matches!(
+                    m.base().spec.kind,
+                    ManagerKind::CrossAttention | ManagerKind::CircularBuffer
+                );
+                if takes_hits && !state.groups[g].blocks.is_empty() {
+                    return Err(Error::InvalidArgument(format!(
+                        "request {rid:?} already has blocks and cannot adopt prefix hits"
+                    )));
+                }
+            }
         }
         Ok(())
     }
 
-    /// Caches the request's full blocks up to `num_computed_tokens`.
-    pub fn cache_blocks<H: BlockHashSource + ?Sized>(
+    /// Decides whether caching `upper` tokens (capped at `num_tokens` when `cap`)
+    /// can register anything, and if so reads the request fields and hashes it
+    /// needs. `adopting`: the local computed tokens of a request that adopts its
+    /// hits in this call.
+    fn plan_cache<R: RequestLike>(
         &mut self,
-        request: &RequestView<'_, H>,
+        request: &R,
+        upper: usize,
+        cap: bool,
+        adopting: Option<usize>,
+        prompt: usize,
+    ) -> Result<Option<CachePlan>> {
+        let needs = self.coordinator.needs();
+        let rid = request.request_id();
+        let coordinator = &self.coordinator;
+        let state = coordinator.request(rid);
+        // Skip reading anything when no group can gain a full block (the common
+        // decode step): `num_tokens` only lowers the cap.
+        let may_cache = needs.cache_every_call
+            || coordinator.managers().iter().enumerate().any(|(g, m)| {
+                let b = m.base();
+                let cached = match adopting {
+                    Some(local) => local / b.block_size,
+                    None => state
+                        .and_then(|s| s.groups.get(g))
+                        .and_then(|gb| gb.num_cached_block)
+                        .unwrap_or(0),
+                };
+                b.spec.prefix_cacheable
+                    && coordinator.get_num_cacheable_tokens(upper, g) / b.block_size > cached
+            });
+        if !may_cache {
+            return Ok(None);
+        }
+        let num_tokens = if cap {
+            upper.min(request.num_tokens()?)
+        } else {
+            upper
+        };
+        let hashes = request.block_hashes()?;
+        let mut points = SmallVec::new();
+        let (lo, hi) =
+            coordinator.cache_reads(rid, num_tokens, prompt, hashes.len(), adopting, &mut points);
+        let buffer = std::mem::take(&mut self.hash_buffer);
+        let planned = PlannedHashes::read(hashes, lo, hi, points, buffer)?;
+        let shared_prefix_boundary = if needs.shared_prefix_for_cache {
+            request.shared_prefix_boundary()?
+        } else {
+            0
+        };
+        Ok(Some(CachePlan {
+            num_tokens,
+            hashes: planned,
+            num_prompt_tokens: prompt,
+            shared_prefix_boundary,
+        }))
+    }
+
+    /// vLLM's `cache_blocks`: caches the request's full blocks up to
+    /// `num_computed_tokens` (KV loads that landed, async-scheduling catch-up).
+    pub fn cache_blocks<R: RequestLike>(
+        &mut self,
+        request: &R,
         num_computed_tokens: usize,
     ) -> Result<()> {
-        if !self.config.enable_caching {
+        self.guard()?;
+        if !self.enable_caching() {
             return Ok(());
         }
-        let n = num_computed_tokens.saturating_sub(self.config.num_reprefillable_tokens);
-        self.manager.cache_blocks(
-            &mut self.pool,
-            request.request_id,
-            (request.block_hashes)()?,
-            n,
-        )
+        let rid = request.request_id();
+        if self.coordinator.request(rid).is_none() {
+            let hashed = request.block_hashes()?.len() * self.coordinator.hash_block_size();
+            if num_computed_tokens.min(hashed) >= self.coordinator.hash_block_size() {
+                return Err(Error::UnknownRequest(rid.to_owned()));
+            }
+            return Ok(());
+        }
+        let needs = self.coordinator.needs();
+        let prompt = if needs.prompt_for_cache {
+            request.num_prompt_tokens()?
+        } else {
+            0
+        };
+        let Some(plan) = self.plan_cache(request, num_computed_tokens, false, None, prompt)? else {
+            return Ok(());
+        };
+        let r = self.coordinator.cache_blocks(
+            rid,
+            &plan.hashes,
+            plan.num_tokens,
+            plan.num_prompt_tokens,
+            request.num_computed_tokens(),
+            plan.shared_prefix_boundary,
+        );
+        self.hash_buffer = plan.hashes.into_buffer();
+        self.applied(r)
     }
 
-    /// Frees the request's blocks, tail first (no-op for an unknown request, as in
-    /// vLLM: a request aborted before allocation has nothing to free).
+    // ---- freeing ---------------------------------------------------------------------
+
+    /// vLLM's `free`: every group's table, tail first (no-op for an unknown request,
+    /// as in vLLM: a request aborted before allocation has nothing to free).
     pub fn free(&mut self, request_id: &str) -> Result<()> {
-        self.manager.free(&mut self.pool, request_id)
+        self.guard()?;
+        let mut scratch = std::mem::take(&mut self.free_scratch);
+        let r = self.coordinator.free(request_id, &mut scratch);
+        self.free_scratch = scratch;
+        r
     }
 
-    /// Pops the request's bookkeeping; its blocks (allocation order) go to `out`
-    /// and must later be freed, reversed, through the pool.
-    pub fn pop_blocks_for_free(&mut self, request_id: &str, out: &mut Vec<BlockId>) {
-        self.manager.pop_blocks_for_free(request_id, out);
+    /// vLLM's `pop_blocks_for_free`: the request's blocks (allocation order, group
+    /// after group, leading nulls trimmed) go to `out` and must later be freed,
+    /// reversed, through the pool.
+    pub fn pop_blocks_for_free(&mut self, request_id: &str, out: &mut Vec<BlockId>) -> Result<()> {
+        self.guard()?;
+        self.coordinator.pop_blocks_for_free(request_id, out);
+        Ok(())
     }
 
-    /// The request's block table (empty if unknown).
-    pub fn get_blocks(&self, request_id: &str) -> &[BlockId] {
-        self.manager.blocks(request_id)
-    }
-
-    /// Largest prefix length covered by a cached block of the request.
-    pub fn estimate_cached_tokens(&self, request_id: &str) -> usize {
-        self.manager
-            .blocks(request_id)
-            .iter()
-            .filter_map(|&b| self.pool.block_hash_num_tokens(b))
-            .max()
-            .unwrap_or(0) as usize
+    /// vLLM's `remove_skipped_blocks` (connectors call it when a request finishes).
+    pub fn remove_skipped_blocks(
+        &mut self,
+        request_id: &str,
+        processed_computed_tokens: usize,
+        num_prompt_tokens: Option<usize>,
+    ) -> Result<()> {
+        self.guard()?;
+        let r = self.coordinator.remove_skipped_blocks(
+            request_id,
+            processed_computed_tokens,
+            num_prompt_tokens,
+        );
+        self.applied(r)
     }
 
     /// Drops blocks from the prefix cache (connector load failures).
     pub fn evict_blocks(&mut self, block_ids: &[i64]) -> Result<()> {
-        self.pool.evict_blocks(block_ids)
+        self.guard()?;
+        self.coordinator.block_pool_mut().evict_blocks(block_ids)
     }
 
     /// Resets the prefix cache; false while any block is in use.
-    pub fn reset_prefix_cache(&mut self) -> bool {
-        self.pool.reset_prefix_cache()
+    pub fn reset_prefix_cache(&mut self) -> Result<bool> {
+        self.guard()?;
+        Ok(self.coordinator.reset_prefix_cache())
+    }
+
+    /// Drops one reference per listed block, first = evicted first (deferred frees
+    /// through vLLM's `block_pool.free_blocks`).
+    pub fn free_blocks(&mut self, ordered_blocks: &[BlockId]) -> Result<()> {
+        self.guard()?;
+        self.coordinator
+            .block_pool_mut()
+            .free_blocks(ordered_blocks)
+    }
+
+    // ---- tables, estimates, hand-offs ------------------------------------------------
+
+    /// The request's table in group `g` (empty if unknown).
+    pub fn get_blocks(&self, request_id: &str, g: usize) -> &[BlockId] {
+        self.coordinator.blocks(request_id, g)
+    }
+
+    /// vLLM's `get_block_ids_for_computed_tokens`: attention groups clipped to the
+    /// blocks of `num_computed_tokens` (at the spec's block size).
+    pub fn block_ids_for_computed_tokens(
+        &self,
+        request_id: &str,
+        g: usize,
+        n: usize,
+    ) -> &[BlockId] {
+        let blocks = self.get_blocks(request_id, g);
+        let spec = &self.coordinator.manager(g).base().spec;
+        if !spec.is_attention_spec || spec.is_cross_or_encoder_only {
+            return blocks;
+        }
+        &blocks[..cdiv(n, spec.block_size).min(blocks.len())]
+    }
+
+    /// vLLM's `estimate_cached_tokens`: over the prefix-cacheable, non-cross groups,
+    /// the smallest of each group's longest cached prefix among the request's
+    /// blocks.
+    pub fn estimate_cached_tokens(&self, request_id: &str) -> usize {
+        let pool = self.block_pool();
+        let mut estimate: Option<usize> = None;
+        for (g, m) in self.coordinator.managers().iter().enumerate() {
+            let spec = &m.base().spec;
+            if !spec.prefix_cacheable || spec.is_cross_or_encoder_only {
+                continue;
+            }
+            let group = self
+                .get_blocks(request_id, g)
+                .iter()
+                .filter_map(|&b| pool.block_hash_num_tokens(b))
+                .max()
+                .unwrap_or(0) as usize;
+            estimate = Some(estimate.map_or(group, |e| e.min(group)));
+        }
+        estimate.unwrap_or(0)
+    }
+
+    /// vLLM's `truncate_computed_blocks`: group `g`'s first blocks covering
+    /// `num_computed_tokens` (Mamba may have fewer); pure.
+    pub fn truncate_computed_blocks(
+        &self,
+        blocks: GroupedBlocks<'_>,
+        num_computed_tokens: usize,
+        out: &mut Vec<Vec<BlockId>>,
+    ) -> Result<()> {
+        out.clear();
+        for (g, m) in self.coordinator.managers().iter().enumerate() {
+            let b = m.base();
+            let group = blocks.group(g);
+            if !b.spec.prefix_cacheable {
+                if !group.is_empty() {
+                    return Err(Error::InvalidArgument(format!(
+                        "group {g} is not prefix cacheable but the lookup result holds blocks"
+                    )));
+                }
+                out.push(Vec::new());
+                continue;
+            }
+            if num_computed_tokens % b.block_size != 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "num_computed_tokens {num_computed_tokens} is not a multiple of group \
+                     {g}'s block size {}",
+                    b.block_size
+                )));
+            }
+            let mut k = num_computed_tokens / b.block_size;
+            if b.spec.is_mamba() {
+                k = k.min(group.len());
+            } else if k > group.len() {
+                return Err(Error::InvalidArgument(format!(
+                    "cannot truncate group {g}'s {} blocks to {k} blocks",
+                    group.len()
+                )));
+            }
+            out.push(group[..k].to_vec());
+        }
+        Ok(())
     }
 
     /// Drains the pool's events.
     pub fn take_events(&mut self) -> Vec<KVCacheEvent> {
-        self.pool.take_events()
+        self.coordinator.block_pool_mut().take_events()
+    }
+
+    /// Drains the recorded block-metrics calls.
+    pub fn take_metrics_ops(&mut self) -> Vec<MetricsOp> {
+        self.coordinator.block_pool_mut().take_metrics_ops()
     }
 
     /// Drains block ids recorded for zeroing.
     pub fn take_new_block_ids(&mut self) -> Vec<BlockId> {
-        self.manager.take_new_block_ids()
+        self.coordinator.take_new_block_ids()
     }
 
     /// Re-records blocks from `start_token` on for zeroing.
@@ -442,7 +894,88 @@ impl KVCacheManager {
         request_id: &str,
         start_token: usize,
     ) -> Result<()> {
-        self.manager
+        self.guard()?;
+        self.coordinator
             .record_blocks_for_zeroing(request_id, start_token)
+    }
+
+    /// vLLM's `take_kv_cache_block_copies`: the queued copy-on-write pairs; both
+    /// endpoints hold a reference the caller frees once the copy ran.
+    pub fn take_kv_cache_block_copies(&mut self) -> Vec<(BlockId, BlockId)> {
+        self.coordinator.take_pending_cow_copies()
+    }
+
+    /// vLLM's `take_boundary_state_offloads` (Mamba "align" only).
+    pub fn take_boundary_state_offloads(&mut self) -> Vec<BoundaryOffload> {
+        self.coordinator.take_boundary_state_offloads()
+    }
+
+    /// vLLM's `finalize_partial_tail_offloads` for a finishing request.
+    pub fn finalize_partial_tail_offloads<R: RequestLike>(
+        &mut self,
+        request: &R,
+        out: &mut Vec<(u32, BlockId, usize)>,
+    ) -> Result<()> {
+        self.guard()?;
+        let in_flight = request.num_in_flight_tokens()?;
+        self.coordinator.finalize_partial_tail_offloads(
+            request.request_id(),
+            request.num_computed_tokens(),
+            in_flight,
+            out,
+        );
+        Ok(())
+    }
+
+    /// vLLM's `coordinator.get_num_blocks_to_allocate`, as the Scheduler calls it
+    /// directly (async-load admission) and tests probe it.
+    #[allow(clippy::too_many_arguments)]
+    pub fn coordinator_num_blocks_to_allocate(
+        &mut self,
+        request_id: &str,
+        num_tokens: usize,
+        hits: GroupedBlocks<'_>,
+        num_encoder_tokens: usize,
+        total_computed_tokens: usize,
+        num_local_computed_tokens: usize,
+        num_tokens_main_model: usize,
+        apply_admission_cap: bool,
+        prefill_end: usize,
+    ) -> Result<i64> {
+        self.guard()?;
+        for &b in hits.ids {
+            self.block_pool().check_block_id(b as i64)?;
+        }
+        self.coordinator.get_num_blocks_to_allocate(
+            request_id,
+            num_tokens,
+            &|g| hits.group(g),
+            num_encoder_tokens,
+            total_computed_tokens,
+            num_local_computed_tokens,
+            num_tokens_main_model,
+            apply_admission_cap,
+            prefill_end,
+        )
+    }
+
+    /// Queues a copy-on-write pair on group `g` (what vLLM code does by appending to
+    /// a manager's `_pending_cow_copies`).
+    pub fn push_cow_copy(&mut self, g: usize, pair: (BlockId, BlockId)) -> Result<()> {
+        self.guard()?;
+        self.block_pool().check_block_id(pair.0 as i64)?;
+        self.block_pool().check_block_id(pair.1 as i64)?;
+        self.coordinator.push_cow_copy(g, pair);
+        Ok(())
+    }
+
+    /// A new scheduler step starts (Mamba forgets what was cached this step).
+    pub fn new_step_starts(&mut self) {
+        self.coordinator.new_step_starts();
+    }
+
+    /// Every structural invariant of the pool and the request tables.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.coordinator.check_invariants()
     }
 }

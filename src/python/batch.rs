@@ -11,9 +11,9 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyList, PyString};
 
-use super::buffers::{read_i64s, u32_as_i32_bytearray};
+use super::convert::buffers::{read_i64s, u32_as_i32_bytearray};
+use super::convert::hashes::PyListHashes;
 use super::errors::{count, InvalidArgumentError, UnknownRequestError};
-use super::hashes::PyListHashes;
 use super::manager::PyKVCacheCore;
 use crate::error::Error;
 use crate::manager::{BatchStop, RequestHandle, RunningBatch};
@@ -68,7 +68,7 @@ pub(crate) fn allocate_slots_batch<'py>(
     let events = {
         let mut this = slf.try_borrow_mut()?;
         this.core.check_running_batch(&batch, &mut may_cache)?;
-        this.core.config().enable_kv_cache_events
+        this.core.config().coordinator.enable_kv_cache_events
     };
     // The requests of entries that may fill a block, checked against their handles
     // before anything changes: their hashes must be the request's own.
@@ -98,8 +98,8 @@ pub(crate) fn allocate_slots_batch<'py>(
     };
     let hashes_of = |i: usize| prepared_of(i).map(|p| p.0.clone());
     let num_tokens_of = |i: usize| prepared_of(i).map(|p| p.1);
-    // What each entry would cache, checked before the first entry changes anything.
-    slf.try_borrow()?.core.check_running_batch_caching(
+    // What each entry may cache, read before the first entry changes anything.
+    let planned = slf.try_borrow()?.core.plan_running_batch(
         &batch,
         &may_cache,
         &hashes_of,
@@ -115,8 +115,8 @@ pub(crate) fn allocate_slots_batch<'py>(
         let progress = slf.try_borrow_mut()?.core.allocate_running_batch(
             &batch,
             start,
-            &hashes_of,
-            &num_tokens_of,
+            &may_cache,
+            &planned,
             events,
             &mut ids,
             &mut offsets,
@@ -125,7 +125,7 @@ pub(crate) fn allocate_slots_batch<'py>(
         if progress.stop != BatchStop::Events {
             break;
         }
-        PyKVCacheCore::flush_events(slf, &requests.get_item(start - 1)?)?;
+        PyKVCacheCore::flush(slf, Some(&requests.get_item(start - 1)?))?;
     }
     Ok((
         start,

@@ -8,9 +8,11 @@
 //! (then once: the tuple is identity-stable per object).
 //!
 //! Key properties:
-//! - One KV-cache group (the configurations the core serves).
+//! - One list per KV-cache group: group `g` is `ids[ends[g - 1]..ends[g]]`.
+//! - The manager's empty singleton holds empty tuples (vLLM's immutable
+//!   `KVCacheBlocks(tuple(() for _ in groups))`); other objects hold lists.
 //! - A snapshot: the ids are those of the call that made the object. (vLLM's
-//!   `get_blocks` shares the live table list; the Scheduler reads it at once.)
+//!   `get_blocks` shares the live table lists; the Scheduler reads them at once.)
 
 use std::sync::OnceLock;
 
@@ -18,50 +20,95 @@ use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 use pyo3::PyTraverseError;
+use smallvec::SmallVec;
 
 use super::errors::InvalidArgumentError;
 use super::manager::PyKVCacheCore;
-use crate::types::BlockId;
+use crate::manager::GroupedBlocks;
+use crate::types::{BlockId, NULL_BLOCK_ID};
 
 #[pyclass(name = "KVCacheBlocks", module = "hscache._core", frozen)]
 pub struct PyKVCacheBlocks {
     pub(crate) ids: Vec<BlockId>,
+    pub(crate) ends: SmallVec<[usize; 4]>,
     pub(crate) core: Py<PyKVCacheCore>,
+    /// The empty singleton: groups are empty tuples.
+    singleton: bool,
     blocks: OnceLock<Py<PyTuple>>,
 }
 
 impl PyKVCacheBlocks {
-    pub(crate) fn new(core: Py<PyKVCacheCore>, ids: Vec<BlockId>) -> Self {
+    /// Blocks of every group (`ends` closes each group).
+    pub(crate) fn new(
+        core: Py<PyKVCacheCore>,
+        ids: Vec<BlockId>,
+        ends: SmallVec<[usize; 4]>,
+    ) -> Self {
         Self {
             ids,
+            ends,
             core,
+            singleton: false,
             blocks: OnceLock::new(),
         }
     }
 
-    fn ids_list<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        PyTuple::new(py, [PyList::new(py, &self.ids)?])
+    /// The manager's empty singleton for `num_groups` groups.
+    pub(crate) fn empty_singleton(core: Py<PyKVCacheCore>, num_groups: usize) -> Self {
+        Self {
+            ids: Vec::new(),
+            ends: SmallVec::from_elem(0, num_groups),
+            core,
+            singleton: true,
+            blocks: OnceLock::new(),
+        }
+    }
+
+    /// The ids grouped.
+    pub(crate) fn grouped(&self) -> GroupedBlocks<'_> {
+        GroupedBlocks {
+            ids: &self.ids,
+            ends: &self.ends,
+        }
+    }
+
+    #[inline]
+    fn group(&self, g: usize) -> &[BlockId] {
+        self.grouped().group(g)
+    }
+
+    fn num_groups(&self) -> usize {
+        self.ends.len()
+    }
+
+    fn group_list<'py>(&self, py: Python<'py>, g: usize) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.group(g))
     }
 }
 
 #[pymethods]
 impl PyKVCacheBlocks {
-    /// `blocks[g][j]`: the j-th block of group g (one group here).
+    /// `blocks[g][j]`: the j-th block of group g.
     #[getter]
     fn blocks(&self, py: Python<'_>) -> PyResult<Py<PyTuple>> {
         if let Some(b) = self.blocks.get() {
             return Ok(b.clone_ref(py));
         }
-        let group: Bound<'_, PyAny> = if self.ids.is_empty() {
-            PyTuple::empty(py).into_any()
-        } else {
-            PyKVCacheCore::handles_for(self.core.bind(py), &self.ids)?.into_any()
-        };
-        let tuple = PyTuple::new(py, [group])?.unbind();
+        let core = self.core.bind(py);
+        let mut groups: Vec<Bound<'_, PyAny>> = Vec::with_capacity(self.num_groups());
+        for g in 0..self.num_groups() {
+            groups.push(if self.singleton {
+                PyTuple::empty(py).into_any()
+            } else {
+                PyKVCacheCore::handles_for(core, self.group(g))?.into_any()
+            });
+        }
+        let tuple = PyTuple::new(py, groups)?.unbind();
         Ok(self.blocks.get_or_init(|| tuple).clone_ref(py))
     }
 
-    /// vLLM's `get_block_ids`: `([ids],)`, or None with `allow_none` when empty.
+    /// vLLM's `get_block_ids`: one id list per (selected) group, or None with
+    /// `allow_none` when every selected group is empty.
     #[pyo3(signature = (allow_none=false, *, group_ids=None))]
     fn get_block_ids<'py>(
         &self,
@@ -69,54 +116,65 @@ impl PyKVCacheBlocks {
         allow_none: bool,
         group_ids: Option<Vec<i64>>,
     ) -> PyResult<Option<Bound<'py, PyTuple>>> {
-        if let Some(groups) = group_ids {
-            if groups.iter().any(|&g| g != 0) {
-                return Err(pyo3::exceptions::PyIndexError::new_err(
-                    "KV-cache group id out of range (one group)",
-                ));
-            }
-            if allow_none && (groups.is_empty() || self.ids.is_empty()) {
-                return Ok(None);
-            }
-            let lists = groups
-                .iter()
-                .map(|_| PyList::new(py, &self.ids))
-                .collect::<PyResult<Vec<_>>>()?;
-            return PyTuple::new(py, lists).map(Some);
-        }
-        if allow_none && self.ids.is_empty() {
+        let n = self.num_groups();
+        let selected: Vec<usize> = match group_ids {
+            None => (0..n).collect(),
+            Some(ids) => ids
+                .into_iter()
+                .map(|g| {
+                    usize::try_from(g).ok().filter(|&g| g < n).ok_or_else(|| {
+                        pyo3::exceptions::PyIndexError::new_err(format!(
+                            "KV-cache group id {g} out of range ({n} groups)"
+                        ))
+                    })
+                })
+                .collect::<PyResult<_>>()?,
+        };
+        if allow_none && selected.iter().all(|&g| self.group(g).is_empty()) {
             return Ok(None);
         }
-        self.ids_list(py).map(Some)
+        let lists = selected
+            .iter()
+            .map(|&g| self.group_list(py, g))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyTuple::new(py, lists).map(Some)
     }
 
-    /// Ids of the blocks without a hash (one group).
+    /// Ids of the blocks without a hash (one group only, as in vLLM).
     fn get_unhashed_block_ids(&self, py: Python<'_>) -> PyResult<Vec<BlockId>> {
+        if self.num_groups() != 1 {
+            return Err(InvalidArgumentError::new_err(
+                "get_unhashed_block_ids needs exactly one KV-cache group",
+            ));
+        }
         let core = self.core.bind(py).try_borrow()?;
         let pool = core.core.block_pool();
         Ok(self
-            .ids
+            .group(0)
             .iter()
             .copied()
             .filter(|&b| pool.block_hash(b).is_none())
             .collect())
     }
 
-    /// Per group, ids of unhashed blocks, leading and other null blocks dropped.
+    /// Per group, ids of unhashed blocks, null blocks dropped.
     fn get_unhashed_block_ids_all_groups(&self, py: Python<'_>) -> PyResult<Vec<Vec<BlockId>>> {
         let core = self.core.bind(py).try_borrow()?;
         let pool = core.core.block_pool();
-        Ok(vec![self
-            .ids
-            .iter()
-            .copied()
-            .filter(|&b| b != crate::types::NULL_BLOCK_ID && pool.block_hash(b).is_none())
-            .collect()])
+        Ok((0..self.num_groups())
+            .map(|g| {
+                self.group(g)
+                    .iter()
+                    .copied()
+                    .filter(|&b| b != NULL_BLOCK_ID && pool.block_hash(b).is_none())
+                    .collect()
+            })
+            .collect())
     }
 
     /// An empty `KVCacheBlocks` of the same shape.
     fn new_empty(&self, py: Python<'_>) -> Self {
-        Self::new(self.core.clone_ref(py), Vec::new())
+        Self::empty_singleton(self.core.clone_ref(py), self.num_groups())
     }
 
     /// Concatenation per group (vLLM's `__add__`).
@@ -127,19 +185,27 @@ impl PyKVCacheBlocks {
                 "cannot add KVCacheBlocks of another KV-cache pool",
             ));
         }
-        let mut ids = self.ids.clone();
-        ids.extend_from_slice(&other.ids);
-        Ok(Self::new(self.core.clone_ref(py), ids))
+        let n = self.num_groups().max(other.num_groups());
+        let mut ids = Vec::with_capacity(self.ids.len() + other.ids.len());
+        let mut ends = SmallVec::new();
+        for g in 0..n {
+            ids.extend_from_slice(self.group(g));
+            ids.extend_from_slice(other.group(g));
+            ends.push(ids.len());
+        }
+        Ok(Self::new(self.core.clone_ref(py), ids, ends))
     }
 
     fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
-        other
-            .cast::<PyKVCacheBlocks>()
-            .is_ok_and(|o| o.get().ids == self.ids)
+        other.cast::<PyKVCacheBlocks>().is_ok_and(|o| {
+            let o = o.get();
+            o.ids == self.ids && o.ends == self.ends
+        })
     }
 
     fn __repr__(&self) -> String {
-        format!("KVCacheBlocks(block_ids=({:?},))", self.ids)
+        let groups: Vec<&[BlockId]> = (0..self.num_groups()).map(|g| self.group(g)).collect();
+        format!("KVCacheBlocks(block_ids={groups:?})")
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {

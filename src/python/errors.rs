@@ -20,6 +20,7 @@ create_exception!(hscache._core, FreeQueueError, PyRuntimeError);
 create_exception!(hscache._core, UnsupportedError, PyNotImplementedError);
 create_exception!(hscache._core, EncoderCacheFullError, PyValueError);
 create_exception!(hscache._core, UnknownEncoderEntryError, PyKeyError);
+create_exception!(hscache._core, InternalError, PyRuntimeError);
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -42,6 +43,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "UnknownEncoderEntryError",
         py.get_type::<UnknownEncoderEntryError>(),
     )?;
+    m.add("InternalError", py.get_type::<InternalError>())?;
     Ok(())
 }
 
@@ -61,6 +63,7 @@ impl From<Error> for PyErr {
             ErrorKind::EncoderCacheFull => EncoderCacheFullError::new_err(msg),
             ErrorKind::UnknownEncoderEntry => UnknownEncoderEntryError::new_err(msg),
             ErrorKind::Unsupported => UnsupportedError::new_err(msg),
+            ErrorKind::Internal => InternalError::new_err(msg),
         }
     }
 }

@@ -290,11 +290,14 @@ pub fn block_stored_fields<'py>(
         index_arg("block_size", block_size)?,
         index_arg("num_hash_lookahead_tokens", num_hash_lookahead_tokens)?,
         int_block_hashes,
+        1,
+        &[],
     )?;
     PyTuple::new(py, fields)
 }
 
 /// [`block_stored_fields`] with the arguments already read, in its tuple's order.
+#[allow(clippy::too_many_arguments)]
 fn stored_fields<'py>(
     request: &Bound<'py, PyAny>,
     start_block: usize,
@@ -302,34 +305,51 @@ fn stored_fields<'py>(
     block_size: usize,
     la: usize,
     int_block_hashes: bool,
+    hash_scale: usize,
+    skipped: &[u32],
 ) -> PyResult<[Bound<'py, PyAny>; 8]> {
     let py = request.py();
-    let n = end_block.saturating_sub(start_block);
     let none = py.None().into_bound(py);
+    let scale = hash_scale.max(1);
+    // The blocks the event describes: the range minus null and masked-out blocks.
+    let included = |i: &usize| skipped.binary_search(&(*i as u32)).is_err();
+    let n = (start_block..end_block).filter(included).count();
 
     // Hashes: `[maybe_convert_block_hash(h) for h in hashes[start:end]]` and the parent.
     let hashes = request.getattr(intern!(py, "block_hashes"))?;
     // The core only records hashed blocks. A range far past them (any huge one
     // included) is left to vLLM's helpers, so that no caller-chosen size is ever
     // allocated here.
-    if end_block > hashes.len()?.saturating_add(MAX_BLOCKS_PAST_HASHES) {
+    if mul(end_block, scale)? > hashes.len()?.saturating_add(MAX_BLOCKS_PAST_HASHES) {
         return Err(UnsupportedError::new_err(
             "end_block is far past the request's block hashes",
         ));
     }
-    let sliced = slice(&hashes, start_block, end_block)?;
-    let block_hashes = match sliced.cast_exact::<PyList>() {
-        Ok(list) if !int_block_hashes => list.clone(),
-        _ => PyList::new(
+    // Block i's hash is the hash at its last hash-block boundary (vLLM's
+    // `BlockHashListWithBlockSize`).
+    let block_hashes = if scale == 1 && skipped.is_empty() {
+        let sliced = slice(&hashes, start_block, end_block)?;
+        match sliced.cast_exact::<PyList>() {
+            Ok(list) if !int_block_hashes => list.clone(),
+            _ => PyList::new(
+                py,
+                sliced
+                    .try_iter()?
+                    .map(|h| convert_hash(h?, int_block_hashes))
+                    .collect::<PyResult<Vec<_>>>()?,
+            )?,
+        }
+    } else {
+        PyList::new(
             py,
-            sliced
-                .try_iter()?
-                .map(|h| convert_hash(h?, int_block_hashes))
+            (start_block..end_block)
+                .filter(included)
+                .map(|i| convert_hash(hashes.get_item((i + 1) * scale - 1)?, int_block_hashes))
                 .collect::<PyResult<Vec<_>>>()?,
-        )?,
+        )?
     };
     let parent = if start_block > 0 {
-        convert_hash(hashes.get_item(start_block - 1)?, int_block_hashes)?
+        convert_hash(hashes.get_item(start_block * scale - 1)?, int_block_hashes)?
     } else {
         none.clone()
     };
@@ -351,9 +371,10 @@ fn stored_fields<'py>(
     let lookahead_token_ids = if la == 0 {
         none.clone()
     } else {
-        let lists = (1..=n)
-            .map(|k| {
-                let end = k * block_size; // <= span, which fits isize
+        let lists = (start_block..end_block)
+            .filter(included)
+            .map(|i| {
+                let end = (i - start_block + 1) * block_size; // <= span, which fits isize
                 Ok(window.get_slice(end, add(end, la)?))
             })
             .collect::<PyResult<Vec<_>>>()?;
@@ -388,7 +409,7 @@ fn stored_fields<'py>(
         none.clone()
     } else if !has_lora && !salt_keyed && embeds.is_none() && mm_features.is_empty() {
         // No block can have a key: `[None] * n`.
-        PyList::new(py, std::iter::repeat(&none).take(n))?.into_any()
+        PyList::new(py, std::iter::repeat_n(&none, n))?.into_any()
     } else {
         let req_keys = RequestExtraKeys {
             lora: has_lora.then_some((Atom::None, Atom::None)),
@@ -404,7 +425,7 @@ fn stored_fields<'py>(
         let mut keys = Vec::new();
         let mut mm_idx = 0;
         let mut out = Vec::with_capacity(n);
-        for i in start_block..end_block {
+        for i in (start_block..end_block).filter(included) {
             let start = i * block_size; // <= last_token, which fits isize
             let end = start + block_size;
             let hash_end = add(end, la)?;
@@ -556,6 +577,8 @@ impl PyEventBuilder {
                 bs,
                 self.num_hash_lookahead_tokens,
                 self.int_block_hashes,
+                1,
+                &[],
             )?;
             Ok((fields, block_size))
         });
@@ -564,6 +587,7 @@ impl PyEventBuilder {
             fields,
             (start_block, end_block, block_size),
             group_idx,
+            (1, &[]),
         )
     }
 
@@ -585,12 +609,14 @@ impl PyEventBuilder {
         fields: PyResult<([Bound<'py, PyAny>; 8], &Bound<'py, PyAny>)>,
         range: (&Bound<'py, PyAny>, &Bound<'py, PyAny>, &Bound<'py, PyAny>),
         group_idx: &Bound<'py, PyAny>,
+        layout: (usize, &[u32]),
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = request.py();
         let (fields, block_size) = match fields {
             Ok(f) => f,
             Err(e) if e.is_instance_of::<UnsupportedError>(py) => {
                 let (start, end, bs) = range;
+                let (hash_scale, skipped) = layout;
                 return self.fallback.bind(py).call1((
                     request,
                     start,
@@ -599,6 +625,8 @@ impl PyEventBuilder {
                     group_idx,
                     self.num_hash_lookahead_tokens,
                     self.medium.bind(py),
+                    hash_scale,
+                    skipped.to_vec(),
                 ));
             }
             Err(e) => return Err(e),
@@ -650,6 +678,43 @@ impl PyEventBuilder {
         cls.call((), Some(&kwargs))
     }
 
+    /// A `BlockStored` for blocks `range = (start, end, block_size)` of `request`.
+    fn stored_event<'py>(
+        &self,
+        py: Python<'py>,
+        request: Option<&Bound<'py, PyAny>>,
+        range: (u32, u32, u32),
+        group_id: u32,
+        layout: (usize, &[u32]),
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let request = request.ok_or_else(|| {
+            PyRuntimeError::new_err("a BlockStored record needs the request of its call")
+        })?;
+        let (start_block, end_block, block_size) = range;
+        // u32 -> usize is lossless on the 32- and 64-bit targets PyO3 supports.
+        let fields = stored_fields(
+            request,
+            start_block as usize,
+            end_block as usize,
+            block_size as usize,
+            self.num_hash_lookahead_tokens,
+            self.int_block_hashes,
+            layout.0,
+            layout.1,
+        );
+        let start = start_block.into_pyobject(py)?.into_any();
+        let end = end_block.into_pyobject(py)?.into_any();
+        let bs = block_size.into_pyobject(py)?.into_any();
+        let group = group_id.into_pyobject(py)?.into_any();
+        self.stored_struct(
+            request,
+            fields.map(|f| (f, &bs)),
+            (&start, &end, &bs),
+            &group,
+            layout,
+        )
+    }
+
     /// vLLM's event for one core record; `request` is the recording call's (a
     /// `BlockStored` record without one is a `RuntimeError`).
     pub(crate) fn build<'py>(
@@ -664,28 +729,32 @@ impl PyEventBuilder {
                 start_block,
                 end_block,
                 block_size,
+                hash_scale,
+                skipped,
             } => {
-                let request = request.ok_or_else(|| {
-                    PyRuntimeError::new_err("a BlockStored record needs the request of its call")
-                })?;
-                // u32 -> usize is lossless on the 32- and 64-bit targets PyO3 supports.
-                let fields = stored_fields(
+                let skipped = skipped.as_deref().unwrap_or(&[]);
+                self.stored_event(
+                    py,
                     request,
-                    start_block as usize,
-                    end_block as usize,
-                    block_size as usize,
-                    self.num_hash_lookahead_tokens,
-                    self.int_block_hashes,
-                );
-                let start = start_block.into_pyobject(py)?.into_any();
-                let end = end_block.into_pyobject(py)?.into_any();
-                let bs = block_size.into_pyobject(py)?.into_any();
-                let group = group_id.into_pyobject(py)?.into_any();
-                self.stored_struct(
+                    (start_block, end_block, block_size),
+                    group_id,
+                    (hash_scale as usize, skipped),
+                )
+            }
+            KVCacheEvent::PartialBlockStored {
+                group_id,
+                num_tokens,
+                hash_block_size,
+            } => {
+                // The partial entry's event covers its last hash block (vLLM's
+                // `cache_partial_block`): one hash, its parent, those tokens.
+                let n = num_tokens / hash_block_size.max(1);
+                self.stored_event(
+                    py,
                     request,
-                    fields.map(|f| (f, &bs)),
-                    (&start, &end, &bs),
-                    &group,
+                    (n.saturating_sub(1), n, hash_block_size),
+                    group_id,
+                    (1, &[]),
                 )
             }
             KVCacheEvent::BlockRemoved { key } => {
@@ -706,4 +775,44 @@ impl PyEventBuilder {
             KVCacheEvent::AllBlocksCleared => self.all_blocks_cleared.bind(py).call0(),
         }
     }
+}
+
+/// The core's event records as tuples (a bare core without a builder):
+/// `("stored", group, start, end, block_size)`, `("partial", group, num_tokens)`,
+/// `("removed", hash bytes, group)`, `("cleared",)`.
+pub(crate) fn records_to_py(
+    py: Python<'_>,
+    events: Vec<KVCacheEvent>,
+) -> PyResult<Bound<'_, PyList>> {
+    let list = PyList::empty(py);
+    for e in events {
+        let item = match e {
+            KVCacheEvent::BlockStored {
+                group_id,
+                start_block,
+                end_block,
+                block_size,
+                ..
+            } => ("stored", group_id, start_block, end_block, block_size)
+                .into_pyobject(py)?
+                .into_any(),
+            KVCacheEvent::PartialBlockStored {
+                group_id,
+                num_tokens,
+                ..
+            } => ("partial", group_id, num_tokens)
+                .into_pyobject(py)?
+                .into_any(),
+            KVCacheEvent::BlockRemoved { key } => (
+                "removed",
+                PyBytes::new(py, key.hash.as_bytes()),
+                key.group_id,
+            )
+                .into_pyobject(py)?
+                .into_any(),
+            KVCacheEvent::AllBlocksCleared => PyTuple::new(py, ["cleared"])?.into_any(),
+        };
+        list.append(item)?;
+    }
+    Ok(list)
 }

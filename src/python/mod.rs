@@ -1,20 +1,30 @@
 //! PyO3 bindings (feature `python`): the `hscache._core` extension module.
 //!
-//! Conversion only: arguments in, core calls, results and errors out. No
-//! bookkeeping lives here; the Python adapter (`python/hscache/vllm/`) wraps
-//! these classes into vLLM's interface.
+//! `convert/` reads Python objects into core values and back; it decides nothing
+//! (see its module docs for the review rule). The other files are the classes and
+//! functions Python sees, each a thin call into the core: `manager.rs`
+//! (`KVCacheCore`: vLLM's `KVCacheManager` methods), `pool.rs` and `coordinator.rs`
+//! (its pool- and group-level methods for the Python views), `blocks.rs` /
+//! `block.rs` (`KVCacheBlocks`, `KVCacheBlock`), `batch.rs`, `events.rs` (vLLM's
+//! event structs), `hasher.rs`, `encoder_cache.rs`, `slots.rs`. No bookkeeping
+//! lives here; the Python adapter (`python/hscache/vllm/`) wraps these classes into
+//! vLLM's interface.
 
 mod batch;
 mod block;
 mod blocks;
-mod buffers;
+mod convert;
+mod coordinator;
 mod encoder_cache;
 mod errors;
 mod events;
 mod hasher;
-mod hashes;
 mod manager;
+mod pool;
 mod slots;
+
+// Sibling modules address it as `super::buffers`.
+pub(crate) use convert::buffers;
 
 use pyo3::prelude::*;
 

@@ -2,14 +2,16 @@
 
 The Scheduler calls ``block_pool.free_blocks(reversed(blocks))`` for deferred frees
 and reads ``get_num_free_blocks()``; connectors and tests read ``blocks[i]``,
-``null_block``, ``free_block_queue`` and ``cached_block_hash_to_block``. Every call
-goes straight to the core; this class holds no bookkeeping of its own, only the
-queue of KV events the core built.
+``null_block``, ``free_block_queue``, ``cached_block_hash_to_block`` and
+``cached_block_hashes_by_block``, and call ``cache_full_blocks`` /
+``cache_partial_block`` / ``_insert_block_hash``. Every call goes straight to the
+core; this class holds no bookkeeping of its own, only the queue of KV events the
+core built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, overload
 
 from vllm.distributed.kv_events import MEDIUM_GPU, KVCacheEvent
@@ -93,6 +95,98 @@ class BlockHashToBlockMap:
         """The first-inserted block of a ``BlockHashWithGroupId`` key."""
         return self._core.core_get_cached_block(key[:-4], int.from_bytes(key[-4:], "big"))
 
+    def contain(self, key: bytes, block_id: int) -> bool:
+        """Whether ``key`` maps to block ``block_id``."""
+        return any(b.block_id == block_id for b in _blocks_of(self._core, key))
+
+    def pop(self, key: bytes, block_id: int) -> KVCacheBlock | None:
+        """vLLM's ``pop``: the map forgets ``(key, block_id)``; the block keeps its hash."""
+        if self._core.core_index_pop(key, block_id):
+            return self._core.block(block_id)
+        return None
+
+    @property
+    def _cache(self) -> _LiveCache:
+        """vLLM's internal dict, live: a key's single block bare, several as
+        ``{id: block}`` in insertion order; ``pop(key)`` and restoring with
+        ``_cache[key] = value`` work as on vLLM's dict."""
+        return _LiveCache(self._core)
+
+
+def _blocks_of(core: KVCacheCore, key: bytes) -> list[KVCacheBlock]:
+    for k, ids in core.core_index_items():
+        if k == key:
+            return [core.block(i) for i in ids]
+    return []
+
+
+def _value(blocks: list[KVCacheBlock]) -> KVCacheBlock | dict[int, KVCacheBlock]:
+    return blocks[0] if len(blocks) == 1 else {b.block_id: b for b in blocks}
+
+
+class _LiveCache(Mapping[bytes, "KVCacheBlock | dict[int, KVCacheBlock]"]):
+    """``BlockHashToBlockMap._cache`` (see ``BlockHashToBlockMap._cache``)."""
+
+    def __init__(self, core: KVCacheCore) -> None:
+        self._core = core
+
+    def _snapshot(self) -> dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]]:
+        return {
+            key: _value([self._core.block(i) for i in ids])
+            for key, ids in self._core.core_index_items()
+        }
+
+    def __getitem__(self, key: bytes) -> KVCacheBlock | dict[int, KVCacheBlock]:
+        blocks = _blocks_of(self._core, key)
+        if not blocks:
+            raise KeyError(key)
+        return _value(blocks)
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter([key for key, _ in self._core.core_index_items()])
+
+    def __len__(self) -> int:
+        return int(self._core.num_cached_keys)
+
+    def __copy__(self) -> dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]]:
+        return self._snapshot()
+
+    def __eq__(self, other: object) -> bool:
+        return self._snapshot() == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def pop(self, key: bytes, *default: Any) -> Any:
+        ids = self._core.core_index_detach_key(key)
+        if not ids:
+            if default:
+                return default[0]
+            raise KeyError(key)
+        return _value([self._core.block(i) for i in ids])
+
+    def __setitem__(self, key: bytes, value: Any) -> None:
+        blocks = list(value.values()) if isinstance(value, dict) else [value]
+        self._core.core_index_reattach(key, [b.block_id for b in blocks])
+
+
+class _SecondaryKeys(Mapping[int, set[bytes]]):
+    """``cached_block_hashes_by_block``: each block's partial-prefix keys."""
+
+    def __init__(self, core: KVCacheCore) -> None:
+        self._core = core
+
+    def __getitem__(self, block_id: int) -> set[bytes]:
+        keys = self._core.core_secondary_keys(block_id)
+        if not keys:
+            raise KeyError(block_id)
+        return set(keys)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._core.core_blocks_with_secondary_keys())
+
+    def __len__(self) -> int:
+        return len(self._core.core_blocks_with_secondary_keys())
+
 
 class BlockPool:
     """vLLM's ``BlockPool`` interface over a ``KVCacheCore``."""
@@ -105,8 +199,10 @@ class BlockPool:
         enable_kv_cache_events: bool,
         num_hash_lookahead_tokens: int = 0,
         medium: str = MEDIUM_GPU,
+        metrics_collector: Any = None,
     ) -> None:
         self._core = core
+        self.metrics_collector = metrics_collector
         self.num_gpu_blocks = core.num_gpu_blocks
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
@@ -117,6 +213,7 @@ class BlockPool:
         self.null_block = core.block(0)
         self.free_block_queue = FreeKVCacheBlockQueue(core)
         self.cached_block_hash_to_block = BlockHashToBlockMap(core)
+        self.cached_block_hashes_by_block = _SecondaryKeys(core)
         self._kv_event_queue: list[KVCacheEvent] = []
         # The events each call builds in the core (``EventBuilder``, with the call's
         # request, before it returns), moved to the queue when it is next read.
@@ -175,7 +272,48 @@ class BlockPool:
         return cached
 
     def is_block_writable(self, block: KVCacheBlock) -> bool:
-        return not block.is_null and block.ref_cnt == 1 and block.block_hash is None
+        return bool(self._core.core_is_block_writable(block))
+
+    def cache_full_blocks(
+        self,
+        request: Any,
+        blocks: Sequence[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: Sequence[bool] | None = None,
+    ) -> None:
+        self._core.core_cache_full_blocks(
+            request,
+            blocks,
+            num_cached_blocks,
+            num_full_blocks,
+            block_size,
+            kv_cache_group_id,
+            None if block_mask is None else list(block_mask),
+        )
+
+    def cache_partial_block(
+        self,
+        request: Any,
+        block: KVCacheBlock,
+        num_tokens: int,
+        kv_cache_group_id: int,
+        block_size: int,
+        replace_existing_hashes: bool = False,
+    ) -> bytes | None:
+        return self._core.core_cache_partial_block(
+            request, block, num_tokens, kv_cache_group_id, block_size, replace_existing_hashes
+        )
+
+    def _insert_block_hash(
+        self, block_hash_with_group_id: bytes, block: KVCacheBlock, num_tokens: int | None
+    ) -> None:
+        self._core.core_insert_block_hash(block_hash_with_group_id, block, num_tokens)
+
+    def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
+        self._core.core_move_block_hashes(src_block, dst_block)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         self._core.core_evict_blocks(list(block_ids))

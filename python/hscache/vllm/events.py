@@ -16,6 +16,7 @@ reference of the differential tests (``tests/test_events.py``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from vllm import envs
@@ -88,14 +89,22 @@ def _block_stored_py(
     group_idx: int,
     num_hash_lookahead_tokens: int,
     medium: str = MEDIUM_GPU,
+    hash_scale: int = 1,
+    skipped: Sequence[int] = (),
 ) -> BlockStored:
-    """:func:`block_stored` with vLLM's own helpers, one call per block (the fallback)."""
-    hashes = request.block_hashes
+    """:func:`block_stored` with vLLM's own helpers, one call per block (the fallback).
+
+    ``hash_scale``: hash blocks per block (block ``i``'s hash is the request's hash at
+    ``(i + 1) * hash_scale - 1``); ``skipped``: blocks of the range that got no hash
+    (null or masked out), left out of the hashes, extra keys and lookahead ids.
+    """
+    all_hashes = request.block_hashes
     all_token_ids = request.all_token_ids
+    included = [i for i in range(start_block, end_block) if i not in set(skipped)]
     extra_keys_list: list[tuple[Any, ...] | None] = []
     lookahead_token_ids: list[list[int]] | None = [] if num_hash_lookahead_tokens else None
     mm_idx = 0
-    for i in range(start_block, end_block):
+    for i in included:
         start = i * block_size
         end = start + block_size
         if num_hash_lookahead_tokens:
@@ -107,11 +116,17 @@ def _block_stored_py(
         extra_keys_list.append(keys)
         if lookahead_token_ids is not None:
             lookahead_token_ids.append(all_token_ids[end : end + num_hash_lookahead_tokens])
+    if hash_scale == 1 and not skipped:
+        hashes = list(all_hashes[start_block:end_block])
+    else:
+        hashes = [all_hashes[(i + 1) * hash_scale - 1] for i in included]
     lora = request.lora_request
     return BlockStored(
-        block_hashes=[maybe_convert_block_hash(h) for h in hashes[start_block:end_block]],
+        block_hashes=[maybe_convert_block_hash(h) for h in hashes],
         parent_block_hash=(
-            maybe_convert_block_hash(hashes[start_block - 1]) if start_block > 0 else None
+            maybe_convert_block_hash(all_hashes[start_block * hash_scale - 1])
+            if start_block > 0
+            else None
         ),
         token_ids=all_token_ids[start_block * block_size : end_block * block_size],
         block_size=block_size,

@@ -13,19 +13,12 @@ Block objects handed to the Scheduler are hscache's; when the Scheduler hands th
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
-
-# Set while a ParityKVCacheManager builds its hscache side, so that
-# ``hscache.vllm.KVCacheManager`` does not wrap that one again.
-building_parity_side: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "hscache_building_parity_side", default=False
-)
 
 
 class ParityError(AssertionError):
@@ -75,15 +68,11 @@ class _ParityBlockPool:
 class ParityKVCacheManager:
     """Runs hscache's and vLLM's ``KVCacheManager`` side by side (see module docs)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        from hscache.vllm.kv_cache_manager import KVCacheManager
-
-        token = building_parity_side.set(True)
-        try:
-            self.hscache = KVCacheManager(*args, **kwargs)
-        finally:
-            building_parity_side.reset(token)
-        self.vllm = VllmKVCacheManager(*args, **kwargs)
+    def __init__(self, hscache: Any, vllm: VllmKVCacheManager) -> None:
+        """``hscache`` and ``vllm``: the two managers, built with the same arguments
+        (``hscache.vllm.KVCacheManager`` builds both under ``HSCACHE_PARITY=1``)."""
+        self.hscache = hscache
+        self.vllm = vllm
         self.block_pool = _ParityBlockPool(self)
         self.num_calls = 0
 
@@ -153,7 +142,40 @@ class ParityKVCacheManager:
     def get_computed_blocks_for_connector(
         self, request: Any, max_cache_hit_length: int | None = None
     ) -> Any:
-        return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+        ours = self.hscache.get_computed_blocks_for_connector(request, max_cache_hit_length)
+        theirs = self.vllm.get_computed_blocks_for_connector(request, max_cache_hit_length)
+        self.check(
+            f"get_computed_blocks_for_connector({request.request_id!r})",
+            (_ids(ours[0]), *ours[1:]),
+            (_ids(theirs[0]), *theirs[1:]),
+        )
+        return ours
+
+    def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> Any:
+        ours = self.hscache.truncate_computed_blocks(blocks, num_computed_tokens)
+        theirs = self.vllm.truncate_computed_blocks(
+            self.to_vllm_kv_cache_blocks(blocks), num_computed_tokens
+        )
+        self.check("truncate_computed_blocks", _ids(ours), _ids(theirs))
+        return ours
+
+    def take_kv_cache_block_copies(self) -> Any:
+        ours = self.hscache.take_kv_cache_block_copies()
+        theirs = self.vllm.take_kv_cache_block_copies()
+        self.check(
+            "take_kv_cache_block_copies",
+            (list(ours[0]), [b.block_id for b in ours[1]]),
+            (list(theirs[0]), [b.block_id for b in theirs[1]]),
+        )
+        return ours
+
+    def take_boundary_state_offloads(self) -> Any:
+        return self._both("take_boundary_state_offloads", "take_boundary_state_offloads", dict)
+
+    def finalize_partial_tail_offloads(self, request: Any) -> Any:
+        return self._both(
+            "finalize_partial_tail_offloads", "finalize_partial_tail_offloads", list, request
+        )
 
     def allocate_slots(self, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
         hits = kwargs.get("new_computed_blocks", args[1] if len(args) > 1 else None)

@@ -4,8 +4,8 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
-use super::errors::BlockHashError;
 use crate::error::{Error, Result};
+use crate::python::errors::BlockHashError;
 use crate::types::{BlockHash, BlockHashSource};
 
 #[derive(Clone)]
@@ -52,4 +52,25 @@ pub(crate) fn hash_from_bytes(obj: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
         .cast::<PyBytes>()
         .map_err(|_| BlockHashError::new_err("a block hash must be bytes"))?;
     Ok(BlockHash::new(bytes.as_bytes())?)
+}
+
+/// vLLM's `BlockHashWithGroupId` bytes (digest + 4-byte big-endian group id).
+pub(crate) fn key_from_bytes(
+    obj: &Bound<'_, PyAny>,
+) -> PyResult<crate::types::BlockHashWithGroupId> {
+    let bytes = obj
+        .cast::<PyBytes>()
+        .map_err(|_| BlockHashError::new_err("a block hash key must be bytes"))?
+        .as_bytes();
+    if bytes.len() < 5 {
+        return Err(BlockHashError::new_err(format!(
+            "a block hash key has a digest and a 4-byte group id; got {} bytes",
+            bytes.len()
+        )));
+    }
+    let (digest, gid) = bytes.split_at(bytes.len() - 4);
+    Ok(crate::types::BlockHashWithGroupId {
+        hash: BlockHash::new(digest)?,
+        group_id: u32::from_be_bytes([gid[0], gid[1], gid[2], gid[3]]),
+    })
 }

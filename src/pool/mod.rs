@@ -1,7 +1,9 @@
 //! `BlockPool`: block ref counts, the free queue, the prefix-cache index and events.
 //!
 //! Mirrors vLLM 0.33 `v1/core/block_pool.py::BlockPool` as a struct of arrays over
-//! `u32` block ids.
+//! `u32` block ids. This file owns allocation (`get_new_blocks`, `touch`,
+//! `free_blocks`, eviction, reset, usage); [`caching`] owns how blocks enter the
+//! prefix cache (`cache_full_blocks`, `cache_partial_block`, `move_block_hashes`).
 //!
 //! Key properties:
 //! - Block 0 is the null block: popped from the free queue at construction, never
@@ -17,16 +19,17 @@
 //!   callers free tables in reverse.
 //! - Every method validates first and mutates after: an `Err` changes nothing.
 //!
-//! Not implemented here (the adapter falls back to vLLM for the configurations
-//! that need them): partial (sub-block) cache entries and their secondary keys,
-//! `move_block_hashes` (Mamba copy-on-write), reuse watchers (`unpin_blocks`),
-//! block-residency metrics.
+//! Not implemented: reuse watchers (`unpin_blocks`, used only by HiSparse, which the
+//! adapter leaves to vLLM) and blocks of several pools in one call (hscache's
+//! managers own one pool).
+
+pub mod caching;
 
 use crate::error::{Error, Result};
-use crate::events::KVCacheEvent;
+use crate::events::{KVCacheEvent, MetricsOp};
 use crate::free_queue::FreeKVCacheBlockQueue;
 use crate::hash_index::BlockHashToBlockMap;
-use crate::types::{BlockHash, BlockHashSource, BlockHashWithGroupId, BlockId, NULL_BLOCK_ID};
+use crate::types::{BlockHash, BlockHashWithGroupId, BlockId, NULL_BLOCK_ID};
 
 /// The block pool (see module docs).
 #[derive(Clone, Debug)]
@@ -36,21 +39,27 @@ pub struct BlockPool {
     hash_block_size: usize,
     enable_kv_cache_events: bool,
     ref_cnt: Vec<u32>,
+    /// The prefix length each block's primary key covers (valid while it has one).
     block_hash_num_tokens: Vec<u32>,
     free_block_queue: FreeKVCacheBlockQueue,
     cached_block_hash_to_block: BlockHashToBlockMap,
     events: Vec<KVCacheEvent>,
+    /// Calls for the block-metrics collector, when one is attached.
+    metrics: Option<Vec<MetricsOp>>,
     scratch_first: Vec<BlockId>,
     scratch_last: Vec<BlockId>,
+    scratch_zeroed: Vec<bool>,
 }
 
 impl BlockPool {
     /// A pool of `num_gpu_blocks` blocks (block 0 becomes the null block).
+    /// `collect_metrics` records the calls of a `KVCacheMetricsCollector`.
     pub fn new(
         num_gpu_blocks: u32,
         enable_caching: bool,
         hash_block_size: usize,
         enable_kv_cache_events: bool,
+        collect_metrics: bool,
     ) -> Result<Self> {
         if num_gpu_blocks == 0 || num_gpu_blocks >= u32::MAX - 2 {
             return Err(Error::InvalidArgument(format!(
@@ -75,8 +84,10 @@ impl BlockPool {
             free_block_queue,
             cached_block_hash_to_block: BlockHashToBlockMap::new(n),
             events: Vec::new(),
+            metrics: collect_metrics.then(Vec::new),
             scratch_first: Vec::new(),
             scratch_last: Vec::new(),
+            scratch_zeroed: Vec::new(),
         })
     }
 
@@ -129,11 +140,19 @@ impl BlockPool {
         self.cached_block_hash_to_block.key_of(block_id)
     }
 
-    /// The prefix length (tokens) the block's hash covers, if it is cached.
+    /// The prefix length (tokens) the block's primary key covers, if it is cached.
     #[inline]
     pub fn block_hash_num_tokens(&self, block_id: BlockId) -> Option<u32> {
         self.block_hash(block_id)
             .map(|_| self.block_hash_num_tokens[block_id as usize])
+    }
+
+    /// vLLM's `is_block_writable`: not null, one owner, no hash.
+    #[inline]
+    pub fn is_block_writable(&self, block_id: BlockId) -> bool {
+        block_id != NULL_BLOCK_ID
+            && self.ref_cnt[block_id as usize] == 1
+            && self.block_hash(block_id).is_none()
     }
 
     /// The free queue (read only).
@@ -173,6 +192,37 @@ impl BlockPool {
             })
     }
 
+    /// vLLM's `get_cached_block(hash, group_ids)`: the cached block of every group
+    /// (appended to `out`), or false (and `out` unchanged) if any group misses.
+    #[inline]
+    pub fn get_cached_blocks(
+        &self,
+        hash: &BlockHash,
+        group_ids: &[u32],
+        out: &mut [Vec<BlockId>],
+    ) -> bool {
+        if let [g] = group_ids {
+            return match self.get_cached_block(hash, *g) {
+                Some(b) => {
+                    out[0].push(b);
+                    true
+                }
+                None => false,
+            };
+        }
+        let mut found = smallvec::SmallVec::<[BlockId; 4]>::new();
+        for &g in group_ids {
+            match self.get_cached_block(hash, g) {
+                Some(b) => found.push(b),
+                None => return false,
+            }
+        }
+        for (o, b) in out.iter_mut().zip(found) {
+            o.push(b);
+        }
+        true
+    }
+
     /// Hands out `n` blocks from the head of the free queue (appended to `out`),
     /// evicting the cached ones among them.
     pub fn get_new_blocks(&mut self, n: usize, out: &mut Vec<BlockId>) -> Result<()> {
@@ -183,43 +233,56 @@ impl BlockPool {
                 Self::evict_cached(
                     &mut self.cached_block_hash_to_block,
                     self.enable_kv_cache_events.then_some(&mut self.events),
+                    self.metrics.as_mut(),
                     id,
                 );
             }
             self.ref_cnt[id as usize] = 1;
+            if let Some(m) = self.metrics.as_mut() {
+                m.push(MetricsOp::Allocated(id));
+            }
         }
         Ok(())
     }
 
-    /// Drops the block's hash from the index (emitting `BlockRemoved`); returns
-    /// whether a key was removed.
-    fn maybe_evict_cached_block(&mut self, block_id: BlockId) -> bool {
-        Self::evict_cached(
-            &mut self.cached_block_hash_to_block,
-            self.enable_kv_cache_events.then_some(&mut self.events),
-            block_id,
-        )
-    }
-
-    /// `maybe_evict_cached_block` over split borrows, so that callers iterating
-    /// another field of the pool can use it.
+    /// vLLM's `_maybe_evict_cached_block` over split borrows: drops every key of the
+    /// block (one `BlockRemoved` each); returns whether any was removed.
     fn evict_cached(
         index: &mut BlockHashToBlockMap,
         events: Option<&mut Vec<KVCacheEvent>>,
+        metrics: Option<&mut Vec<MetricsOp>>,
         block_id: BlockId,
     ) -> bool {
-        let Some(key) = index.remove_block(block_id) else {
+        if let Some(m) = metrics {
+            m.push(MetricsOp::Evicted(block_id));
+        }
+        let removed = index.remove_block_hashes(block_id);
+        if removed.is_empty() {
             return false;
-        };
+        }
         if let Some(events) = events {
-            events.push(KVCacheEvent::BlockRemoved { key });
+            events.extend(
+                removed
+                    .into_iter()
+                    .map(|key| KVCacheEvent::BlockRemoved { key }),
+            );
         }
         true
     }
 
-    /// Takes a reference on each block, removing ref-0 ones from the free queue
-    /// (a prefix hit on an evictable cached block protects it from eviction).
-    pub fn touch(&mut self, block_ids: &[BlockId]) -> Result<()> {
+    /// Drops the block's keys from the index (vLLM's `_maybe_evict_cached_block`).
+    pub(crate) fn maybe_evict_cached_block(&mut self, block_id: BlockId) -> bool {
+        Self::evict_cached(
+            &mut self.cached_block_hash_to_block,
+            self.enable_kv_cache_events.then_some(&mut self.events),
+            self.metrics.as_mut(),
+            block_id,
+        )
+    }
+
+    /// Checks that `touch(block_ids)` would succeed (ids in range, every ref-0
+    /// block in the free queue); nothing changes.
+    pub fn validate_touch(&self, block_ids: &[BlockId]) -> Result<()> {
         for &id in block_ids {
             self.check_block_id(id as i64)?;
             if id != NULL_BLOCK_ID
@@ -229,6 +292,13 @@ impl BlockPool {
                 return Err(Error::NotInFreeQueue(id));
             }
         }
+        Ok(())
+    }
+
+    /// Takes a reference on each block, removing ref-0 ones from the free queue
+    /// (a prefix hit on an evictable cached block protects it from eviction).
+    pub fn touch(&mut self, block_ids: &[BlockId]) -> Result<()> {
+        self.validate_touch(block_ids)?;
         for &id in block_ids {
             if id == NULL_BLOCK_ID {
                 continue;
@@ -237,60 +307,43 @@ impl BlockPool {
                 self.free_block_queue.remove(id)?;
             }
             self.ref_cnt[id as usize] += 1;
+            if let Some(m) = self.metrics.as_mut() {
+                m.push(MetricsOp::Accessed(id));
+            }
         }
         Ok(())
     }
 
-    /// Checks that dropping one reference per listed block (in any number of
-    /// `free_blocks` calls) would succeed: ids in range, no reference dropped twice
-    /// more than held. Nothing changes.
-    pub fn check_free(&mut self, ids: impl Iterator<Item = BlockId> + Clone) -> Result<()> {
-        let mut failure = None;
-        let mut taken = 0usize;
-        for id in ids.clone() {
-            if let Err(e) = self.check_block_id(id as i64) {
-                failure = Some(e);
-                break;
-            }
-            if id != NULL_BLOCK_ID {
-                let rc = &mut self.ref_cnt[id as usize];
-                if *rc == 0 {
-                    failure = Some(Error::DoubleFree(id));
-                    break;
-                }
-                *rc -= 1;
-            }
-            taken += 1;
+    /// Takes one more reference on a block that already has one (vLLM's
+    /// `block.ref_cnt += 1` of copy-on-write retention).
+    pub(crate) fn retain(&mut self, block_id: BlockId) {
+        if block_id != NULL_BLOCK_ID {
+            self.ref_cnt[block_id as usize] += 1;
         }
-        // Restore every reference taken above.
-        for id in ids.take(taken) {
-            if id != NULL_BLOCK_ID {
-                self.ref_cnt[id as usize] += 1;
-            }
-        }
-        failure.map_or(Ok(()), Err)
     }
 
-    /// Drops one reference per listed block, first = evicted first (see module docs).
-    pub fn free_blocks<I>(&mut self, ordered_blocks: I) -> Result<()>
-    where
-        I: IntoIterator<Item = BlockId>,
-        I::IntoIter: Clone,
-    {
-        let iter = ordered_blocks.into_iter();
-        let mut first = std::mem::take(&mut self.scratch_first);
-        let mut last = std::mem::take(&mut self.scratch_last);
-        first.clear();
-        last.clear();
+    /// Drops one reference per listed block, first = evicted first (see module
+    /// docs): vLLM's `free_blocks(ordered_blocks)`.
+    pub fn free_blocks(&mut self, ordered_blocks: &[BlockId]) -> Result<()> {
+        self.free_block_segments(ordered_blocks, &[ordered_blocks.len()])
+    }
+
+    /// Several `free_blocks` calls in a row, checked as one: `ids[..ends[0]]`, then
+    /// `ids[ends[0]..ends[1]]`, ... (a multi-group request's per-group frees). Either
+    /// every reference is dropped or, on error, none.
+    pub fn free_block_segments(&mut self, ids: &[BlockId], ends: &[usize]) -> Result<()> {
+        // Plan: drop the references in order, remembering where a block reached 0;
+        // on the first bad id or double free, restore what was dropped.
+        let mut zeroed = std::mem::take(&mut self.scratch_zeroed);
+        zeroed.clear();
         let mut failure = None;
-        let mut processed = 0usize;
-        for id in iter.clone() {
+        for &id in ids {
             if let Err(e) = self.check_block_id(id as i64) {
                 failure = Some(e);
                 break;
             }
             if id == NULL_BLOCK_ID {
-                processed += 1;
+                zeroed.push(false);
                 continue;
             }
             let rc = &mut self.ref_cnt[id as usize];
@@ -299,127 +352,45 @@ impl BlockPool {
                 break;
             }
             *rc -= 1;
-            if *rc == 0 {
+            zeroed.push(*rc == 0);
+        }
+        if let Some(e) = failure {
+            for &id in &ids[..zeroed.len()] {
+                if id != NULL_BLOCK_ID {
+                    self.ref_cnt[id as usize] += 1;
+                }
+            }
+            self.scratch_zeroed = zeroed;
+            return Err(e);
+        }
+        // Apply: per segment, unhashed blocks to the head, hashed ones to the tail.
+        let mut first = std::mem::take(&mut self.scratch_first);
+        let mut last = std::mem::take(&mut self.scratch_last);
+        let mut start = 0;
+        let mut result = Ok(());
+        for &end in ends {
+            let end = end.min(ids.len());
+            first.clear();
+            last.clear();
+            for (i, &id) in ids.iter().enumerate().take(end).skip(start) {
+                if !zeroed[i] {
+                    continue;
+                }
                 if self.block_hash(id).is_none() || !self.enable_caching {
                     first.push(id);
                 } else {
                     last.push(id);
                 }
             }
-            processed += 1;
+            result = result
+                .and_then(|()| self.free_block_queue.prepend_n(&first))
+                .and_then(|()| self.free_block_queue.append_n(&last));
+            start = end;
         }
-        if let Some(e) = failure {
-            // Undo the decrements of this call: the state is as before.
-            for id in iter.take(processed) {
-                if id != NULL_BLOCK_ID {
-                    self.ref_cnt[id as usize] += 1;
-                }
-            }
-            self.scratch_first = first;
-            self.scratch_last = last;
-            return Err(e);
-        }
-        let result = self
-            .free_block_queue
-            .prepend_n(&first)
-            .and_then(|()| self.free_block_queue.append_n(&last));
         self.scratch_first = first;
         self.scratch_last = last;
+        self.scratch_zeroed = zeroed;
         result
-    }
-
-    /// Caches `table[num_cached_blocks..num_full_blocks]` under the request's
-    /// hashes (vLLM's `cache_full_blocks`); duplicates of existing keys are indexed
-    /// too. Records one `BlockStored` event when events are on.
-    #[allow(clippy::too_many_arguments)]
-    pub fn cache_full_blocks<H: BlockHashSource + ?Sized>(
-        &mut self,
-        block_hashes: &H,
-        table: &[BlockId],
-        num_cached_blocks: usize,
-        num_full_blocks: usize,
-        block_size: usize,
-        group_id: u32,
-    ) -> Result<()> {
-        if num_cached_blocks >= num_full_blocks {
-            return Ok(());
-        }
-        Self::check_cacheable(
-            self,
-            block_hashes,
-            table,
-            num_cached_blocks,
-            num_full_blocks,
-        )?;
-        for (i, &id) in table
-            .iter()
-            .enumerate()
-            .take(num_full_blocks)
-            .skip(num_cached_blocks)
-        {
-            if id == NULL_BLOCK_ID {
-                continue;
-            }
-            let key = BlockHashWithGroupId {
-                hash: block_hashes.get(i)?,
-                group_id,
-            };
-            let num_tokens = ((i + 1) * block_size) as u32;
-            // The index maps a key to a block iff it is the block's hash (no
-            // secondary keys here), so this one check stands for vLLM's `contain`.
-            if self.block_hash(id) == Some(&key) {
-                continue;
-            }
-            self.block_hash_num_tokens[id as usize] = num_tokens;
-            self.cached_block_hash_to_block.insert(key, id);
-        }
-        if self.enable_kv_cache_events {
-            self.events.push(KVCacheEvent::BlockStored {
-                group_id,
-                start_block: num_cached_blocks as u32,
-                end_block: num_full_blocks as u32,
-                block_size: block_size as u32,
-            });
-        }
-        Ok(())
-    }
-
-    /// Validation of `cache_full_blocks`' arguments, without side effects.
-    pub fn check_cacheable<H: BlockHashSource + ?Sized>(
-        &self,
-        block_hashes: &H,
-        table: &[BlockId],
-        num_cached_blocks: usize,
-        num_full_blocks: usize,
-    ) -> Result<()> {
-        if num_full_blocks > table.len() || num_full_blocks > block_hashes.len() {
-            return Err(Error::InvalidArgument(format!(
-                "cannot cache {num_full_blocks} blocks: the request has {} blocks and {} block \
-                 hashes",
-                table.len(),
-                block_hashes.len()
-            )));
-        }
-        for (i, &id) in table
-            .iter()
-            .enumerate()
-            .take(num_full_blocks)
-            .skip(num_cached_blocks)
-        {
-            if id == NULL_BLOCK_ID {
-                continue;
-            }
-            let hash = block_hashes.get(i)?;
-            if let Some(existing) = self.block_hash(id) {
-                if existing.hash != hash {
-                    return Err(Error::Unsupported(format!(
-                        "block {id} is already cached under another hash (partial-block \
-                         promotion)"
-                    )));
-                }
-            }
-        }
-        Ok(())
     }
 
     /// Drops the listed blocks from the prefix cache (ref counts untouched).
@@ -441,10 +412,21 @@ impl BlockPool {
             return false;
         }
         self.cached_block_hash_to_block.clear();
+        if let Some(m) = self.metrics.as_mut() {
+            m.push(MetricsOp::Reset);
+        }
         if self.enable_kv_cache_events {
             self.events.push(KVCacheEvent::AllBlocksCleared);
         }
         true
+    }
+
+    /// Records an event (events on only).
+    #[inline]
+    pub(crate) fn push_event(&mut self, event: KVCacheEvent) {
+        if self.enable_kv_cache_events {
+            self.events.push(event);
+        }
     }
 
     /// Drains the recorded events.
@@ -456,6 +438,20 @@ impl BlockPool {
     #[inline]
     pub fn has_events(&self) -> bool {
         !self.events.is_empty()
+    }
+
+    /// Drains the recorded block-metrics calls.
+    pub fn take_metrics_ops(&mut self) -> Vec<MetricsOp> {
+        self.metrics
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    /// Whether block-metrics calls are waiting to be replayed.
+    #[inline]
+    pub fn has_metrics_ops(&self) -> bool {
+        self.metrics.as_ref().is_some_and(|m| !m.is_empty())
     }
 
     /// Checks every structural invariant (tests and debugging); `Err` names the
@@ -496,20 +492,22 @@ mod tests {
 
     #[test]
     fn null_block_is_popped_at_construction() {
-        let pool = BlockPool::new(4, true, 16, false).unwrap();
+        let pool = BlockPool::new(4, true, 16, false, false).unwrap();
         assert_eq!(pool.free_block_queue().get_all_free_blocks(), vec![1, 2, 3]);
         assert_eq!(pool.get_usage(), 0.0);
     }
 
     #[test]
     fn free_puts_unhashed_at_head_and_hashed_at_tail() {
-        let mut pool = BlockPool::new(8, true, 1, false).unwrap();
+        let mut pool = BlockPool::new(8, true, 1, false, false).unwrap();
         let mut ids = vec![];
         pool.get_new_blocks(4, &mut ids).unwrap();
         assert_eq!(ids, vec![1, 2, 3, 4]);
         let hashes = vec![h(1), h(2), h(3)];
-        pool.cache_full_blocks(&hashes, &ids, 0, 3, 1, 0).unwrap();
-        pool.free_blocks(ids.iter().rev().copied()).unwrap();
+        pool.cache_full_blocks(&hashes, &ids, 0, 3, 1, 0, None)
+            .unwrap();
+        let rev: Vec<_> = ids.iter().rev().copied().collect();
+        pool.free_blocks(&rev).unwrap();
         assert_eq!(
             pool.free_block_queue().get_all_free_blocks(),
             vec![4, 5, 6, 7, 3, 2, 1]
@@ -518,12 +516,26 @@ mod tests {
     }
 
     #[test]
+    fn segments_are_queued_one_after_the_other() {
+        // Two groups' tables freed in one call: the second group's unhashed block
+        // ends up at the head, as two separate `free_blocks` calls would leave it.
+        let mut pool = BlockPool::new(6, true, 1, false, false).unwrap();
+        let mut ids = vec![];
+        pool.get_new_blocks(2, &mut ids).unwrap();
+        pool.free_block_segments(&[1, 2], &[1, 2]).unwrap();
+        assert_eq!(
+            pool.free_block_queue().get_all_free_blocks(),
+            vec![2, 1, 3, 4, 5]
+        );
+    }
+
+    #[test]
     fn double_free_is_an_error_and_changes_nothing() {
-        let mut pool = BlockPool::new(4, true, 1, false).unwrap();
+        let mut pool = BlockPool::new(4, true, 1, false, false).unwrap();
         let mut ids = vec![];
         pool.get_new_blocks(2, &mut ids).unwrap();
         let before = pool.free_block_queue().get_all_free_blocks();
-        assert_eq!(pool.free_blocks([1, 2, 1]), Err(Error::DoubleFree(1)));
+        assert_eq!(pool.free_blocks(&[1, 2, 1]), Err(Error::DoubleFree(1)));
         assert_eq!(pool.ref_cnt(1), 1);
         assert_eq!(pool.ref_cnt(2), 1);
         assert_eq!(pool.free_block_queue().get_all_free_blocks(), before);
@@ -532,12 +544,12 @@ mod tests {
 
     #[test]
     fn evictable_block_is_evicted_lazily_on_reuse() {
-        let mut pool = BlockPool::new(3, true, 1, true).unwrap();
+        let mut pool = BlockPool::new(3, true, 1, true, true).unwrap();
         let mut ids = vec![];
         pool.get_new_blocks(1, &mut ids).unwrap();
-        pool.cache_full_blocks(&vec![h(9)], &ids, 0, 1, 1, 0)
+        pool.cache_full_blocks(&vec![h(9)], &ids, 0, 1, 1, 0, None)
             .unwrap();
-        pool.free_blocks([1]).unwrap();
+        pool.free_blocks(&[1]).unwrap();
         assert_eq!(pool.get_cached_block(&h(9), 0), Some(1));
         let mut more = vec![];
         pool.get_new_blocks(2, &mut more).unwrap();
@@ -546,15 +558,27 @@ mod tests {
         let events = pool.take_events();
         assert_eq!(events.len(), 2);
         assert!(matches!(events[1], KVCacheEvent::BlockRemoved { .. }));
+        use MetricsOp::*;
+        assert_eq!(
+            pool.take_metrics_ops(),
+            vec![
+                Evicted(1),
+                Allocated(1),
+                Evicted(2),
+                Allocated(2),
+                Evicted(1),
+                Allocated(1)
+            ]
+        );
     }
 
     #[test]
     fn reset_fails_while_blocks_are_in_use() {
-        let mut pool = BlockPool::new(3, true, 1, false).unwrap();
+        let mut pool = BlockPool::new(3, true, 1, false, false).unwrap();
         let mut ids = vec![];
         pool.get_new_blocks(1, &mut ids).unwrap();
         assert!(!pool.reset_prefix_cache());
-        pool.free_blocks([1]).unwrap();
+        pool.free_blocks(&[1]).unwrap();
         assert!(pool.reset_prefix_cache());
     }
 }

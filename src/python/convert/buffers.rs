@@ -11,7 +11,7 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyList};
 
-use super::errors::InvalidArgumentError;
+use crate::python::errors::InvalidArgumentError;
 
 /// A `bytearray` of native-endian int64 holding `n` values.
 pub(crate) fn i64_bytearray<'py>(

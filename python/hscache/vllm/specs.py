@@ -1,0 +1,127 @@
+"""vLLM's KV-cache configuration, read into the plain values the Rust core takes.
+
+Conversion only: each KV-cache group's spec object becomes a dict of the fields the
+core's single-type managers read (``src/python/convert/spec.rs`` reads it), with the
+manager kind vLLM's own registry (``KVCacheSpecRegistry``) picks for the spec. The
+rules live in the core; this module also names the configurations the core does not
+serve (``unsupported_reason``), each a logged fallback to vLLM's manager, or an error
+with ``HSCACHE_STRICT=1``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from vllm.v1.core import single_type_kv_cache_manager as stm
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupRole,
+    SlidingWindowSpec,
+)
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+
+def env_flag(name: str) -> bool:
+    """Whether an environment flag is set (``1``, ``true``, ``yes``, ``on``)."""
+    return os.environ.get(name, "0").lower() not in ("", "0", "false", "no", "off")
+
+
+# vLLM's manager class -> the core's manager kind (`ManagerKind` in src/manager/spec.rs).
+_KINDS: dict[type, str] = {
+    stm.FullAttentionManager: "full_attention",
+    stm.SinkFullAttentionManager: "sink_full_attention",
+    stm.RSWAManager: "rswa",
+    stm.CircularBufferManager: "circular_buffer",
+    stm.SlidingWindowManager: "sliding_window",
+    stm.ChunkedLocalAttentionManager: "chunked_local",
+    stm.MambaManager: "mamba",
+    stm.CrossAttentionManager: "cross_attention",
+}
+
+
+def manager_class(group: Any) -> Any:
+    """The vLLM manager class of a KV-cache group (None if none is registered)."""
+    try:
+        return KVCacheSpecRegistry.get_manager_class(group.kv_cache_spec, group.role)
+    except Exception:  # an unregistered custom spec
+        return None
+
+
+def unsupported_reason(config: KVCacheConfig) -> str | None:
+    """Why the core cannot serve this configuration, or None if it can."""
+    if env_flag("HSCACHE_DISABLE"):
+        return "HSCACHE_DISABLE is set"
+    for i, group in enumerate(config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if group.role != KVCacheGroupRole.DEFAULT or group.host_resident:
+            return f"group {i}: HiSparse host-tier groups ({group.role})"
+        cls = manager_class(group)
+        if cls is None:
+            return f"group {i}: no manager registered for {type(spec).__name__}"
+        if cls not in _KINDS:
+            return f"group {i}: {type(spec).__name__} needs {getattr(cls, '__name__', cls)}"
+    if config.hisparse_host_num_blocks is not None:
+        return "HiSparse host-tier pool"
+    return None
+
+
+def group_specs(
+    config: KVCacheConfig, max_in_flight_tokens: int, max_model_len: int
+) -> list[dict[str, Any]]:
+    """One dict per KV-cache group (see module docs); `unsupported_reason` is None."""
+    out: list[dict[str, Any]] = []
+    classes: list[tuple[Any, Any]] = []  # (spec, manager class) of each spec class
+    for group in config.kv_cache_groups:
+        # The kind-specific fields below exist on the spec class the kind came from.
+        spec: Any = group.kv_cache_spec
+        cls = manager_class(group)
+        # Groups with equal specs and managers are looked up together (vLLM's
+        # `verify_and_split_kv_cache_groups`).
+        key = next(
+            (k for k, (s, c) in enumerate(classes) if c is cls and s == spec),
+            None,
+        )
+        if key is None:
+            classes.append((spec, cls))
+            key = len(classes) - 1
+        d: dict[str, Any] = {
+            "kind": _KINDS[cls],
+            "block_size": spec.block_size,
+            "dcp_sharded": bool(spec.dcp_sharded),
+            "prefix_cacheable": bool(spec.prefix_cacheable),
+            "is_eagle_group": bool(group.is_eagle_group),
+            "is_full_attention_spec": isinstance(spec, FullAttentionSpec),
+            "is_attention_spec": isinstance(spec, AttentionSpec),
+            "is_cross_or_encoder_only": isinstance(
+                spec, CrossAttentionSpec | EncoderOnlyAttentionSpec
+            ),
+            "spec_class": key,
+            "max_admission_blocks_per_request": None,
+        }
+        if isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
+            d["max_admission_blocks_per_request"] = spec.max_admission_blocks_per_request(
+                max_in_flight_tokens=max_in_flight_tokens, max_model_len=max_model_len
+            )
+        kind = d["kind"]
+        if kind == "sink_full_attention":
+            d["sink_len"] = spec.sink_len or 0
+        elif kind == "rswa":
+            d["rswa_window"] = spec.rswa_window
+        elif kind == "sliding_window":
+            d["sliding_window"] = spec.sliding_window
+            d["extra_retained_tokens"] = spec.extra_retained_tokens
+        elif kind == "chunked_local":
+            d["attention_chunk_size"] = spec.attention_chunk_size
+        elif kind == "mamba":
+            d["mamba_cache_mode"] = spec.mamba_cache_mode
+            d["num_speculative_blocks"] = spec.num_speculative_blocks
+            d["num_prefill_checkpoint_blocks"] = spec.num_prefill_checkpoint_blocks
+            d["prefill_checkpoint_alignment"] = spec.prefill_checkpoint_alignment
+        out.append(d)
+    return out

@@ -1,0 +1,286 @@
+"""Read-through views of the core's coordinator and single-type managers.
+
+vLLM's Scheduler, connectors and tests read ``kv_cache_manager.coordinator`` and
+``coordinator.single_type_managers[g]`` (block sizes, specs, ``req_to_blocks``,
+Mamba's ``_checkpoints``, ...), check their classes (``isinstance(coordinator,
+HybridKVCacheCoordinator)``, ``isinstance(manager, CrossAttentionManager)``) and call a
+few coordinator methods directly (``get_num_blocks_to_allocate`` for async-load
+admission). Each view is an instance of a subclass of vLLM's own class (built by
+``coordinator_view`` / ``manager_view``, never running vLLM's ``__init__``) whose
+attributes and methods answer from the core at the moment they are read; the views
+hold no state of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from vllm.v1.core import kv_cache_coordinator as kcc
+from vllm.v1.kv_cache_interface import MambaSpec
+
+if TYPE_CHECKING:
+    from hscache.vllm.kv_cache_manager import KVCacheManager
+
+
+class SpecGroup(NamedTuple):
+    """vLLM's ``SpecGroup``: groups of one spec, looked up together."""
+
+    spec: Any
+    group_ids: list[int]
+    manager_cls: Any
+    use_eagle: bool
+
+
+class _CowQueue:
+    """A manager's ``_pending_cow_copies``: appending queues a copy in the core."""
+
+    def __init__(self, core: KVCacheManager, group: int) -> None:
+        self._core = core
+        self._group = group
+
+    def append(self, pair: tuple[Any, Any]) -> None:
+        self._core.core_push_cow_copy(self._group, pair[0], pair[1])
+
+
+class SingleTypeManagerView:
+    """``coordinator.single_type_managers[g]``: the attributes vLLM code reads."""
+
+    def __init__(self, manager: KVCacheManager, group_id: int) -> None:
+        from hscache.vllm.specs import manager_class
+
+        self._manager = manager
+        group = manager.kv_cache_config.kv_cache_groups[group_id]
+        self.kv_cache_group_id = group_id
+        self.kv_cache_spec = group.kv_cache_spec
+        self.manager_cls = manager_class(group)
+        self.block_pool = manager.block_pool
+        self.enable_caching = manager.enable_caching
+        self._null_block = manager.block_pool.null_block
+        info = manager.core_group_info(group_id)
+        self.block_size: int = info["block_size"]
+        self.dcp_world_size: int = info["dcp_world_size"]
+        self.pcp_world_size: int = info["pcp_world_size"]
+        self._records_new_block_ids: bool = info["records_new_block_ids"]
+        self.scheduler_block_size = manager.core_coordinator_info()["scheduler_block_size"]
+        self._pending_cow_copies = _CowQueue(manager, group_id)
+        spec = self.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            self.mamba_cache_mode = spec.mamba_cache_mode
+            self.num_speculative_blocks = spec.num_speculative_blocks
+
+    def _info(self, key: str) -> Any:
+        return self._manager.core_group_info(self.kv_cache_group_id)[key]
+
+    @property
+    def records_new_block_ids(self) -> bool:
+        return self._records_new_block_ids
+
+    @property
+    def use_eagle(self) -> bool:
+        return bool(self._info("use_eagle"))
+
+    @property
+    def cache_hit_alignment_tokens(self) -> int:
+        return int(self._info("cache_hit_alignment_tokens"))
+
+    @property
+    def shared_prefix_checkpoint(self) -> bool:
+        return bool(self._info("shared_prefix_checkpoint"))
+
+    @property
+    def drop_eagle_checkpoint_block(self) -> bool:
+        return bool(self._info("drop_eagle_checkpoint_block"))
+
+    @property
+    def req_to_blocks(self) -> dict[str, list[Any]]:
+        m, g = self._manager, self.kv_cache_group_id
+        return {rid: m.core_group_blocks(rid, g) for rid in m.core_request_ids()}
+
+    @property
+    def num_cached_block(self) -> dict[str, int]:
+        m, g = self._manager, self.kv_cache_group_id
+        out = {}
+        for rid in m.core_request_ids():
+            n = m.core_num_cached_block(rid, g)
+            if n is not None:
+                out[rid] = n
+        return out
+
+    @property
+    def _partial_hit_reqs(self) -> dict[str, tuple[int, Any]]:
+        return dict(self._manager.core_partial_hit_reqs(self.kv_cache_group_id))
+
+    def _mamba(self, key: str) -> Any:
+        state = self._manager.core_mamba_state(self.kv_cache_group_id)
+        if state is None:
+            raise AttributeError(f"group {self.kv_cache_group_id} is not a Mamba group")
+        return state[key]
+
+    @property
+    def _checkpoints(self) -> dict[str, tuple[int, int]]:
+        return dict(self._mamba("checkpoints"))
+
+    @property
+    def last_state_block_idx(self) -> dict[str, int]:
+        return dict(self._mamba("last_state_block_idx"))
+
+    @property
+    def _allocated_block_reqs(self) -> set[str]:
+        return set(self._mamba("allocated"))
+
+    @property
+    def cached_blocks_this_step(self) -> set[bytes]:
+        return set(self._mamba("cached_this_step"))
+
+
+class CoordinatorView:
+    """``kv_cache_manager.coordinator``: what the Scheduler and connectors read."""
+
+    def __init__(self, manager: KVCacheManager) -> None:
+        self._manager = manager
+        self.kv_cache_config = manager.kv_cache_config
+        self.block_pool = manager.block_pool
+        info = manager.core_coordinator_info()
+        self.scheduler_block_size: int = info["scheduler_block_size"]
+        self.hash_block_size: int = info["hash_block_size"]
+        self.num_reprefillable_tokens: int = info["num_reprefillable_tokens"]
+        self.retention_interval: int | None = info["retention_interval"]
+        self.enable_partial_hash_hits: bool = info["enable_partial_hash_hits"]
+        self.eagle_group_ids: set[int] = set(info["eagle_group_ids"])
+        self.drop_eagle_group_ids: set[int] = set(info["drop_eagle_group_ids"])
+        self.single_type_managers = tuple(
+            manager_view(manager, g) for g in range(len(manager.kv_cache_config.kv_cache_groups))
+        )
+        self.group_block_sizes = tuple(m.block_size for m in self.single_type_managers)
+        groups = self.kv_cache_config.kv_cache_groups
+        if info["kind"] == "Unitary":
+            self.kv_cache_spec = groups[0].kv_cache_spec
+            self.block_size = self.single_type_managers[0].block_size
+            self.dcp_world_size = self.single_type_managers[0].dcp_world_size
+            self.pcp_world_size = self.single_type_managers[0].pcp_world_size
+        if info["kind"] == "Hybrid":
+            self.full_attention_group_id: int | None = info["full_attention_group_id"]
+            self.attention_groups = [
+                SpecGroup(
+                    groups[ids[0]].kv_cache_spec,
+                    list(ids),
+                    self.single_type_managers[ids[0]].manager_cls,
+                    use_eagle,
+                )
+                for ids, use_eagle in info["attention_groups"]
+            ]
+
+    @property
+    def _cache_hit_alignment_tokens(self) -> int:
+        return int(self._manager.core_coordinator_info()["cache_hit_alignment_tokens"])
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: tuple[Sequence[Any], ...],
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        return int(
+            self._manager.core_num_blocks_to_allocate(
+                request_id,
+                num_tokens,
+                new_computed_blocks,
+                num_encoder_tokens,
+                total_computed_tokens,
+                num_local_computed_tokens,
+                num_tokens_main_model,
+                apply_admission_cap,
+                prefill_end,
+            )
+        )
+
+    def get_blocks(self, request_id: str) -> tuple[list[Any], ...]:
+        m = self._manager
+        return tuple(
+            m.core_group_blocks(request_id, g) for g in range(len(self.single_type_managers))
+        )
+
+    def find_longest_cache_hit(
+        self, block_hashes: list[bytes], max_cache_hit_length: int
+    ) -> tuple[tuple[list[Any], ...], int, int]:
+        blocks, hit, uncached = self._manager.core_find_longest_cache_hit(
+            block_hashes, max_cache_hit_length
+        )
+        return tuple(blocks), hit, uncached
+
+    def find_longest_cache_hit_per_group(
+        self, block_hashes: list[bytes], max_cache_hit_length: int
+    ) -> tuple[tuple[list[Any], ...], tuple[int, ...]]:
+        blocks, lengths = self._manager.core_find_longest_cache_hit_per_group(
+            block_hashes, max_cache_hit_length
+        )
+        return tuple(blocks), tuple(lengths)
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        self._manager.cache_blocks(request, num_computed_tokens)
+
+    def free(self, request_id: str) -> None:
+        self._manager.core_free(request_id)
+
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        self._manager.remove_skipped_blocks(
+            request_id, processed_computed_tokens, num_prompt_tokens
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.block_pool.reset_prefix_cache())
+
+    def new_step_starts(self) -> None:
+        self._manager.new_step_starts()
+
+
+_COORDINATORS = {
+    "NoPrefixCache": kcc.KVCacheCoordinatorNoPrefixCache,
+    "Unitary": kcc.UnitaryKVCacheCoordinator,
+    "Hybrid": kcc.HybridKVCacheCoordinator,
+}
+_VIEW_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _view_class(view: type, vllm_cls: type) -> type:
+    """``view`` over ``vllm_cls``: vLLM's class for ``isinstance``, the view's members
+    first in the MRO."""
+    key = (view, vllm_cls)
+    if key not in _VIEW_CLASSES:
+        # vLLM's own name: code compares `type(x).__name__` too.
+        name = vllm_cls.__name__
+        _VIEW_CLASSES[key] = type(
+            name, (view, vllm_cls), {"__module__": __name__, "__qualname__": name}
+        )
+    return _VIEW_CLASSES[key]
+
+
+def manager_view(manager: KVCacheManager, group_id: int) -> SingleTypeManagerView:
+    """The view of group ``group_id``'s manager, an instance of vLLM's manager class."""
+    from hscache.vllm.specs import manager_class
+
+    cls = manager_class(manager.kv_cache_config.kv_cache_groups[group_id])
+    view_cls = _view_class(SingleTypeManagerView, cls) if cls else SingleTypeManagerView
+    view: SingleTypeManagerView = object.__new__(view_cls)
+    SingleTypeManagerView.__init__(view, manager, group_id)
+    return view
+
+
+def coordinator_view(manager: KVCacheManager) -> CoordinatorView:
+    """The coordinator view, an instance of vLLM's coordinator class of this layout."""
+    kind = manager.core_coordinator_info()["kind"]
+    view: CoordinatorView = object.__new__(_view_class(CoordinatorView, _COORDINATORS[kind]))
+    CoordinatorView.__init__(view, manager)
+    return view

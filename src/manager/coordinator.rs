@@ -1,0 +1,1231 @@
+//! `KVCacheCoordinator`: the KV-cache groups of one model over one block pool.
+//!
+//! Mirrors vLLM 0.33 `v1/core/kv_cache_coordinator.py`: its three coordinators are
+//! the three [`CoordinatorKind`]s of one struct (they differ only in the hit search
+//! and in how many tokens a group may cache).
+//!
+//! Key properties:
+//! - One [`BlockPool`] shared by every group; one request table holding each
+//!   request's [`GroupBlocks`] of every group (one lookup per call, whatever the
+//!   number of groups); one manager per group.
+//! - Admission is two-phase: every group adopts (touches) its hits before any
+//!   group allocates blocks for external tokens, so one group's allocation cannot
+//!   evict another group's hit.
+//! - The hybrid hit search is a fixed point: each spec group accepts the
+//!   candidate length or shortens it, until no group shortens it (full attention,
+//!   whose hits are downward closed, is looked up once and then only trimmed).
+//!   EAGLE groups look one drop unit further and drop it, at most once per
+//!   candidate length.
+//! - Groups in a hybrid model cache only up to the scheduler block (or, with
+//!   partial hash hits, any hash boundary), which is where a hit can land.
+
+use smallvec::SmallVec;
+
+use super::request::PlannedHashes;
+use super::single_type::{
+    new_manager, CacheQuery, GroupBlocks, HitQuery, ManagerBase, NumBlocksQuery, SingleTypeManager,
+};
+use super::spec::{GroupSpec, MambaCacheMode, ManagerKind};
+use crate::error::{Error, Result};
+use crate::events::KVCacheEvent;
+use crate::pool::BlockPool;
+use crate::request_table::RequestTable;
+use crate::types::{cdiv, BlockHashSource, BlockId, NULL_BLOCK_ID};
+
+/// Which of vLLM's coordinators this is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CoordinatorKind {
+    /// `KVCacheCoordinatorNoPrefixCache`: caching off, any number of groups.
+    NoPrefixCache,
+    /// `UnitaryKVCacheCoordinator`: one group.
+    Unitary,
+    /// `HybridKVCacheCoordinator`: several groups.
+    Hybrid,
+}
+
+/// The coordinator's construction parameters.
+#[derive(Clone, Debug)]
+pub struct CoordinatorConfig {
+    pub num_blocks: u32,
+    pub groups: Vec<GroupSpec>,
+    pub use_eagle: bool,
+    pub enable_caching: bool,
+    pub enable_kv_cache_events: bool,
+    pub dcp_world_size: usize,
+    pub pcp_world_size: usize,
+    pub scheduler_block_size: usize,
+    pub hash_block_size: usize,
+    pub collect_metrics: bool,
+    pub num_hash_lookahead_tokens: usize,
+    pub num_prefill_lookahead: usize,
+    /// `kv_cache_config.prefix_cache_retention_interval`.
+    pub retention_interval: Option<usize>,
+    pub needs_kv_cache_zeroing: bool,
+    pub allow_partial_hash_hits: bool,
+}
+
+/// Groups with one spec, looked up together (vLLM's `SpecGroup`).
+#[derive(Clone, Debug)]
+pub struct SpecGroup {
+    pub group_ids: SmallVec<[u32; 4]>,
+    pub use_eagle: bool,
+    pub is_full_attention: bool,
+    pub is_mamba: bool,
+    pub supports_fine_grained: bool,
+}
+
+/// One request's tables in every group.
+#[derive(Clone, Debug, Default)]
+pub struct RequestState {
+    pub groups: SmallVec<[GroupBlocks; 2]>,
+    /// The last batch this request was checked in (batched calls).
+    pub batch_epoch: u64,
+}
+
+/// When a call needs which request field (derived once from the groups).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FieldNeeds {
+    /// Some group frees blocks attention skips: `num_in_flight_tokens`.
+    pub in_flight_for_skip: bool,
+    /// Some group (R-SWA) frees by the prompt length: `num_prompt_tokens`.
+    pub prompt_for_skip: bool,
+    /// Caching reads the prompt length (masks, partial prompt tails).
+    pub prompt_for_cache: bool,
+    /// Caching reads `shared_prefix_boundary`.
+    pub shared_prefix_for_cache: bool,
+    /// Mamba "align" reserves prefill checkpoints by `prefill_end`.
+    pub prefill_end: bool,
+    /// Some group's caching has effects beyond new full blocks (partial entries,
+    /// Mamba checkpoints), so it runs on every call.
+    pub cache_every_call: bool,
+}
+
+/// The coordinator (see module docs).
+#[derive(Debug)]
+pub struct KVCacheCoordinator {
+    kind: CoordinatorKind,
+    pub(crate) pool: BlockPool,
+    pub(crate) managers: Vec<Box<dyn SingleTypeManager>>,
+    pub(crate) requests: RequestTable<RequestState>,
+    spare_states: Vec<RequestState>,
+    scheduler_block_size: usize,
+    hash_block_size: usize,
+    num_reprefillable_tokens: usize,
+    eagle_group_ids: SmallVec<[u32; 4]>,
+    drop_eagle_group_ids: SmallVec<[u32; 4]>,
+    retention_interval: Option<usize>,
+    enable_partial_hash_hits: bool,
+    attention_groups: Vec<SpecGroup>,
+    full_attention_group_id: Option<u32>,
+    needs: FieldNeeds,
+    /// Some Mamba "align" group keeps per-request state from the first lookup on.
+    mamba_align: bool,
+}
+
+fn lcm_divides(scheduler_block_size: usize, block_size: usize) -> bool {
+    block_size != 0 && scheduler_block_size % block_size == 0
+}
+
+impl KVCacheCoordinator {
+    /// vLLM's `get_kv_cache_coordinator` + the coordinators' constructors: every
+    /// assertion vLLM makes is an `Err` here.
+    pub fn new(c: CoordinatorConfig) -> Result<Self> {
+        let n = c.groups.len();
+        let kind = if !c.enable_caching {
+            CoordinatorKind::NoPrefixCache
+        } else if n == 1 {
+            CoordinatorKind::Unitary
+        } else {
+            CoordinatorKind::Hybrid
+        };
+        let (sbs, hbs) = (c.scheduler_block_size, c.hash_block_size);
+        if sbs == 0 || hbs == 0 || sbs % hbs != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "scheduler_block_size {sbs} must be a positive multiple of hash_block_size {hbs}"
+            )));
+        }
+        if let Some(g) = c.groups.iter().find(|g| !lcm_divides(sbs, g.block_size)) {
+            return Err(Error::InvalidArgument(format!(
+                "scheduler_block_size {sbs} is not a multiple of a group's block size {}",
+                g.block_size
+            )));
+        }
+        let caching = kind != CoordinatorKind::NoPrefixCache;
+        let pool = BlockPool::new(
+            c.num_blocks,
+            caching,
+            hbs,
+            c.enable_kv_cache_events,
+            c.collect_metrics,
+        )?;
+        let mut eagle_group_ids: SmallVec<[u32; 4]> = (0..n as u32)
+            .filter(|&i| c.groups[i as usize].is_eagle_group)
+            .collect();
+        if c.use_eagle && eagle_group_ids.is_empty() {
+            eagle_group_ids = (0..n as u32).collect();
+        }
+        let drop_eagle_group_ids = if c.use_eagle {
+            eagle_group_ids.clone()
+        } else {
+            SmallVec::new()
+        };
+        if caching && !eagle_group_ids.is_empty() && sbs < c.num_prefill_lookahead {
+            return Err(Error::InvalidArgument(format!(
+                "Multi-module MTP with prefix caching requires scheduler_block_size \
+                 (={sbs}) >= num_speculative_tokens (={})",
+                c.num_prefill_lookahead
+            )));
+        }
+        let mut managers = Vec::with_capacity(n);
+        for (i, spec) in c.groups.iter().enumerate() {
+            let mut base = ManagerBase::new(
+                spec.clone(),
+                i as u32,
+                caching,
+                sbs,
+                hbs,
+                c.dcp_world_size,
+                c.pcp_world_size,
+                c.needs_kv_cache_zeroing,
+            );
+            base.num_hash_lookahead_tokens = c.num_hash_lookahead_tokens;
+            base.eagle_checkpoints = c.use_eagle;
+            managers.push(new_manager(base)?);
+        }
+        Self::validate_retention(c.retention_interval, sbs, &c.groups)?;
+        let mamba_align = c
+            .groups
+            .iter()
+            .any(|g| g.mamba_mode() == Some(MambaCacheMode::Align));
+        let mut this = Self {
+            kind,
+            pool,
+            managers,
+            requests: RequestTable::default(),
+            spare_states: Vec::new(),
+            scheduler_block_size: sbs,
+            hash_block_size: hbs,
+            num_reprefillable_tokens: c.num_prefill_lookahead.saturating_sub(1),
+            eagle_group_ids,
+            drop_eagle_group_ids,
+            retention_interval: c.retention_interval,
+            enable_partial_hash_hits: false,
+            attention_groups: Vec::new(),
+            full_attention_group_id: None,
+            needs: FieldNeeds::default(),
+            mamba_align,
+        };
+        match kind {
+            CoordinatorKind::NoPrefixCache => {}
+            CoordinatorKind::Unitary => {
+                let bs = this.managers[0].base().block_size;
+                if hbs != bs {
+                    return Err(Error::InvalidArgument(format!(
+                        "one KV-cache group needs hash_block_size ({hbs}) == block_size ({bs})"
+                    )));
+                }
+                let drop = this.drop_eagle_group_ids.contains(&0);
+                this.managers[0].base_mut().use_eagle = drop;
+            }
+            CoordinatorKind::Hybrid => this.init_hybrid(&c)?,
+        }
+        this.needs = this.field_needs();
+        Ok(this)
+    }
+
+    /// vLLM's `_validate_prefix_cache_retention_interval`.
+    fn validate_retention(
+        retention: Option<usize>,
+        sbs: usize,
+        groups: &[GroupSpec],
+    ) -> Result<()> {
+        let Some(r) = retention else {
+            return Ok(());
+        };
+        let sparse_capable = groups
+            .iter()
+            .any(|g| g.is_mamba() || matches!(g.kind, ManagerKind::SlidingWindow { .. }));
+        if !sparse_capable {
+            if r == 0 {
+                return Ok(());
+            }
+            return Err(Error::InvalidArgument(
+                "prefix_cache_retention_interval is set but this model has no \
+                 sliding-window or Mamba KV cache group, so retention has no effect. Set \
+                 it to 0 (it only applies to sliding-window and Mamba attention)."
+                    .into(),
+            ));
+        }
+        if r % sbs != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "prefix_cache_retention_interval ({r}) must be non-negative and a multiple \
+                 of scheduler_block_size ({sbs})."
+            )));
+        }
+        Ok(())
+    }
+
+    /// The hybrid coordinator's constructor: divisibility and context-parallel
+    /// checks, partial hash hits, hit alignment, and the spec groups.
+    fn init_hybrid(&mut self, c: &CoordinatorConfig) -> Result<()> {
+        let hbs = self.hash_block_size;
+        for m in &self.managers {
+            let b = m.base();
+            if b.spec.prefix_cacheable && b.block_size % hbs != 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "each KV cache group's block size must be divisible by hash_block_size \
+                     {hbs}, got {}",
+                    b.block_size
+                )));
+            }
+        }
+        for g in &c.groups {
+            let replicated = !g.dcp_sharded;
+            if c.pcp_world_size > 1
+                && !(g.is_full_attention_spec || (g.is_attention_spec && replicated))
+            {
+                return Err(Error::Unsupported(
+                    "PCP only supports full attention and replicated draft groups".into(),
+                ));
+            }
+            if c.dcp_world_size > 1 && !(g.is_full_attention_spec || replicated) {
+                return Err(Error::Unsupported(
+                    "DCP with hybrid KV cache layouts only supports full-attention, Mamba, \
+                     and replicated draft groups"
+                        .into(),
+                ));
+            }
+        }
+        self.enable_partial_hash_hits =
+            c.allow_partial_hash_hits && self.partial_hash_hits_enabled(c.dcp_world_size);
+        let align = if self.enable_partial_hash_hits {
+            hbs
+        } else {
+            self.scheduler_block_size
+        };
+        for m in &mut self.managers {
+            m.base_mut().cache_hit_alignment_tokens = align;
+        }
+        // Spec groups: equal specs of the same manager kind are looked up together.
+        let mut groups: Vec<SpecGroup> = Vec::new();
+        let mut classes: Vec<u32> = Vec::new();
+        for (i, m) in self.managers.iter().enumerate() {
+            let spec = &m.base().spec;
+            if !spec.prefix_cacheable {
+                continue;
+            }
+            let use_eagle = self.drop_eagle_group_ids.contains(&(i as u32));
+            match classes.iter().position(|&cl| cl == spec.spec_class) {
+                Some(idx) => {
+                    groups[idx].group_ids.push(i as u32);
+                    groups[idx].use_eagle |= use_eagle;
+                }
+                None => {
+                    classes.push(spec.spec_class);
+                    groups.push(SpecGroup {
+                        group_ids: SmallVec::from_slice(&[i as u32]),
+                        use_eagle,
+                        is_full_attention: spec.is_full_attention_spec,
+                        is_mamba: spec.is_mamba(),
+                        supports_fine_grained: spec.supports_fine_grained_hash_lookup(),
+                    });
+                }
+            }
+        }
+        if groups.is_empty() {
+            return Err(Error::InvalidArgument(
+                "the hybrid coordinator requires at least one prefix-cacheable group".into(),
+            ));
+        }
+        // Full attention first (stable): its left-to-right scan bounds the others.
+        groups.sort_by_key(|g| !g.is_full_attention);
+        self.full_attention_group_id = groups[0].is_full_attention.then(|| groups[0].group_ids[0]);
+        for g in &groups {
+            if g.use_eagle {
+                for &gid in &g.group_ids {
+                    self.managers[gid as usize].base_mut().use_eagle = true;
+                }
+            }
+        }
+        self.attention_groups = groups;
+        Ok(())
+    }
+
+    /// vLLM's `partial_hash_hits_enabled`: a Mamba "align" group finer-hashed than
+    /// its block, and every other cacheable group able to look up fine boundaries.
+    fn partial_hash_hits_enabled(&self, dcp_world_size: usize) -> bool {
+        let hbs = self.hash_block_size;
+        let mamba = self.managers.iter().any(|m| {
+            let s = &m.base().spec;
+            s.mamba_mode() == Some(MambaCacheMode::Align)
+                && ((dcp_world_size <= 1 && s.block_size > hbs)
+                    || (dcp_world_size > 1 && s.block_size >= hbs))
+        });
+        mamba
+            && self.managers.iter().all(|m| {
+                let b = m.base();
+                !b.spec.prefix_cacheable
+                    || b.spec.supports_fine_grained_hash_lookup()
+                    || b.block_size == hbs
+            })
+    }
+
+    fn field_needs(&self) -> FieldNeeds {
+        let mut needs = FieldNeeds::default();
+        let retention = self.retention_interval.is_some();
+        for m in &self.managers {
+            let b = m.base();
+            match &b.spec.kind {
+                ManagerKind::SlidingWindow { .. } | ManagerKind::ChunkedLocal { .. } => {
+                    needs.in_flight_for_skip = true;
+                }
+                ManagerKind::Rswa { .. } => {
+                    needs.in_flight_for_skip = true;
+                    needs.prompt_for_skip = true;
+                }
+                ManagerKind::Mamba(p) => {
+                    needs.in_flight_for_skip = true;
+                    if p.mode == MambaCacheMode::Align && b.enable_caching {
+                        needs.prompt_for_cache = true;
+                        needs.shared_prefix_for_cache = true;
+                        needs.cache_every_call = true;
+                        needs.prefill_end |= self.retention_interval == Some(0);
+                    }
+                }
+                ManagerKind::FullAttention | ManagerKind::SinkFullAttention { .. }
+                    if b.block_size != self.hash_block_size && b.enable_caching =>
+                {
+                    needs.prompt_for_cache = true;
+                    needs.cache_every_call = true;
+                }
+                _ => {}
+            }
+        }
+        if retention {
+            needs.prompt_for_cache = true;
+            needs.shared_prefix_for_cache = true;
+        }
+        needs
+    }
+
+    // ---- accessors -----------------------------------------------------------------
+
+    #[inline]
+    pub fn kind(&self) -> CoordinatorKind {
+        self.kind
+    }
+    #[inline]
+    pub fn block_pool(&self) -> &BlockPool {
+        &self.pool
+    }
+    #[inline]
+    pub fn block_pool_mut(&mut self) -> &mut BlockPool {
+        &mut self.pool
+    }
+    #[inline]
+    pub fn num_groups(&self) -> usize {
+        self.managers.len()
+    }
+    #[inline]
+    pub fn managers(&self) -> &[Box<dyn SingleTypeManager>] {
+        &self.managers
+    }
+    #[inline]
+    pub fn manager(&self, group_id: usize) -> &dyn SingleTypeManager {
+        &*self.managers[group_id]
+    }
+    #[inline]
+    pub fn scheduler_block_size(&self) -> usize {
+        self.scheduler_block_size
+    }
+    #[inline]
+    pub fn hash_block_size(&self) -> usize {
+        self.hash_block_size
+    }
+    #[inline]
+    pub fn num_reprefillable_tokens(&self) -> usize {
+        self.num_reprefillable_tokens
+    }
+    #[inline]
+    pub fn retention_interval(&self) -> Option<usize> {
+        self.retention_interval
+    }
+    #[inline]
+    pub fn enable_partial_hash_hits(&self) -> bool {
+        self.enable_partial_hash_hits
+    }
+    #[inline]
+    pub fn eagle_group_ids(&self) -> &[u32] {
+        &self.eagle_group_ids
+    }
+    #[inline]
+    pub fn drop_eagle_group_ids(&self) -> &[u32] {
+        &self.drop_eagle_group_ids
+    }
+    #[inline]
+    pub fn attention_groups(&self) -> &[SpecGroup] {
+        &self.attention_groups
+    }
+    #[inline]
+    pub fn full_attention_group_id(&self) -> Option<u32> {
+        self.full_attention_group_id
+    }
+    #[inline]
+    pub fn needs(&self) -> FieldNeeds {
+        self.needs
+    }
+    /// The alignment of hit lengths (vLLM's `_cache_hit_alignment_tokens`).
+    #[inline]
+    pub fn cache_hit_alignment_tokens(&self) -> usize {
+        self.managers
+            .first()
+            .map_or(self.scheduler_block_size, |m| {
+                m.base().cache_hit_alignment_tokens
+            })
+    }
+    /// Sets the Mamba shared-prefix checkpoint flag on every Mamba group.
+    pub fn set_mamba_shared_prefix_checkpoint(&mut self) {
+        for m in &mut self.managers {
+            if m.base().spec.is_mamba() {
+                m.base_mut().shared_prefix_checkpoint = true;
+            }
+        }
+    }
+
+    /// The request's state (None if it holds nothing).
+    #[inline]
+    pub fn request(&self, request_id: &str) -> Option<&RequestState> {
+        self.requests.get(request_id)
+    }
+
+    /// The table of `request_id` in group `g` (empty if unknown).
+    #[inline]
+    pub fn blocks(&self, request_id: &str, g: usize) -> &[BlockId] {
+        self.requests
+            .get(request_id)
+            .and_then(|r| r.groups.get(g))
+            .map_or(&[], |gb| gb.blocks.as_slice())
+    }
+
+    /// A fresh state with one (empty) table per group.
+    fn new_state(spare: &mut Vec<RequestState>, n: usize) -> RequestState {
+        let mut s = spare.pop().unwrap_or_default();
+        s.groups.resize_with(n, GroupBlocks::default);
+        s
+    }
+
+    /// The request's slot and state, created (empty) if absent.
+    pub(crate) fn state_mut(&mut self, request_id: &str) -> (u32, &mut RequestState) {
+        let n = self.managers.len();
+        let spare = &mut self.spare_states;
+        self.requests
+            .get_or_insert_with_slot(request_id, || Self::new_state(spare, n))
+    }
+
+    /// Recycles a removed state's allocations.
+    fn recycle(&mut self, mut state: RequestState) {
+        for g in state.groups.iter_mut() {
+            g.blocks.clear();
+            g.num_cached_block = None;
+            g.partial_hit = None;
+        }
+        state.batch_epoch = 0;
+        self.spare_states.push(state);
+    }
+
+    // ---- prefix hits ---------------------------------------------------------------
+
+    fn eagle_proof_margin(&self, block_size: usize, fine_grained: bool) -> usize {
+        let hbs = self.hash_block_size;
+        if fine_grained && block_size > hbs {
+            hbs
+        } else {
+            block_size
+        }
+    }
+
+    /// vLLM's `find_longest_cache_hit`: per-group hit blocks (appended to `out[g]`),
+    /// the hit length, and the uncached common prefix (hybrid only).
+    pub fn find_longest_cache_hit(
+        &self,
+        block_hashes: &dyn BlockHashSource,
+        max_cache_hit_length: usize,
+        out: &mut [Vec<BlockId>],
+    ) -> Result<(usize, usize)> {
+        match self.kind {
+            CoordinatorKind::NoPrefixCache => Ok((0, 0)),
+            CoordinatorKind::Unitary => {
+                let m = &self.managers[0];
+                let q = HitQuery {
+                    block_hashes,
+                    max_length: max_cache_hit_length,
+                    group_ids: &[0],
+                    drop_eagle_block: self.drop_eagle_group_ids.contains(&0),
+                    alignment_tokens: m.base().block_size,
+                };
+                let hit = m.find_longest_cache_hit(&self.pool, &q, &mut out[..1])?;
+                Ok((hit, 0))
+            }
+            CoordinatorKind::Hybrid => {
+                self.find_hybrid_hit(block_hashes, max_cache_hit_length, out)
+            }
+        }
+    }
+
+    /// One spec group's lookup into fresh per-group lists.
+    fn spec_group_hit(
+        &self,
+        sg: &SpecGroup,
+        block_hashes: &dyn BlockHashSource,
+        max_length: usize,
+        drop_eagle_block: bool,
+    ) -> Result<(SmallVec<[Vec<BlockId>; 2]>, usize)> {
+        let m = &self.managers[sg.group_ids[0] as usize];
+        let mut found: SmallVec<[Vec<BlockId>; 2]> =
+            sg.group_ids.iter().map(|_| Vec::new()).collect();
+        let q = HitQuery {
+            block_hashes,
+            max_length,
+            group_ids: &sg.group_ids,
+            drop_eagle_block,
+            alignment_tokens: self.cache_hit_alignment_tokens(),
+        };
+        let hit = m.find_longest_cache_hit(&self.pool, &q, &mut found)?;
+        Ok((found, hit))
+    }
+
+    fn find_hybrid_hit(
+        &self,
+        block_hashes: &dyn BlockHashSource,
+        max_cache_hit_length: usize,
+        out: &mut [Vec<BlockId>],
+    ) -> Result<(usize, usize)> {
+        let n = self.managers.len();
+        let mut hit_length = max_cache_hit_length;
+        let mut longest = 0usize;
+        let mut found_by_group: SmallVec<[Option<Vec<BlockId>>; 4]> =
+            (0..n).map(|_| None).collect();
+        let mut length_by_group: SmallVec<[usize; 4]> = SmallVec::from_elem(0, n);
+        let simple = self.attention_groups.len() == 2 && self.attention_groups[0].is_full_attention;
+        let mut eagle_verified: SmallVec<[usize; 4]> = SmallVec::new();
+        let num_hashed_tokens = block_hashes.len() * self.hash_block_size;
+        loop {
+            let mut curr = hit_length;
+            for (idx, sg) in self.attention_groups.iter().enumerate() {
+                let first = sg.group_ids[0] as usize;
+                if sg.is_full_attention && found_by_group[first].is_some() {
+                    // Downward closed: trim, don't look up again.
+                    curr = curr.min(length_by_group[first]);
+                    continue;
+                }
+                let drop = sg.use_eagle && !eagle_verified.contains(&idx);
+                let mut max_length = curr;
+                if drop && !sg.is_mamba {
+                    let bs = self.managers[first].base().block_size;
+                    let margin = self.eagle_proof_margin(
+                        bs,
+                        self.enable_partial_hash_hits && sg.supports_fine_grained,
+                    );
+                    max_length = (curr + margin).min(num_hashed_tokens);
+                }
+                let (found, new_hit) = self.spec_group_hit(sg, block_hashes, max_length, drop)?;
+                if drop {
+                    eagle_verified.push(idx);
+                } else if new_hit < curr {
+                    // The candidate shrank: earlier EAGLE verifications no longer hold.
+                    eagle_verified.clear();
+                }
+                curr = new_hit;
+                for (&gid, blocks) in sg.group_ids.iter().zip(found) {
+                    found_by_group[gid as usize] = Some(blocks);
+                    length_by_group[gid as usize] = new_hit;
+                }
+                longest = longest.max(curr);
+            }
+            if curr >= hit_length {
+                break;
+            }
+            hit_length = curr;
+            if simple {
+                break;
+            }
+        }
+        // Truncate every full-attention group to the reconciled hit.
+        for sg in &self.attention_groups {
+            if !sg.is_full_attention {
+                continue;
+            }
+            let bs = self.managers[sg.group_ids[0] as usize].base().block_size;
+            let keep = cdiv(hit_length, bs);
+            for &gid in &sg.group_ids {
+                if let Some(b) = found_by_group[gid as usize].as_mut() {
+                    b.truncate(keep);
+                }
+            }
+        }
+        for (o, f) in out.iter_mut().zip(found_by_group) {
+            if let Some(f) = f {
+                o.extend(f);
+            }
+        }
+        Ok((hit_length, longest - hit_length.min(longest)))
+    }
+
+    /// vLLM's `find_longest_cache_hit_per_group` (connectors): each spec group's own
+    /// hit, per group, with its length.
+    pub fn find_longest_cache_hit_per_group(
+        &self,
+        block_hashes: &dyn BlockHashSource,
+        max_cache_hit_length: usize,
+        out: &mut [Vec<BlockId>],
+        lengths: &mut [usize],
+    ) -> Result<()> {
+        let num_hashed_tokens = block_hashes.len() * self.hash_block_size;
+        for sg in &self.attention_groups {
+            let first = sg.group_ids[0] as usize;
+            let mut lookup = max_cache_hit_length;
+            if sg.use_eagle && !sg.is_mamba {
+                let bs = self.managers[first].base().block_size;
+                let margin = self.eagle_proof_margin(
+                    bs,
+                    self.enable_partial_hash_hits && sg.supports_fine_grained,
+                );
+                lookup = (max_cache_hit_length + margin).min(num_hashed_tokens);
+            }
+            let (found, hit) = self.spec_group_hit(sg, block_hashes, lookup, sg.use_eagle)?;
+            for (&gid, blocks) in sg.group_ids.iter().zip(found) {
+                out[gid as usize] = blocks;
+                lengths[gid as usize] = hit;
+            }
+        }
+        Ok(())
+    }
+
+    /// vLLM's `emit_cached_block_events` for a hit of `hit_length` tokens: a
+    /// `BlockStored` per group for its reused blocks. A hit that ends inside a block
+    /// (partial hits) has no full-block hash for that block: vLLM 0.33 raises
+    /// `IndexError` there; hscache reports the full blocks and the partial entry.
+    pub fn emit_cached_block_events(
+        &mut self,
+        num_hashes: usize,
+        hit_length: usize,
+        blocks: &[Vec<BlockId>],
+    ) -> Result<()> {
+        let hbs = self.hash_block_size;
+        for (g, b) in blocks.iter().enumerate() {
+            if b.is_empty() {
+                continue;
+            }
+            let bs = self.managers[g].base().spec.block_size;
+            let scale = self.pool.hash_scale(bs)?;
+            let full = b.len().min(num_hashes / scale);
+            self.pool.emit_cached_block_events(full, bs, g as u32)?;
+            if b.len() > full && hit_length >= hbs {
+                self.pool.push_event(KVCacheEvent::PartialBlockStored {
+                    group_id: g as u32,
+                    num_tokens: (hit_length / hbs * hbs) as u32,
+                    hash_block_size: hbs as u32,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    // ---- allocation ----------------------------------------------------------------
+
+    /// vLLM's `get_num_blocks_to_allocate`, summed over the groups (`hits[g]` are
+    /// group `g`'s prefix hits).
+    #[allow(clippy::too_many_arguments)]
+    pub fn get_num_blocks_to_allocate<'h>(
+        &mut self,
+        request_id: &str,
+        num_tokens: usize,
+        hits: &dyn Fn(usize) -> &'h [BlockId],
+        num_encoder_tokens: usize,
+        total_computed_tokens: usize,
+        num_local_computed_tokens: usize,
+        num_tokens_main_model: usize,
+        apply_admission_cap: bool,
+        prefill_end: usize,
+    ) -> Result<i64> {
+        let prefill_end = if self.retention_interval == Some(0) {
+            prefill_end
+        } else {
+            0
+        };
+        // Mamba "align" keeps per-request state from here on (vLLM's defaultdict
+        // creates the request's entry too).
+        let slot = if self.mamba_align {
+            Some(self.state_mut(request_id).0)
+        } else {
+            self.requests.get_mut_with_slot(request_id).map(|(s, _)| s)
+        };
+        let state = self.requests.get(request_id);
+        let mut total: i64 = 0;
+        for (g, m) in self.managers.iter_mut().enumerate() {
+            let req = state.and_then(|s| s.groups.get(g));
+            let q = if m.base().spec.kind == ManagerKind::CrossAttention {
+                NumBlocksQuery {
+                    num_tokens: num_encoder_tokens,
+                    new_computed_blocks: &[],
+                    total_computed_tokens: 0,
+                    num_local_computed_tokens: 0,
+                    num_tokens_main_model: num_encoder_tokens,
+                    apply_admission_cap,
+                    prefill_end: 0,
+                }
+            } else {
+                NumBlocksQuery {
+                    num_tokens,
+                    new_computed_blocks: hits(g),
+                    total_computed_tokens,
+                    num_local_computed_tokens,
+                    num_tokens_main_model,
+                    apply_admission_cap,
+                    prefill_end,
+                }
+            };
+            total += m.get_num_blocks_to_allocate(&self.pool, slot.unwrap_or(u32::MAX), req, &q)?;
+        }
+        Ok(total)
+    }
+
+    /// vLLM's `allocate_new_computed_blocks`: every group adopts its hits, then every
+    /// group allocates its external-token blocks.
+    pub fn allocate_new_computed_blocks<'h>(
+        &mut self,
+        request_id: &str,
+        hits: &dyn Fn(usize) -> &'h [BlockId],
+        num_local_computed_tokens: usize,
+        num_external_computed_tokens: usize,
+        skip_zeroing: &dyn Fn(usize) -> bool,
+    ) -> Result<()> {
+        let n = self.managers.len();
+        let spare = &mut self.spare_states;
+        let (_, state) = self
+            .requests
+            .get_or_insert_with_slot(request_id, || Self::new_state(spare, n));
+        if state.groups.iter().any(|g| g.num_cached_block.is_some()) {
+            if (0..n).any(|g| !hits(g).is_empty()) {
+                return Err(Error::InvalidArgument(format!(
+                    "request {request_id:?} is already running and cannot adopt prefix hits"
+                )));
+            }
+            return Ok(());
+        }
+        for (g, m) in self.managers.iter_mut().enumerate() {
+            m.add_local_computed_blocks(
+                &mut self.pool,
+                &mut state.groups[g],
+                hits(g),
+                num_local_computed_tokens,
+                num_external_computed_tokens,
+            )?;
+        }
+        if num_external_computed_tokens > 0 {
+            for (g, m) in self.managers.iter_mut().enumerate() {
+                m.allocate_external_computed_blocks(
+                    &mut self.pool,
+                    &mut state.groups[g],
+                    num_local_computed_tokens,
+                    num_external_computed_tokens,
+                    !skip_zeroing(g),
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// vLLM's `allocate_new_blocks`: every group's new blocks, appended to `out`
+    /// group after group (`ends[g]` marks the end of group `g`).
+    pub fn allocate_new_blocks(
+        &mut self,
+        request_id: &str,
+        num_tokens: usize,
+        num_tokens_main_model: usize,
+        num_encoder_tokens: usize,
+        out: &mut Vec<BlockId>,
+        ends: &mut SmallVec<[usize; 4]>,
+    ) -> Result<()> {
+        let n = self.managers.len();
+        let spare = &mut self.spare_states;
+        let (slot, state) = self
+            .requests
+            .get_or_insert_with_slot(request_id, || Self::new_state(spare, n));
+        for (g, m) in self.managers.iter_mut().enumerate() {
+            let tokens = if m.base().spec.kind == ManagerKind::CrossAttention {
+                num_encoder_tokens
+            } else {
+                num_tokens
+            };
+            m.allocate_new_blocks(
+                &mut self.pool,
+                slot,
+                request_id,
+                &mut state.groups[g],
+                tokens,
+                num_tokens_main_model,
+                out,
+            )?;
+            ends.push(out.len());
+        }
+        Ok(())
+    }
+
+    /// vLLM's `get_num_cacheable_tokens`: the prefix group `g` may cache.
+    pub fn get_num_cacheable_tokens(&self, num_computed_tokens: usize, g: usize) -> usize {
+        let finalized = num_computed_tokens.saturating_sub(self.num_reprefillable_tokens);
+        if self.kind != CoordinatorKind::Hybrid {
+            return finalized;
+        }
+        let align = |n: usize| {
+            if self.enable_partial_hash_hits {
+                n
+            } else {
+                n / self.scheduler_block_size * self.scheduler_block_size
+            }
+        };
+        let cached = align(num_computed_tokens);
+        let m = self.managers[g].base();
+        if m.use_eagle && cached > 0 {
+            // EAGLE matches one block past the aligned boundary, then drops it.
+            return finalized.min(align(finalized) + m.block_size);
+        }
+        cached
+    }
+
+    /// vLLM's `replay_boundaries`: where a request replaying this prompt resumes.
+    pub fn replay_boundaries(&self, num_prompt_tokens: usize) -> SmallVec<[i64; 2]> {
+        let p = num_prompt_tokens as i64;
+        if self.drop_eagle_group_ids.is_empty() {
+            return SmallVec::from_slice(&[p - 1]);
+        }
+        let b = self.scheduler_block_size as i64;
+        let resend = (p - 1).div_euclid(b) * b;
+        let extension = p.div_euclid(b) * b;
+        let mut out: SmallVec<[i64; 2]> = SmallVec::new();
+        for v in [(resend - b).max(0), (extension - b).max(0)] {
+            if !out.contains(&v) {
+                out.push(v);
+            }
+        }
+        out.sort_unstable();
+        out
+    }
+
+    /// The raw hash indices caching `num_computed_tokens` of `request_id` may read:
+    /// the run `[lo, hi)` and `points` (see [`PlannedHashes`]). `hits_lower_bound`
+    /// gives, for a request that adopts hits in this call, the cached blocks it will
+    /// have (else its current count is used).
+    pub fn cache_reads(
+        &self,
+        request_id: &str,
+        num_computed_tokens: usize,
+        num_prompt_tokens: usize,
+        num_hashes: usize,
+        adopting_tokens: Option<usize>,
+        points: &mut SmallVec<[usize; 4]>,
+    ) -> (usize, usize) {
+        let hbs = self.hash_block_size;
+        let state = self.requests.get(request_id);
+        let (slot, _) = self
+            .requests
+            .handle(request_id)
+            .map_or((u32::MAX, ()), |h| {
+                (RequestTable::<RequestState>::slot_of_handle(h), ())
+            });
+        let mut lo = usize::MAX;
+        let mut hi = 0usize;
+        for (g, m) in self.managers.iter().enumerate() {
+            let b = m.base();
+            if !b.enable_caching {
+                continue;
+            }
+            let scale = (b.block_size / hbs).max(1);
+            let cached = match adopting_tokens {
+                Some(local) => local / b.block_size,
+                None => state
+                    .and_then(|s| s.groups.get(g))
+                    .and_then(|gb| gb.num_cached_block)
+                    .unwrap_or(0),
+            };
+            lo = lo.min(cached * scale);
+            let n = self.get_num_cacheable_tokens(num_computed_tokens, g);
+            hi = hi.max(n / hbs);
+            m.extra_hash_reads(slot, num_prompt_tokens, num_hashes, n, points);
+        }
+        (lo.min(hi), hi.min(num_hashes))
+    }
+
+    /// vLLM's `cache_blocks` over the groups, with the hashes the call planned.
+    #[allow(clippy::too_many_arguments)]
+    pub fn cache_blocks(
+        &mut self,
+        request_id: &str,
+        block_hashes: &PlannedHashes,
+        num_computed_tokens: usize,
+        num_prompt_tokens: usize,
+        request_num_computed_tokens: usize,
+        shared_prefix_boundary: usize,
+    ) -> Result<()> {
+        let boundaries = self.replay_boundaries(num_prompt_tokens);
+        let cacheable: SmallVec<[usize; 4]> = (0..self.managers.len())
+            .map(|g| self.get_num_cacheable_tokens(num_computed_tokens, g))
+            .collect();
+        let Some((slot, state)) = self.requests.get_mut_with_slot(request_id) else {
+            return Err(Error::UnknownRequest(request_id.to_owned()));
+        };
+        for (g, m) in self.managers.iter_mut().enumerate() {
+            if !m.base().enable_caching {
+                continue;
+            }
+            let q = CacheQuery {
+                request_id,
+                block_hashes,
+                num_tokens: cacheable[g],
+                retention_interval: self.retention_interval,
+                replay_boundaries: &boundaries,
+                num_prompt_tokens,
+                num_computed_tokens: request_num_computed_tokens,
+                shared_prefix_boundary,
+            };
+            m.cache_blocks(&mut self.pool, slot, &mut state.groups[g], &q)?;
+        }
+        Ok(())
+    }
+
+    /// vLLM's `remove_skipped_blocks` over the groups.
+    pub fn remove_skipped_blocks(
+        &mut self,
+        request_id: &str,
+        processed_computed_tokens: usize,
+        num_prompt_tokens: Option<usize>,
+    ) -> Result<()> {
+        let Some((slot, state)) = self.requests.get_mut_with_slot(request_id) else {
+            return Ok(());
+        };
+        for (g, m) in self.managers.iter_mut().enumerate() {
+            m.remove_skipped_blocks(
+                &mut self.pool,
+                slot,
+                &mut state.groups[g],
+                processed_computed_tokens,
+                num_prompt_tokens,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// vLLM's `free`: every group's table, tail first (no-op for an unknown
+    /// request). All or nothing: a double free leaves every table in place.
+    pub fn free(&mut self, request_id: &str, scratch: &mut Vec<BlockId>) -> Result<()> {
+        match self.requests.handle(request_id) {
+            Some(h) => self.free_handles(&[h], scratch),
+            None => Ok(()),
+        }
+    }
+
+    /// `free` of each request `handles` name, in order, checked as one: either every
+    /// reference is dropped or none (stale handles are an error).
+    pub fn free_handles(
+        &mut self,
+        handles: &[crate::request_table::RequestHandle],
+        scratch: &mut Vec<BlockId>,
+    ) -> Result<()> {
+        scratch.clear();
+        let mut ends: SmallVec<[usize; 8]> = SmallVec::new();
+        for &h in handles {
+            let Some(state) = self.requests.get_by_handle(h) else {
+                return Err(Error::UnknownRequest(format!("handle {h:#x}")));
+            };
+            for g in &state.groups {
+                let head = null_head(&g.blocks);
+                scratch.extend(g.blocks[head..].iter().rev());
+                ends.push(scratch.len());
+            }
+        }
+        self.pool.free_block_segments(scratch, &ends)?;
+        for &h in handles {
+            if let Some(rid) = self.requests.key_of(h) {
+                let rid: Box<str> = rid.into();
+                self.pop_request(&rid);
+            }
+        }
+        Ok(())
+    }
+
+    /// vLLM's `pop_blocks_for_free`: the request's blocks in allocation order, group
+    /// after group, leading nulls trimmed; not freed.
+    pub fn pop_blocks_for_free(&mut self, request_id: &str, out: &mut Vec<BlockId>) {
+        let Some(state) = self.requests.get(request_id) else {
+            return;
+        };
+        for g in &state.groups {
+            out.extend_from_slice(&g.blocks[null_head(&g.blocks)..]);
+        }
+        self.pop_request(request_id);
+    }
+
+    /// Removes the request's state and the managers' per-request state.
+    fn pop_request(&mut self, request_id: &str) {
+        let Some(handle) = self.requests.handle(request_id) else {
+            return;
+        };
+        let slot = RequestTable::<RequestState>::slot_of_handle(handle);
+        for m in &mut self.managers {
+            m.pop_request(slot, request_id);
+        }
+        if let Some(state) = self.requests.remove_by_handle(handle) {
+            self.recycle(state);
+        }
+    }
+
+    /// The request's slot, if it holds state.
+    #[inline]
+    pub fn slot_of(&self, request_id: &str) -> Option<u32> {
+        self.requests
+            .handle(request_id)
+            .map(RequestTable::<RequestState>::slot_of_handle)
+    }
+
+    /// A new scheduler step starts.
+    pub fn new_step_starts(&mut self) {
+        for m in &mut self.managers {
+            m.new_step_starts();
+        }
+    }
+
+    /// vLLM's `finalize_partial_tail_offloads` for one request.
+    pub fn finalize_partial_tail_offloads(
+        &mut self,
+        request_id: &str,
+        num_computed_tokens: usize,
+        num_in_flight_tokens: usize,
+        out: &mut Vec<(u32, BlockId, usize)>,
+    ) {
+        let Some(slot) = self.slot_of(request_id) else {
+            return;
+        };
+        for m in &mut self.managers {
+            if let Some(t) =
+                m.finalize_partial_tail_offload(slot, num_computed_tokens, num_in_flight_tokens)
+            {
+                out.push(t);
+            }
+        }
+    }
+
+    /// Every group's copy-on-write pairs, drained.
+    pub fn take_pending_cow_copies(&mut self) -> Vec<(BlockId, BlockId)> {
+        let mut out = Vec::new();
+        for m in &mut self.managers {
+            out.append(&mut m.base_mut().pending_cow_copies);
+        }
+        out
+    }
+
+    /// Queues a copy-on-write pair on group `g` (connectors and tests do this).
+    pub fn push_cow_copy(&mut self, g: usize, pair: (BlockId, BlockId)) {
+        if let Some(m) = self.managers.get_mut(g) {
+            m.base_mut().pending_cow_copies.push(pair);
+        }
+    }
+
+    /// Every group's boundary-state hand-offs, drained, in group order.
+    pub fn take_boundary_state_offloads(&mut self) -> Vec<super::single_type::BoundaryOffload> {
+        let mut out = Vec::new();
+        for m in &mut self.managers {
+            out.append(&mut m.base_mut().pending_boundary_state_offloads);
+        }
+        out
+    }
+
+    /// Every group's block ids recorded for zeroing, drained.
+    pub fn take_new_block_ids(&mut self) -> Vec<BlockId> {
+        let mut out = Vec::new();
+        for m in &mut self.managers {
+            out.append(&mut m.base_mut().new_block_ids);
+        }
+        out
+    }
+
+    /// vLLM's `record_blocks_for_zeroing`: the request's blocks from `start_token` on,
+    /// in the groups whose new blocks are zeroed.
+    pub fn record_blocks_for_zeroing(
+        &mut self,
+        request_id: &str,
+        start_token: usize,
+    ) -> Result<()> {
+        for m in &self.managers {
+            let b = m.base();
+            if b.record_new_block_ids && start_token % b.block_size != 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "start_token {start_token} is not a multiple of the block size {}",
+                    b.block_size
+                )));
+            }
+        }
+        let state = self.requests.get(request_id);
+        for (g, m) in self.managers.iter_mut().enumerate() {
+            let b = m.base_mut();
+            if !b.record_new_block_ids {
+                continue;
+            }
+            let start = start_token / b.block_size;
+            if let Some(gb) = state.and_then(|s| s.groups.get(g)) {
+                if start < gb.blocks.len() {
+                    b.new_block_ids.extend_from_slice(&gb.blocks[start..]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Resets the prefix cache (false while any block is in use).
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        self.pool.reset_prefix_cache()
+    }
+
+    /// Checks the coordinator's invariants on top of the pool's: every block a
+    /// request holds is referenced at least as often as tables hold it, no table
+    /// holds a free block, and hit bookkeeping is in range.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.pool.check_invariants()?;
+        let mut held = vec![0u32; self.pool.num_gpu_blocks() as usize];
+        for (rid, state) in self.requests.iter() {
+            if state.groups.len() != self.managers.len() {
+                return Err(format!(
+                    "request {rid:?} has {} group tables",
+                    state.groups.len()
+                ));
+            }
+            for (g, gb) in state.groups.iter().enumerate() {
+                for &b in &gb.blocks {
+                    if b != NULL_BLOCK_ID {
+                        held[b as usize] += 1;
+                    }
+                }
+                if gb.num_cached_block.is_some_and(|n| n > gb.blocks.len()) {
+                    return Err(format!(
+                        "request {rid:?} group {g}: {} cached blocks of a {}-block table",
+                        gb.num_cached_block.unwrap_or(0),
+                        gb.blocks.len()
+                    ));
+                }
+            }
+        }
+        for (b, &h) in held.iter().enumerate() {
+            let rc = self.pool.ref_cnt(b as BlockId);
+            if h > rc {
+                return Err(format!("block {b} is held {h} times but has ref_cnt {rc}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Number of leading null blocks (vLLM's `null_head_len`).
+#[inline]
+fn null_head(blocks: &[BlockId]) -> usize {
+    blocks.iter().take_while(|&&b| b == NULL_BLOCK_ID).count()
+}

@@ -1,0 +1,627 @@
+//! `SingleTypeManager`: the per-group hooks every KV-cache group's manager
+//! implements, and the base behaviour most of them share.
+//!
+//! Mirrors vLLM 0.33 `v1/core/single_type_kv_cache_manager.py::SingleTypeKVCacheManager`.
+//! The trait's default methods are vLLM's base-class methods; each file beside this
+//! one (`full_attention.rs`, `sliding_window.rs`, ...) overrides what its vLLM
+//! subclass overrides, and nothing else. The free functions `base_*` are those
+//! defaults, callable by overriders the way a subclass calls `super()`.
+//!
+//! Key properties:
+//! - A manager holds no per-request block tables: the coordinator's one request
+//!   table holds a [`GroupBlocks`] per group and hands each manager its own.
+//!   Per-request state only one kind needs (Mamba's) lives in that manager, keyed
+//!   by the request's slot in the table.
+//! - Hooks that change state never fail on input: the coordinator validated the
+//!   call and planned its hash reads first. An `Err` from them means a broken
+//!   invariant and poisons the manager.
+//!
+//! Adding a single-type manager: a file here implementing [`SingleTypeManager`]
+//! (override only what the vLLM class overrides), a [`ManagerKind`] variant in
+//! `spec.rs`, one line in [`new_manager`], the spec's mapping in
+//! `python/hscache/vllm/specs.py`, and a differential config in `tests/vllm_diff/`.
+
+use smallvec::SmallVec;
+
+use super::spec::{GroupSpec, ManagerKind};
+use super::{
+    chunked_local::ChunkedLocalAttentionManager, circular_buffer::CircularBufferManager,
+    cross_attention::CrossAttentionManager, full_attention::FullAttentionManager,
+    mamba::MambaManager, rswa::RswaManager, sink::SinkFullAttentionManager,
+    sliding_window::SlidingWindowManager,
+};
+use crate::error::{Error, Result};
+use crate::pool::BlockPool;
+use crate::types::{cdiv, BlockHashSource, BlockId, NULL_BLOCK_ID};
+
+/// One request's block table in one group (vLLM's `req_to_blocks[id]`,
+/// `num_cached_block[id]` and `_partial_hit_reqs[id]`).
+#[derive(Clone, Debug, Default)]
+pub struct GroupBlocks {
+    /// The block table; may hold the null block where the group keeps nothing.
+    pub blocks: Vec<BlockId>,
+    /// Leading blocks already registered in the prefix cache. `Some` marks a
+    /// request that adopted its hits (or cached a block): it is running.
+    pub num_cached_block: Option<usize>,
+    /// A prefix hit that ends inside block `.0`, shared block `.1`: copied on write
+    /// at the next allocation.
+    pub partial_hit: Option<(usize, BlockId)>,
+}
+
+/// A copy-on-write pair queued for the worker: `(source, copy)`; both hold an extra
+/// reference until the Scheduler frees them after the copy ran.
+pub type CowCopy = (BlockId, BlockId);
+
+/// A Mamba boundary state handed to a KV connector: `(request id, group id, block,
+/// boundary tokens)` (vLLM's `_pending_boundary_state_offloads`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BoundaryOffload {
+    pub request_id: Box<str>,
+    pub group_id: u32,
+    pub block: BlockId,
+    pub num_tokens: usize,
+}
+
+/// State and parameters every manager has (vLLM's base-class attributes).
+#[derive(Clone, Debug)]
+pub struct ManagerBase {
+    pub spec: GroupSpec,
+    pub group_id: u32,
+    /// Tokens per block: the spec's, scaled by DCP for sharded specs.
+    pub block_size: usize,
+    pub dcp_world_size: usize,
+    pub pcp_world_size: usize,
+    pub scheduler_block_size: usize,
+    /// Tokens per hash block (the pool's).
+    pub hash_block_size: usize,
+    /// Tokens after each block its hash also covers (the pool's).
+    pub num_hash_lookahead_tokens: usize,
+    /// The coordinator's `use_eagle`: Mamba checkpoints follow EAGLE's replay
+    /// boundary (vLLM's `drop_eagle_checkpoint_block`).
+    pub eagle_checkpoints: bool,
+    /// Hit lengths are multiples of this (the hybrid coordinator may lower it to
+    /// the hash block size for partial hits).
+    pub cache_hit_alignment_tokens: usize,
+    pub enable_caching: bool,
+    /// Record newly allocated block ids for worker-side zeroing.
+    pub record_new_block_ids: bool,
+    pub new_block_ids: Vec<BlockId>,
+    /// This group's hits drop the EAGLE block (set by the coordinator).
+    pub use_eagle: bool,
+    /// Mamba shared-prefix checkpoints (set by the facade).
+    pub shared_prefix_checkpoint: bool,
+    pub pending_cow_copies: Vec<CowCopy>,
+    pub pending_boundary_state_offloads: Vec<BoundaryOffload>,
+}
+
+impl ManagerBase {
+    /// The base of a manager for `spec` as group `group_id`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        spec: GroupSpec,
+        group_id: u32,
+        enable_caching: bool,
+        scheduler_block_size: usize,
+        hash_block_size: usize,
+        dcp_world_size: usize,
+        pcp_world_size: usize,
+        needs_kv_cache_zeroing: bool,
+    ) -> Self {
+        Self {
+            block_size: spec.manager_block_size(dcp_world_size),
+            dcp_world_size: spec.effective_cp(dcp_world_size),
+            pcp_world_size: spec.effective_cp(pcp_world_size),
+            record_new_block_ids: needs_kv_cache_zeroing && spec.zeroes_new_blocks(),
+            spec,
+            group_id,
+            scheduler_block_size,
+            hash_block_size,
+            num_hash_lookahead_tokens: 0,
+            eagle_checkpoints: false,
+            cache_hit_alignment_tokens: scheduler_block_size,
+            enable_caching,
+            new_block_ids: Vec::new(),
+            use_eagle: false,
+            shared_prefix_checkpoint: false,
+            pending_cow_copies: Vec::new(),
+            pending_boundary_state_offloads: Vec::new(),
+        }
+    }
+
+    /// The prefix hit ends inside one of this group's blocks (vLLM's
+    /// `_has_partial_local_hit`): the shared tail block needs copy-on-write.
+    #[inline]
+    pub fn has_partial_local_hit(&self, hits: &[BlockId], num_local: usize) -> bool {
+        !hits.is_empty() && num_local % self.block_size != 0
+    }
+
+    /// `get_new_blocks(n)` appended to the table (and to `out`, and recorded for
+    /// zeroing when asked).
+    pub(crate) fn grow(
+        &mut self,
+        pool: &mut BlockPool,
+        blocks: &mut Vec<BlockId>,
+        n: usize,
+        record: bool,
+        out: Option<&mut Vec<BlockId>>,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let start = blocks.len();
+        pool.get_new_blocks(n, blocks)?;
+        if let Some(out) = out {
+            out.extend_from_slice(&blocks[start..]);
+        }
+        if record {
+            self.new_block_ids.extend_from_slice(&blocks[start..]);
+        }
+        Ok(())
+    }
+}
+
+/// A prefix-hit lookup for the groups in `group_ids` (which share one spec).
+pub struct HitQuery<'a> {
+    /// The request's hashes, one per hash block.
+    pub block_hashes: &'a dyn BlockHashSource,
+    pub max_length: usize,
+    pub group_ids: &'a [u32],
+    pub drop_eagle_block: bool,
+    pub alignment_tokens: usize,
+}
+
+/// `get_num_blocks_to_allocate`'s arguments.
+#[derive(Clone, Copy)]
+pub struct NumBlocksQuery<'a> {
+    pub num_tokens: usize,
+    pub new_computed_blocks: &'a [BlockId],
+    pub total_computed_tokens: usize,
+    pub num_local_computed_tokens: usize,
+    pub num_tokens_main_model: usize,
+    pub apply_admission_cap: bool,
+    pub prefill_end: usize,
+}
+
+/// `cache_blocks`' arguments.
+pub struct CacheQuery<'a> {
+    pub request_id: &'a str,
+    pub block_hashes: &'a dyn BlockHashSource,
+    /// Tokens this group may cache (the coordinator's cacheable count).
+    pub num_tokens: usize,
+    pub retention_interval: Option<usize>,
+    /// Token positions a replaying request resumes at (may be negative, as in vLLM,
+    /// for an empty prompt).
+    pub replay_boundaries: &'a [i64],
+    pub num_prompt_tokens: usize,
+    pub num_computed_tokens: usize,
+    pub shared_prefix_boundary: usize,
+}
+
+/// `reachable_block_mask`'s arguments.
+pub struct MaskQuery<'a> {
+    pub start_block: usize,
+    pub end_block: usize,
+    pub alignment_tokens: usize,
+    pub use_eagle: bool,
+    pub retention_interval: Option<usize>,
+    pub reachable_boundaries: &'a [i64],
+}
+
+/// vLLM's per-type manager hooks (see module docs).
+pub trait SingleTypeManager: std::fmt::Debug + Send + Sync {
+    fn base(&self) -> &ManagerBase;
+    fn base_mut(&mut self) -> &mut ManagerBase;
+
+    /// Tokens at the start that attention no longer reads (freed, or never kept).
+    fn get_num_skipped_tokens(&self, _num_computed_tokens: usize) -> usize {
+        0
+    }
+
+    /// The longest prefix hit of `q.group_ids` (one list per group in `out`) and its
+    /// length in tokens. Never changes ref counts.
+    fn find_longest_cache_hit(
+        &self,
+        pool: &BlockPool,
+        q: &HitQuery<'_>,
+        out: &mut [Vec<BlockId>],
+    ) -> Result<usize>;
+
+    /// Blocks this group takes from the free queue for the call (Mamba "align" may
+    /// report a negative count, which offsets the other groups, as in vLLM).
+    fn get_num_blocks_to_allocate(
+        &mut self,
+        pool: &BlockPool,
+        _slot: u32,
+        req: Option<&GroupBlocks>,
+        q: &NumBlocksQuery<'_>,
+    ) -> Result<i64> {
+        base_get_num_blocks_to_allocate(self, pool, req, q)
+    }
+
+    /// Adopts a new request's prefix hits (touching them).
+    fn add_local_computed_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        req: &mut GroupBlocks,
+        hits: &[BlockId],
+        num_local: usize,
+        num_external: usize,
+    ) -> Result<()> {
+        base_add_local_computed_blocks(self, pool, req, hits, num_local, num_external)
+    }
+
+    /// Allocates blocks for tokens a KV connector computed.
+    fn allocate_external_computed_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        req: &mut GroupBlocks,
+        num_local: usize,
+        num_external: usize,
+        record_for_zeroing: bool,
+    ) -> Result<()> {
+        base_allocate_external_computed_blocks(
+            self,
+            pool,
+            req,
+            num_local,
+            num_external,
+            record_for_zeroing,
+        )
+    }
+
+    /// Grows the table to `num_tokens` slots; the new blocks go to `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn allocate_new_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        _slot: u32,
+        _request_id: &str,
+        req: &mut GroupBlocks,
+        num_tokens: usize,
+        _num_tokens_main_model: usize,
+        out: &mut Vec<BlockId>,
+    ) -> Result<()> {
+        base_allocate_new_blocks(self, pool, req, num_tokens, out)
+    }
+
+    /// Registers the request's newly full blocks in the prefix cache.
+    fn cache_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        _slot: u32,
+        req: &mut GroupBlocks,
+        q: &CacheQuery<'_>,
+    ) -> Result<()> {
+        base_cache_blocks(self, pool, req, q).map(|_| ())
+    }
+
+    /// Which blocks of `[start_block, end_block)` are worth caching (None: all).
+    fn reachable_block_mask(&self, _q: &MaskQuery<'_>) -> Option<Vec<bool>> {
+        None
+    }
+
+    /// Frees blocks attention no longer reads, replacing them with the null block.
+    fn remove_skipped_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        _slot: u32,
+        req: &mut GroupBlocks,
+        processed_computed_tokens: usize,
+        _num_prompt_tokens: Option<usize>,
+    ) -> Result<()> {
+        base_remove_skipped_blocks(self, pool, req, processed_computed_tokens)
+    }
+
+    /// Forgets the request's per-group bookkeeping (not its table, which the
+    /// coordinator pops); `request_id` names it in hand-offs.
+    fn pop_request(&mut self, _slot: u32, _request_id: &str) {}
+
+    /// Hash indices (of the request's hash list) that `cache_blocks` may read
+    /// outside the run of newly full blocks: partial-entry boundaries.
+    fn extra_hash_reads(
+        &self,
+        _slot: u32,
+        _num_prompt_tokens: usize,
+        _num_hashes: usize,
+        _num_tokens: usize,
+        _out: &mut SmallVec<[usize; 4]>,
+    ) {
+    }
+
+    /// A new scheduler step starts.
+    fn new_step_starts(&mut self) {}
+
+    /// A finishing producer's partial tail for a connector: `(group, block,
+    /// tokens)`; Mamba "align" only.
+    fn finalize_partial_tail_offload(
+        &mut self,
+        _slot: u32,
+        _num_computed_tokens: usize,
+        _num_in_flight_tokens: usize,
+    ) -> Option<(u32, BlockId, usize)> {
+        None
+    }
+
+    /// Mamba "align" internals for the Python views (`_checkpoints`, ...).
+    fn mamba(&self) -> Option<&super::mamba::MambaManager> {
+        None
+    }
+}
+
+/// The manager of `spec` (vLLM's `get_manager_for_kv_cache_spec` + registry).
+pub fn new_manager(base: ManagerBase) -> Result<Box<dyn SingleTypeManager>> {
+    Ok(match base.spec.kind.clone() {
+        ManagerKind::FullAttention => Box::new(FullAttentionManager::new(base)),
+        ManagerKind::SinkFullAttention { sink_len } => {
+            Box::new(SinkFullAttentionManager::new(base, sink_len)?)
+        }
+        ManagerKind::Rswa { rswa_window } => Box::new(RswaManager::new(base, rswa_window)),
+        ManagerKind::CircularBuffer => Box::new(CircularBufferManager::new(base)),
+        ManagerKind::SlidingWindow {
+            sliding_window,
+            extra_retained_tokens,
+        } => Box::new(SlidingWindowManager::new(
+            base,
+            sliding_window,
+            extra_retained_tokens,
+        )),
+        ManagerKind::ChunkedLocal {
+            attention_chunk_size,
+        } => Box::new(ChunkedLocalAttentionManager::new(
+            base,
+            attention_chunk_size,
+        )),
+        ManagerKind::Mamba(params) => Box::new(MambaManager::new(base, params)?),
+        ManagerKind::CrossAttention => Box::new(CrossAttentionManager::new(base)),
+    })
+}
+
+/// vLLM's base `get_num_blocks_to_allocate`.
+pub fn base_get_num_blocks_to_allocate<M: SingleTypeManager + ?Sized>(
+    m: &M,
+    pool: &BlockPool,
+    req: Option<&GroupBlocks>,
+    q: &NumBlocksQuery<'_>,
+) -> Result<i64> {
+    let base = m.base();
+    let bs = base.block_size;
+    let mut required = cdiv(q.num_tokens, bs);
+    if q.apply_admission_cap {
+        if let Some(cap) = base.spec.max_admission_blocks_per_request {
+            required = required.min(cap);
+        }
+    }
+    let have = req.map_or(0, |r| r.blocks.len());
+    if req.is_some_and(|r| r.num_cached_block.is_some()) {
+        if !q.new_computed_blocks.is_empty() {
+            return Err(Error::InvalidArgument(
+                "a running request cannot adopt prefix hits".into(),
+            ));
+        }
+        return Ok(required.saturating_sub(have) as i64);
+    }
+    let skipped_blocks = m.get_num_skipped_tokens(q.total_computed_tokens) / bs;
+    let local_blocks = q.new_computed_blocks.len() + have;
+    let mut new = required.saturating_sub(skipped_blocks.max(local_blocks));
+    let skipped_hits = skipped_blocks.saturating_sub(have);
+    let evictable = q
+        .new_computed_blocks
+        .iter()
+        .skip(skipped_hits)
+        .filter(|&&b| b != NULL_BLOCK_ID && pool.ref_cnt(b) == 0)
+        .count();
+    if base.has_partial_local_hit(q.new_computed_blocks, q.num_local_computed_tokens) {
+        new += 1;
+    }
+    Ok((new + evictable) as i64)
+}
+
+/// vLLM's base `add_local_computed_blocks`.
+pub fn base_add_local_computed_blocks<M: SingleTypeManager + ?Sized>(
+    m: &mut M,
+    pool: &mut BlockPool,
+    req: &mut GroupBlocks,
+    hits: &[BlockId],
+    num_local: usize,
+    num_external: usize,
+) -> Result<()> {
+    let bs = m.base().block_size;
+    let skipped = m.get_num_skipped_tokens(num_local + num_external) / bs;
+    let hits = &hits[skipped.min(hits.len())..];
+    if m.base().enable_caching {
+        pool.touch(hits)?;
+    } else if !hits.is_empty() {
+        return Err(Error::InvalidArgument(
+            "computed blocks must be empty when prefix caching is disabled".into(),
+        ));
+    }
+    req.blocks
+        .extend(std::iter::repeat_n(NULL_BLOCK_ID, skipped));
+    req.blocks.extend_from_slice(hits);
+    req.num_cached_block = Some(req.blocks.len());
+    if m.base().has_partial_local_hit(hits, num_local) {
+        let block_idx = num_local / bs;
+        req.partial_hit = hits.last().map(|&b| (block_idx, b));
+        req.num_cached_block = Some(block_idx);
+    }
+    Ok(())
+}
+
+/// vLLM's base `allocate_external_computed_blocks`.
+pub fn base_allocate_external_computed_blocks<M: SingleTypeManager + ?Sized>(
+    m: &mut M,
+    pool: &mut BlockPool,
+    req: &mut GroupBlocks,
+    num_local: usize,
+    num_external: usize,
+    record_for_zeroing: bool,
+) -> Result<()> {
+    let total = num_local + num_external;
+    let skipped = m.get_num_skipped_tokens(total);
+    let num_external = if skipped > 0 {
+        num_external.min(total - skipped.min(total))
+    } else {
+        num_external
+    };
+    if num_external == 0 {
+        return Ok(());
+    }
+    let base = m.base_mut();
+    let n = cdiv(total, base.block_size).saturating_sub(req.blocks.len());
+    let record = base.record_new_block_ids && record_for_zeroing;
+    base.grow(pool, &mut req.blocks, n, record, None)
+}
+
+/// vLLM's base `allocate_new_blocks` (including the copy-on-write redirect of a
+/// partial hit, `_apply_cow`).
+pub fn base_allocate_new_blocks<M: SingleTypeManager + ?Sized>(
+    m: &mut M,
+    pool: &mut BlockPool,
+    req: &mut GroupBlocks,
+    num_tokens: usize,
+    out: &mut Vec<BlockId>,
+) -> Result<()> {
+    let base = m.base_mut();
+    if let Some((block_idx, source)) = req.partial_hit.take() {
+        // The copy leads the returned blocks (vLLM: `cow_blocks + new_blocks`).
+        let at = out.len();
+        pool.get_new_blocks(1, out)?;
+        let cow = out[at];
+        apply_cow(base, pool, req, block_idx, source, cow)?;
+        base.new_block_ids.push(cow);
+    }
+    let n = cdiv(num_tokens, base.block_size).saturating_sub(req.blocks.len());
+    let record = base.record_new_block_ids;
+    base.grow(pool, &mut req.blocks, n, record, Some(out))
+}
+
+/// vLLM's `_apply_cow`: the request's table points at the private copy; both
+/// endpoints keep a reference until the worker's copy ran.
+pub(crate) fn apply_cow(
+    base: &mut ManagerBase,
+    pool: &mut BlockPool,
+    req: &mut GroupBlocks,
+    block_idx: usize,
+    source: BlockId,
+    cow: BlockId,
+) -> Result<()> {
+    if req.blocks.get(block_idx) != Some(&source) || source == NULL_BLOCK_ID {
+        return Err(Error::Internal(format!(
+            "copy-on-write source {source} is not block {block_idx} of the request"
+        )));
+    }
+    req.blocks[block_idx] = cow;
+    base.pending_cow_copies.push((source, cow));
+    pool.retain(cow);
+    Ok(())
+}
+
+/// The block range `cache_blocks(num_tokens)` registers: `(num_cached, num_full)`.
+#[inline]
+pub fn cache_range(
+    base: &ManagerBase,
+    pool: &BlockPool,
+    req: &GroupBlocks,
+    num_hashes: usize,
+    num_tokens: usize,
+) -> (usize, usize) {
+    let num_cached = req.num_cached_block.unwrap_or(0);
+    let num_hashed_tokens = num_hashes * pool.hash_block_size();
+    (
+        num_cached,
+        num_tokens.min(num_hashed_tokens) / base.block_size,
+    )
+}
+
+/// vLLM's base `cache_blocks`; returns whether blocks were registered.
+pub fn base_cache_blocks<M: SingleTypeManager + ?Sized>(
+    m: &mut M,
+    pool: &mut BlockPool,
+    req: &mut GroupBlocks,
+    q: &CacheQuery<'_>,
+) -> Result<bool> {
+    let base = m.base();
+    if !base.spec.prefix_cacheable {
+        return Ok(false);
+    }
+    let (num_cached, num_full) = cache_range(base, pool, req, q.block_hashes.len(), q.num_tokens);
+    if num_cached >= num_full {
+        return Ok(false);
+    }
+    let mut reachable: SmallVec<[i64; 4]> = SmallVec::from_slice(q.replay_boundaries);
+    if q.shared_prefix_boundary > 0 {
+        let spb = q.shared_prefix_boundary as i64;
+        reachable.push(spb);
+        if base.use_eagle {
+            // A sibling diverging right after the junction hits one block lower.
+            reachable.push(spb - base.block_size as i64);
+        }
+    }
+    let mask = m.reachable_block_mask(&MaskQuery {
+        start_block: num_cached,
+        end_block: num_full,
+        alignment_tokens: base.cache_hit_alignment_tokens,
+        use_eagle: base.use_eagle,
+        retention_interval: q.retention_interval,
+        reachable_boundaries: &reachable,
+    });
+    let (bs, gid) = (base.block_size, base.group_id);
+    pool.cache_full_blocks(
+        q.block_hashes,
+        &req.blocks,
+        num_cached,
+        num_full,
+        bs,
+        gid,
+        mask.as_deref(),
+    )?;
+    req.num_cached_block = Some(num_full);
+    Ok(true)
+}
+
+/// vLLM's `_remove_blocks_in_range`: frees `blocks[first..last)` from the end,
+/// stopping at the first null block (freed earlier), higher indices first.
+pub fn remove_blocks_in_range(
+    pool: &mut BlockPool,
+    req: &mut GroupBlocks,
+    first: usize,
+    last: usize,
+) -> Result<()> {
+    let last = last.min(req.blocks.len());
+    if first >= last {
+        return Ok(());
+    }
+    let mut freed: SmallVec<[BlockId; 8]> = SmallVec::new();
+    for i in (first..last).rev() {
+        if req.blocks[i] == NULL_BLOCK_ID {
+            break;
+        }
+        freed.push(req.blocks[i]);
+        req.blocks[i] = NULL_BLOCK_ID;
+    }
+    if freed.is_empty() {
+        return Ok(());
+    }
+    pool.free_blocks(&freed)
+}
+
+/// vLLM's base `remove_skipped_blocks`.
+pub fn base_remove_skipped_blocks<M: SingleTypeManager + ?Sized>(
+    m: &M,
+    pool: &mut BlockPool,
+    req: &mut GroupBlocks,
+    processed_computed_tokens: usize,
+) -> Result<()> {
+    let skipped = m.get_num_skipped_tokens(processed_computed_tokens);
+    if skipped == 0 {
+        return Ok(());
+    }
+    let n = (skipped / m.base().block_size).min(req.blocks.len());
+    remove_blocks_in_range(pool, req, 0, n)
+}
+
+/// Number of leading null blocks of a table (vLLM's `null_head_len`).
+#[inline]
+pub fn null_head_len(blocks: &[BlockId]) -> usize {
+    blocks.iter().take_while(|&&b| b == NULL_BLOCK_ID).count()
+}

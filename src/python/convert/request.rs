@@ -1,0 +1,191 @@
+//! A vLLM `Request` read as the core's [`RequestLike`], attribute by attribute,
+//! each read at most once per call and only when the core asks for it.
+
+use std::cell::{OnceCell, RefCell};
+
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::PyString;
+
+use super::count;
+use super::hashes::PyListHashes;
+use crate::error::{Error, Result};
+use crate::manager::{RequestLike, RequestStatus};
+use crate::python::errors::InvalidArgumentError;
+
+/// The `RequestStatus` members the watermark rule compares with (the core asks
+/// whether a request is one of them; the binding knows vLLM's objects).
+pub(crate) struct StatusObjects<'a, 'py> {
+    pub waiting: &'a Bound<'py, PyAny>,
+    pub preempted: &'a Bound<'py, PyAny>,
+}
+
+/// A vLLM `Request` (see module docs). A failed lazy read keeps its Python error,
+/// which [`PyRequest::error`] re-raises instead of the core's typed error.
+pub(crate) struct PyRequest<'a, 'py> {
+    request: Bound<'py, PyAny>,
+    request_id: Bound<'py, PyString>,
+    num_computed_tokens: usize,
+    statuses: Option<StatusObjects<'a, 'py>>,
+    num_tokens: OnceCell<usize>,
+    num_prompt_tokens: OnceCell<usize>,
+    num_in_flight_tokens: OnceCell<usize>,
+    shared_prefix_boundary: OnceCell<usize>,
+    block_hashes: OnceCell<PyListHashes<'py>>,
+    py_err: RefCell<Option<PyErr>>,
+}
+
+/// `request.request_id` as a `str`.
+pub(crate) fn request_id<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
+    let id = request
+        .getattr(intern!(request.py(), "request_id"))?
+        .cast_into::<PyString>()
+        .map_err(|_| InvalidArgumentError::new_err("request.request_id must be a str"))?;
+    id.to_str()?;
+    Ok(id)
+}
+
+impl<'a, 'py> PyRequest<'a, 'py> {
+    /// Reads `request_id` and `num_computed_tokens` (every call needs them).
+    pub(crate) fn read(
+        request: &Bound<'py, PyAny>,
+        statuses: Option<StatusObjects<'a, 'py>>,
+    ) -> PyResult<Self> {
+        let py = request.py();
+        let num_computed_tokens = count(
+            "request.num_computed_tokens",
+            request
+                .getattr(intern!(py, "num_computed_tokens"))?
+                .extract()?,
+        )?;
+        Ok(Self {
+            request: request.clone(),
+            request_id: request_id(request)?,
+            num_computed_tokens,
+            statuses,
+            num_tokens: OnceCell::new(),
+            num_prompt_tokens: OnceCell::new(),
+            num_in_flight_tokens: OnceCell::new(),
+            shared_prefix_boundary: OnceCell::new(),
+            block_hashes: OnceCell::new(),
+            py_err: RefCell::new(None),
+        })
+    }
+
+    /// Keeps a Python error for the caller; the core sees a typed error.
+    fn stash(&self, e: PyErr) -> Error {
+        let msg = e.to_string();
+        *self.py_err.borrow_mut() = Some(e);
+        Error::InvalidArgument(msg)
+    }
+
+    /// A count attribute, read once.
+    fn counted(&self, cell: &OnceCell<usize>, name: &'static str) -> Result<usize> {
+        if let Some(&v) = cell.get() {
+            return Ok(v);
+        }
+        let py = self.request.py();
+        let read = || -> PyResult<usize> {
+            let n: i64 = self
+                .request
+                .getattr(pyo3::types::PyString::intern(py, name))?
+                .extract()?;
+            count(name, n)
+        };
+        let v = read().map_err(|e| self.stash(e))?;
+        Ok(*cell.get_or_init(|| v))
+    }
+
+    /// The error to raise for a failed core call: the stashed Python error, if any.
+    pub(crate) fn error(&self, e: Error) -> PyErr {
+        self.py_err.borrow_mut().take().unwrap_or_else(|| e.into())
+    }
+
+    /// `getattr(request, "kv_cache_report_mode", "incremental") == "full"`.
+    pub(crate) fn report_mode_full(&self) -> Result<bool> {
+        let py = self.request.py();
+        match self.request.getattr(intern!(py, "kv_cache_report_mode")) {
+            Ok(mode) => mode.eq("full").map_err(|e| self.stash(e)),
+            Err(_) => Ok(false),
+        }
+    }
+}
+
+impl<'py> RequestLike for PyRequest<'_, 'py> {
+    type Hashes = PyListHashes<'py>;
+
+    fn request_id(&self) -> &str {
+        // Checked to be valid UTF-8 when read.
+        self.request_id.to_str().unwrap_or_default()
+    }
+
+    fn num_computed_tokens(&self) -> usize {
+        self.num_computed_tokens
+    }
+
+    fn num_tokens(&self) -> Result<usize> {
+        self.counted(&self.num_tokens, "num_tokens")
+    }
+
+    fn num_prompt_tokens(&self) -> Result<usize> {
+        self.counted(&self.num_prompt_tokens, "num_prompt_tokens")
+    }
+
+    fn num_in_flight_tokens(&self) -> Result<usize> {
+        self.counted(&self.num_in_flight_tokens, "num_in_flight_tokens")
+    }
+
+    fn shared_prefix_boundary(&self) -> Result<usize> {
+        if let Some(&v) = self.shared_prefix_boundary.get() {
+            return Ok(v);
+        }
+        let py = self.request.py();
+        // vLLM sets it from the lookup; a request built by hand may lack it (0).
+        let v = match self.request.getattr(intern!(py, "shared_prefix_boundary")) {
+            Ok(obj) if obj.is_none() => 0,
+            Ok(obj) => obj
+                .extract::<i64>()
+                .and_then(|n| count("request.shared_prefix_boundary", n))
+                .map_err(|e| self.stash(e))?,
+            Err(_) => 0,
+        };
+        Ok(*self.shared_prefix_boundary.get_or_init(|| v))
+    }
+
+    fn status(&self) -> Result<RequestStatus> {
+        let Some(s) = &self.statuses else {
+            return Ok(RequestStatus::Other);
+        };
+        let py = self.request.py();
+        let status = self
+            .request
+            .getattr(intern!(py, "status"))
+            .map_err(|e| self.stash(e))?;
+        Ok(if status.is(s.waiting) || status.is(s.preempted) {
+            RequestStatus::WaitingOrPreempted
+        } else {
+            RequestStatus::Other
+        })
+    }
+
+    fn skip_reading_prefix_cache(&self) -> Result<bool> {
+        let py = self.request.py();
+        self.request
+            .getattr(intern!(py, "skip_reading_prefix_cache"))
+            .and_then(|v| v.is_truthy())
+            .map_err(|e| self.stash(e))
+    }
+
+    fn block_hashes(&self) -> Result<&PyListHashes<'py>> {
+        if let Some(h) = self.block_hashes.get() {
+            return Ok(h);
+        }
+        let py = self.request.py();
+        let hashes = self
+            .request
+            .getattr(intern!(py, "block_hashes"))
+            .and_then(|obj| PyListHashes::new(&obj))
+            .map_err(|e| self.stash(e))?;
+        Ok(self.block_hashes.get_or_init(|| hashes))
+    }
+}

@@ -1,0 +1,316 @@
+//! `KVCacheCore`'s per-group methods, for the Python coordinator and single-type
+//! manager views (`kv_cache_manager.coordinator`, `.single_type_managers[g]`):
+//! what the Scheduler, connectors and vLLM's tests read or call there.
+//!
+//! Conversion only: every value comes from the core's coordinator and managers.
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use smallvec::SmallVec;
+
+use super::convert::blocks::{grouped_ids, id_of};
+use super::convert::count;
+use super::convert::hashes::PyListHashes;
+use super::manager::PyKVCacheCore;
+use crate::manager::{GroupedBlocks, KVCacheCoordinator};
+use crate::types::BlockId;
+
+impl PyKVCacheCore {
+    fn coordinator(&self) -> &KVCacheCoordinator {
+        self.core.coordinator()
+    }
+
+    fn check_group(&self, g: usize) -> PyResult<()> {
+        if g >= self.core.num_kv_cache_groups() {
+            return Err(pyo3::exceptions::PyIndexError::new_err(format!(
+                "KV-cache group {g} out of range"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The request ids a slot-keyed map names, with their values.
+    fn by_request<T: Copy>(&self, entries: impl Iterator<Item = (u32, T)>) -> Vec<(String, T)> {
+        entries
+            .filter_map(|(slot, v)| {
+                let id = self.coordinator().requests.key_of_slot(slot)?;
+                Some((id.to_owned(), v))
+            })
+            .collect()
+    }
+}
+
+#[pymethods]
+impl PyKVCacheCore {
+    /// The coordinator's settings: `{kind, scheduler_block_size, hash_block_size,
+    /// num_reprefillable_tokens, retention_interval, enable_partial_hash_hits,
+    /// eagle_group_ids, drop_eagle_group_ids, full_attention_group_id,
+    /// cache_hit_alignment_tokens, attention_groups, mamba_shared_prefix_checkpoint}`.
+    fn core_coordinator_info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.coordinator();
+        let d = PyDict::new(py);
+        d.set_item("kind", format!("{:?}", c.kind()))?;
+        d.set_item("scheduler_block_size", c.scheduler_block_size())?;
+        d.set_item("hash_block_size", c.hash_block_size())?;
+        d.set_item("num_reprefillable_tokens", c.num_reprefillable_tokens())?;
+        d.set_item("retention_interval", c.retention_interval())?;
+        d.set_item("enable_partial_hash_hits", c.enable_partial_hash_hits())?;
+        d.set_item("eagle_group_ids", c.eagle_group_ids().to_vec())?;
+        d.set_item("drop_eagle_group_ids", c.drop_eagle_group_ids().to_vec())?;
+        d.set_item("full_attention_group_id", c.full_attention_group_id())?;
+        d.set_item("cache_hit_alignment_tokens", c.cache_hit_alignment_tokens())?;
+        let groups: Vec<(Vec<u32>, bool)> = c
+            .attention_groups()
+            .iter()
+            .map(|g| (g.group_ids.to_vec(), g.use_eagle))
+            .collect();
+        d.set_item("attention_groups", groups)?;
+        d.set_item(
+            "mamba_shared_prefix_checkpoint",
+            self.core.mamba_shared_prefix_checkpoint(),
+        )?;
+        Ok(d)
+    }
+
+    /// Group `g`'s manager settings: `{block_size, use_eagle, records_new_block_ids,
+    /// cache_hit_alignment_tokens, dcp_world_size, pcp_world_size,
+    /// drop_eagle_checkpoint_block, shared_prefix_checkpoint}`.
+    fn core_group_info<'py>(&self, py: Python<'py>, g: usize) -> PyResult<Bound<'py, PyDict>> {
+        self.check_group(g)?;
+        let m = self.coordinator().manager(g);
+        let b = m.base();
+        let d = PyDict::new(py);
+        d.set_item("block_size", b.block_size)?;
+        d.set_item("use_eagle", b.use_eagle)?;
+        d.set_item("records_new_block_ids", b.record_new_block_ids)?;
+        d.set_item("cache_hit_alignment_tokens", b.cache_hit_alignment_tokens)?;
+        d.set_item("dcp_world_size", b.dcp_world_size)?;
+        d.set_item("pcp_world_size", b.pcp_world_size)?;
+        d.set_item("shared_prefix_checkpoint", b.shared_prefix_checkpoint)?;
+        d.set_item(
+            "drop_eagle_checkpoint_block",
+            m.mamba().is_some_and(|x| x.drop_eagle_checkpoint_block),
+        )?;
+        Ok(d)
+    }
+
+    /// Ids of the requests that hold state.
+    fn core_request_ids(&self) -> Vec<String> {
+        self.coordinator()
+            .requests
+            .iter()
+            .map(|(k, _)| k.to_owned())
+            .collect()
+    }
+
+    /// The request's table in group `g` as block handles (empty if unknown).
+    fn core_group_blocks<'py>(
+        slf: &Bound<'py, Self>,
+        request_id: &str,
+        g: usize,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let mut this = slf.try_borrow_mut()?;
+        this.check_group(g)?;
+        let ids = this.core.get_blocks(request_id, g).to_vec();
+        Self::handles_list(slf, &mut this, &ids)
+    }
+
+    /// The request's `num_cached_block` in group `g` (None if it has none).
+    fn core_num_cached_block(&self, request_id: &str, g: usize) -> PyResult<Option<usize>> {
+        self.check_group(g)?;
+        Ok(self
+            .coordinator()
+            .request(request_id)
+            .and_then(|s| s.groups.get(g))
+            .and_then(|gb| gb.num_cached_block))
+    }
+
+    /// Group `g`'s partial hits awaiting copy-on-write: `{request_id: (block_idx,
+    /// block)}` (vLLM's `_partial_hit_reqs`).
+    fn core_partial_hit_reqs<'py>(
+        slf: &Bound<'py, Self>,
+        g: usize,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let py = slf.py();
+        let entries: Vec<(String, usize, BlockId)> = {
+            let this = slf.try_borrow()?;
+            this.check_group(g)?;
+            this.coordinator()
+                .requests
+                .iter()
+                .filter_map(|(k, s)| {
+                    let (idx, b) = s.groups.get(g)?.partial_hit?;
+                    Some((k.to_owned(), idx, b))
+                })
+                .collect()
+        };
+        let d = PyDict::new(py);
+        let mut this = slf.try_borrow_mut()?;
+        for (rid, idx, b) in entries {
+            d.set_item(rid, (idx, Self::handle(slf, &mut this, b)?))?;
+        }
+        Ok(d)
+    }
+
+    /// Group `g`'s Mamba "align" state: `{checkpoints: {rid: (position, idx)},
+    /// last_state_block_idx: {rid: idx}, allocated: [rid], cached_this_step:
+    /// [key bytes]}`; None for other groups.
+    fn core_mamba_state<'py>(
+        &self,
+        py: Python<'py>,
+        g: usize,
+    ) -> PyResult<Option<Bound<'py, PyDict>>> {
+        self.check_group(g)?;
+        let Some(m) = self.coordinator().manager(g).mamba() else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        let checkpoints = PyDict::new(py);
+        for (rid, v) in self.by_request(m.checkpoints.iter().map(|(&s, &v)| (s, v))) {
+            checkpoints.set_item(rid, v)?;
+        }
+        d.set_item("checkpoints", checkpoints)?;
+        let last = PyDict::new(py);
+        for (rid, v) in self.by_request(m.last_state_block_idx.iter().map(|(&s, &v)| (s, v))) {
+            last.set_item(rid, v)?;
+        }
+        d.set_item("last_state_block_idx", last)?;
+        let allocated: Vec<String> = self
+            .by_request(m.allocated_block_reqs.iter().map(|&s| (s, ())))
+            .into_iter()
+            .map(|(r, ())| r)
+            .collect();
+        d.set_item("allocated", allocated)?;
+        let cached: Vec<Bound<'py, PyBytes>> = m
+            .cached_blocks_this_step
+            .iter()
+            .map(|k| PyBytes::new(py, &k.to_vllm_bytes()))
+            .collect();
+        d.set_item("cached_this_step", cached)?;
+        Ok(Some(d))
+    }
+
+    /// Queues a copy-on-write pair on group `g` (vLLM code appends to a manager's
+    /// `_pending_cow_copies`).
+    fn core_push_cow_copy(
+        slf: &Bound<'_, Self>,
+        g: usize,
+        source: &Bound<'_, PyAny>,
+        copy: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let (s, d) = (id_of(slf, source)?, id_of(slf, copy)?);
+        let mut this = slf.try_borrow_mut()?;
+        this.check_group(g)?;
+        this.core.push_cow_copy(g, (s, d))?;
+        Ok(())
+    }
+
+    /// vLLM's `coordinator.get_num_blocks_to_allocate` (may be negative with Mamba
+    /// "align", as in vLLM).
+    #[pyo3(signature = (request_id, num_tokens, new_computed_blocks, num_encoder_tokens,
+        total_computed_tokens, num_local_computed_tokens, num_tokens_main_model,
+        apply_admission_cap=false, prefill_end=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn core_num_blocks_to_allocate(
+        slf: &Bound<'_, Self>,
+        request_id: &str,
+        num_tokens: i64,
+        new_computed_blocks: &Bound<'_, PyAny>,
+        num_encoder_tokens: i64,
+        total_computed_tokens: i64,
+        num_local_computed_tokens: i64,
+        num_tokens_main_model: i64,
+        apply_admission_cap: bool,
+        prefill_end: i64,
+    ) -> PyResult<i64> {
+        let mut ids = Vec::new();
+        let mut ends: SmallVec<[usize; 4]> = SmallVec::new();
+        for group in new_computed_blocks.try_iter()? {
+            super::convert::blocks::ids_of(slf, &group?, &mut ids)?;
+            ends.push(ids.len());
+        }
+        let hits = GroupedBlocks {
+            ids: &ids,
+            ends: &ends,
+        };
+        let mut this = slf.try_borrow_mut()?;
+        Ok(this.core.coordinator_num_blocks_to_allocate(
+            request_id,
+            count("num_tokens", num_tokens)?,
+            hits,
+            count("num_encoder_tokens", num_encoder_tokens)?,
+            count("total_computed_tokens", total_computed_tokens)?,
+            count("num_local_computed_tokens", num_local_computed_tokens)?,
+            count("num_tokens_main_model", num_tokens_main_model)?,
+            apply_admission_cap,
+            count("prefill_end", prefill_end)?,
+        )?)
+    }
+
+    /// vLLM's `coordinator.find_longest_cache_hit(block_hashes,
+    /// max_cache_hit_length)`: `(blocks per group, hit, uncached common prefix)`.
+    fn core_find_longest_cache_hit<'py>(
+        slf: &Bound<'py, Self>,
+        block_hashes: &Bound<'py, PyAny>,
+        max_cache_hit_length: i64,
+    ) -> PyResult<(Bound<'py, PyTuple>, usize, usize)> {
+        let max_len = count("max_cache_hit_length", max_cache_hit_length)?;
+        let hashes = PyListHashes::new(block_hashes)?;
+        let mut this = slf.try_borrow_mut()?;
+        let mut groups = vec![Vec::new(); this.core.num_kv_cache_groups()];
+        let (hit, uncached) =
+            this.coordinator()
+                .find_longest_cache_hit(&hashes, max_len, &mut groups)?;
+        let lists = groups
+            .iter()
+            .map(|g| Self::handles_list(slf, &mut this, g))
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok((PyTuple::new(slf.py(), lists)?, hit, uncached))
+    }
+
+    /// vLLM's `coordinator.find_longest_cache_hit_per_group`: `(blocks per group,
+    /// hit length per group)`.
+    fn core_find_longest_cache_hit_per_group<'py>(
+        slf: &Bound<'py, Self>,
+        block_hashes: &Bound<'py, PyAny>,
+        max_cache_hit_length: i64,
+    ) -> PyResult<(Bound<'py, PyTuple>, Vec<usize>)> {
+        let max_len = count("max_cache_hit_length", max_cache_hit_length)?;
+        let hashes = PyListHashes::new(block_hashes)?;
+        let mut this = slf.try_borrow_mut()?;
+        let n = this.core.num_kv_cache_groups();
+        let mut groups = vec![Vec::new(); n];
+        let mut lengths = vec![0usize; n];
+        this.coordinator().find_longest_cache_hit_per_group(
+            &hashes,
+            max_len,
+            &mut groups,
+            &mut lengths,
+        )?;
+        let lists = groups
+            .iter()
+            .map(|g| Self::handles_list(slf, &mut this, g))
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok((PyTuple::new(slf.py(), lists)?, lengths))
+    }
+
+    /// Group ids of a `KVCacheBlocks`-shaped object as lists (views and tests).
+    fn core_grouped_ids(
+        slf: &Bound<'_, Self>,
+        blocks: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<Vec<BlockId>>> {
+        let mut ids = Vec::new();
+        let mut ends: SmallVec<[usize; 4]> = SmallVec::new();
+        grouped_ids(slf, blocks, &mut ids, &mut ends)?;
+        let g = GroupedBlocks {
+            ids: &ids,
+            ends: &ends,
+        };
+        Ok((0..ends.len()).map(|i| g.group(i).to_vec()).collect())
+    }
+
+    /// A `KVCacheBlock` handle's group-independent id (views).
+    fn core_block_id(slf: &Bound<'_, Self>, block: &Bound<'_, PyAny>) -> PyResult<BlockId> {
+        id_of(slf, block)
+    }
+}
