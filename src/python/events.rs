@@ -388,7 +388,7 @@ fn stored_fields<'py>(
         none.clone()
     } else if !has_lora && !salt_keyed && embeds.is_none() && mm_features.is_empty() {
         // No block can have a key: `[None] * n`.
-        PyList::new(py, std::iter::repeat(&none).take(n))?.into_any()
+        PyList::new(py, std::iter::repeat_n(&none, n))?.into_any()
     } else {
         let req_keys = RequestExtraKeys {
             lora: has_lora.then_some((Atom::None, Atom::None)),
