@@ -13,13 +13,9 @@ from typing import Any
 
 import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
-from hscache.bench.driver import (
-    REFERENCE_SPEC,
-    DivergenceError,
-    RunResult,
-    load_class,
-    run_scenario,
-)
+from hscache.bench.driver import DivergenceError, run_scenario
+from hscache.bench.managers import REFERENCE_SPEC, load_class
+from hscache.bench.results import RunResult
 from hscache.bench.scenarios import TINY_SCENARIO, make_trace
 
 pytestmark = pytest.mark.vllm

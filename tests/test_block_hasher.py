@@ -40,17 +40,6 @@ def hash_fn(algo: str) -> Any:
     return bh.blake3 if algo == "blake3" else hashing.get_hash_fn_by_name(algo)
 
 
-@pytest.fixture(autouse=True)
-def _none_hash() -> Any:
-    """Each test starts from sha256's NONE_HASH; vLLM's globals are restored after."""
-    saved = (getattr(kcu, "NONE_HASH", None), kcu._NONE_HASH_SEED)
-    kcu.init_none_hash(hashing.sha256)
-    yield
-    if saved[0] is not None:
-        kcu.NONE_HASH = saved[0]
-    kcu._NONE_HASH_SEED = saved[1]
-
-
 # ---------------------------------------------------------------- serializers
 
 
@@ -568,11 +557,11 @@ def test_hscache_scheduler_end_to_end_with_the_installed_hasher() -> None:
     every request, schedule. hscache's Scheduler on hscache's hashes makes vLLM's
     decisions (same prefix-cache hits) on vLLM's hashes, step for step."""
     import hscache.vllm
-    from hscache.bench.scheduler_level import (
+    from hscache.testing.offline_scheduler import (
         make_scheduler,
         model_dir,
         stub_runner_output,
-        summarize,
+        summarize_output,
     )
     from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 
@@ -607,7 +596,7 @@ def test_hscache_scheduler_end_to_end_with_the_installed_hasher() -> None:
                 requests.append(req)
                 sched.add_request(req)
             out = sched.schedule()
-            trace.append(summarize(out))
+            trace.append(summarize_output(out))
             hits += sum(r.num_computed_tokens > 0 for r in out.scheduled_new_reqs)
             sched.update_from_output(
                 out,

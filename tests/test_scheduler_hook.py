@@ -16,23 +16,16 @@ from typing import Any
 import hscache.vllm
 import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
-from hscache.bench.scheduler_level import make_scheduler as _make_scheduler
-from hscache.bench.scheduler_level import model_dir as _model_dir
-from hscache.bench.scheduler_level import stub_runner_output
-from hscache.bench.scheduler_level import summarize as output_summary
+from hscache.testing.offline_scheduler import make_scheduler as _make_scheduler
+from hscache.testing.offline_scheduler import stub_runner_output
+from hscache.testing.offline_scheduler import summarize_output as output_summary
+from hscache.testing.requests import make_request
 from hscache.vllm.parity import prefix_cache_stats_key
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 
-from tests.vllm_helpers import make_request
-
 BLOCK_SIZE = 16
 SMALL_POOL = 40  # blocks: small enough that the streams preempt
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return _model_dir()
 
 
 def make_scheduler(
@@ -64,7 +57,11 @@ def run_stream(
                 rng.randrange(1000) for _ in range(rng.randrange(1, 90))
             ]
             req = make_request(
-                f"r{next_id}", prompt, BLOCK_SIZE, max_tokens=rng.randrange(1, 30), ignore_eos=True
+                f"r{next_id}",
+                prompt,
+                hash_block_size=BLOCK_SIZE,
+                max_tokens=rng.randrange(1, 30),
+                ignore_eos=True,
             )
             next_id += 1
             sched.add_request(req)

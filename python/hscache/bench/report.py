@@ -1,6 +1,6 @@
 """Reporting for ``python -m hscache bench``: statistics, text tables, JSON and the plot.
 
-Owns the reduction of a :class:`~hscache.bench.driver.RunResult` to medians, p90s and ratios
+Owns the reduction of a :class:`~hscache.bench.results.RunResult` to medians, p90s and ratios
 (per-step KV bookkeeping time and per-operation cost per call, vLLM / hscache), their
 plain-text rendering, the machine-readable JSON document and the optional bar chart (matplotlib
 is imported only when a plot is asked for).
@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hscache.bench.driver import RunResult
+from hscache.bench.results import RunResult
 
 __all__ = [
     "OpSummary",
