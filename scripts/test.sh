@@ -73,6 +73,7 @@ step clippy-python cargo clippy --all-targets --features python --quiet -- -D wa
 step cargo-test timeout 1800 cargo test --quiet
 step ruff-check ruff check python tests benches examples scripts
 step ruff-format ruff format --check python tests benches examples scripts
+step import-cycles python scripts/import_cycles.py
 step mypy timeout 900 mypy  # settings and files: [tool.mypy] in pyproject.toml
 step build timeout 1800 maturin develop --release --quiet
 step_after build stubtest python -m mypy.stubtest hscache._core --allowlist tests/stubtest_allowlist.txt
