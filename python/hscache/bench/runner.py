@@ -50,7 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", metavar="FILE", help="write machine-readable results here")
     parser.add_argument(
-        "--plot", metavar="FILE.png", help="bar chart of the ratios (needs matplotlib)"
+        "--plot",
+        metavar="FILE.png",
+        help="per-scenario bars of both managers' step times with the ratios "
+        "(needs matplotlib: requirements/bench-plot.txt)",
     )
     parser.add_argument(
         "--candidate",
@@ -381,5 +384,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         if write_plot(args.plot, summaries, modes_of_runs):
             print(f"plot written to {args.plot}", file=stream)
         else:
-            print("--plot: matplotlib is not installed; no plot written", file=stream)
+            print(
+                "--plot: matplotlib is not installed; no plot written "
+                "(pip install -r requirements/bench-plot.txt, or run scripts/bench.sh once)",
+                file=stream,
+            )
     return 0
