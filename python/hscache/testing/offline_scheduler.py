@@ -4,7 +4,7 @@ vLLM's ``Scheduler`` reads the model's config for lengths and modality, never we
 tokenizer, so :func:`model_dir` writes a config-only stand-in (OPT-125m's architecture) and
 :func:`make_scheduler` builds the ``VllmConfig`` around it the way vLLM's own scheduler tests
 do, with any ``KVCacheConfig`` (one full-attention group by default). :func:`stub_runner_output`
-is the model: every scheduled request samples a token chosen by the caller.
+is the model: scheduled requests sample tokens chosen by the caller.
 :func:`summarize_output` reduces a ``SchedulerOutput`` to the decisions two schedulers must
 agree on. Used by the scheduler-level benchmark, tests, ``examples/`` and the wheel smoke test.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -67,12 +67,15 @@ def make_scheduler(
     async_scheduling: bool = False,
     long_prefill_token_threshold: int = 0,
     watermark: float | None = None,
+    scheduler_reserve_full_isl: bool | None = None,
     enable_prefix_caching: bool = True,
     model_path: Path | None = None,
 ) -> Any:
     """A vLLM ``Scheduler`` (or subclass ``cls``) over ``kv_cache``: a ``KVCacheConfig``, or a
     block count for one full-attention group of ``block_size``-token blocks. The scheduler
-    and hash block sizes are resolved from the config as vLLM's engine resolves them."""
+    and hash block sizes are resolved from the config as vLLM's engine resolves them.
+    ``watermark`` and ``scheduler_reserve_full_isl`` (admissions need the whole prompt to
+    fit: ``full_sequence_must_fit``) are vLLM's defaults when None."""
     model_config = ModelConfig(
         model=str(model_path or model_dir()),
         dtype="float16",
@@ -81,6 +84,8 @@ def make_scheduler(
         max_model_len=max_model_len,
     )
     extra: dict[str, Any] = {} if watermark is None else {"watermark": watermark}
+    if scheduler_reserve_full_isl is not None:
+        extra["scheduler_reserve_full_isl"] = scheduler_reserve_full_isl
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -118,14 +123,29 @@ def make_scheduler(
     )
 
 
-def stub_runner_output(out: Any, token_of: Callable[[int], int]) -> ModelRunnerOutput:
+def stub_runner_output(
+    out: Any, token_of: Callable[[int], int], requests: Mapping[str, Any] | None = None
+) -> ModelRunnerOutput:
     """A ``ModelRunnerOutput`` for the ``SchedulerOutput`` ``out`` in which the ``i``-th
-    scheduled request samples ``token_of(i)``."""
+    scheduled request samples ``token_of(i)``.
+
+    With ``requests`` (the scheduler's ``requests`` map, read after ``schedule()``) a request
+    whose prefill is still partial samples nothing, as vLLM's model runner discards those
+    samples; without it every scheduled request samples a token (the scheduler-level
+    benchmark's and older tests' stub, kept so that their streams stay comparable)."""
     req_ids = list(out.num_scheduled_tokens)
+
+    def sampled(i: int, rid: str) -> list[int]:
+        if requests is not None:
+            req = requests[rid]
+            if req.num_computed_tokens < req.num_tokens:
+                return []
+        return [token_of(i)]
+
     return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={r: i for i, r in enumerate(req_ids)},
-        sampled_token_ids=[[token_of(i)] for i in range(len(req_ids))],
+        sampled_token_ids=[sampled(i, r) for i, r in enumerate(req_ids)],
     )
 
 
