@@ -26,7 +26,13 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from hscache.testing.kv_cache import block_sizes, full_attention_config
 
-__all__ = ["make_scheduler", "model_dir", "stub_runner_output", "summarize_output"]
+__all__ = [
+    "make_scheduler",
+    "make_vllm_config",
+    "model_dir",
+    "stub_runner_output",
+    "summarize_output",
+]
 
 # A config-only stand-in for a small decoder (OPT-125m's architecture).
 _MODEL_CONFIG: dict[str, Any] = {
@@ -56,9 +62,7 @@ def model_dir() -> Path:
     return d
 
 
-def make_scheduler(
-    cls: type,
-    kv_cache: int | KVCacheConfig,
+def make_vllm_config(
     *,
     block_size: int = 16,
     max_num_seqs: int = 256,
@@ -70,12 +74,8 @@ def make_scheduler(
     scheduler_reserve_full_isl: bool | None = None,
     enable_prefix_caching: bool = True,
     model_path: Path | None = None,
-) -> Any:
-    """A vLLM ``Scheduler`` (or subclass ``cls``) over ``kv_cache``: a ``KVCacheConfig``, or a
-    block count for one full-attention group of ``block_size``-token blocks. The scheduler
-    and hash block sizes are resolved from the config as vLLM's engine resolves them.
-    ``watermark`` and ``scheduler_reserve_full_isl`` (admissions need the whole prompt to
-    fit: ``full_sequence_must_fit``) are vLLM's defaults when None."""
+) -> VllmConfig:
+    """The engine configuration of an offline scheduler (see :func:`make_scheduler`)."""
     model_config = ModelConfig(
         model=str(model_path or model_dir()),
         dtype="float16",
@@ -102,8 +102,42 @@ def make_scheduler(
         cache_dtype="auto",
         enable_prefix_caching=enable_prefix_caching,
     )
-    vllm_config = VllmConfig(
+    return VllmConfig(
         scheduler_config=scheduler_config, model_config=model_config, cache_config=cache_config
+    )
+
+
+def make_scheduler(
+    cls: type,
+    kv_cache: int | KVCacheConfig,
+    *,
+    block_size: int = 16,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 8192,
+    max_model_len: int = 16384,
+    async_scheduling: bool = False,
+    long_prefill_token_threshold: int = 0,
+    watermark: float | None = None,
+    scheduler_reserve_full_isl: bool | None = None,
+    enable_prefix_caching: bool = True,
+    model_path: Path | None = None,
+) -> Any:
+    """A vLLM ``Scheduler`` (or subclass ``cls``) over ``kv_cache``: a ``KVCacheConfig``, or a
+    block count for one full-attention group of ``block_size``-token blocks. The scheduler
+    and hash block sizes are resolved from the config as vLLM's engine resolves them.
+    ``watermark`` and ``scheduler_reserve_full_isl`` (admissions need the whole prompt to
+    fit: ``full_sequence_must_fit``) are vLLM's defaults when None."""
+    vllm_config = make_vllm_config(
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        async_scheduling=async_scheduling,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+        watermark=watermark,
+        scheduler_reserve_full_isl=scheduler_reserve_full_isl,
+        enable_prefix_caching=enable_prefix_caching,
+        model_path=model_path,
     )
     kv_cache_config = (
         full_attention_config(kv_cache, block_size) if isinstance(kv_cache, int) else kv_cache
@@ -111,7 +145,7 @@ def make_scheduler(
     scheduler_block_size, hash_block_size = block_sizes(
         kv_cache_config, enable_caching=enable_prefix_caching
     )
-    cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     register_all_kvcache_specs(vllm_config)  # type: ignore[no-untyped-call]
     return cls(
         vllm_config=vllm_config,
