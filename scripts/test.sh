@@ -77,6 +77,9 @@ step import-cycles python scripts/import_cycles.py
 step mypy timeout 900 mypy  # settings and files: [tool.mypy] in pyproject.toml
 step build timeout 1800 maturin develop --release --quiet
 step_after build stubtest python -m mypy.stubtest hscache._core --allowlist tests/stubtest_allowlist.txt
+# vLLM's own tests (the sdist's tests/ tree) before pytest: test_encoder_cache.py runs vLLM's
+# encoder-cache tests on hscache's manager from it, and would skip them on a clean machine.
+step vllm-sdist bash tests/vllm_upstream/fetch_sdist.sh
 step_after build pytest run_pytest
 step_after build vllm-upstream bash tests/vllm_upstream/run.sh --swap
 step wheel-smoke timeout 1200 bash scripts/wheel_smoke.sh
