@@ -29,17 +29,15 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from hscache.bench.scheduler_level import make_scheduler
 from hscache.hidden_states import HiddenStateCache, KeySpec, StepPlan, StepRows
+from hscache.testing import requests
+from hscache.testing.offline_scheduler import make_scheduler
 from hscache.vllm import Scheduler
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
-init_none_hash(sha256)
+requests.init_none_hash("sha256")
 
 VOCAB = 1000
 _P = 2_147_483_647  # 2^31 - 1: every product below stays under 2^62
@@ -116,12 +114,8 @@ def build_scheduler(
 
 
 def make_request(req_id: str, prompt: Sequence[int], max_tokens: int, block_size: int) -> Request:
-    return Request(
-        request_id=req_id,
-        prompt_token_ids=list(prompt),
-        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-        pooling_params=None,
-        block_hasher=get_request_block_hasher(block_size, sha256),
+    return requests.make_request(
+        req_id, prompt, max_tokens=max_tokens, hash_block_size=block_size, ignore_eos=True
     )
 
 

@@ -34,7 +34,8 @@ def main() -> int:
         return 1
 
     import hscache.vllm
-    from hscache.bench.scheduler_level import make_scheduler, request_stream, stub_runner_output
+    from hscache.bench.scheduler_level import request_stream
+    from hscache.testing.offline_scheduler import make_scheduler, stub_runner_output
 
     sched = make_scheduler(hscache.vllm.Scheduler, 512, max_model_len=4096)
     assert isinstance(sched.kv_cache_manager, hscache.vllm.KVCacheManager)

@@ -16,19 +16,15 @@ import dataclasses
 import numpy as np
 import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
-from hscache.bench.driver import (
-    CANDIDATE_SPEC,
-    OP_ALLOC_BATCH,
-    OP_FREE_BATCH,
-    REFERENCE_SPEC,
-    load_class,
-    run_scenario,
-)
+from hscache.bench.driver import run_scenario
+from hscache.bench.managers import CANDIDATE_SPEC, REFERENCE_SPEC, load_class
+from hscache.bench.results import OP_ALLOC_BATCH, OP_FREE_BATCH
 from hscache.bench.scenarios import TINY_SCENARIO, find_scenario
 from hscache.exceptions import InvalidArgumentError, UnknownRequestError
+from hscache.testing.kv_cache import full_attention_config
+from hscache.testing.manager import manager_kwargs
+from hscache.testing.requests import make_request
 from hscache.vllm import KVCacheManager
-
-from tests.vllm_helpers import make_request, manager_kwargs
 
 pytestmark = pytest.mark.vllm
 
@@ -69,7 +65,7 @@ def test_batched_path_under_pressure_makes_vllms_decisions() -> None:
 def _running_pair(
     num_blocks: int = 64,
 ) -> tuple[KVCacheManager, list, list[int]]:
-    m = KVCacheManager(**manager_kwargs(num_blocks))
+    m = KVCacheManager(**manager_kwargs(full_attention_config(num_blocks)))
     reqs = [make_request(f"r{i}", list(range(100 * i, 100 * i + 40))) for i in range(2)]
     for r in reqs:
         assert m.allocate_slots(r, r.num_tokens) is not None

@@ -13,13 +13,9 @@ from typing import Any
 
 import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
-from hscache.bench.driver import (
-    REFERENCE_SPEC,
-    DivergenceError,
-    RunResult,
-    load_class,
-    run_scenario,
-)
+from hscache.bench.driver import DivergenceError, run_scenario
+from hscache.bench.managers import REFERENCE_SPEC, load_class
+from hscache.bench.results import RunResult
 from hscache.bench.scenarios import TINY_SCENARIO, make_trace
 
 pytestmark = pytest.mark.vllm
@@ -110,3 +106,23 @@ def test_cli_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert len(entry["raw_step_ns"]["vllm"]) == 20
     assert len(entry["repeat_ratios"]) == 2
     assert entry["ratio"] is None or entry["ratio"] > 0
+
+
+def test_cli_plot_is_a_png_of_every_scenario_and_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--plot`` with both paths: a PNG when matplotlib is installed (scripts/bench.sh
+    installs requirements/bench-plot.txt), else a message naming that file and no file."""
+    from hscache.__main__ import main
+
+    png = tmp_path / "bench.png"
+    args = ["bench", "--scenario", "tiny", "--steps", "5", "--warmup", "2", "--no-progress"]
+    assert main([*args, "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "requirements/bench-plot.txt" in text and not png.exists()
+        return
+    assert f"plot written to {png}" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -5,7 +5,8 @@ Serializers against ``pickle.dumps(protocol=5)`` / ``cbor2.dumps(canonical=True)
 ``vllm.utils.hashing``, ``hash_block_tokens`` and the request hasher against
 ``vllm.v1.core.kv_cache_utils`` on thousands of random requests (multimodal items,
 LoRA, salts, prompt embeddings, lookahead, incremental appends), bad input, fallbacks
-and the EngineCore installation.
+and the EngineCore installation. (hscache's Scheduler on the installed hasher, end to end:
+``test_scheduler_hook.py``.)
 """
 
 from __future__ import annotations
@@ -38,17 +39,6 @@ ALL_ALGOS = [*VLLM_ALGOS, "blake3"]
 
 def hash_fn(algo: str) -> Any:
     return bh.blake3 if algo == "blake3" else hashing.get_hash_fn_by_name(algo)
-
-
-@pytest.fixture(autouse=True)
-def _none_hash() -> Any:
-    """Each test starts from sha256's NONE_HASH; vLLM's globals are restored after."""
-    saved = (getattr(kcu, "NONE_HASH", None), kcu._NONE_HASH_SEED)
-    kcu.init_none_hash(hashing.sha256)
-    yield
-    if saved[0] is not None:
-        kcu.NONE_HASH = saved[0]
-    kcu._NONE_HASH_SEED = saved[1]
 
 
 # ---------------------------------------------------------------- serializers
@@ -561,62 +551,3 @@ def test_install_block_hasher_patches_engine_core(monkeypatch: pytest.MonkeyPatc
     finally:
         bh.uninstall_block_hasher()
     assert engine_core.get_request_block_hasher is original
-
-
-def test_hscache_scheduler_end_to_end_with_the_installed_hasher() -> None:
-    """EngineCore's sequence: install, build the hasher by the patched name, attach it to
-    every request, schedule. hscache's Scheduler on hscache's hashes makes vLLM's
-    decisions (same prefix-cache hits) on vLLM's hashes, step for step."""
-    import hscache.vllm
-    from hscache.bench.scheduler_level import (
-        make_scheduler,
-        model_dir,
-        stub_runner_output,
-        summarize,
-    )
-    from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
-
-    bh.install_block_hasher()
-    try:
-        ours = engine_core.get_request_block_hasher(16, hashing.sha256_cbor, 0)
-    finally:
-        bh.uninstall_block_hasher()
-    assert ours.hscache_algo == "sha256_cbor"
-    kcu.init_none_hash(hashing.sha256_cbor)
-    ref = kcu.get_request_block_hasher(16, hashing.sha256_cbor, 0)
-
-    def run(cls: type, hasher: Any) -> tuple[list[Any], list[list[bytes]], int]:
-        rng = random.Random(5)
-        sched = make_scheduler(
-            cls, 96, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=2048,
-            model_path=model_dir(),
-        )  # fmt: skip
-        prefixes = [[rng.randrange(1000) for _ in range(n)] for n in (40, 64)]
-        trace, requests, hits = [], [], 0
-        for step in range(40):
-            if rng.random() < 0.5:
-                prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(20)]
-                req = Request(
-                    request_id=f"r{len(requests)}",
-                    prompt_token_ids=prompt,
-                    sampling_params=SamplingParams(max_tokens=rng.randrange(1, 20)),
-                    pooling_params=None,
-                    cache_salt=rng.choice([None, None, "tenant"]),
-                    block_hasher=hasher,
-                )
-                requests.append(req)
-                sched.add_request(req)
-            out = sched.schedule()
-            trace.append(summarize(out))
-            hits += sum(r.num_computed_tokens > 0 for r in out.scheduled_new_reqs)
-            sched.update_from_output(
-                out,
-                stub_runner_output(out, lambda i, step=step: (step * 7 + i) % 1000),
-            )
-        return trace, [list(r.block_hashes) for r in requests], hits
-
-    ref_trace, ref_hashes, ref_hits = run(VllmScheduler, ref)
-    our_trace, our_hashes, our_hits = run(hscache.vllm.Scheduler, ours)
-    assert our_hashes == ref_hashes
-    assert our_trace == ref_trace
-    assert our_hits == ref_hits > 0

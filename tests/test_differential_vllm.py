@@ -1,6 +1,6 @@
 """Differential tests: hscache.vllm.KVCacheManager against vLLM 0.33.0's own KVCacheManager.
 
-Randomized scheduler-like traces (``tests/vllm_diff/trace.py``) drive both managers with
+Randomized scheduler-like traces (``tests/vllm_diff/``) drive both managers with
 identical requests and compare, after every call, every return value, the free-block count,
 usage, the free-queue order, the block tables, every KV event and the prefix-cache stats, and
 every few calls every block's ref count and hash.  Plus targeted scenarios and self-tests
@@ -27,7 +27,8 @@ import vllm  # noqa: F401 (a hard requirement: a broken install fails, never ski
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from vllm_diff import mutants, trace
+import vllm_diff as diff
+from vllm_diff import mutants
 
 pytestmark = pytest.mark.vllm
 
@@ -36,33 +37,33 @@ N_OPS = int(os.environ.get("HSCACHE_DIFF_OPS", "600"))
 SEED0 = int(os.environ.get("HSCACHE_DIFF_SEED0", "0"))
 _MINIMIZE_LEFT = [int(os.environ.get("HSCACHE_DIFF_MINIMIZE", "2"))]
 
-REFERENCE = trace.ReferenceKVCacheManager
+REFERENCE = diff.ReferenceKVCacheManager
 
 
 @pytest.fixture(scope="module")
 def candidate():
     # An unimportable candidate is a failure, never a skip that leaves the run green.
-    return trace.load_candidate()
+    return diff.load_candidate()
 
 
-def _run(seed: int, cfg: trace.TraceConfig, candidate) -> dict:
+def _run(seed: int, cfg: diff.TraceConfig, candidate) -> dict:
     try:
-        return trace.run_trace(seed, cfg, candidate)
-    except trace.Divergence as d:
+        return diff.run_trace(seed, cfg, candidate)
+    except diff.Divergence as d:
         if _MINIMIZE_LEFT[0] <= 0:
             raise
         _MINIMIZE_LEFT[0] -= 1
-        actions, best = trace.minimize(d, candidate, search_seeds=30)
+        actions, best = diff.minimize(d, candidate, search_seeds=30)
         where = ""
         out_dir = os.environ.get("HSCACHE_DIFF_REPRO_DIR")
         if out_dir:
             os.makedirs(out_dir, exist_ok=True)
             path = os.path.join(out_dir, f"seed{seed}.json")
-            trace.dump_repro(path, dataclasses.replace(best.config, deep_every=1), actions)
+            diff.dump_repro(path, dataclasses.replace(best.config, deep_every=1), actions)
             where = f"\nwritten to {path} (cd tests && python -m vllm_diff --replay {path})"
         raise AssertionError(
             f"{d}\n\nminimized repro ({len(actions)} actions, trace seed={best.seed}, "
-            f"config {best.config}):\n{trace.format_actions(actions)}{where}"
+            f"config {best.config}):\n{diff.format_actions(actions)}{where}"
         ) from None
 
 
@@ -71,25 +72,27 @@ def _run(seed: int, cfg: trace.TraceConfig, candidate) -> dict:
 _SEEDS = list(range(SEED0, SEED0 + N_TRACES))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
-    "seed", _SEEDS, ids=[f"{s}-{trace.config_for_seed(s).short()}" for s in _SEEDS]
+    "seed", _SEEDS, ids=[f"{s}-{diff.config_for_seed(s).short()}" for s in _SEEDS]
 )
 def test_random_trace(seed, candidate):
-    cfg = trace.config_for_seed(seed, num_ops=N_OPS)
+    cfg = diff.config_for_seed(seed, num_ops=N_OPS)
     _run(seed, cfg, candidate)
 
 
 _HASHER_SEEDS = _SEEDS[:40]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", _HASHER_SEEDS)
 def test_random_trace_with_hscache_hasher(seed, candidate):
     """What the plugin installs in production: hscache's manager fed by hscache's block
     hasher, against vLLM's manager fed by vLLM's."""
     from hscache.vllm.block_hasher import get_request_block_hasher
 
-    cfg = trace.config_for_seed(seed, num_ops=N_OPS // 2)
-    trace.run_trace(seed, cfg, candidate, cand_hasher_factory=get_request_block_hasher)
+    cfg = diff.config_for_seed(seed, num_ops=N_OPS // 2)
+    diff.run_trace(seed, cfg, candidate, cand_hasher_factory=get_request_block_hasher)
 
 
 def test_candidate_does_not_fall_back(candidate):
@@ -100,8 +103,8 @@ def test_candidate_does_not_fall_back(candidate):
         pytest.skip("the candidate is vLLM's manager")
     fell_back = []
     for seed in _SEEDS:
-        cfg = trace.config_for_seed(seed)
-        mgr = candidate(**trace.manager_kwargs(cfg))
+        cfg = diff.config_for_seed(seed)
+        mgr = candidate(**diff.manager_kwargs(cfg))
         if type(mgr) is REFERENCE:
             fell_back.append(cfg.short())
     assert not fell_back, f"candidate fell back to vLLM's manager for {fell_back}"
@@ -110,8 +113,8 @@ def test_candidate_does_not_fall_back(candidate):
 # ------------------------------------------------------------------------- scenarios
 
 
-def _pair(candidate, name: str, **cfg_kw) -> trace._Pair:
-    cfg = trace.TraceConfig(
+def _pair(candidate, name: str, **cfg_kw) -> diff.Pair:
+    cfg = diff.TraceConfig(
         **{
             "block_size": 4,
             "num_blocks": 16,
@@ -121,14 +124,14 @@ def _pair(candidate, name: str, **cfg_kw) -> trace._Pair:
             **cfg_kw,
         }
     )
-    return trace._Pair(cfg, candidate, seed=name)
+    return diff.Pair(cfg, candidate, seed=name)
 
 
 def _spec(rid: str, prompt: list[int], **kw) -> dict:
     return {"rid": rid, "prompt": list(prompt), "max_tokens": kw.pop("max_tokens", 8), **kw}
 
 
-def _admit(p: trace._Pair, rid: str, n: int | None = None, running: bool = False):
+def _admit(p: diff.Pair, rid: str, n: int | None = None, running: bool = False):
     """Lookup + allocate + stats + get_blocks, like the Scheduler's waiting loop."""
     req = p.req(rid)
     blocks, hit, _ = p.call("get_computed_blocks", rid=rid)
@@ -323,7 +326,7 @@ def test_streaming_session_rewrites_block_hashes_in_place(candidate):
 @pytest.mark.parametrize("seed", range(5))
 def test_harness_vllm_against_itself(seed):
     """The harness itself: vLLM against vLLM never diverges (no candidate needed)."""
-    summary = trace.run_trace(seed, trace.config_for_seed(seed, num_ops=300), REFERENCE)
+    summary = diff.run_trace(seed, diff.config_for_seed(seed, num_ops=300), REFERENCE)
     assert summary["calls"] >= 300
 
 
@@ -332,8 +335,8 @@ def test_harness_detects_divergence(mutant):
     """Each deliberately broken manager is caught within a few traces."""
     for seed in range(40):
         try:
-            trace.run_trace(seed, trace.config_for_seed(seed, num_ops=300), mutant)
-        except trace.Divergence as d:
+            diff.run_trace(seed, diff.config_for_seed(seed, num_ops=300), mutant)
+        except diff.Divergence as d:
             assert f"seed={seed}" in str(d) and d.call in str(d)
             return
     pytest.fail(f"{mutant.__name__} was not detected in 40 traces")
@@ -343,20 +346,18 @@ def test_harness_shrinks_to_a_short_repro():
     err = None
     for seed in range(10):
         try:
-            trace.run_trace(
-                seed, trace.config_for_seed(seed, num_ops=300), mutants.FreeForwardOrder
-            )
-        except trace.Divergence as d:
+            diff.run_trace(seed, diff.config_for_seed(seed, num_ops=300), mutants.FreeForwardOrder)
+        except diff.Divergence as d:
             err = d
             break
     assert err is not None
-    actions, best = trace.minimize(err, mutants.FreeForwardOrder, search_seeds=20)
+    actions, best = diff.minimize(err, mutants.FreeForwardOrder, search_seeds=20)
     assert len(actions) < len(err.actions)
-    with pytest.raises(trace.Divergence):
-        trace.replay(
+    with pytest.raises(diff.Divergence):
+        diff.replay(
             actions, dataclasses.replace(best.config, deep_every=1), mutants.FreeForwardOrder
         )
-    trace.replay(actions, best.config, REFERENCE)  # a valid trace for vLLM itself
+    diff.replay(actions, best.config, REFERENCE)  # a valid trace for vLLM itself
 
 
 def test_generator_covers_the_features():
@@ -364,7 +365,7 @@ def test_generator_covers_the_features():
     change silently dropping a path)."""
     total: dict[str, int] = {}
     for seed in range(40):
-        s = trace.run_trace(seed, trace.config_for_seed(seed, num_ops=300), REFERENCE)
+        s = diff.run_trace(seed, diff.config_for_seed(seed, num_ops=300), REFERENCE)
         for k, v in s.items():
             total[k] = total.get(k, 0) + v
     for key in (

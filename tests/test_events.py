@@ -31,13 +31,7 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.utils import hashing
 from vllm.v1.request import Request
 
-# The autouse fixture that starts each test from sha256's NONE_HASH and restores vLLM's
-# globals after it.
-from tests.test_block_hasher import (  # noqa: F401 (autouse fixture)
-    _none_hash,
-    make_request,
-    random_request_args,
-)
+from tests.test_block_hasher import make_request, random_request_args
 
 pytestmark = pytest.mark.vllm
 

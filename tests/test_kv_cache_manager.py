@@ -10,12 +10,21 @@ import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
 from hscache import exceptions
 from hscache._core import KVCacheCore
+from hscache.testing.kv_cache import (
+    full_attention,
+    full_attention_config,
+    kv_cache_config,
+    sliding_window,
+)
+from hscache.testing.manager import manager_kwargs
+from hscache.testing.requests import make_request
 from hscache.vllm import KVCacheManager
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.kv_cache_interface import KVCacheGroupRole
 
-from tests.vllm_helpers import full_attention_config, hybrid_config, make_request, manager_kwargs
+# Two KV-cache groups (full attention + a 64-token sliding window), block size 16.
+_FULL_AND_SLIDING_WINDOW = kv_cache_config([full_attention(16), sliding_window(16, 64)], 32)
 
 
 def _state(m: KVCacheManager) -> tuple[list[int], float, dict[str, list[int]]]:
@@ -33,7 +42,7 @@ def _admit(m: KVCacheManager, req) -> None:
 
 
 def test_block_handles_are_identity_stable() -> None:
-    m = KVCacheManager(**manager_kwargs(16))
+    m = KVCacheManager(**manager_kwargs(full_attention_config(16)))
     req = make_request("a", list(range(40)))
     new = m.allocate_slots(req, 40)
     assert new is not None
@@ -48,7 +57,7 @@ def test_block_handles_are_identity_stable() -> None:
 
 def test_vllm_prefill_expectations() -> None:
     """The block ids and free-queue order vLLM's test_prefill asserts."""
-    m = KVCacheManager(**manager_kwargs(11))
+    m = KVCacheManager(**manager_kwargs(full_attention_config(11)))
     common = list(range(48))
     r0 = make_request("0", common + list(range(100, 107)))
     _admit(m, r0)
@@ -83,7 +92,7 @@ def test_vllm_prefill_expectations() -> None:
     ],
 )
 def test_bad_input_raises_and_leaves_state_unchanged(call, exc) -> None:
-    m = KVCacheManager(**manager_kwargs(16))
+    m = KVCacheManager(**manager_kwargs(full_attention_config(16)))
     req = make_request("a", list(range(40)))
     _admit(m, req)
     before = _state(m)
@@ -94,7 +103,7 @@ def test_bad_input_raises_and_leaves_state_unchanged(call, exc) -> None:
 
 
 def _other_pool_blocks():
-    other = KVCacheManager(**manager_kwargs(16))
+    other = KVCacheManager(**manager_kwargs(full_attention_config(16)))
     req = make_request("b", list(range(40)))
     _admit(other, req)
     return other.get_blocks("b")
@@ -140,7 +149,7 @@ def test_bare_core_refuses_before_allocating() -> None:
 
 
 def test_malformed_block_hashes_raise_before_any_change() -> None:
-    m = KVCacheManager(**manager_kwargs(16))
+    m = KVCacheManager(**manager_kwargs(full_attention_config(16)))
     req = make_request("a", list(range(40)))
     req.block_hashes[1] = b"x" * 40  # longer than any vLLM digest
     before = _state(m)
@@ -154,7 +163,7 @@ def test_malformed_block_hashes_raise_before_any_change() -> None:
 
 
 def test_double_free_of_a_request_table_is_rejected_whole() -> None:
-    m = KVCacheManager(**manager_kwargs(16))
+    m = KVCacheManager(**manager_kwargs(full_attention_config(16)))
     req = make_request("a", list(range(40)))
     _admit(m, req)
     blocks = m.pop_blocks_for_free(req)
@@ -167,7 +176,7 @@ def test_double_free_of_a_request_table_is_rejected_whole() -> None:
 
 def test_unknown_request_is_a_no_op_like_vllm() -> None:
     """vLLM frees requests that never got blocks (aborted while waiting)."""
-    m = KVCacheManager(**manager_kwargs(16))
+    m = KVCacheManager(**manager_kwargs(full_attention_config(16)))
     ghost = make_request("ghost", [1, 2, 3])
     m.free(ghost)
     assert m.pop_blocks_for_free(ghost) == []
@@ -178,13 +187,13 @@ def test_unknown_request_is_a_no_op_like_vllm() -> None:
 @pytest.mark.parametrize(
     "change",
     [
-        {"kv_cache_config": hybrid_config(32)},
+        {"kv_cache_config": _FULL_AND_SLIDING_WINDOW},
         {"scheduler_block_size": 32},
         {"metrics_collector": KVCacheMetricsCollector(sample_rate=1.0)},
     ],
 )
 def test_configs_that_used_to_fall_back_are_served(change: dict) -> None:
-    m = KVCacheManager(**{**manager_kwargs(32), **change})
+    m = KVCacheManager(**{**manager_kwargs(full_attention_config(32)), **change})
     assert isinstance(m, KVCacheManager)
     req = make_request("a", list(range(40)))
     _admit(m, req)
@@ -206,7 +215,9 @@ def test_unsupported_config_falls_back_to_vllm_and_says_why(
 
     said: list[str] = []
     monkeypatch.setattr(module.logger, "info", lambda msg, *a: said.append(msg % a))
-    m = KVCacheManager(**{**manager_kwargs(32), "kv_cache_config": _hisparse_config()})
+    m = KVCacheManager(
+        **{**manager_kwargs(full_attention_config(32)), "kv_cache_config": _hisparse_config()}
+    )
     assert type(m) is VllmKVCacheManager
     assert len(said) == 1 and said[0].startswith("hscache: using vLLM's Python KVCacheManager")
     assert "HiSparse" in said[0]
@@ -215,17 +226,19 @@ def test_unsupported_config_falls_back_to_vllm_and_says_why(
 def test_strict_mode_raises_instead_of_falling_back(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HSCACHE_STRICT", "1")
     with pytest.raises(exceptions.UnsupportedConfigError, match="HiSparse"):
-        KVCacheManager(**{**manager_kwargs(32), "kv_cache_config": _hisparse_config()})
-    assert isinstance(KVCacheManager(**manager_kwargs(16)), KVCacheManager)
+        KVCacheManager(
+            **{**manager_kwargs(full_attention_config(32)), "kv_cache_config": _hisparse_config()}
+        )
+    assert isinstance(KVCacheManager(**manager_kwargs(full_attention_config(16))), KVCacheManager)
 
 
 def test_disable_env_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HSCACHE_DISABLE", "1")
-    assert type(KVCacheManager(**manager_kwargs(16))) is VllmKVCacheManager
+    assert type(KVCacheManager(**manager_kwargs(full_attention_config(16)))) is VllmKVCacheManager
 
 
 def test_reset_prefix_cache_fails_while_in_use_and_sets_stats_flag() -> None:
-    m = KVCacheManager(**manager_kwargs(16))
+    m = KVCacheManager(**manager_kwargs(full_attention_config(16)))
     req = make_request("a", list(range(40)))
     _admit(m, req)
     assert not m.reset_prefix_cache()
@@ -242,7 +255,7 @@ def test_latency_counters_are_opt_in_and_count_calls() -> None:
 
     hscache.enable_stats(False)
     hscache.reset_stats()
-    m = KVCacheManager(**manager_kwargs(16))
+    m = KVCacheManager(**manager_kwargs(full_attention_config(16)))
     req = make_request("a", list(range(40)))
     _admit(m, req)
     assert hscache.stats() == {}
@@ -266,12 +279,12 @@ def test_kv_event_batch_round_trips_through_msgspec_like_vllms() -> None:
 
     batches = []
     for cls in (VllmKVCacheManager, KVCacheManager):
-        m = cls(**manager_kwargs(5, block_size=4))
+        m = cls(**manager_kwargs(full_attention_config(5, 4)))
         common = list(range(8))
-        r0 = make_request("a", [*common, 100, 101, 102, 103, 104], block_size=4)
+        r0 = make_request("a", [*common, 100, 101, 102, 103, 104], hash_block_size=4)
         _admit(m, r0)
         m.free(r0)
-        r1 = make_request("b", [*common, 200, 201, 202, 203, 204], block_size=4)
+        r1 = make_request("b", [*common, 200, 201, 202, 203, 204], hash_block_size=4)
         _admit(m, r1)  # evicts a's tail (BlockRemoved), stores b's blocks
         m.free(r1)
         assert m.reset_prefix_cache()
@@ -313,7 +326,7 @@ class _ReentrantRequest:
 def test_reentrant_request_raises_runtime_error_and_changes_nothing(call) -> None:
     """Calling back into the manager from a request attribute the core reads is a
     RuntimeError ("Already borrowed"), never a panic, and the call changes nothing."""
-    m = KVCacheManager(**manager_kwargs(16))
+    m = KVCacheManager(**manager_kwargs(full_attention_config(16)))
     req = _ReentrantRequest(make_request("a", list(range(40))), m, call)
     before = _state(m)
     with pytest.raises(RuntimeError, match="borrowed"):

@@ -10,28 +10,29 @@ import pytest
 import vllm
 import vllm.plugins
 import vllm.v1.core.sched.scheduler as scheduler_module
-from hscache.bench.scheduler_level import model_dir
+from hscache.testing.kv_cache import full_attention_config
+from hscache.testing.manager import manager_kwargs
+from hscache.testing.requests import make_request
 from hscache.vllm.parity import ParityError, ParityKVCacheManager
 
 from tests.test_scheduler_hook import make_scheduler, run_stream
-from tests.vllm_helpers import make_request, manager_kwargs
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_parity_mode_runs_a_full_scheduler_trace_without_divergence(
-    monkeypatch: pytest.MonkeyPatch, seed: int
+    monkeypatch: pytest.MonkeyPatch, seed: int, model_dir: Path
 ) -> None:
     monkeypatch.setenv("HSCACHE_PARITY", "1")
-    sched = make_scheduler(hscache.vllm.Scheduler, model_dir(), 40)
+    sched = make_scheduler(hscache.vllm.Scheduler, model_dir, 40)
     assert isinstance(sched.kv_cache_manager, ParityKVCacheManager)
-    with_parity = run_stream(hscache.vllm.Scheduler, model_dir(), seed, 40)
+    with_parity = run_stream(hscache.vllm.Scheduler, model_dir, seed, 40)
     monkeypatch.delenv("HSCACHE_PARITY")
-    assert with_parity == run_stream(scheduler_module.Scheduler, model_dir(), seed, 40)
+    assert with_parity == run_stream(scheduler_module.Scheduler, model_dir, seed, 40)
 
 
 def test_parity_mode_catches_an_injected_divergence(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HSCACHE_PARITY", "1")
-    m = hscache.vllm.KVCacheManager(**manager_kwargs(32))
+    m = hscache.vllm.KVCacheManager(**manager_kwargs(full_attention_config(32)))
     assert isinstance(m, ParityKVCacheManager)
     req = make_request("a", list(range(40)))
     blocks, hit, _ = m.get_computed_blocks(req)
@@ -43,7 +44,7 @@ def test_parity_mode_catches_an_injected_divergence(monkeypatch: pytest.MonkeyPa
 
 
 def test_plugin_is_declared_and_switches_the_stock_scheduler(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, model_dir: Path
 ) -> None:
     names = {
         ep.name: ep.value for ep in importlib.metadata.entry_points(group="vllm.general_plugins")
@@ -58,7 +59,7 @@ def test_plugin_is_declared_and_switches_the_stock_scheduler(
     from hscache.vllm.block_hasher import uninstall_block_hasher
 
     try:
-        sched = make_scheduler(scheduler_module.Scheduler, Path(model_dir()), 64)
+        sched = make_scheduler(scheduler_module.Scheduler, model_dir, 64)
         assert isinstance(sched.kv_cache_manager, hscache.vllm.KVCacheManager)
         assert isinstance(sched.encoder_cache_manager, hscache.vllm.EncoderCacheManager)
         # EngineCore's hasher factory is hscache's now.

@@ -8,6 +8,9 @@
 //!   cache under a small key space so duplicates are common, evict, reset) keeps
 //!   ref counts, the free-queue order and every hash lookup equal to the model's,
 //!   and keeps the pool's structural invariants.
+//!
+//! A failing case is saved (as its seed) in `proptest-regressions/test_pool_proptest.txt`,
+//! which is committed: every later run replays those cases before the random ones.
 
 use std::collections::HashMap;
 
@@ -15,6 +18,19 @@ use hscache::free_queue::FreeKVCacheBlockQueue;
 use hscache::pool::BlockPool;
 use hscache::types::{BlockHash, BlockId};
 use proptest::prelude::*;
+use proptest::test_runner::FileFailurePersistence;
+
+/// 256 cases a property; failures persist in the committed regression file (the default,
+/// a file beside this one, would be `tests/test_pool_proptest.proptest-regressions`).
+fn config() -> ProptestConfig {
+    ProptestConfig {
+        failure_persistence: Some(Box::new(FileFailurePersistence::Direct(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/proptest-regressions/test_pool_proptest.txt"
+        )))),
+        ..ProptestConfig::with_cases(256)
+    }
+}
 
 #[derive(Clone, Debug)]
 enum QueueOp {
@@ -44,7 +60,7 @@ fn invalid_ids(ids: &[u32], queued: &[u32]) -> bool {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(256))]
+    #![proptest_config(config())]
 
     /// The intrusive queue matches a Vec model, op for op.
     #[test]
@@ -184,7 +200,7 @@ fn key(k: u8) -> BlockHash {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(256))]
+    #![proptest_config(config())]
 
     /// The pool matches the model after every operation and keeps its invariants.
     #[test]

@@ -16,23 +16,20 @@ from typing import Any
 import hscache.vllm
 import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
-from hscache.bench.scheduler_level import make_scheduler as _make_scheduler
-from hscache.bench.scheduler_level import model_dir as _model_dir
-from hscache.bench.scheduler_level import stub_runner_output
-from hscache.bench.scheduler_level import summarize as output_summary
+import vllm.v1.core.kv_cache_utils as kcu
+import vllm.v1.engine.core as engine_core
+from hscache.testing.offline_scheduler import make_scheduler as _make_scheduler
+from hscache.testing.offline_scheduler import stub_runner_output
+from hscache.testing.offline_scheduler import summarize_output as output_summary
+from hscache.testing.requests import make_request
+from hscache.vllm import block_hasher as bh
 from hscache.vllm.parity import prefix_cache_stats_key
+from vllm.utils import hashing
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 
-from tests.vllm_helpers import make_request
-
 BLOCK_SIZE = 16
 SMALL_POOL = 40  # blocks: small enough that the streams preempt
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return _model_dir()
 
 
 def make_scheduler(
@@ -64,7 +61,11 @@ def run_stream(
                 rng.randrange(1000) for _ in range(rng.randrange(1, 90))
             ]
             req = make_request(
-                f"r{next_id}", prompt, BLOCK_SIZE, max_tokens=rng.randrange(1, 30), ignore_eos=True
+                f"r{next_id}",
+                prompt,
+                hash_block_size=BLOCK_SIZE,
+                max_tokens=rng.randrange(1, 30),
+                ignore_eos=True,
             )
             next_id += 1
             sched.add_request(req)
@@ -120,3 +121,52 @@ def test_same_async_scheduler_outputs_as_vllm(model_dir: Path, seed: int, num_bl
     want = run_stream(VllmAsyncScheduler, model_dir, seed, num_blocks, async_scheduling=True)
     got = run_stream(hscache.vllm.AsyncScheduler, model_dir, seed, num_blocks, True)
     assert_same_streams(want, got, seed, num_blocks)
+
+
+def test_hscache_scheduler_end_to_end_with_the_installed_hasher(model_dir: Path) -> None:
+    """EngineCore's sequence: install, build the hasher by the patched name, attach it to
+    every request, schedule. hscache's Scheduler on hscache's hashes makes vLLM's
+    decisions (same prefix-cache hits) on vLLM's hashes, step for step."""
+    bh.install_block_hasher()
+    try:
+        ours = engine_core.get_request_block_hasher(16, hashing.sha256_cbor, 0)
+    finally:
+        bh.uninstall_block_hasher()
+    assert ours.hscache_algo == "sha256_cbor"
+    kcu.init_none_hash(hashing.sha256_cbor)
+    ref = kcu.get_request_block_hasher(16, hashing.sha256_cbor, 0)
+
+    def run(cls: type, hasher: Any) -> tuple[list[Any], list[list[bytes]], int]:
+        rng = random.Random(5)
+        sched = _make_scheduler(
+            cls, 96, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=2048,
+            model_path=model_dir,
+        )  # fmt: skip
+        prefixes = [[rng.randrange(1000) for _ in range(n)] for n in (40, 64)]
+        trace, requests, hits = [], [], 0
+        for step in range(40):
+            if rng.random() < 0.5:
+                prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(20)]
+                req = make_request(
+                    f"r{len(requests)}",
+                    prompt,
+                    max_tokens=rng.randrange(1, 20),
+                    cache_salt=rng.choice([None, None, "tenant"]),
+                    block_hasher=hasher,
+                )
+                requests.append(req)
+                sched.add_request(req)
+            out = sched.schedule()
+            trace.append(output_summary(out))
+            hits += sum(r.num_computed_tokens > 0 for r in out.scheduled_new_reqs)
+            sched.update_from_output(
+                out,
+                stub_runner_output(out, lambda i, step=step: (step * 7 + i) % 1000),
+            )
+        return trace, [list(r.block_hashes) for r in requests], hits
+
+    ref_trace, ref_hashes, ref_hits = run(VllmScheduler, ref)
+    our_trace, our_hashes, our_hits = run(hscache.vllm.Scheduler, ours)
+    assert our_hashes == ref_hashes
+    assert our_trace == ref_trace
+    assert our_hits == ref_hits > 0

@@ -50,21 +50,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
 
-    from . import trace
+    from . import shrinking, trace
+    from .actions import dump_repro, format_actions, load_repro
+    from .config import config_for_seed, load_candidate
+    from .errors import Divergence
 
     if not args.verbose:
         for name in ("vllm", "vllm.v1.core.block_pool", "hscache"):
             logging.getLogger(name).setLevel(logging.ERROR)
 
-    candidate = trace.load_candidate(args.candidate)
+    candidate = load_candidate(args.candidate)
     print(f"candidate: {candidate.__module__}.{candidate.__qualname__}", flush=True)
 
     if args.replay:
-        cfg, actions = trace.load_repro(args.replay)
-        print(trace.format_actions(actions))
+        cfg, actions = load_repro(args.replay)
+        print(format_actions(actions))
         try:
-            n = trace.replay(actions, cfg, candidate)
-        except trace.Divergence as d:
+            n = shrinking.replay(actions, cfg, candidate)
+        except Divergence as d:
             print(d)
             return 1
         print(f"no divergence ({n} calls)")
@@ -74,27 +77,27 @@ def main(argv: list[str] | None = None) -> int:
     failures = 0
     t0 = time.perf_counter()
     for seed in _seeds(args.seeds):
-        cfg = trace.config_for_seed(seed, num_ops=args.ops)
+        cfg = config_for_seed(seed, num_ops=args.ops)
         t1 = time.perf_counter()
         try:
             summary = trace.run_trace(seed, cfg, candidate)
-        except trace.Divergence as d:
+        except Divergence as d:
             failures += 1
             print(f"--- seed {seed} [{cfg.short()}]\n{d}", flush=True)
             actions = d.actions
             if args.minimize:
-                actions, best = trace.minimize(d, candidate)
+                actions, best = shrinking.minimize(d, candidate)
                 print(
                     f"--- minimized ({len(d.actions)} -> {len(actions)} actions; "
                     f"from trace seed={best.seed}, config {best.config.short()}):"
                 )
-                print(trace.format_actions(actions))
+                print(format_actions(actions))
                 print(f"config: {best.config}")
                 d = best
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)
                 path = os.path.join(args.dump, f"seed{seed}.json")
-                trace.dump_repro(
+                dump_repro(
                     path,
                     dataclasses.replace(d.config, deep_every=1) if args.minimize else d.config,
                     actions,

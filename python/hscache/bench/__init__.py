@@ -1,11 +1,15 @@
 """Side-by-side benchmark of vLLM's ``KVCacheManager`` and hscache's (``python -m hscache bench``).
 
-Owns the benchmark package: :mod:`.scenarios` (seeded workloads), :mod:`.driver` (the
-Scheduler-emulating step driver, per-call timing and the decision check), :mod:`.report`
-(medians, p90s, ratios, JSON, plot) and :mod:`.runner` (the command-line front end).
+Owns the benchmark package: :mod:`.scenarios` (seeded workloads), :mod:`.managers` (the two
+managers and the requests they are fed), :mod:`.side` (one manager stepped through vLLM's
+Scheduler loops of :mod:`hscache.testing.scheduler_step`, its calls timed), :mod:`.driver`
+(both sides in lock-step, the decision check), :mod:`.results` (what a run measured),
+:mod:`.report` (medians, p90s, ratios, JSON, plot), :mod:`.runner` (the command-line front
+end) and :mod:`.scheduler_level` (vLLM's real Scheduler, stock against hscache's).
 """
 
-from hscache.bench.driver import DivergenceError, RunResult, StepDriver, run_scenario
+from hscache.bench.driver import DivergenceError, StepDriver, run_scenario
+from hscache.bench.results import RunResult
 from hscache.bench.scenarios import DEFAULT_SCENARIOS, QUICK_SCENARIOS, Scenario, find_scenario
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Reporting for ``python -m hscache bench``: statistics, text tables, JSON and the plot.
 
-Owns the reduction of a :class:`~hscache.bench.driver.RunResult` to medians, p90s and ratios
+Owns the reduction of a :class:`~hscache.bench.results.RunResult` to medians, p90s and ratios
 (per-step KV bookkeeping time and per-operation cost per call, vLLM / hscache), their
 plain-text rendering, the machine-readable JSON document and the optional bar chart (matplotlib
 is imported only when a plot is asked for).
@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hscache.bench.driver import RunResult
+from hscache.bench.results import RunResult
 
 __all__ = [
     "OpSummary",
@@ -341,13 +341,20 @@ def write_json(path: str | Path, doc: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")
 
 
+_PLOT_COLORS = {"vLLM": "#9a9a9a", "drop-in": "#2f6fce", "batched": "#1e9e6a"}
+
+
 def write_plot(
     path: str | Path,
     summaries: Sequence[ScenarioSummary],
     paths: Sequence[str] | None = None,
 ) -> bool:
-    """Bar chart of the per-scenario ratios, one bar per (scenario, candidate path);
-    False (and nothing written) without matplotlib."""
+    """Grouped bars per scenario: vLLM's and each hscache path's median KV-bookkeeping time
+    per step (µs, log scale), each hscache bar labelled with its ratio to vLLM; False (and
+    nothing written) without matplotlib (``pip install -r requirements/bench-plot.txt``).
+
+    A path's ratio is the report's: its hscache median against the vLLM run it ran beside.
+    vLLM's bar is the median of those vLLM runs (one per path)."""
     try:
         import matplotlib
 
@@ -355,25 +362,79 @@ def write_plot(
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    names = [s.name for s in summaries]
-    if paths is not None and len(set(paths)) > 1:
-        names = [f"{n}\n({p})" for n, p in zip(names, paths, strict=True)]
-    ratios = [0.0 if math.isnan(s.ratio) else s.ratio for s in summaries]
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.3 * len(names) + 1.5), 3.6))
-    bars = ax.bar(names, ratios, color="#3b7dd8")
-    ax.axhline(1.0, color="#888888", linewidth=0.8, linestyle="--")
-    ax.set_ylabel("vLLM / hscache (median step time)")
-    ax.set_title("KV bookkeeping speed-up per scheduler step")
-    for bar, ratio in zip(bars, ratios, strict=True):
-        ax.annotate(
-            f"{ratio:.1f}x",
-            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-            ha="center",
-            va="bottom",
-            fontsize=8,
-        )
-    ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    paths = list(paths) if paths is not None else ["drop-in"] * len(summaries)
+    scenarios = list(dict.fromkeys(s.name for s in summaries))
+    path_names = list(dict.fromkeys(paths))
+    by_key = {(s.name, p): s for s, p in zip(summaries, paths, strict=True)}
+    series = ["vLLM", *path_names]
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(max(7.5, 1.8 * len(scenarios) + 2.0), 4.8))
+    tops: list[float] = []
+    for k, label in enumerate(series):
+        xs: list[float] = []
+        heights: list[float] = []
+        ratios: list[float] = []
+        for i, name in enumerate(scenarios):
+            runs = [by_key[(name, p)] for p in path_names if (name, p) in by_key]
+            if label == "vLLM":
+                value = _median([r.vllm_median_us for r in runs])
+                ratio = math.nan
+            elif (name, label) in by_key:
+                value = by_key[(name, label)].hscache_median_us
+                ratio = by_key[(name, label)].ratio
+            else:
+                continue
+            if math.isnan(value) or value <= 0:
+                continue
+            xs.append(i + (k - (len(series) - 1) / 2) * width)
+            heights.append(value)
+            ratios.append(ratio)
+        shown = "hscache " + label if label != "vLLM" else "vLLM (Python)"
+        bars = ax.bar(xs, heights, width * 0.92, label=shown, color=_PLOT_COLORS.get(label))
+        tops.extend(heights)
+        for bar, value, ratio in zip(bars, heights, ratios, strict=True):
+            ax.annotate(
+                f"{value:,.0f}" if value >= 10 else f"{value:.1f}",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                xytext=(0, -3),
+                textcoords="offset points",
+                ha="center",
+                va="top",
+                fontsize=7,
+                color="white",
+            )
+            if math.isnan(ratio):
+                continue
+            ax.annotate(
+                f"{ratio:.1f}x",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                xytext=(0, 2),
+                textcoords="offset points",
+                ha="center",
+                va="bottom",
+                fontsize=8,
+                fontweight="bold",
+            )
+    ax.set_yscale("log")
+    if tops:
+        ax.set_ylim(min(tops) / 2.5, max(tops) * 2.5)
+    ax.set_xticks(range(len(scenarios)))
+    ax.set_xticklabels(scenarios, fontsize=8)
+    ax.set_ylabel("median µs per step (log scale)")
+    means = [
+        f"{p} {geometric_mean([by_key[(n, p)].ratio for n in scenarios if (n, p) in by_key]):.1f}x"
+        for p in path_names
+    ]
+    ax.set_title(
+        "KV-cache bookkeeping per scheduler step: vLLM's KVCacheManager vs hscache\n"
+        "same trace, identical decisions; bold: vLLM / hscache median step time\n"
+        f"geometric mean: {', '.join(means)}",
+        fontsize=9,
+    )
+    ax.grid(axis="y", which="both", linewidth=0.4, alpha=0.5)
+    ax.set_axisbelow(True)
+    ax.legend(fontsize=8, frameon=False, loc="upper left")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=130)
     plt.close(fig)
     return True

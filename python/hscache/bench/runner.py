@@ -24,7 +24,7 @@ __all__ = ["add_arguments", "core_build_info", "run", "select_scenarios"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` sub-command's options."""
-    from hscache.bench.driver import CANDIDATE_SPEC, REFERENCE_SPEC
+    from hscache.bench.managers import CANDIDATE_SPEC, REFERENCE_SPEC
 
     parser.add_argument(
         "--quick", action="store_true", help="small scenarios, about 20 s (smoke run)"
@@ -50,7 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", metavar="FILE", help="write machine-readable results here")
     parser.add_argument(
-        "--plot", metavar="FILE.png", help="bar chart of the ratios (needs matplotlib)"
+        "--plot",
+        metavar="FILE.png",
+        help="per-scenario bars of both managers' step times with the ratios "
+        "(needs matplotlib: requirements/bench-plot.txt)",
     )
     parser.add_argument(
         "--candidate",
@@ -214,7 +217,7 @@ class _Progress:
 
 
 def _load_managers(args: argparse.Namespace) -> tuple[type, type]:
-    from hscache.bench.driver import load_class
+    from hscache.bench.managers import load_class
 
     try:
         reference = load_class(args.reference)
@@ -246,13 +249,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     info = core_build_info()
     _banner(stream, args, scenarios, info)
 
-    from hscache.bench.driver import (
-        DivergenceError,
-        RunResult,
-        calibrate_timer,
-        merge_runs,
-        run_scenario,
-    )
+    from hscache.bench.driver import DivergenceError, calibrate_timer, run_scenario
     from hscache.bench.report import (
         ScenarioSummary,
         format_scenario,
@@ -262,6 +259,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         write_json,
         write_plot,
     )
+    from hscache.bench.results import RunResult, merge_runs
 
     t0 = time.perf_counter()
     reference, candidate = _load_managers(args)
@@ -386,5 +384,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         if write_plot(args.plot, summaries, modes_of_runs):
             print(f"plot written to {args.plot}", file=stream)
         else:
-            print("--plot: matplotlib is not installed; no plot written", file=stream)
+            print(
+                "--plot: matplotlib is not installed; no plot written "
+                "(pip install -r requirements/bench-plot.txt, or run scripts/bench.sh once)",
+                file=stream,
+            )
     return 0

@@ -14,13 +14,14 @@ hold no state of their own.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from vllm.v1.core import kv_cache_coordinator as kcc
 from vllm.v1.kv_cache_interface import MambaSpec
 
-if TYPE_CHECKING:
-    from hscache.vllm.kv_cache_manager import KVCacheManager
+# The views read an ``hscache.vllm.KVCacheManager`` (``KVCacheManager`` below); they take
+# it as ``Any`` so that this module does not import the module that imports it.
+KVCacheManager = Any
 
 
 class SpecGroup(NamedTuple):
