@@ -47,7 +47,8 @@ DoubleFreeError.__doc__ = "ValueError: a block was freed while its reference cou
 BlockHashError.__doc__ = "ValueError: a block hash that is not bytes of length 1 to 32."
 OutOfBlocksError.__doc__ = "ValueError: more blocks were requested than the free queue holds."
 InvalidArgumentError.__doc__ = (
-    "ValueError: an argument out of range (negative or past max_model_len) or inconsistent."
+    "ValueError (and AssertionError, what vLLM's own checks raise): an argument out of "
+    "range (negative or past max_model_len) or inconsistent."
 )
 FreeQueueError.__doc__ = "RuntimeError: a block is not in the free queue where it must be."
 EncoderCacheFullError.__doc__ = (

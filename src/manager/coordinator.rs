@@ -450,6 +450,25 @@ impl KVCacheCoordinator {
     pub fn retention_interval(&self) -> Option<usize> {
         self.retention_interval
     }
+    /// Sets the retention interval of a live coordinator (vLLM's attribute is plain,
+    /// and code sets it after construction), validated as at construction.
+    pub fn set_retention_interval(&mut self, retention: Option<usize>) -> Result<()> {
+        let specs: Vec<GroupSpec> = self
+            .managers
+            .iter()
+            .map(|m| m.base().spec.clone())
+            .collect();
+        Self::validate_retention(retention, self.scheduler_block_size, &specs)?;
+        self.retention_interval = retention;
+        self.needs = self.field_needs();
+        Ok(())
+    }
+
+    /// Sets group `g`'s `use_eagle` (vLLM's manager attribute is plain too).
+    pub fn set_group_use_eagle(&mut self, g: usize, use_eagle: bool) {
+        self.managers[g].base_mut().use_eagle = use_eagle;
+        self.needs = self.field_needs();
+    }
     #[inline]
     pub fn enable_partial_hash_hits(&self) -> bool {
         self.enable_partial_hash_hits

@@ -969,6 +969,22 @@ impl KVCacheManager {
         Ok(())
     }
 
+    /// vLLM code sets `coordinator.retention_interval` after construction.
+    pub fn set_retention_interval(&mut self, retention: Option<usize>) -> Result<()> {
+        self.guard()?;
+        self.coordinator.set_retention_interval(retention)
+    }
+
+    /// vLLM code sets a single-type manager's `use_eagle` after construction.
+    pub fn set_group_use_eagle(&mut self, g: usize, use_eagle: bool) -> Result<()> {
+        self.guard()?;
+        if g >= self.coordinator.managers().len() {
+            return Err(Error::InvalidArgument(format!("no KV-cache group {g}")));
+        }
+        self.coordinator.set_group_use_eagle(g, use_eagle);
+        Ok(())
+    }
+
     /// A new scheduler step starts (Mamba forgets what was cached this step).
     pub fn new_step_starts(&mut self) {
         self.coordinator.new_step_starts();

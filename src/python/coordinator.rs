@@ -103,16 +103,20 @@ impl PyKVCacheCore {
             .collect()
     }
 
-    /// The request's table in group `g` as block handles (empty if unknown).
+    /// The request's table in group `g` as block handles (None if the request is
+    /// unknown).
     fn core_group_blocks<'py>(
         slf: &Bound<'py, Self>,
         request_id: &str,
         g: usize,
-    ) -> PyResult<Bound<'py, PyList>> {
+    ) -> PyResult<Option<Bound<'py, PyList>>> {
         let mut this = slf.try_borrow_mut()?;
         this.check_group(g)?;
+        if this.coordinator().request(request_id).is_none() {
+            return Ok(None);
+        }
         let ids = this.core.get_blocks(request_id, g).to_vec();
-        Self::handles_list(slf, &mut this, &ids)
+        Self::handles_list(slf, &mut this, &ids).map(Some)
     }
 
     /// The request's `num_cached_block` in group `g` (None if it has none).
@@ -188,6 +192,20 @@ impl PyKVCacheCore {
             .collect();
         d.set_item("cached_this_step", cached)?;
         Ok(Some(d))
+    }
+
+    /// Sets the coordinator's `retention_interval` (None: dense retention).
+    fn core_set_retention_interval(&mut self, retention_interval: Option<i64>) -> PyResult<()> {
+        let r = retention_interval
+            .map(|r| count("retention_interval", r))
+            .transpose()?;
+        Ok(self.core.set_retention_interval(r)?)
+    }
+
+    /// Sets group `g`'s `use_eagle`.
+    fn core_set_group_use_eagle(&mut self, g: usize, use_eagle: bool) -> PyResult<()> {
+        self.check_group(g)?;
+        Ok(self.core.set_group_use_eagle(g, use_eagle)?)
     }
 
     /// Queues a copy-on-write pair on group `g` (vLLM code appends to a manager's

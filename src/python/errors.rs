@@ -1,7 +1,8 @@
 //! The one mapping from core errors to Python exceptions.
 //!
 //! Each class subclasses the builtin a vLLM caller expects (`KeyError`,
-//! `ValueError`, `RuntimeError`, `NotImplementedError`); `hscache.exceptions`
+//! `ValueError`, `RuntimeError`, `NotImplementedError`; `InvalidArgumentError` is
+//! also an `AssertionError`, what vLLM's checks raise); `hscache.exceptions`
 //! re-exports them with docstrings.
 
 use pyo3::create_exception;
@@ -29,10 +30,19 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DoubleFreeError", py.get_type::<DoubleFreeError>())?;
     m.add("BlockHashError", py.get_type::<BlockHashError>())?;
     m.add("OutOfBlocksError", py.get_type::<OutOfBlocksError>())?;
-    m.add(
-        "InvalidArgumentError",
-        py.get_type::<InvalidArgumentError>(),
+    // Where vLLM's manager checks an argument, it `assert`s: InvalidArgumentError is
+    // also an AssertionError, so a caller's `except AssertionError` (vLLM's own tests
+    // among them) sees the same class of error from hscache as from vLLM.
+    let invalid = py.get_type::<InvalidArgumentError>();
+    let bases = pyo3::types::PyTuple::new(
+        py,
+        [
+            py.get_type::<PyValueError>(),
+            py.get_type::<pyo3::exceptions::PyAssertionError>(),
+        ],
     )?;
+    invalid.setattr("__bases__", bases)?;
+    m.add("InvalidArgumentError", invalid)?;
     m.add("FreeQueueError", py.get_type::<FreeQueueError>())?;
     m.add("UnsupportedError", py.get_type::<UnsupportedError>())?;
     m.add(

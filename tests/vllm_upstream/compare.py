@@ -10,6 +10,11 @@ Prints per-file counts, then every failure that is not expected:
   *with* hscache's manager, each with its reason (a test of vLLM's internals that hscache
   deliberately does not mirror). Keep it short; every line is a debt.
 
+With ``--swap`` it also prints the *census*: every KV-cache manager the tests built, by
+layout, and whether hscache served it or fell back to vLLM's manager (and why). A fallback
+whose reason matches no regex of ``census_allowlist.txt`` fails the run: hscache promises
+to serve every layout except those listed there.
+
 Exits 1 if any test failed (or errored) unexpectedly, 0 otherwise. Expected failures that
 pass are reported, not fatal: delete their lines. ``--write-known`` rewrites
 known_failures.txt from a run without the swap, classifying each failure by its message.
@@ -27,6 +32,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 KNOWN = HERE / "known_failures.txt"
 SWAP_KNOWN = HERE / "swap_known_failures.txt"
+CENSUS_ALLOWLIST = HERE / "census_allowlist.txt"
 
 # (reason, pattern over the failure message), first match wins.
 CLASSES = [
@@ -73,6 +79,30 @@ def classify(message: str) -> str:
 
 def file_of(node_id: str) -> str:
     return node_id.split("::", 1)[0]
+
+
+def read_allowlist(path: Path) -> list[re.Pattern[str]]:
+    """Regexes (one per line, ``#`` comments) over fallback reasons that are expected."""
+    if not path.exists():
+        return []
+    lines = (raw.split(" #", 1)[0].strip() for raw in path.read_text().splitlines())
+    return [re.compile(line) for line in lines if line and not line.startswith("#")]
+
+
+def report_census(census: dict[str, int], allowlist: list[re.Pattern[str]]) -> list[str]:
+    """Print the census; return the fallback reasons that no allowlist regex matches."""
+    if not census:
+        return []
+    total = sum(census.values())
+    served = sum(n for key, n in census.items() if key.startswith("served"))
+    print(f"\ncensus: {total} KV-cache managers built, {served} served by hscache "
+          f"({100.0 * served / total:.1f} %)")
+    width = max(len(key) for key in census)
+    for key, n in sorted(census.items(), key=lambda kv: (-kv[1], kv[0])):
+        print(f"  {key:<{width}}  {n:>6}")
+    reasons = {key.split(" | ", 1)[0].removeprefix("fallback: ")
+               for key in census if key.startswith("fallback")}
+    return sorted(r for r in reasons if not any(p.search(r) for p in allowlist))
 
 
 def main() -> int:
@@ -126,6 +156,10 @@ def main() -> int:
     fixed = sorted(n for n, o in results.items() if o == "passed" and n in expected)
     failing_expected = sum(1 for n, o in results.items() if o in bad and n in expected)
 
+    unallowed = report_census(doc.get("census", {}), read_allowlist(CENSUS_ALLOWLIST))
+    for reason in unallowed:
+        print(f"UNEXPECTED FALLBACK to vLLM's manager: {reason}")
+
     for n in fixed:
         print(f"expected to fail but passed (remove from the list): {n}")
     for n in unexpected:
@@ -139,7 +173,7 @@ def main() -> int:
         f"{failing_expected} failed as expected, {len(unexpected)} failed unexpectedly, "
         f"{total['skipped']} skipped"
     )
-    return 1 if unexpected else 0
+    return 1 if unexpected or unallowed else 0
 
 
 if __name__ == "__main__":

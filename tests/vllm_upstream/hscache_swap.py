@@ -170,19 +170,51 @@ def _install_swaps() -> None:
 
 
 def _count_constructions(cls: Any) -> None:
-    """Count constructions of the swapped-in class: proof that the tests really used it."""
+    """Count constructions of the swapped-in class: proof that the tests really used it.
+
+    Also keeps the *census*: every construction's outcome (served by the swapped-in class,
+    or the fallback it returned and why) and its layout (the vLLM manager classes of its
+    KV-cache groups)."""
     _state["constructed"] = 0
     try:
         original_init = cls.__init__
+        original_new = cls.__new__
 
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
             _state["constructed"] += 1
             original_init(self, *args, **kwargs)
 
+        def __new__(klass: Any, *args: Any, **kwargs: Any) -> Any:
+            obj = original_new(klass, *args, **kwargs)
+            _record_construction(klass, obj, args, kwargs)
+            return obj
+
         __init__.__wrapped__ = original_init  # type: ignore[attr-defined]
         cls.__init__ = __init__
+        cls.__new__ = __new__
     except (TypeError, AttributeError):  # immutable (e.g. native) type: no count
         _state["constructed"] = None
+
+
+def _record_construction(cls: Any, obj: Any, args: tuple, kwargs: dict) -> None:
+    """One census entry: `served` / `served (parity)` / `fallback: <reason>`, by layout."""
+    config = kwargs.get("kv_cache_config", args[0] if args else None)
+    try:
+        from hscache.vllm.specs import manager_class, unsupported_reason
+
+        groups = getattr(config, "kv_cache_groups", [])
+        layout = "+".join(getattr(manager_class(g), "__name__", "?") for g in groups) or "none"
+    except ImportError:  # a HSCACHE_SWAP_CLASS without hscache: no census
+        return
+    if isinstance(obj, cls):
+        outcome = "served"
+    elif type(obj).__name__ == "ParityKVCacheManager":
+        outcome = "served (parity)"
+    else:
+        outcome = f"fallback: {unsupported_reason(config) or 'unknown'}"
+    census: dict[str, int] = _state.setdefault("census", {})
+    key = f"{outcome} | {layout}"
+    census[key] = census.get(key, 0) + 1
 
 
 # ------------------------------------------------------------------------------ pytest hooks
@@ -210,6 +242,7 @@ def pytest_unconfigure(config: Any) -> None:
         doc = {
             "swap": [[name, spec] for name, _, _, spec, _ in _state["swaps"]],
             "constructed": _state.get("constructed"),
+            "census": _state.get("census", {}),
             "results": _state["results"],
             "messages": _state["messages"],
         }
@@ -268,3 +301,13 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any)
     if constructed is not None:
         line += f"; the swapped-in class was constructed {constructed} times"
     terminalreporter.write_line(f"hscache swap ON ({swapped}): {line}")
+    census: dict[str, int] = _state.get("census", {})
+    if census:
+        served = sum(n for key, n in census.items() if key.startswith("served"))
+        total = sum(census.values())
+        terminalreporter.write_line(
+            f"census: {served} of {total} KV-cache managers served by hscache "
+            f"({100.0 * served / total:.1f} %); fallbacks: "
+            + (", ".join(f"{k} x{n}" for k, n in census.items() if k.startswith("fallback"))
+               or "none")
+        )

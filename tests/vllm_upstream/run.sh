@@ -26,6 +26,18 @@ DEFAULT_FILES=(
     tests/v1/core/test_prefix_caching.py
     tests/v1/core/test_kv_cache_utils.py
     tests/v1/core/test_encoder_cache_manager.py
+    tests/v1/core/test_kv_cache_metrics.py
+    tests/v1/core/test_kv_sharing.py
+    tests/v1/core/test_contiguous_kv_packing.py
+    tests/v1/core/test_mamba_align_chunk_split.py
+    tests/v1/core/test_worker_slot_overflow.py
+    tests/v1/core/test_repetition_detection.py
+    tests/v1/core/test_output.py
+    tests/v1/core/test_priority_preemption_bug.py
+    tests/v1/core/test_priority_scheduler_random.py
+    tests/v1/core/prefix_cache/test_partial_prefix_cache_hits.py
+    tests/v1/core/prefix_cache/test_partial_prefix_cache_primitives.py
+    tests/v1/core/prefix_cache/test_mamba_eagle_resume_checkpoint.py
 )
 
 swap=0

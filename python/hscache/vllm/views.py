@@ -13,7 +13,7 @@ hold no state of their own.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 from vllm.v1.core import kv_cache_coordinator as kcc
@@ -42,6 +42,57 @@ class _CowQueue:
 
     def append(self, pair: tuple[Any, Any]) -> None:
         self._core.core_push_cow_copy(self._group, pair[0], pair[1])
+
+
+class _LiveBlockList(list):  # type: ignore[type-arg]
+    """``req_to_blocks[request_id]``: vLLM's list is the manager's own and grows in place,
+    and callers keep it across steps; this one reads the core's table each time it is
+    looked at. After the request is freed it keeps its last contents, as the list vLLM
+    pops does. Mutating it changes nothing in the core."""
+
+    __slots__ = ("_manager", "_request_id", "_group")
+
+    def __init__(self, manager: KVCacheManager, request_id: str, group: int) -> None:
+        self._manager, self._request_id, self._group = manager, request_id, group
+        self._sync()
+
+    def _sync(self) -> None:
+        blocks = self._manager.core_group_blocks(self._request_id, self._group)
+        if blocks is not None:
+            list.__setitem__(self, slice(None), blocks)
+
+    def __getitem__(self, index: Any) -> Any:
+        self._sync()
+        return list.__getitem__(self, index)
+
+    def __len__(self) -> int:
+        self._sync()
+        return list.__len__(self)
+
+    def __iter__(self) -> Iterator[Any]:
+        self._sync()
+        return list.__iter__(self)
+
+    def __reversed__(self) -> Iterator[Any]:
+        self._sync()
+        return list.__reversed__(self)
+
+    def __contains__(self, item: object) -> bool:
+        self._sync()
+        return list.__contains__(self, item)
+
+    def __eq__(self, other: object) -> bool:
+        self._sync()
+        return list.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        self._sync()
+        return list.__repr__(self)
 
 
 class SingleTypeManagerView:
@@ -81,6 +132,10 @@ class SingleTypeManagerView:
     def use_eagle(self) -> bool:
         return bool(self._info("use_eagle"))
 
+    @use_eagle.setter
+    def use_eagle(self, value: bool) -> None:
+        self._manager.core_set_group_use_eagle(self.kv_cache_group_id, bool(value))
+
     @property
     def cache_hit_alignment_tokens(self) -> int:
         return int(self._info("cache_hit_alignment_tokens"))
@@ -96,7 +151,7 @@ class SingleTypeManagerView:
     @property
     def req_to_blocks(self) -> dict[str, list[Any]]:
         m, g = self._manager, self.kv_cache_group_id
-        return {rid: m.core_group_blocks(rid, g) for rid in m.core_request_ids()}
+        return {rid: _LiveBlockList(m, rid, g) for rid in m.core_request_ids()}
 
     @property
     def num_cached_block(self) -> dict[str, int]:
@@ -138,6 +193,16 @@ class SingleTypeManagerView:
 class CoordinatorView:
     """``kv_cache_manager.coordinator``: what the Scheduler and connectors read."""
 
+    @property
+    def retention_interval(self) -> int | None:
+        """Sparse-retention granularity (None: dense); settable, as in vLLM."""
+        value: int | None = self._manager.core_coordinator_info()["retention_interval"]
+        return value
+
+    @retention_interval.setter
+    def retention_interval(self, value: int | None) -> None:
+        self._manager.core_set_retention_interval(value)
+
     def __init__(self, manager: KVCacheManager) -> None:
         self._manager = manager
         self.kv_cache_config = manager.kv_cache_config
@@ -146,7 +211,6 @@ class CoordinatorView:
         self.scheduler_block_size: int = info["scheduler_block_size"]
         self.hash_block_size: int = info["hash_block_size"]
         self.num_reprefillable_tokens: int = info["num_reprefillable_tokens"]
-        self.retention_interval: int | None = info["retention_interval"]
         self.enable_partial_hash_hits: bool = info["enable_partial_hash_hits"]
         self.eagle_group_ids: set[int] = set(info["eagle_group_ids"])
         self.drop_eagle_group_ids: set[int] = set(info["drop_eagle_group_ids"])
@@ -205,7 +269,7 @@ class CoordinatorView:
     def get_blocks(self, request_id: str) -> tuple[list[Any], ...]:
         m = self._manager
         return tuple(
-            m.core_group_blocks(request_id, g) for g in range(len(self.single_type_managers))
+            m.core_group_blocks(request_id, g) or [] for g in range(len(self.single_type_managers))
         )
 
     def find_longest_cache_hit(
