@@ -11,9 +11,9 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, Throughput};
 use hscache::free_queue::FreeKVCacheBlockQueue;
-use hscache::manager::{AllocateSlots, KVCacheManager, PlainRequest};
+use hscache::manager::{AllocateSlots, GroupSpec, KVCacheManager, MambaCacheMode, PlainRequest};
 use hscache::pool::BlockPool;
-use hscache::testing::{full_attention_manager, prompt_hashes, request};
+use hscache::testing::{full_attention_manager, hybrid_manager, prompt_hashes, request};
 use hscache::types::BlockId;
 
 const POOL_SIZES: [u32; 2] = [1024, 65536];
@@ -147,12 +147,71 @@ fn allocate_slots_prefill(c: &mut Criterion) {
     g.finish();
 }
 
+/// One decode step of 1024 running requests (`allocate_slots(request, 1)`, no block
+/// filled): the fixed cost of a call for a running request, per layout. The drop-in
+/// adds one FFI crossing and two attribute reads to it.
+fn decode_step(c: &mut Criterion) {
+    const RUNNING: usize = 1024;
+    const PROMPT: usize = 1000;
+    let mut g = c.benchmark_group("manager/allocate_slots decode step (per request)");
+    g.throughput(Throughput::Elements(RUNNING as u64));
+    let layouts: [(&str, Vec<GroupSpec>); 3] = [
+        ("full", vec![GroupSpec::full_attention(16)]),
+        (
+            "full+swa",
+            vec![
+                GroupSpec::full_attention(16),
+                GroupSpec::sliding_window(16, 128),
+            ],
+        ),
+        (
+            "full+mamba",
+            vec![
+                GroupSpec::full_attention(16),
+                GroupSpec::mamba(64, MambaCacheMode::Align),
+            ],
+        ),
+    ];
+    for (name, groups) in layouts {
+        g.bench_function(name, |b| {
+            let mut m = hybrid_manager(200_000, groups.clone(), 1 << 16, false);
+            let hash_block = m.coordinator().hash_block_size();
+            let reqs: Vec<PlainRequest> = (0..RUNNING as u64)
+                .map(|i| {
+                    let hashes = prompt_hashes(i, (PROMPT / hash_block) as u64, 0, 0);
+                    let mut r = request(&i.to_string(), 0, PROMPT + 1, &hashes);
+                    prefill(&mut m, &r, &mut vec![]);
+                    r.num_computed_tokens = PROMPT;
+                    r
+                })
+                .collect();
+            let args = AllocateSlots {
+                num_new_tokens: 1,
+                ..Default::default()
+            };
+            let (mut out, mut ends) = (Vec::new(), smallvec::SmallVec::new());
+            b.iter(|| {
+                for r in &reqs {
+                    out.clear();
+                    ends.clear();
+                    black_box(
+                        m.allocate_slots(r, &args, &mut out, &mut ends)
+                            .expect("fits"),
+                    );
+                }
+            });
+        });
+    }
+    g.finish();
+}
+
 criterion_group!(
     benches,
     free_queue,
     allocate_free,
     touch_free,
     hit_lookup,
-    allocate_slots_prefill
+    allocate_slots_prefill,
+    decode_step
 );
 criterion_main!(benches);

@@ -14,10 +14,16 @@
 //! Slots are reused after `remove`; a [`RequestHandle`] carries the slot's generation,
 //! so a handle of a removed request never reaches its slot's next occupant. Batched
 //! calls name requests by handle and skip the string lookup altogether.
+//!
+//! One call of the manager looks its request up several times (count, allocate,
+//! cache: one lookup per coordinator stage); the table remembers the slot it found
+//! last and compares that slot's key first, so the repeats cost one compare of the
+//! key's bytes and no hashing or probing.
 
 use hashbrown::HashTable;
 use rustc_hash::FxHasher;
 use std::hash::Hasher;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 /// Key bytes stored inline in a slot; longer ids live in a separate allocation.
 pub const INLINE_KEY_LEN: usize = 62;
@@ -81,6 +87,31 @@ struct Slot<T> {
     value: T,
 }
 
+/// The slot found last (`u32::MAX`: none). A hint only: always verified against the
+/// slot's key, so a stale value costs one compare and is never wrong.
+#[derive(Debug)]
+struct LastFound(AtomicU32);
+
+impl LastFound {
+    const NONE: u32 = u32::MAX;
+
+    #[inline]
+    fn get(&self) -> u32 {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    #[inline]
+    fn set(&self, slot: u32) {
+        self.0.store(slot, Ordering::Relaxed);
+    }
+}
+
+impl Clone for LastFound {
+    fn clone(&self) -> Self {
+        Self(AtomicU32::new(self.get()))
+    }
+}
+
 /// Request id → `T`, with handles (see module docs).
 #[derive(Clone)]
 pub struct RequestTable<T> {
@@ -88,6 +119,7 @@ pub struct RequestTable<T> {
     slots: Vec<Slot<T>>,
     free_slots: Vec<u32>,
     len: usize,
+    last_found: LastFound,
 }
 
 impl<T: Default> Default for RequestTable<T> {
@@ -97,6 +129,7 @@ impl<T: Default> Default for RequestTable<T> {
             slots: Vec::new(),
             free_slots: Vec::new(),
             len: 0,
+            last_found: LastFound(AtomicU32::new(LastFound::NONE)),
         }
     }
 }
@@ -112,6 +145,13 @@ fn hash_key(key: &str) -> u64 {
     let mut h = FxHasher::default();
     h.write(key.as_bytes());
     h.finish()
+}
+
+/// `a == b`, inlined: request ids are short, and a call to `memcmp` costs more than
+/// comparing them here.
+#[inline]
+fn same_bytes(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x == y)
 }
 
 #[inline]
@@ -134,14 +174,23 @@ impl<T: Default> RequestTable<T> {
 
     #[inline]
     fn find(&self, key: &str) -> Option<u32> {
+        let last = self.last_found.get();
+        if let Some(slot) = self.slots.get(last as usize) {
+            if slot.occupied && same_bytes(slot.key.as_bytes(), key.as_bytes()) {
+                return Some(last);
+            }
+        }
         let hash = hash_key(key);
         let slots = &self.slots;
-        self.index
+        let found = self
+            .index
             .find(hash, |&s| {
                 let slot = &slots[s as usize];
-                slot.hash == hash && slot.key.as_bytes() == key.as_bytes()
+                slot.hash == hash && same_bytes(slot.key.as_bytes(), key.as_bytes())
             })
-            .copied()
+            .copied()?;
+        self.last_found.set(found);
+        Some(found)
     }
 
     /// The request's state.

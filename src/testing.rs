@@ -47,6 +47,33 @@ pub fn full_attention_manager(
     KVCacheManager::new(c).expect("a valid full-attention config")
 }
 
+/// A manager over `groups` (hybrid when there are several) with vLLM's resolved
+/// block sizes: scheduler block = lcm of the group block sizes, hash block = their gcd.
+pub fn hybrid_manager(
+    num_blocks: u32,
+    groups: Vec<crate::manager::GroupSpec>,
+    max_model_len: usize,
+    events: bool,
+) -> KVCacheManager {
+    fn gcd(a: usize, b: usize) -> usize {
+        if b == 0 {
+            a
+        } else {
+            gcd(b, a % b)
+        }
+    }
+    let sizes: Vec<usize> = groups.iter().map(|g| g.block_size).collect();
+    let hash = sizes.iter().copied().fold(0, gcd);
+    let scheduler = sizes.iter().copied().fold(1, |a, b| a / gcd(a, b) * b);
+    let mut c = KVCacheManagerConfig::full_attention(num_blocks, hash, max_model_len);
+    c.coordinator.groups = groups;
+    c.coordinator.scheduler_block_size = scheduler;
+    c.coordinator.hash_block_size = hash;
+    c.coordinator.enable_kv_cache_events = events;
+    c.coordinator.needs_kv_cache_zeroing = c.coordinator.groups.iter().any(|g| g.is_mamba());
+    KVCacheManager::new(c).expect("a valid hybrid config")
+}
+
 /// A request of `num_tokens` tokens (all prompt), `num_computed` of them computed,
 /// with `hashes`.
 pub fn request(

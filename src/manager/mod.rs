@@ -297,25 +297,37 @@ impl KVCacheManager {
     }
 
     /// An apply-phase result: an error poisons the manager.
+    #[inline(always)]
     fn applied<T>(&mut self, r: Result<T>) -> Result<T> {
-        if let Err(e) = &r {
-            let msg = e.to_string();
-            self.poisoned = Some(msg.clone());
-            return Err(Error::Internal(format!(
-                "{msg} (the KV-cache manager is now poisoned)"
-            )));
+        match r {
+            Ok(v) => Ok(v),
+            Err(e) => Err(self.poison(e)),
         }
-        r
     }
 
-    fn check_tokens(&self, name: &str, n: usize) -> Result<()> {
+    #[cold]
+    #[inline(never)]
+    fn poison(&mut self, e: Error) -> Error {
+        let msg = e.to_string();
+        self.poisoned = Some(msg.clone());
+        Error::Internal(format!("{msg} (the KV-cache manager is now poisoned)"))
+    }
+
+    #[inline(always)]
+    fn check_tokens(&self, name: &'static str, n: usize) -> Result<()> {
         if n > self.config.max_model_len {
-            return Err(Error::InvalidArgument(format!(
-                "{name} = {n} exceeds max_model_len = {}",
-                self.config.max_model_len
-            )));
+            return Err(self.too_many_tokens(name, n));
         }
         Ok(())
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn too_many_tokens(&self, name: &str, n: usize) -> Error {
+        Error::InvalidArgument(format!(
+            "{name} = {n} exceeds max_model_len = {}",
+            self.config.max_model_len
+        ))
     }
 
     // ---- prefix-cache lookups ------------------------------------------------------

@@ -231,19 +231,6 @@ impl PyKVCacheCore {
     }
 
     /// The request as the core reads it, with the status objects of the watermark.
-    fn request<'a, 'py>(
-        request: &Bound<'py, PyAny>,
-        statuses: &'a [Bound<'py, PyAny>; 2],
-    ) -> PyResult<PyRequest<'a, 'py>> {
-        PyRequest::read(
-            request,
-            Some(StatusObjects {
-                waiting: &statuses[0],
-                preempted: &statuses[1],
-            }),
-        )
-    }
-
     fn status_objects<'py>(slf: &Bound<'py, Self>) -> PyResult<[Bound<'py, PyAny>; 2]> {
         let this = slf.try_borrow()?;
         let [w, p] = &this.bindings()?.statuses;
@@ -260,7 +247,8 @@ impl PyKVCacheCore {
         let max_len = max_cache_hit_length
             .map(|n| count("max_cache_hit_length", n))
             .transpose()?;
-        let req = PyRequest::read(request, None)?;
+        let id = request_id(request)?;
+        let req = PyRequest::read(request, id.to_str()?, None)?;
         let report_full = || req.report_mode_full();
         let (result, groups) = {
             let mut this = slf.try_borrow_mut()?;
@@ -418,7 +406,8 @@ impl PyKVCacheCore {
 
     /// vLLM's `prefix_cache_lookup_enabled`.
     fn prefix_cache_lookup_enabled(&self, request: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let req = PyRequest::read(request, None)?;
+        let id = request_id(request)?;
+        let req = PyRequest::read(request, id.to_str()?, None)?;
         self.core
             .prefix_cache_lookup_enabled(&req)
             .map_err(|e| req.error(e))
@@ -470,7 +459,13 @@ impl PyKVCacheCore {
         skip_zeroing_group_ids: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let _timer = stats::Timer::start(Op::AllocateSlots);
-        let statuses = Self::status_objects(slf)?;
+        // The status is read only for the watermark, which applies only when other
+        // requests are scheduled (the running requests' calls skip it).
+        let statuses = if has_scheduled_reqs {
+            Some(Self::status_objects(slf)?)
+        } else {
+            None
+        };
         let mut hit_ids_buf = Vec::new();
         let mut hit_ends: SmallVec<[usize; 4]> = SmallVec::new();
         let adopt_hits = match new_computed_blocks {
@@ -508,7 +503,14 @@ impl PyKVCacheCore {
         };
         let (result, ids, ends, flush) = {
             let mut this = slf.try_borrow_mut()?;
-            let req = Self::request(request, &statuses)?;
+            let id = request_id(request)?;
+            let req = PyRequest::read(
+                request,
+                id.to_str()?,
+                statuses
+                    .as_ref()
+                    .map(|[waiting, preempted]| StatusObjects { waiting, preempted }),
+            )?;
             let mut ids = std::mem::take(&mut this.scratch);
             let mut ends = std::mem::take(&mut this.scratch_ends);
             ids.clear();
@@ -548,7 +550,8 @@ impl PyKVCacheCore {
         let n = count("num_computed_tokens", num_computed_tokens)?;
         let result = {
             let mut this = slf.try_borrow_mut()?;
-            let req = PyRequest::read(request, None)?;
+            let id = request_id(request)?;
+            let req = PyRequest::read(request, id.to_str()?, None)?;
             this.core.cache_blocks(&req, n).map_err(|e| req.error(e))
         };
         result?;
@@ -739,7 +742,8 @@ impl PyKVCacheCore {
         &mut self,
         request: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<(u32, BlockId, usize)>> {
-        let req = PyRequest::read(request, None)?;
+        let id = request_id(request)?;
+        let req = PyRequest::read(request, id.to_str()?, None)?;
         let mut out = Vec::new();
         self.core
             .finalize_partial_tail_offloads(&req, &mut out)

@@ -12,7 +12,7 @@ use super::block::PyKVCacheBlock;
 use super::convert::blocks::{id_of, ids_of};
 use super::convert::count;
 use super::convert::hashes::{hash_from_bytes, key_from_bytes, PyListHashes};
-use super::convert::request::PyRequest;
+use super::convert::request::{request_id, PyRequest};
 use super::manager::PyKVCacheCore;
 use crate::manager::RequestLike;
 use crate::stats::{self, Op};
@@ -252,7 +252,8 @@ impl PyKVCacheCore {
     ) -> PyResult<()> {
         let mut ids = Vec::new();
         ids_of(slf, blocks, &mut ids)?;
-        let req = PyRequest::read(request, None)?;
+        let id = request_id(request)?;
+        let req = PyRequest::read(request, id.to_str()?, None)?;
         let hashes = req.block_hashes().map_err(|e| req.error(e))?;
         slf.try_borrow_mut()?
             .core
@@ -284,7 +285,8 @@ impl PyKVCacheCore {
         replace_existing_hashes: bool,
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
         let id = id_of(slf, block)?;
-        let req = PyRequest::read(request, None)?;
+        let rid = request_id(request)?;
+        let req = PyRequest::read(request, rid.to_str()?, None)?;
         let hashes = PyListHashes::new(&request.getattr("block_hashes")?)?;
         let key = slf
             .try_borrow_mut()?

@@ -24,7 +24,9 @@ pub(crate) struct StatusObjects<'a, 'py> {
 /// which [`PyRequest::error`] re-raises instead of the core's typed error.
 pub(crate) struct PyRequest<'a, 'py> {
     request: Bound<'py, PyAny>,
-    request_id: Bound<'py, PyString>,
+    /// Borrowed from the caller's `request_id(request)` string: the core asks for it
+    /// several times per call, and a `&str` costs nothing to hand out.
+    request_id: &'a str,
     num_computed_tokens: usize,
     statuses: Option<StatusObjects<'a, 'py>>,
     num_tokens: OnceCell<usize>,
@@ -46,9 +48,11 @@ pub(crate) fn request_id<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py
 }
 
 impl<'a, 'py> PyRequest<'a, 'py> {
-    /// Reads `request_id` and `num_computed_tokens` (every call needs them).
+    /// Reads `num_computed_tokens` (every call needs it); `request_id` is the text of
+    /// [`request_id`]`(request)`, which the caller keeps alive for the call.
     pub(crate) fn read(
         request: &Bound<'py, PyAny>,
+        request_id: &'a str,
         statuses: Option<StatusObjects<'a, 'py>>,
     ) -> PyResult<Self> {
         let py = request.py();
@@ -60,7 +64,7 @@ impl<'a, 'py> PyRequest<'a, 'py> {
         )?;
         Ok(Self {
             request: request.clone(),
-            request_id: request_id(request)?,
+            request_id,
             num_computed_tokens,
             statuses,
             num_tokens: OnceCell::new(),
@@ -115,8 +119,7 @@ impl<'py> RequestLike for PyRequest<'_, 'py> {
     type Hashes = PyListHashes<'py>;
 
     fn request_id(&self) -> &str {
-        // Checked to be valid UTF-8 when read.
-        self.request_id.to_str().unwrap_or_default()
+        self.request_id
     }
 
     fn num_computed_tokens(&self) -> usize {
