@@ -20,7 +20,8 @@
 //! - [`request_table`]: `RequestTable`, request id → per-request state with stable
 //!   handles (the manager's, the encoder cache's and the slot mirror's tables).
 //! - [`manager`]: the `KVCacheManager` facade and the full-attention group manager.
-//! - [`encoder_cache`]: `EncoderCacheManager`, the multimodal encoder-output cache budget.
+//! - [`encoder_cache`]: `EncoderCacheManager` (the multimodal encoder-output cache) and
+//!   `EncoderDecoderCacheManager` (the encoder budget of encoder-decoder models).
 //! - [`slots`]: `SlotMirror`, the worker-side mirror of block assignments (epochs, slot
 //!   mappings, validated reads) behind the hidden-state cache.
 //! - `python` (feature `python`): the PyO3 bindings, conversion only.

@@ -9,6 +9,7 @@ mod block;
 mod blocks;
 mod buffers;
 mod encoder_cache;
+mod encoder_decoder;
 mod errors;
 mod events;
 mod hasher;
@@ -69,6 +70,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<slots::PySlotMirror>()?;
     m.add_class::<slots::PySlotReads>()?;
     m.add_class::<encoder_cache::PyEncoderCacheCore>()?;
+    m.add_class::<encoder_decoder::PyEncoderDecoderCacheCore>()?;
     m.add_function(wrap_pyfunction!(
         encoder_cache::py_compute_mm_encoder_budget,
         m

@@ -1,65 +1,55 @@
 //! `EncoderCacheManager`: the bookkeeping of the multimodal encoder-output cache.
 //!
-//! Mirrors vLLM 0.33 `v1/core/encoder_cache_manager.py`: the `EncoderCacheManager`
-//! class and `compute_mm_encoder_budget`. The unit is one encoder **embedding**;
-//! an entry is one multimodal item, keyed by its identifier (`mm_hash`), and is
-//! shared by every request that carries the same item. Only bookkeeping lives here:
-//! the embeddings themselves are stored by the model runner, which learns what to
-//! drop from [`EncoderCacheManager::get_freed_mm_hashes`].
+//! Mirrors vLLM 0.33 `v1/core/encoder_cache_manager.py`'s `EncoderCacheManager`. An
+//! entry is one multimodal item, keyed by its identifier (`mm_hash`), and is shared by
+//! every request that carries the same item.
 //!
 //! Each of vLLM's dicts is mirrored field by field, so that every sequence of calls
 //! (including vLLM tests that poke at the state) gives vLLM's answers:
 //! `cached` (identifier → referencing requests), `num_embeds_by_hash`,
-//! `request_cached_ids` / `request_hash_refs` (derived here from one list of
-//! `(input_id, entry)` per request), `freeable` (an ordered dict: an intrusive LRU
-//! list over entry ids) and `freed`.
+//! `request_cached_ids` / `request_hash_refs` (derived here from one
+//! [`InputIdSet`] of `input_id → entry` per request), `freeable` (an ordered dict: an
+//! intrusive LRU list through the entries) and `freed`.
 //!
 //! Key properties:
-//! - Identifiers and request ids are interned (string → dense `u32`) on first use
-//!   and released as soon as nothing refers to them, so a call hashes each string
-//!   once and a long-running server does not accumulate dead names.
+//! - Identifiers and request ids live in two [`RequestTable`]s (one string lookup per
+//!   call; records link to each other by handle) and are released as soon as nothing
+//!   refers to them, so a long-running server does not accumulate dead names.
 //! - `num_freeable_slots` counts free *plus* reclaimable capacity; `can_allocate`
 //!   evicts unreferenced entries oldest first until the request fits, and eviction
 //!   is the only thing that returns capacity to `num_free_slots`.
 //! - An entry becomes evictable only when no request references it. A request that
 //!   holds the same item through several inputs keeps one reference until its last
 //!   such input is freed.
+//! - `free` releases a request's inputs in the order vLLM's Python `set` iterates
+//!   them (see [`super::input_ids`]), so entries become `freeable`, and later evicted,
+//!   in vLLM's order for every input id.
 //! - `get_freed_mm_hashes` drains `freed`, leaving out identifiers that were cached
 //!   again after their eviction in the same scheduling pass (the worker must keep
 //!   that tensor).
-//! - Why the cache is at least as large as the largest item
-//!   ([`compute_mm_encoder_budget`]): `can_allocate` fails for an item larger than
-//!   the whole cache however much is evicted, so such an item could never be
-//!   scheduled and its request would wait forever (vLLM PR #11895).
-//! - Every method validates first and mutates after: an `Err` changes nothing.
+//! - Plan, then apply: every state-changing call first works out what it will change
+//!   (pure, may fail with a typed error) and then changes it (cannot fail), so an
+//!   `Err` changes nothing.
 //!
 //! Deliberate differences from vLLM, all on misuse paths only:
 //! - vLLM asserts in `allocate` (after it has already created the entry); here the
 //!   call fails with [`Error::EncoderCacheFull`] or [`Error::InvalidArgument`]
 //!   (embedding-count mismatch) and leaves the state unchanged.
-//! - `free` releases a request's inputs in ascending input-id order. vLLM iterates a
-//!   Python `set` of ints, which is the same order for input ids below 8 (and below
-//!   the set's table size in general) and depends on insertion history beyond.
 //! - An input is freed under the identifier it was cached with; freeing it under a
 //!   different identifier is an [`Error::InvalidArgument`] (vLLM corrupts its
 //!   per-request counts or raises `KeyError` half-way).
 
-mod slab;
-
-use std::sync::Arc;
-
+use super::check_embeds;
+use super::input_ids::{InputIdOp, InputIdSet};
 use crate::error::{Error, Result};
-use slab::Slab;
+use crate::request_table::{RequestHandle, RequestTable};
 
-/// Largest accepted embedding count or cache size (keeps all counter arithmetic
-/// far from `i64` overflow).
-pub const MAX_EMBEDS: i64 = 1 << 40;
-
-const NIL: u32 = u32::MAX;
+/// End of the `freeable` list.
+const NIL: RequestHandle = RequestHandle::MAX;
 
 /// A cached entry found by [`EncoderCacheManager::find_cached`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CachedEntry(u32);
+pub struct CachedEntry(RequestHandle);
 
 /// One multimodal item (one identifier); the fields mirror vLLM's dicts.
 #[derive(Clone, Debug)]
@@ -67,13 +57,13 @@ struct Entry {
     /// `identifier in cached`.
     cached: bool,
     /// `cached[identifier]`: the referencing requests (a small unordered set).
-    refs: Vec<u32>,
+    refs: Vec<RequestHandle>,
     /// `num_embeds_by_hash[identifier]`.
     num_embeds: Option<i64>,
     /// `freeable[identifier]`; `prev` / `next` link the LRU list while `Some`.
     freeable: Option<i64>,
-    prev: u32,
-    next: u32,
+    prev: RequestHandle,
+    next: RequestHandle,
     /// How many `(request, input)` pairs were cached under this identifier.
     input_refs: u32,
     /// How many times the identifier is in `freed`.
@@ -110,7 +100,7 @@ impl Entry {
 struct RequestState {
     /// `request_cached_ids[request_id]`, each input with the entry it was cached
     /// under; `request_hash_refs[request_id]` is its per-entry count.
-    inputs: Vec<(u32, u32)>,
+    inputs: InputIdSet,
     /// In how many `cached[...]` sets the request is.
     in_cached: u32,
 }
@@ -121,29 +111,29 @@ impl RequestState {
     }
 }
 
+/// What `free_encoder_input` will change (see [`EncoderCacheManager::plan_free_input`]).
+struct FreeInputPlan {
+    request: Option<RequestHandle>,
+    /// The input's record is dropped (it was cached under `entry`).
+    drop_input: Option<RequestHandle>,
+    /// The request's reference to this entry is dropped; `Some(n)`: the entry then has
+    /// no reference and becomes freeable with `n` embeddings.
+    drop_ref: Option<(RequestHandle, Option<i64>)>,
+}
+
 /// The encoder-cache bookkeeping (see module docs).
 #[derive(Clone, Debug)]
 pub struct EncoderCacheManager {
     cache_size: i64,
     num_free_slots: i64,
     num_freeable_slots: i64,
-    entries: Slab<Entry>,
-    requests: Slab<RequestState>,
+    entries: RequestTable<Entry>,
+    requests: RequestTable<RequestState>,
     /// Oldest and newest entry of `freeable`.
-    head: u32,
-    tail: u32,
+    head: RequestHandle,
+    tail: RequestHandle,
     num_freeable_entries: usize,
-    freed: Vec<u32>,
-}
-
-fn check_embeds(what: &str, n: i64) -> Result<()> {
-    if (0..=MAX_EMBEDS).contains(&n) {
-        Ok(())
-    } else {
-        Err(Error::InvalidArgument(format!(
-            "{what} must be in 0..={MAX_EMBEDS}, got {n}"
-        )))
-    }
+    freed: Vec<RequestHandle>,
 }
 
 impl EncoderCacheManager {
@@ -154,8 +144,8 @@ impl EncoderCacheManager {
             cache_size,
             num_free_slots: cache_size,
             num_freeable_slots: cache_size,
-            entries: Slab::new(),
-            requests: Slab::new(),
+            entries: RequestTable::default(),
+            requests: RequestTable::default(),
             head: NIL,
             tail: NIL,
             num_freeable_entries: 0,
@@ -211,6 +201,10 @@ impl EncoderCacheManager {
         self.num_freeable_slots = self.cache_size;
     }
 
+    fn name(&self, e: RequestHandle) -> &str {
+        self.entries.key_of(e).unwrap_or_default()
+    }
+
     /// vLLM's `check_and_update_cache`: whether `identifier` is cached; if so the
     /// request (through `input_id`) now references it, taking it out of `freeable`.
     pub fn check_and_update_cache(
@@ -228,7 +222,7 @@ impl EncoderCacheManager {
     /// The first half of [`Self::check_and_update_cache`]: the entry of `identifier`
     /// if it is in `cached`. Lets a caller skip reading the request on a miss.
     pub fn find_cached(&self, identifier: &str) -> Option<CachedEntry> {
-        let e = self.entries.get(identifier)?;
+        let e = self.entries.handle(identifier)?;
         self.entries[e].cached.then_some(CachedEntry(e))
     }
 
@@ -243,12 +237,13 @@ impl EncoderCacheManager {
         input_id: u32,
     ) -> Result<bool> {
         let e = entry.0;
-        if !self.entries.is_named(e, identifier) {
+        if self.entries.key_of(e) != Some(identifier) {
             return match self.find_cached(identifier) {
                 Some(entry) => self.add_cached_reference(entry, identifier, request_id, input_id),
                 None => Ok(false),
             };
         }
+        // Plan.
         let entry = &self.entries[e];
         if !entry.cached {
             return Ok(false);
@@ -256,16 +251,18 @@ impl EncoderCacheManager {
         let restore = entry.refs.is_empty();
         if restore && entry.freeable.is_none() {
             return Err(Error::UnknownEncoderEntry {
-                identifier: self.entries.name(e).to_string(),
+                identifier: identifier.to_owned(),
                 map: "freeable",
             });
         }
-        self.requests.ensure_room(request_id)?;
+        // Apply.
         if restore {
             let n = self.unlink(e);
             self.num_freeable_slots -= n;
         }
-        let r = self.requests.intern(request_id);
+        let r = self
+            .requests
+            .handle_or_insert_with(request_id, RequestState::default);
         self.add_ref(e, r);
         self.add_input(r, input_id, e);
         Ok(true)
@@ -273,9 +270,7 @@ impl EncoderCacheManager {
 
     /// vLLM's `get_cached_num_encoder_embeds`: `num_embeds_by_hash.get(identifier)`.
     pub fn get_cached_num_encoder_embeds(&self, identifier: &str) -> Option<i64> {
-        self.entries
-            .get(identifier)
-            .and_then(|e| self.entries[e].num_embeds)
+        self.entries.get(identifier).and_then(|e| e.num_embeds)
     }
 
     /// vLLM's `can_allocate`: whether an item of `num_embeds` embeddings fits the
@@ -287,18 +282,39 @@ impl EncoderCacheManager {
         encoder_compute_budget: i64,
         num_embeds_to_schedule: i64,
     ) -> Result<bool> {
+        let victims = match self.plan_can_allocate(
+            num_embeds,
+            encoder_compute_budget,
+            num_embeds_to_schedule,
+        )? {
+            Some(victims) => victims,
+            None => return Ok(false),
+        };
+        for _ in 0..victims {
+            self.evict_oldest();
+        }
+        Ok(true)
+    }
+
+    /// `None`: the item does not fit; `Some(k)`: it fits after evicting the `k`
+    /// oldest freeable entries.
+    fn plan_can_allocate(
+        &self,
+        num_embeds: i64,
+        encoder_compute_budget: i64,
+        num_embeds_to_schedule: i64,
+    ) -> Result<Option<usize>> {
         check_embeds("num_embeds", num_embeds)?;
         if num_embeds > encoder_compute_budget {
-            return Ok(false);
+            return Ok(None);
         }
         let need = i128::from(num_embeds) + i128::from(num_embeds_to_schedule);
         if need <= i128::from(self.num_free_slots) {
-            return Ok(true);
+            return Ok(Some(0));
         }
         if need > i128::from(self.num_freeable_slots) {
-            return Ok(false);
+            return Ok(None);
         }
-        // Validate the whole eviction before doing any of it.
         let mut free = i128::from(self.num_free_slots);
         let mut victims = 0usize;
         let mut e = self.head;
@@ -317,7 +333,7 @@ impl EncoderCacheManager {
                     "cached"
                 };
                 return Err(Error::UnknownEncoderEntry {
-                    identifier: self.entries.name(e).to_string(),
+                    identifier: self.name(e).to_owned(),
                     map,
                 });
             }
@@ -325,10 +341,7 @@ impl EncoderCacheManager {
             victims += 1;
             e = entry.next;
         }
-        for _ in 0..victims {
-            self.evict_oldest();
-        }
-        Ok(true)
+        Ok(Some(victims))
     }
 
     /// vLLM's `allocate`: reserve `num_embeds` slots for `identifier` and record the
@@ -340,8 +353,9 @@ impl EncoderCacheManager {
         identifier: &str,
         num_embeds: i64,
     ) -> Result<()> {
+        // Plan.
         check_embeds("num_embeds", num_embeds)?;
-        let existing = self.entries.get(identifier);
+        let existing = self.entries.handle(identifier);
         if let Some(cached) = existing.and_then(|e| self.entries[e].num_embeds) {
             if cached != num_embeds {
                 return Err(Error::InvalidArgument(format!(
@@ -357,16 +371,19 @@ impl EncoderCacheManager {
                 num_freeable_slots: self.num_freeable_slots,
             });
         }
-        self.entries.ensure_room(identifier)?;
-        self.requests.ensure_room(request_id)?;
+        // Apply.
         let e = match existing {
             Some(e) => e,
-            None => self.entries.insert_new(identifier),
+            None => self
+                .entries
+                .handle_or_insert_with(identifier, Entry::default),
         };
         let entry = &mut self.entries[e];
         entry.cached = true;
         entry.num_embeds.get_or_insert(num_embeds);
-        let r = self.requests.intern(request_id);
+        let r = self
+            .requests
+            .handle_or_insert_with(request_id, RequestState::default);
         self.add_ref(e, r);
         self.add_input(r, input_id, e);
         self.num_free_slots -= num_embeds;
@@ -382,51 +399,138 @@ impl EncoderCacheManager {
         input_id: u32,
         identifier: &str,
     ) -> Result<()> {
-        let r = self.requests.get(request_id);
-        let e = self.entries.get(identifier);
-        self.free_input(r, input_id, e, identifier)
+        let r = self.requests.handle(request_id);
+        let e = self.entries.handle(identifier);
+        let plan = self.plan_free_input(r, input_id, e, identifier)?;
+        self.apply_free_input(plan, input_id);
+        Ok(())
     }
 
-    /// vLLM's `free`: free every cached input of the request (ascending input ids).
+    /// vLLM's `free`: free every cached input of the request, in vLLM's set order.
     pub fn free(&mut self, request_id: &str) -> Result<()> {
-        let Some(r) = self.requests.get(request_id) else {
+        let Some(r) = self.requests.handle(request_id) else {
             return Ok(());
         };
-        let mut inputs = self.requests[r].inputs.clone();
-        inputs.sort_unstable();
+        let inputs: Vec<(u32, RequestHandle)> = self.requests[r].inputs.iter().collect();
         for (input_id, e) in inputs {
-            let name = self.entries.name(e).clone();
-            self.free_input(Some(r), input_id, Some(e), &name)?;
+            // The request may have been released by the previous input's free.
+            let r = self.requests.handle(request_id);
+            let name = self.name(e).to_owned();
+            let plan = self.plan_free_input(r, input_id, Some(e), &name)?;
+            self.apply_free_input(plan, input_id);
         }
         Ok(())
     }
 
-    /// vLLM's `get_cached_input_ids`: the request's cached input ids (any order).
-    pub fn get_cached_input_ids(&self, request_id: &str) -> impl Iterator<Item = u32> + '_ {
-        let inputs = match self.requests.get(request_id) {
-            Some(r) => self.requests[r].inputs.as_slice(),
-            None => &[],
+    fn plan_free_input(
+        &self,
+        r: Option<RequestHandle>,
+        input_id: u32,
+        e: Option<RequestHandle>,
+        identifier: &str,
+    ) -> Result<FreeInputPlan> {
+        let cached_under = r.and_then(|r| self.requests[r].inputs.get(input_id));
+        if let (Some(r), Some(under)) = (r, cached_under) {
+            if Some(under) != e {
+                return Err(Error::InvalidArgument(format!(
+                    "input {input_id} of request {:?} was cached as {:?}, not {identifier:?}",
+                    self.requests.key_of(r).unwrap_or_default(),
+                    self.name(under),
+                )));
+            }
+        }
+        let mut drop_ref = None;
+        if let (Some(e), Some(r)) = (e, r) {
+            let entry = &self.entries[e];
+            if entry.cached && !entry.refs.is_empty() {
+                // vLLM: the reference stays while another input of the request holds
+                // the same item.
+                let still_held = self.requests[r]
+                    .inputs
+                    .iter()
+                    .any(|(i, x)| x == e && i != input_id);
+                if !still_held {
+                    let empties = matches!(entry.refs.as_slice(), [only] if *only == r);
+                    let size = if empties {
+                        Some(entry.num_embeds.ok_or_else(|| Error::UnknownEncoderEntry {
+                            identifier: identifier.to_owned(),
+                            map: "num_embeds_by_hash",
+                        })?)
+                    } else {
+                        None
+                    };
+                    drop_ref = Some((e, size));
+                }
+            }
+        }
+        Ok(FreeInputPlan {
+            request: r,
+            drop_input: cached_under,
+            drop_ref,
+        })
+    }
+
+    fn apply_free_input(&mut self, plan: FreeInputPlan, input_id: u32) {
+        let Some(r) = plan.request else {
+            return;
         };
-        inputs.iter().map(|&(input_id, _)| input_id)
+        if plan.drop_input.is_some() {
+            if let Some(under) = self.requests[r].inputs.remove(input_id) {
+                self.entries[under].input_refs -= 1;
+            }
+        }
+        if let Some((e, size)) = plan.drop_ref {
+            let refs = &mut self.entries[e].refs;
+            if let Some(k) = refs.iter().position(|&x| x == r) {
+                refs.swap_remove(k);
+                self.requests[r].in_cached -= 1;
+            }
+            if let Some(n) = size {
+                self.push_freeable(e, n);
+                self.num_freeable_slots += n;
+            }
+        }
+        self.release_request_if_unused(r);
+        if let Some(under) = plan.drop_input {
+            self.release_entry_if_unused(under);
+        }
+    }
+
+    /// vLLM's `get_cached_input_ids`: the request's cached input ids, in the order
+    /// vLLM's set iterates them.
+    pub fn get_cached_input_ids(&self, request_id: &str) -> impl Iterator<Item = u32> + '_ {
+        self.requests
+            .get(request_id)
+            .into_iter()
+            .flat_map(|r| r.inputs.iter().map(|(input_id, _)| input_id))
+    }
+
+    /// The adds and removes that made the request's `request_cached_ids` set, in
+    /// order: replayed into a fresh Python `set` they give vLLM's very table.
+    pub fn cached_input_ids_log(&self, request_id: &str) -> impl Iterator<Item = InputIdOp> + '_ {
+        self.requests
+            .get(request_id)
+            .into_iter()
+            .flat_map(|r| r.inputs.log())
     }
 
     /// vLLM's `get_freed_mm_hashes`: drain `freed`, in eviction order, without the
     /// identifiers that are cached again.
-    pub fn get_freed_mm_hashes(&mut self) -> Vec<Arc<str>> {
+    pub fn get_freed_mm_hashes(&mut self) -> Vec<String> {
         if self.freed.is_empty() {
             return Vec::new();
         }
         let freed = std::mem::take(&mut self.freed);
-        let mut out = Vec::with_capacity(freed.len());
-        for &e in &freed {
-            if !self.entries[e].cached {
-                out.push(self.entries.name(e).clone());
-            }
-        }
+        let out = freed
+            .iter()
+            .filter(|&&e| !self.entries[e].cached)
+            .map(|&e| self.name(e).to_owned())
+            .collect();
         for &e in &freed {
             self.entries[e].freed -= 1;
             self.release_entry_if_unused(e);
         }
+        // Keep the allocation for the next pass.
         self.freed = freed;
         self.freed.clear();
         out
@@ -438,19 +542,18 @@ impl EncoderCacheManager {
     pub fn cached_identifiers(&self) -> impl Iterator<Item = &str> + '_ {
         self.entries
             .iter()
-            .filter(|&(_, e)| self.entries[e].cached)
+            .filter(|(_, e)| e.cached)
             .map(|(name, _)| name)
     }
 
     /// `cached[identifier]`: the referencing request ids, or `None` if not cached.
     pub fn cached_request_ids(&self, identifier: &str) -> Option<Vec<&str>> {
-        let e = self.entries.get(identifier)?;
-        let entry = &self.entries[e];
+        let entry = self.entries.get(identifier)?;
         entry.cached.then(|| {
             entry
                 .refs
                 .iter()
-                .map(|&r| &**self.requests.name(r))
+                .map(|&r| self.requests.key_of(r).unwrap_or_default())
                 .collect()
         })
     }
@@ -463,7 +566,7 @@ impl EncoderCacheManager {
                 return None;
             }
             let entry = &self.entries[e];
-            let item = (&**self.entries.name(e), entry.freeable.unwrap_or(0));
+            let item = (self.name(e), entry.freeable.unwrap_or(0));
             e = entry.next;
             Some(item)
         })
@@ -471,9 +574,7 @@ impl EncoderCacheManager {
 
     /// `freeable.get(identifier)`.
     pub fn freeable_get(&self, identifier: &str) -> Option<i64> {
-        self.entries
-            .get(identifier)
-            .and_then(|e| self.entries[e].freeable)
+        self.entries.get(identifier).and_then(|e| e.freeable)
     }
 
     /// `len(freeable)`.
@@ -485,48 +586,43 @@ impl EncoderCacheManager {
     pub fn num_embeds_by_hash(&self) -> impl Iterator<Item = (&str, i64)> + '_ {
         self.entries
             .iter()
-            .filter_map(|(name, e)| self.entries[e].num_embeds.map(|n| (name, n)))
+            .filter_map(|(name, e)| e.num_embeds.map(|n| (name, n)))
     }
 
     /// The keys of `request_cached_ids` (requests with cached inputs, any order).
     pub fn request_ids(&self) -> impl Iterator<Item = &str> + '_ {
         self.requests
             .iter()
-            .filter(|&(_, r)| !self.requests[r].inputs.is_empty())
+            .filter(|(_, r)| !r.inputs.is_empty())
             .map(|(name, _)| name)
     }
 
     /// `request_hash_refs[request_id]`: identifier → number of the request's cached
     /// inputs with that identifier, or `None` if the request has no cached input.
     pub fn request_hash_refs(&self, request_id: &str) -> Option<Vec<(&str, u32)>> {
-        let r = self.requests.get(request_id)?;
-        let inputs = &self.requests[r].inputs;
+        let inputs = &self.requests.get(request_id)?.inputs;
         if inputs.is_empty() {
             return None;
         }
-        let mut out: Vec<(u32, u32)> = Vec::new();
-        for &(_, e) in inputs {
+        let mut out: Vec<(RequestHandle, u32)> = Vec::new();
+        for (_, e) in inputs.iter() {
             match out.iter_mut().find(|(x, _)| *x == e) {
                 Some((_, n)) => *n += 1,
                 None => out.push((e, 1)),
             }
         }
-        Some(
-            out.into_iter()
-                .map(|(e, n)| (&**self.entries.name(e), n))
-                .collect(),
-        )
+        Some(out.into_iter().map(|(e, n)| (self.name(e), n)).collect())
     }
 
     /// `freed`, in eviction order (not drained).
     pub fn freed(&self) -> impl Iterator<Item = &str> + '_ {
-        self.freed.iter().map(|&e| &**self.entries.name(e))
+        self.freed.iter().map(|&e| self.name(e))
     }
 
     /// `cached = {}` (what some vLLM scheduler tests do): empty `cached` only, every
     /// other map keeps its content, exactly as rebinding the dict does in vLLM.
     pub fn clear_cached(&mut self) {
-        let live: Vec<u32> = self.entries.iter().map(|(_, e)| e).collect();
+        let live: Vec<RequestHandle> = self.entries.iter_handles().map(|(h, _, _)| h).collect();
         for e in live {
             let refs = std::mem::take(&mut self.entries[e].refs);
             self.entries[e].cached = false;
@@ -541,7 +637,7 @@ impl EncoderCacheManager {
     // ---- internals ---------------------------------------------------------------
 
     /// `cached[e].add(r)`.
-    fn add_ref(&mut self, e: u32, r: u32) {
+    fn add_ref(&mut self, e: RequestHandle, r: RequestHandle) {
         let refs = &mut self.entries[e].refs;
         if !refs.contains(&r) {
             refs.push(r);
@@ -550,95 +646,17 @@ impl EncoderCacheManager {
     }
 
     /// vLLM's `_add_cached_input_id`.
-    fn add_input(&mut self, r: u32, input_id: u32, e: u32) {
+    fn add_input(&mut self, r: RequestHandle, input_id: u32, e: RequestHandle) {
         let inputs = &mut self.requests[r].inputs;
-        if inputs.iter().any(|&(i, _)| i == input_id) {
+        if inputs.contains(input_id) {
             return;
         }
-        inputs.push((input_id, e));
+        inputs.insert(input_id, e);
         self.entries[e].input_refs += 1;
     }
 
-    fn free_input(
-        &mut self,
-        r: Option<u32>,
-        input_id: u32,
-        e: Option<u32>,
-        identifier: &str,
-    ) -> Result<()> {
-        // Validate.
-        let pos = r.and_then(|r| {
-            self.requests[r]
-                .inputs
-                .iter()
-                .position(|&(i, _)| i == input_id)
-        });
-        let mut stored = None;
-        if let (Some(r), Some(p)) = (r, pos) {
-            let cached_under = self.requests[r].inputs[p].1;
-            if Some(cached_under) != e {
-                return Err(Error::InvalidArgument(format!(
-                    "input {input_id} of request {:?} was cached as {:?}, not {identifier:?}",
-                    &**self.requests.name(r),
-                    &**self.entries.name(cached_under),
-                )));
-            }
-            stored = Some((r, p, cached_under));
-        }
-        // (discard the request's reference?, the entry's size if it becomes freeable)
-        let mut release: Option<(u32, Option<i64>)> = None;
-        if let Some(e) = e {
-            let entry = &self.entries[e];
-            if entry.cached && !entry.refs.is_empty() {
-                let still_held = r.is_some_and(|r| {
-                    self.requests[r]
-                        .inputs
-                        .iter()
-                        .enumerate()
-                        .any(|(k, &(_, x))| x == e && Some(k) != pos)
-                });
-                if !still_held {
-                    let empties =
-                        matches!((r, entry.refs.as_slice()), (Some(r), [only]) if *only == r);
-                    let size = if empties {
-                        Some(entry.num_embeds.ok_or_else(|| Error::UnknownEncoderEntry {
-                            identifier: identifier.to_owned(),
-                            map: "num_embeds_by_hash",
-                        })?)
-                    } else {
-                        None
-                    };
-                    release = Some((e, size));
-                }
-            }
-        }
-        // Mutate.
-        if let Some((r, p, cached_under)) = stored {
-            self.requests[r].inputs.swap_remove(p);
-            self.entries[cached_under].input_refs -= 1;
-        }
-        if let (Some((e, size)), Some(r)) = (release, r) {
-            let refs = &mut self.entries[e].refs;
-            if let Some(k) = refs.iter().position(|&x| x == r) {
-                refs.swap_remove(k);
-                self.requests[r].in_cached -= 1;
-            }
-            if let Some(n) = size {
-                self.push_freeable(e, n);
-                self.num_freeable_slots += n;
-            }
-        }
-        if let Some(r) = r {
-            self.release_request_if_unused(r);
-        }
-        if let Some((_, _, cached_under)) = stored {
-            self.release_entry_if_unused(cached_under);
-        }
-        Ok(())
-    }
-
     /// `freeable[e] = n`: a new key goes to the tail, an existing one keeps its place.
-    fn push_freeable(&mut self, e: u32, n: i64) {
+    fn push_freeable(&mut self, e: RequestHandle, n: i64) {
         if self.entries[e].freeable.is_some() {
             self.entries[e].freeable = Some(n);
             return;
@@ -658,7 +676,7 @@ impl EncoderCacheManager {
     }
 
     /// `freeable.pop(e)`: its value (the entry must be in `freeable`).
-    fn unlink(&mut self, e: u32) -> i64 {
+    fn unlink(&mut self, e: RequestHandle) -> i64 {
         let entry = &mut self.entries[e];
         let n = entry.freeable.take().unwrap_or(0);
         let (prev, next) = (entry.prev, entry.next);
@@ -678,7 +696,7 @@ impl EncoderCacheManager {
         n
     }
 
-    /// Evict the oldest freeable entry (validated by the caller).
+    /// Evict the oldest freeable entry (planned by `plan_can_allocate`).
     fn evict_oldest(&mut self) {
         let e = self.head;
         let n = self.unlink(e);
@@ -695,46 +713,17 @@ impl EncoderCacheManager {
         self.num_free_slots += n;
     }
 
-    fn release_entry_if_unused(&mut self, e: u32) {
+    fn release_entry_if_unused(&mut self, e: RequestHandle) {
         if self.entries[e].is_unused() {
-            self.entries.release(e);
+            self.entries.remove_by_handle(e);
         }
     }
 
-    fn release_request_if_unused(&mut self, r: u32) {
+    fn release_request_if_unused(&mut self, r: RequestHandle) {
         if self.requests[r].is_unused() {
-            self.requests.release(r);
+            self.requests.remove_by_handle(r);
         }
     }
-}
-
-/// vLLM's `compute_mm_encoder_budget`: `(encoder_compute_budget,
-/// encoder_cache_size)` in embeddings, both at least the largest item; `(0, 0)`
-/// when the model accepts no multimodal item (the caller logs vLLM's warning).
-///
-/// Fails when chunked multimodal input is disabled and the largest item does not
-/// fit one step's `max_num_batched_tokens`.
-pub fn compute_mm_encoder_budget(
-    max_num_encoder_input_tokens: i64,
-    encoder_cache_size: i64,
-    max_num_batched_tokens: i64,
-    disable_chunked_mm_input: bool,
-    mm_max_toks_per_item: &[i64],
-) -> Result<(i64, i64)> {
-    let Some(&max_item) = mm_max_toks_per_item.iter().max() else {
-        return Ok((0, 0));
-    };
-    if disable_chunked_mm_input && max_item > max_num_batched_tokens {
-        return Err(Error::InvalidArgument(format!(
-            "Chunked MM input disabled but max_tokens_per_mm_item ({max_item}) is larger \
-             than max_num_batched_tokens ({max_num_batched_tokens}). Please increase \
-             max_num_batched_tokens."
-        )));
-    }
-    Ok((
-        max_num_encoder_input_tokens.max(max_item),
-        encoder_cache_size.max(max_item),
-    ))
 }
 
 #[cfg(test)]
@@ -746,13 +735,6 @@ mod tests {
 
     fn freeable(m: &EncoderCacheManager) -> Vec<(String, i64)> {
         m.freeable().map(|(k, n)| (k.to_owned(), n)).collect()
-    }
-
-    fn freed(m: &mut EncoderCacheManager) -> Vec<String> {
-        m.get_freed_mm_hashes()
-            .iter()
-            .map(|s| s.to_string())
-            .collect()
     }
 
     /// `can_allocate` then `allocate`, as the Scheduler does.
@@ -804,8 +786,8 @@ mod tests {
         assert!(m.can_allocate(4, BIG, 0).unwrap());
         assert_eq!(m.num_free_slots(), 4);
         assert_eq!(freeable(&m), [("a".to_owned(), 3), ("c".to_owned(), 3)]);
-        assert_eq!(freed(&mut m), ["b"]);
-        assert!(freed(&mut m).is_empty());
+        assert_eq!(m.get_freed_mm_hashes(), ["b"]);
+        assert!(m.get_freed_mm_hashes().is_empty());
         // Neither budget nor capacity: no eviction.
         assert!(!m.can_allocate(4, 3, 0).unwrap());
         assert!(!m.can_allocate(4, BIG, 7).unwrap());
@@ -821,7 +803,7 @@ mod tests {
         m.free("rb").unwrap();
         admit(&mut m, "rc", 0, "c", 4);
         admit(&mut m, "ra", 0, "a", 4);
-        assert_eq!(freed(&mut m), ["b"]);
+        assert_eq!(m.get_freed_mm_hashes(), ["b"]);
     }
 
     #[test]
@@ -839,15 +821,23 @@ mod tests {
     }
 
     #[test]
-    fn free_releases_inputs_in_ascending_order() {
-        let mut m = EncoderCacheManager::new(9).unwrap();
+    fn free_releases_inputs_in_python_set_order() {
+        let mut m = EncoderCacheManager::new(100).unwrap();
+        // Small ids: ascending, whatever the insertion order.
         admit(&mut m, "r", 2, "c", 3);
         admit(&mut m, "r", 0, "a", 3);
         admit(&mut m, "r", 1, "b", 3);
         m.free("r").unwrap();
         let order: Vec<_> = freeable(&m).into_iter().map(|(k, _)| k).collect();
         assert_eq!(order, ["a", "b", "c"]);
-        assert_eq!(m.num_freeable_slots(), 9);
+        // Colliding ids: {9, 1, 17} iterates as inserted (CPython 3.11 prints [9, 1, 17]).
+        for (i, id) in [(9, "i9"), (1, "i1"), (17, "i17")] {
+            admit(&mut m, "s", i, id, 1);
+        }
+        assert_eq!(m.get_cached_input_ids("s").collect::<Vec<_>>(), [9, 1, 17]);
+        m.free("s").unwrap();
+        let order: Vec<_> = freeable(&m).into_iter().skip(3).map(|(k, _)| k).collect();
+        assert_eq!(order, ["i9", "i1", "i17"]);
     }
 
     #[test]
@@ -861,9 +851,8 @@ mod tests {
             let _ = m.get_freed_mm_hashes();
         }
         // One entry cached (freeable), no request left.
-        assert_eq!(m.entries.ids.len(), 1);
-        assert_eq!(m.requests.ids.len(), 0);
-        assert!(m.entries.data.len() <= 2 && m.requests.data.len() <= 1);
+        assert_eq!(m.entries.len(), 1);
+        assert_eq!(m.requests.len(), 0);
     }
 
     #[test]
@@ -943,7 +932,7 @@ mod tests {
         };
         let mut m = EncoderCacheManager::new(64).unwrap();
         for _ in 0..20_000 {
-            let (r, input) = (rand(12), rand(4) as u32);
+            let (r, input) = (rand(12), rand(40) as u32);
             let req = format!("r{r}");
             // A request's inputs keep their identifiers; requests share some.
             let item = (r * 7 + u64::from(input) * 5) % 24;
@@ -972,23 +961,5 @@ mod tests {
             assert_eq!(m.num_free_slots() + held, m.cache_size());
             assert_eq!(m.num_freeable_entries(), m.freeable().count());
         }
-    }
-
-    #[test]
-    fn budget_is_at_least_the_largest_item() {
-        assert_eq!(
-            compute_mm_encoder_budget(100, 200, 8192, false, &[]).unwrap(),
-            (0, 0)
-        );
-        assert_eq!(
-            compute_mm_encoder_budget(100, 200, 8192, false, &[50, 300]).unwrap(),
-            (300, 300)
-        );
-        assert_eq!(
-            compute_mm_encoder_budget(1000, 2000, 8192, true, &[50, 300]).unwrap(),
-            (1000, 2000)
-        );
-        let e = compute_mm_encoder_budget(100, 200, 256, true, &[300]).unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
     }
 }
