@@ -60,6 +60,10 @@ pub enum Error {
     /// A valid request the core does not implement (yet).
     #[error("not supported by hscache: {0}")]
     Unsupported(String),
+    /// An allocation the input asked for could not be made (the process keeps
+    /// running; nothing changed).
+    #[error("memory allocation of {bytes} bytes failed ({what})")]
+    OutOfMemory { bytes: u128, what: &'static str },
 }
 
 /// Stable, message-independent classification of [`Error`].
@@ -76,6 +80,7 @@ pub enum ErrorKind {
     EncoderCacheFull,
     UnknownEncoderEntry,
     Unsupported,
+    OutOfMemory,
 }
 
 impl Error {
@@ -93,6 +98,7 @@ impl Error {
             Error::EncoderCacheFull { .. } => ErrorKind::EncoderCacheFull,
             Error::UnknownEncoderEntry { .. } => ErrorKind::UnknownEncoderEntry,
             Error::Unsupported(_) => ErrorKind::Unsupported,
+            Error::OutOfMemory { .. } => ErrorKind::OutOfMemory,
         }
     }
 }

@@ -1,6 +1,6 @@
 """Type stubs of the compiled extension ``hscache._core`` (built from ``src/python/``)."""
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, final, overload
 
 __version__: str
@@ -263,10 +263,25 @@ def compute_mm_encoder_budget(
 
 # ----------------------------------------------------------------- slots (hidden-state cache)
 
-# (step_id, req_ids in row order, spans, write_slots): bytearrays of native-endian int64 (view
-# them with np.frombuffer / torch.frombuffer); for n requests `spans` holds compute_start[n],
-# num_tokens[n] and query_start_loc[n + 1].
-SlotPlan = tuple[int, list[str], bytearray, bytearray]
+# A plan: (mirror_id, step_id, req_ids, spans, write_slots, kept_slots, prefill_skip). `spans`
+# and the slot buffers are native-endian int64 (callers view them with np.frombuffer /
+# torch.frombuffer); for n requests `spans` holds compute_start[n], num_tokens[n],
+# query_start_loc[n + 1] and kept[n]; `kept_slots` is None when every row is kept.
+SlotPlan = tuple[int, int, list[str], bytearray, bytearray, bytearray | None, PrefillSkipRaw | None]
+
+# (num_logits, max_query_len, reduced, (len logits_indices_padded, len query_start_loc,
+# len num_kept), int32 buffer of those three back to back, one 0/1 byte per token).
+PrefillSkipRaw = tuple[int, int, bool, tuple[int, int, int], bytearray, bytearray]
+
+def prefill_skip(
+    num_scheduled_tokens: list[int] | bytes,
+    num_spec_tokens: list[int] | bytes | None = None,
+    samples: list[bool] | bytes | None = None,
+    *,
+    num_reqs_padded: int | None = None,
+    num_logits_padded: int = 0,
+    query_start_loc: list[int] | bytes | None = None,
+) -> PrefillSkipRaw: ...
 
 @final
 class SlotReads:
@@ -275,21 +290,25 @@ class SlotReads:
     @property
     def step_id(self) -> int: ...
     @property
+    def mirror_id(self) -> int: ...
+    @property
     def plan_indices(self) -> list[int]: ...
     @property
     def num_tokens(self) -> list[int]: ...
     @property
     def num_cached_tokens(self) -> list[int]: ...
     @property
+    def skip_layers(self) -> list[bool]: ...
+    @property
     def misses(self) -> list[int]: ...
     @property
     def num_rows(self) -> int: ...
-    def slots(self) -> bytearray: ...
+    def slots(self, skip_layers_only: bool = False) -> bytearray: ...
     def __len__(self) -> int: ...
 
 @final
 class SlotMirror:
-    """Worker-side mirror of KV block assignments: epochs, slot mappings, validated reads."""
+    """Worker-side mirror of KV block assignments: versions, slot mappings, validated reads."""
 
     def __new__(
         cls, *, num_blocks: int, block_size: int, kv_cache_group: int = 0
@@ -301,13 +320,23 @@ class SlotMirror:
     @property
     def kv_cache_group(self) -> int: ...
     @property
+    def mirror_id(self) -> int: ...
+    @property
     def step_id(self) -> int: ...
     @property
     def pending_step(self) -> int | None: ...
     @property
     def num_requests(self) -> int: ...
     def plan_scheduler_output(
-        self, scheduler_output: Any, order: Iterable[str] | None = None
+        self,
+        scheduler_output: Any,
+        order: Iterable[str] | None = None,
+        *,
+        external_tokens: Mapping[str, int] | None = None,
+        connector_versions: Mapping[int, int] | Iterable[tuple[int, int]] | None = None,
+        fast_prefill: bool = False,
+        num_reqs_padded: int | None = None,
+        num_logits_padded: int = 0,
     ) -> SlotPlan: ...
     def plan(
         self,
@@ -317,10 +346,18 @@ class SlotMirror:
         finished: Iterable[str] | None = None,
         fresh_block_ids: Iterable[int] | None = None,
         order: Iterable[str] | None = None,
+        external_tokens: Mapping[str, int] | None = None,
+        connector_versions: Mapping[int, int] | Iterable[tuple[int, int]] | None = None,
+        num_prompt_tokens: Mapping[str, int] | None = None,
+        spec_tokens: Mapping[str, int] | None = None,
+        fast_prefill: bool = False,
+        num_reqs_padded: int | None = None,
+        num_logits_padded: int = 0,
     ) -> SlotPlan: ...
-    def commit(self, step_id: int) -> SlotReads: ...
+    def commit(self, step_id: int, mirror_id: int) -> SlotReads: ...
     def revalidate(self, reads: SlotReads) -> int: ...
     def block_state(self, block_id: int) -> tuple[int, int]: ...
+    def block_skip_rows(self, block_id: int) -> int: ...
     def block_table(self, req_id: str) -> list[int]: ...
     def num_computed_tokens(self, req_id: str) -> int: ...
     def stats(self) -> dict[str, int]: ...

@@ -2,10 +2,12 @@
 //!
 //! Each class subclasses the builtin a vLLM caller expects (`KeyError`,
 //! `ValueError`, `RuntimeError`, `NotImplementedError`); `hscache.exceptions`
-//! re-exports them with docstrings.
+//! re-exports them with docstrings. A failed allocation is the builtin `MemoryError`.
 
 use pyo3::create_exception;
-use pyo3::exceptions::{PyKeyError, PyNotImplementedError, PyRuntimeError, PyValueError};
+use pyo3::exceptions::{
+    PyKeyError, PyMemoryError, PyNotImplementedError, PyRuntimeError, PyValueError,
+};
 use pyo3::prelude::*;
 
 use crate::error::{Error, ErrorKind};
@@ -61,6 +63,7 @@ impl From<Error> for PyErr {
             ErrorKind::EncoderCacheFull => EncoderCacheFullError::new_err(msg),
             ErrorKind::UnknownEncoderEntry => UnknownEncoderEntryError::new_err(msg),
             ErrorKind::Unsupported => UnsupportedError::new_err(msg),
+            ErrorKind::OutOfMemory => PyMemoryError::new_err(msg),
         }
     }
 }

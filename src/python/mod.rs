@@ -15,6 +15,7 @@ mod events;
 mod hasher;
 mod hashes;
 mod manager;
+mod prefill_skip;
 mod slots;
 
 use pyo3::prelude::*;
@@ -69,6 +70,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::PyKVCacheCore>()?;
     m.add_class::<slots::PySlotMirror>()?;
     m.add_class::<slots::PySlotReads>()?;
+    m.add_function(wrap_pyfunction!(prefill_skip::prefill_skip, m)?)?;
     m.add_class::<encoder_cache::PyEncoderCacheCore>()?;
     m.add_class::<encoder_decoder::PyEncoderDecoderCacheCore>()?;
     m.add_function(wrap_pyfunction!(
