@@ -237,3 +237,55 @@ def test_impossible_sizes_raise_memory_error() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("MemoryError: memory allocation of"), out
+
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("reduced", [True, False], ids=["reduced", "merged"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_skip_layer_key_rows_under_fast_prefill(model: Any, device: str, reduced: bool) -> None:
+    """Fast prefill: the skip-layer key is written for the kept rows only, given as the skip
+    layers' own (reduced) output or merged into a full-length one; a later hit serves the
+    other keys and reports the skip key partial, and never serves its unwritten rows."""
+    cache = HiddenStateCache(16, 4, KEYS, device, skip_layer_keys=["hidden"])
+    prompt = list(range(60, 69))
+    tokens = {"a": prompt, "b": [*prompt[:8], 3], "c": list(range(70, 76))}
+    plan = cache.plan_step(
+        new=[("a", [3, 4, 5], 0, 9), ("c", [6, 7], 0, 4)],
+        num_prompt_tokens={"a": 9, "c": 6},
+        fast_prefill=True,
+    )
+    skip = plan.prefill_skip
+    assert skip is not None and skip.reduced
+    # a samples (its prompt is complete): its last row; c is a partial chunk: none.
+    assert plan.kept.tolist() == [1, 0] and skip.logits_indices.tolist() == [8]
+    full = forward(model, plan, tokens)
+    outputs = dict(full)
+    if reduced:
+        outputs["hidden"] = full["hidden"][skip.logits_indices.long()]
+    rows = cache.write_and_gather(plan, {k: v.to(device) for k, v in outputs.items()})
+    assert rows.start("a", "hidden") == 8 and rows.start("a", "codes") == 0
+    assert torch.equal(rows.rows("a", "hidden").cpu(), full["hidden"][8:9])
+    assert rows.rows("c", "hidden").shape[0] == 0
+    assert cache.stats()["skipped_rows"] == 12
+    # b hits a's two full blocks: codes served, hidden only for b's own new row.
+    plan = cache.plan_step(new=[("b", [3, 4, 8], 8, 1)])
+    rows = cache.write_and_gather(
+        plan, {k: v.to(device) for k, v in forward(model, plan, tokens).items()}
+    )
+    want = model.forward(tokens["b"], 0, 9)
+    assert rows.hits == ["b"] and rows.partial == ["b"]
+    assert torch.equal(rows.rows("b", "codes").cpu(), want["codes"])
+    assert rows.start("b", "hidden") == 8
+    assert torch.equal(rows.rows("b", "hidden").cpu(), want["hidden"][8:])
+    assert cache.stats()["partial_reads"] == 1

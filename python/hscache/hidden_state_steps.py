@@ -61,14 +61,14 @@ class StepPlan:
         "write_slots",
     )
 
-    def __init__(self, raw: SlotPlan, device: torch.device | str = "cpu") -> None:
+    def __init__(self, raw: SlotPlan, device: torch.device) -> None:
         mirror_id, step_id, req_ids, spans, slots, kept_slots, skip = raw
         self.mirror_id: int = mirror_id
         self.step_id: int = step_id
         self.req_ids: list[str] = req_ids
         self.write_slots: torch.Tensor = index_view(slots)
         self.num_rows: int = len(slots) // 8
-        self.device = torch.device(device)
+        self.device = device
         self._spans = spans
         self._kept_slots = kept_slots
         self._skip_raw: RawSkip | PrefillSkip | None = skip

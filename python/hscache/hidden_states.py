@@ -148,6 +148,7 @@ class HiddenStateCache:
         self._mirror = SlotMirror(
             num_blocks=num_blocks, block_size=block_size, kv_cache_group=kv_cache_group
         )
+        self._mirror_id = self._mirror.mirror_id
         self._specs = specs
         self._skip_keys = frozenset(skip_layer_keys)
         num_slots = num_blocks * block_size
@@ -389,7 +390,7 @@ class HiddenStateCache:
         return self._mirror.commit(plan.step_id, plan.mirror_id)
 
     def _check_plan(self, plan: StepPlan) -> None:
-        if plan.mirror_id != self._mirror.mirror_id:
+        if plan.mirror_id != self._mirror_id:
             raise InvalidArgumentError(
                 f"step {plan.step_id} was planned by another HiddenStateCache; a cache "
                 "writes only its own plans"

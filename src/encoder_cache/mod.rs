@@ -7,6 +7,7 @@
 //!   encoder-decoder models (no sharing, freed one step after allocation).
 //! - [`input_ids`]: a request's cached input ids in CPython `set` iteration order,
 //!   which decides vLLM's free order.
+//! - `views`: read-only views of vLLM's dicts over the manager (cold paths).
 //! - [`compute_mm_encoder_budget`]: the compute and cache budgets.
 //!
 //! The unit everywhere is one encoder **embedding**. Only bookkeeping lives here: the
@@ -18,6 +19,7 @@
 pub mod encoder_decoder;
 pub mod input_ids;
 pub mod manager;
+mod views;
 
 use crate::error::{Error, Result};
 

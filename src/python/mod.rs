@@ -16,6 +16,7 @@ mod hasher;
 mod hashes;
 mod manager;
 mod prefill_skip;
+mod slot_facts;
 mod slots;
 
 use pyo3::prelude::*;

@@ -1,27 +1,25 @@
 //! `SlotMirror` and `SlotReads`: the core `crate::slots` as Python classes.
 //!
-//! Conversion only. `plan_scheduler_output` reads vLLM 0.33's `SchedulerOutput`
-//! attributes in place (one FFI crossing per step), taking each request's block ids
-//! from the mirror's KV-cache group in vLLM's per-group tuples; `plan` takes the same
-//! facts as plain ids for tests and other engines. A step's block ids are read into
-//! one flat buffer (no allocation per request). Slot mappings and per-request spans
+//! Conversion only. `plan_scheduler_output` reads vLLM 0.33's `SchedulerOutput` in
+//! place (one FFI crossing per step; `slot_facts.rs` reads it); `plan` takes the same
+//! facts as plain ids for tests and other engines. Slot mappings and per-request spans
 //! come back as `bytearray`s of native-endian int64 (see `buffers.rs`), the fast
 //! prefill result as `prefill_skip.rs` encodes it.
 
-use std::ops::Range;
-
-use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyByteArray, PyDict, PyList, PyString};
 use rustc_hash::FxHashMap;
 
 use super::buffers::i64_bytearray;
-use super::errors::{count, BlockIdError, InvalidArgumentError};
+use super::errors::{count, InvalidArgumentError};
 use super::prefill_skip::{skip_tuple, SkipTuple};
+use super::slot_facts::{
+    block_id, block_id_vec, lookup, optional_dict, push_block_ids, read_scheduler_output,
+    read_versions, Facts, Spec,
+};
 use crate::slots::{
     Assignment, PrefillSkipRequest, ScheduledRequest, SlotMirror, StepInput, StepReads, StepRef,
 };
-use crate::types::BlockId;
 
 /// `(mirror_id, step_id, req_ids, spans, write_slots, kept_slots, prefill_skip)`;
 /// `spans` holds, for `n` requests, `compute_start[n]`, `num_tokens[n]`,
@@ -37,119 +35,11 @@ type PlanTuple<'py> = (
     Option<SkipTuple<'py>>,
 );
 
-/// One scheduled request's facts; its block ids are `arena[blocks]`.
-struct Spec {
-    start: bool,
-    blocks: Range<usize>,
-    num_computed_tokens: Option<usize>,
-    num_scheduled_tokens: usize,
-    num_external_tokens: usize,
-    num_prompt_tokens: Option<usize>,
-    num_spec_tokens: u32,
-}
-
-/// Everything one step's plan reads from Python.
-#[derive(Default)]
-struct Facts<'py> {
-    req_ids: Vec<Bound<'py, PyString>>,
-    specs: Vec<Spec>,
-    arena: Vec<BlockId>,
-    finished: Vec<Bound<'py, PyString>>,
-    fresh: Option<Vec<BlockId>>,
-    versions: Vec<(BlockId, u64)>,
-}
-
 /// Fast-prefill options of a plan call.
 struct SkipOptions {
     enabled: bool,
     num_reqs_padded: Option<usize>,
     num_logits_padded: usize,
-}
-
-fn block_id(value: i64) -> PyResult<BlockId> {
-    BlockId::try_from(value)
-        .map_err(|_| BlockIdError::new_err(format!("block id {value} is out of range")))
-}
-
-/// Appends a sequence of block ids to `arena`; returns their range.
-fn push_block_ids(arena: &mut Vec<BlockId>, obj: &Bound<'_, PyAny>) -> PyResult<Range<usize>> {
-    let start = arena.len();
-    let bad = || InvalidArgumentError::new_err("block ids must be a sequence of ints");
-    if let Ok(list) = obj.cast::<PyList>() {
-        arena.reserve(list.len());
-        for item in list.iter() {
-            arena.push(block_id(item.extract().map_err(|_| bad())?)?);
-        }
-    } else {
-        for item in obj.try_iter().map_err(|_| bad())? {
-            arena.push(block_id(item?.extract().map_err(|_| bad())?)?);
-        }
-    }
-    Ok(start..arena.len())
-}
-
-fn block_id_vec(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
-    let mut v = Vec::new();
-    push_block_ids(&mut v, obj)?;
-    Ok(v)
-}
-
-fn as_str<'py>(obj: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
-    obj.cast_into::<PyString>()
-        .map_err(|_| InvalidArgumentError::new_err("request ids must be str"))
-}
-
-/// `{req_id: int}` lookups (external tokens, prompt lengths, spec counts).
-fn lookup(
-    map: Option<&Bound<'_, PyDict>>,
-    req_id: &Bound<'_, PyString>,
-) -> PyResult<Option<usize>> {
-    match map {
-        Some(d) => d
-            .get_item(req_id)?
-            .map(|v| count("value", v.extract()?))
-            .transpose(),
-        None => Ok(None),
-    }
-}
-
-fn optional_dict<'py>(
-    name: &str,
-    obj: Option<Bound<'py, PyAny>>,
-) -> PyResult<Option<Bound<'py, PyDict>>> {
-    match obj {
-        Some(o) if !o.is_none() => Ok(Some(o.cast_into::<PyDict>().map_err(|_| {
-            InvalidArgumentError::new_err(format!("{name} must be a dict of request id -> int"))
-        })?)),
-        _ => Ok(None),
-    }
-}
-
-fn read_versions(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<(BlockId, u64)>> {
-    let Some(obj) = obj.filter(|o| !o.is_none()) else {
-        return Ok(Vec::new());
-    };
-    let bad = || {
-        InvalidArgumentError::new_err(
-            "connector_versions must map block id -> version (ints), or be (block, version) pairs",
-        )
-    };
-    let pairs: Vec<(i64, u64)> = if let Ok(d) = obj.cast::<PyDict>() {
-        d.iter()
-            .map(|(k, v)| {
-                Ok((
-                    k.extract().map_err(|_| bad())?,
-                    v.extract().map_err(|_| bad())?,
-                ))
-            })
-            .collect::<PyResult<_>>()?
-    } else {
-        obj.extract().map_err(|_| bad())?
-    };
-    pairs
-        .into_iter()
-        .map(|(b, v)| Ok((block_id(b)?, v)))
-        .collect()
 }
 
 #[pyclass(name = "SlotMirror", module = "hscache._core")]
@@ -159,28 +49,6 @@ pub struct PySlotMirror {
 }
 
 impl PySlotMirror {
-    /// Appends the mirror's group's block ids out of vLLM's per-group tuple.
-    fn push_group_ids(
-        &self,
-        arena: &mut Vec<BlockId>,
-        per_group: &Bound<'_, PyAny>,
-        req_id: &Bound<'_, PyString>,
-    ) -> PyResult<Range<usize>> {
-        let groups = per_group.cast::<PyTuple>().map_err(|_| {
-            InvalidArgumentError::new_err(format!(
-                "request {req_id}: block ids must be a tuple with one list per KV-cache group"
-            ))
-        })?;
-        let ids = groups.get_item(self.kv_cache_group).map_err(|_| {
-            InvalidArgumentError::new_err(format!(
-                "request {req_id} has {} KV-cache groups; this mirror follows group {}",
-                groups.len(),
-                self.kv_cache_group
-            ))
-        })?;
-        push_block_ids(arena, &ids)
-    }
-
     fn run<'py>(
         &mut self,
         py: Python<'py>,
@@ -200,33 +68,39 @@ impl PySlotMirror {
             .iter()
             .map(|s| s.to_str())
             .collect::<PyResult<_>>()?;
-        let mut perm: Vec<usize> = (0..ids.len()).collect();
-        let mut ordered_ids = req_ids.clone();
-        if let Some(order) = order.filter(|o| !o.is_none()) {
-            let pos: FxHashMap<&str, usize> =
-                ids.iter().enumerate().map(|(i, s)| (*s, i)).collect();
-            perm.clear();
-            ordered_ids.clear();
-            for item in order.try_iter()? {
-                let item = item?.cast_into::<PyString>().map_err(|_| {
-                    InvalidArgumentError::new_err("order must be an iterable of request ids")
-                })?;
-                let i = *pos.get(item.to_str()?).ok_or_else(|| {
-                    InvalidArgumentError::new_err(format!(
-                        "order names {item} which is not scheduled in this step"
-                    ))
-                })?;
-                perm.push(i);
-                ordered_ids.push(item);
+        // Rows are laid out in `order` when given, else new requests first.
+        let (perm, req_list) = match order.filter(|o| !o.is_none()) {
+            None => (
+                (0..ids.len()).collect::<Vec<_>>(),
+                PyList::new(py, &req_ids)?,
+            ),
+            Some(order) => {
+                let pos: FxHashMap<&str, usize> =
+                    ids.iter().enumerate().map(|(i, s)| (*s, i)).collect();
+                let mut perm = Vec::with_capacity(ids.len());
+                let list = PyList::empty(py);
+                for item in order.try_iter()? {
+                    let item = item?.cast_into::<PyString>().map_err(|_| {
+                        InvalidArgumentError::new_err("order must be an iterable of request ids")
+                    })?;
+                    let i = *pos.get(item.to_str()?).ok_or_else(|| {
+                        InvalidArgumentError::new_err(format!(
+                            "order names {item} which is not scheduled in this step"
+                        ))
+                    })?;
+                    perm.push(i);
+                    list.append(item)?;
+                }
+                if perm.len() != ids.len() {
+                    return Err(InvalidArgumentError::new_err(format!(
+                        "order has {} request ids; {} are scheduled",
+                        perm.len(),
+                        ids.len()
+                    )));
+                }
+                (perm, list)
             }
-            if perm.len() != ids.len() {
-                return Err(InvalidArgumentError::new_err(format!(
-                    "order has {} request ids; {} are scheduled",
-                    perm.len(),
-                    ids.len()
-                )));
-            }
-        }
+        };
         let finished: Vec<&str> = finished
             .iter()
             .map(|s| s.to_str())
@@ -303,7 +177,7 @@ impl PySlotMirror {
         Ok((
             step.mirror_id,
             step.step_id,
-            PyList::new(py, ordered_ids)?,
+            req_list,
             spans,
             slots,
             kept_slots,
@@ -378,141 +252,13 @@ impl PySlotMirror {
         num_logits_padded: usize,
     ) -> PyResult<PlanTuple<'py>> {
         let py = scheduler_output.py();
-        let so = scheduler_output;
-        let num_scheduled = so.getattr(intern!(py, "num_scheduled_tokens"))?;
-        let num_scheduled = num_scheduled
-            .cast::<PyDict>()
-            .map_err(|_| InvalidArgumentError::new_err("num_scheduled_tokens must be a dict"))?;
-        let scheduled_of = |req_id: &Bound<'py, PyString>| -> PyResult<usize> {
-            let n = num_scheduled.get_item(req_id)?.ok_or_else(|| {
-                InvalidArgumentError::new_err(format!(
-                    "request {req_id} is scheduled but has no num_scheduled_tokens"
-                ))
-            })?;
-            count("num_scheduled_tokens", n.extract()?)
-        };
-        // A connector may have loaded any hit: without per-request external counts,
-        // every hit of a new request is treated as loaded (distrusted).
         let external = optional_dict("external_tokens", external_tokens)?;
-        let connector = so
-            .getattr_opt(intern!(py, "kv_connector_metadata"))?
-            .is_some_and(|m| !m.is_none());
-        let spec_map = if fast_prefill {
-            so.getattr_opt(intern!(py, "scheduled_spec_decode_tokens"))?
-                .and_then(|d| d.cast_into::<PyDict>().ok())
-                .filter(|d| !d.is_empty())
-        } else {
-            None
-        };
-        let spec_of = |req_id: &Bound<'py, PyString>| -> PyResult<u32> {
-            match &spec_map {
-                Some(d) => match d.get_item(req_id)? {
-                    Some(drafts) => u32::try_from(drafts.len()?)
-                        .map_err(|_| InvalidArgumentError::new_err("too many spec decode tokens")),
-                    None => Ok(0),
-                },
-                None => Ok(0),
-            }
-        };
-
-        let mut facts = Facts::default();
-        let new_reqs = so.getattr(intern!(py, "scheduled_new_reqs"))?;
-        for nr in new_reqs.try_iter()? {
-            let nr = nr?;
-            let req_id = as_str(nr.getattr(intern!(py, "req_id"))?)?;
-            let blocks = self.push_group_ids(
-                &mut facts.arena,
-                &nr.getattr(intern!(py, "block_ids"))?,
-                &req_id,
-            )?;
-            let nc = count(
-                "num_computed_tokens",
-                nr.getattr(intern!(py, "num_computed_tokens"))?.extract()?,
-            )?;
-            let num_external_tokens = match lookup(external.as_ref(), &req_id)? {
-                Some(n) => n,
-                None if connector && external.is_none() => nc,
-                None => 0,
-            };
-            let num_prompt_tokens = if fast_prefill {
-                match nr.getattr_opt(intern!(py, "prompt_len"))? {
-                    Some(n) => Some(count("prompt_len", n.extract()?)?),
-                    None => None,
-                }
-            } else {
-                None
-            };
-            facts.specs.push(Spec {
-                start: true,
-                blocks,
-                num_computed_tokens: Some(nc),
-                num_scheduled_tokens: scheduled_of(&req_id)?,
-                num_external_tokens,
-                num_prompt_tokens,
-                num_spec_tokens: spec_of(&req_id)?,
-            });
-            facts.req_ids.push(req_id);
-        }
-        let cached = so.getattr(intern!(py, "scheduled_cached_reqs"))?;
-        let resumed = cached.getattr(intern!(py, "resumed_req_ids"))?;
-        let any_resumed = resumed.len()? > 0;
-        let list = |name: &Bound<'py, PyString>| -> PyResult<Bound<'py, PyList>> {
-            cached.getattr(name)?.cast_into::<PyList>().map_err(|_| {
-                InvalidArgumentError::new_err(format!(
-                    "scheduled_cached_reqs.{name} must be a list"
-                ))
-            })
-        };
-        let cached_ids = list(intern!(py, "req_ids"))?;
-        let new_block_ids = list(intern!(py, "new_block_ids"))?;
-        let computed = list(intern!(py, "num_computed_tokens"))?;
-        if new_block_ids.len() != cached_ids.len() || computed.len() != cached_ids.len() {
-            return Err(InvalidArgumentError::new_err(
-                "scheduled_cached_reqs lists have different lengths",
-            ));
-        }
-        facts.req_ids.reserve(cached_ids.len());
-        facts.specs.reserve(cached_ids.len());
-        for ((req_id, per_group), nc) in cached_ids
-            .iter()
-            .zip(new_block_ids.iter())
-            .zip(computed.iter())
-        {
-            let req_id = as_str(req_id)?;
-            let start = any_resumed && resumed.contains(&req_id)?;
-            let blocks = if per_group.is_none() {
-                facts.arena.len()..facts.arena.len()
-            } else {
-                self.push_group_ids(&mut facts.arena, &per_group, &req_id)?
-            };
-            let nc = count("num_computed_tokens", nc.extract()?)?;
-            facts.specs.push(Spec {
-                start,
-                blocks,
-                num_computed_tokens: Some(nc),
-                num_scheduled_tokens: scheduled_of(&req_id)?,
-                num_external_tokens: 0,
-                num_prompt_tokens: None,
-                num_spec_tokens: spec_of(&req_id)?,
-            });
-            facts.req_ids.push(req_id);
-        }
-        for key in [
-            intern!(py, "finished_req_ids"),
-            intern!(py, "preempted_req_ids"),
-        ] {
-            let set = so.getattr(key)?;
-            if set.is_none() {
-                continue;
-            }
-            for id in set.try_iter()? {
-                facts.finished.push(as_str(id?)?);
-            }
-        }
-        let fresh = so.getattr(intern!(py, "new_block_ids_to_zero"))?;
-        if !fresh.is_none() {
-            facts.fresh = Some(block_id_vec(&fresh)?);
-        }
+        let mut facts = read_scheduler_output(
+            scheduler_output,
+            self.kv_cache_group,
+            external,
+            fast_prefill,
+        )?;
         facts.versions = read_versions(connector_versions.as_ref())?;
         self.run(
             py,
