@@ -414,6 +414,11 @@ impl EncoderCacheManager {
     }
 
     /// vLLM's `free`: free every cached input of the request, in vLLM's set order.
+    ///
+    /// A sequence of `free_encoder_input`s, each planned and applied on its own (the
+    /// next one's plan depends on the previous one's effect, as in vLLM). Only a state
+    /// that vLLM's own code would fail on (an entry missing from `num_embeds_by_hash`
+    /// after `cached = {}`) can make one of them fail; vLLM then raises half-way too.
     pub fn free(&mut self, request_id: &str) -> Result<()> {
         let Some(r) = self.requests.handle(request_id) else {
             return Ok(());
