@@ -349,7 +349,8 @@ class HiddenStateCache:
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, bool]], set[str]]:
         """``(storage, rows, skip-layer key)`` per key, and the skip keys given reduced."""
         n = plan.num_rows
-        kept = plan.num_kept
+        kept = plan.num_kept if self._skip_keys else n
+        cuda = self._cuda
         out: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
         reduced: set[str] = set()
         for key, storage, width, dtype, skip in self._write_specs:
@@ -357,21 +358,21 @@ class HiddenStateCache:
             if t is None:
                 raise InvalidArgumentError(f"outputs lack declared key {key!r}")
             shape = t.shape
-            if skip and kept != n and len(shape) == 2 and shape[0] == kept:
+            if shape == (n, width):
+                pass
+            elif skip and kept != n and shape == (kept, width):
                 reduced.add(key)  # the skip layers' own output: kept rows only
-            elif len(shape) != 2 or shape[1] != width or shape[0] < n:
+            elif len(shape) == 2 and shape[1] == width and shape[0] > n:
+                t = t.narrow(0, 0, n)  # CUDA-graph padding
+            else:
                 want = f"({n}, {width})" + (f" or ({kept}, {width})" if skip else "")
                 raise InvalidArgumentError(
                     f"outputs[{key!r}] has shape {tuple(shape)}; expected {want}"
                 )
-            elif shape[0] != n:
-                t = t.narrow(0, 0, n)  # CUDA-graph padding
-            if shape[1] != width:
-                raise InvalidArgumentError(f"outputs[{key!r}] has width {shape[1]}; key is {width}")
-            if t.dtype != dtype:
+            if t.dtype is not dtype:
                 raise InvalidArgumentError(f"outputs[{key!r}] is {t.dtype}; key is {dtype}")
-            if t.is_cuda != self._cuda or (self._cuda and t.device != self._device):
-                t = t.to(self._device, non_blocking=self._cuda)
+            if t.is_cuda != cuda or (cuda and t.device != self._device):
+                t = t.to(self._device, non_blocking=cuda)
             out.append((storage, t, skip))
         return out, reduced
 
@@ -410,7 +411,7 @@ class HiddenStateCache:
         if not plan.num_rows:
             return
         index = self._to_device(plan.write_slots)
-        partial = plan.num_kept != plan.num_rows
+        partial = bool(self._skip_keys) and plan.num_kept != plan.num_rows
         kept_index: torch.Tensor | None = None
         kept_rows: torch.Tensor | None = None
         for (storage, t, skip), (key, *_) in zip(rows, self._write_specs, strict=True):
@@ -460,7 +461,7 @@ class HiddenStateCache:
         self, plan: StepPlan, reads: SlotReads, outputs: Mapping[str, torch.Tensor] | None
     ) -> StepRows:
         reduced: set[str] = set()
-        if outputs is not None and plan.num_kept != plan.num_rows:
+        if self._skip_keys and outputs is not None and plan.num_kept != plan.num_rows:
             reduced = {
                 k for k in self._skip_keys if k in outputs and outputs[k].shape[0] == plan.num_kept
             }
