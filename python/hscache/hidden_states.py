@@ -346,12 +346,12 @@ class HiddenStateCache:
 
     def _checked_rows(
         self, plan: StepPlan, outputs: Mapping[str, torch.Tensor]
-    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, bool]], set[str]]:
-        """``(storage, rows, skip-layer key)`` per key, and the skip keys given reduced."""
+    ) -> tuple[list[tuple[str, torch.Tensor, torch.Tensor, bool]], set[str]]:
+        """``(key, storage, rows, skip-layer key)`` per key, and the skip keys given reduced."""
         n = plan.num_rows
         kept = plan.num_kept if self._skip_keys else n
         cuda = self._cuda
-        out: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
+        out: list[tuple[str, torch.Tensor, torch.Tensor, bool]] = []
         reduced: set[str] = set()
         for key, storage, width, dtype, skip in self._write_specs:
             t = outputs.get(key)
@@ -373,7 +373,7 @@ class HiddenStateCache:
                 raise InvalidArgumentError(f"outputs[{key!r}] is {t.dtype}; key is {dtype}")
             if t.is_cuda != cuda or (cuda and t.device != self._device):
                 t = t.to(self._device, non_blocking=cuda)
-            out.append((storage, t, skip))
+            out.append((key, storage, t, skip))
         return out, reduced
 
     def write(self, plan: StepPlan, outputs: Mapping[str, torch.Tensor]) -> SlotReads:
@@ -405,16 +405,18 @@ class HiddenStateCache:
     def _write_rows(
         self,
         plan: StepPlan,
-        rows: list[tuple[torch.Tensor, torch.Tensor, bool]],
+        rows: list[tuple[str, torch.Tensor, torch.Tensor, bool]],
         reduced: set[str],
     ) -> None:
         if not plan.num_rows:
             return
-        index = self._to_device(plan.write_slots)
+        index = plan.write_slots
+        if self._cuda:
+            index = self._to_device(index)
         partial = bool(self._skip_keys) and plan.num_kept != plan.num_rows
         kept_index: torch.Tensor | None = None
         kept_rows: torch.Tensor | None = None
-        for (storage, t, skip), (key, *_) in zip(rows, self._write_specs, strict=True):
+        for key, storage, t, skip in rows:
             if not (skip and partial):
                 storage.index_copy_(0, index, t)
                 continue

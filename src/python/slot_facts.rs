@@ -248,11 +248,11 @@ pub(super) fn read_scheduler_output<'py>(
     }
     facts.req_ids.reserve(cached_ids.len());
     facts.specs.reserve(cached_ids.len());
-    for ((req_id, per_group), nc) in cached_ids
-        .iter()
-        .zip(new_block_ids.iter())
-        .zip(computed.iter())
-    {
+    // Index-based: one list access per field, no iterator length checks.
+    for i in 0..cached_ids.len() {
+        let req_id = cached_ids.get_item(i)?;
+        let per_group = new_block_ids.get_item(i)?;
+        let nc = computed.get_item(i)?;
         let req_id = as_str(req_id)?;
         let start = any_resumed && resumed.contains(&req_id)?;
         let blocks = if per_group.is_none() {

@@ -2,7 +2,7 @@
 //! reads validated (writes first, so same-step hits see this step's rows); and the
 //! re-check of reads gathered later (`revalidate`).
 
-use super::{SlotMirror, StepRef};
+use super::{BlockSize, PlannedRequest, SlotMirror, StepRef, EVERY_LAYER, SKIP_LAYERS};
 use crate::error::{Error, Result};
 use crate::types::{BlockId, NULL_BLOCK_ID};
 
@@ -34,7 +34,7 @@ pub struct StepReads {
     mirror_id: u64,
     /// The step the reads were planned in.
     pub step_id: u64,
-    block_size: usize,
+    bs: BlockSize,
     generation: u64,
     entries: Vec<ReadEntry>,
     misses: Vec<usize>,
@@ -82,35 +82,43 @@ impl StepReads {
     }
 
     fn slots_of(&self, skip_layers_only: bool) -> impl Iterator<Item = i64> + '_ {
-        let bs = self.block_size;
+        let bs = self.bs;
         let entries = self
             .entries
             .iter()
             .filter(move |e| e.skip_layers || !skip_layers_only);
         entries.flat_map(move |e| {
             let blocks = &self.blocks[e.blocks_start..];
-            (0..e.num_tokens)
-                .map(move |pos| (blocks[pos / bs].block_id as usize * bs + pos % bs) as i64)
+            (0..e.num_tokens).map(move |pos| bs.slot(blocks[bs.div(pos)].block_id, pos))
         })
     }
 
     fn entry_blocks(&self, e: &ReadEntry) -> &[ReadBlock] {
-        let n = e.num_tokens.div_ceil(self.block_size);
+        let n = e.num_tokens.div_ceil(self.bs.size);
         &self.blocks[e.blocks_start..e.blocks_start + n]
     }
 }
 
-/// Advances the leading-row counts of the blocks under positions `from..to`: a
-/// block's count grows only over rows that continue it (a write past a hole does
-/// not make the hole valid).
-fn advance(written: &mut [u32], table: &[BlockId], bs: usize, from: usize, to: usize) {
+/// Advances key class `class`'s leading-row counts of the blocks under positions
+/// `from..to` of planned request `p`: a block's count grows only over rows that
+/// continue it (a write past a hole does not make the hole valid).
+fn advance(
+    written: &mut [[u32; 2]],
+    class: usize,
+    p: &PlannedRequest,
+    table: &[BlockId],
+    bs: BlockSize,
+    from: usize,
+    to: usize,
+) {
     let mut pos = from;
     while pos < to {
-        let b = table[pos / bs] as usize;
-        let r0 = pos % bs;
-        let r1 = (to - (pos - r0)).min(bs);
-        if written[b] as usize >= r0 {
-            written[b] = written[b].max(r1 as u32);
+        let b = p.block_of(table, pos, bs) as usize;
+        let r0 = bs.rem(pos);
+        let r1 = (to - (pos - r0)).min(bs.size);
+        let count = &mut written[b][class];
+        if *count as usize >= r0 {
+            *count = (*count).max(r1 as u32);
         }
         pos += r1 - r0;
     }
@@ -159,20 +167,20 @@ impl SlotMirror {
 
     /// Counts the pending step's rows as written (both key classes).
     pub(super) fn count_writes(&mut self) {
-        let bs = self.block_size;
+        let bs = self.bs;
         #[cfg(test)]
         let ignore_skip = self.faults.ignore_skip;
         #[cfg(not(test))]
         let ignore_skip = false;
         for p in &self.pending {
-            let table = &self.requests[p.handle].block_table;
-            advance(&mut self.written, table, bs, p.compute_start, p.num_tokens);
-            let skip_from = if ignore_skip {
-                p.compute_start
-            } else {
-                p.num_tokens - p.kept
+            let table: &[BlockId] = match p.single_block {
+                Some(_) => &[],
+                None => &self.requests[p.handle].block_table,
             };
-            advance(&mut self.written_skip, table, bs, skip_from, p.num_tokens);
+            let (from, to) = (p.compute_start, p.num_tokens);
+            advance(&mut self.written, EVERY_LAYER, p, table, bs, from, to);
+            let skip_from = if ignore_skip { from } else { to - p.kept };
+            advance(&mut self.written, SKIP_LAYERS, p, table, bs, skip_from, to);
             let span = (p.num_tokens - p.compute_start) as u64;
             self.stats.rows_written += span;
             self.stats.skipped_rows += span - p.kept as u64;
@@ -185,7 +193,7 @@ impl SlotMirror {
         let mut reads = StepReads {
             mirror_id: self.id,
             step_id,
-            block_size: bs,
+            bs: self.bs,
             generation: self.generation,
             entries: Vec::new(),
             misses: Vec::new(),
@@ -198,11 +206,12 @@ impl SlotMirror {
             let mut skip_layers = true;
             for (k, &b) in table[..p.num_tokens.div_ceil(bs)].iter().enumerate() {
                 let rows = (p.num_tokens - k * bs).min(bs) as u32;
-                if b == NULL_BLOCK_ID || self.written[b as usize] < rows {
+                let [every, skip] = self.written[b as usize];
+                if b == NULL_BLOCK_ID || every < rows {
                     valid = false;
                     break;
                 }
-                skip_layers &= self.written_skip[b as usize] >= rows;
+                skip_layers &= skip >= rows;
                 reads.blocks.push(ReadBlock {
                     block_id: b,
                     epoch: self.epoch[b as usize],

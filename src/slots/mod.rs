@@ -65,9 +65,11 @@
 //!   it changes anything. An `Err` leaves the mirror exactly as it was; a failed
 //!   allocation is [`Error::OutOfMemory`], never an abort.
 //!
-//! Layout: per block, struct-of-arrays `epoch` / `written` / `written_skip`
-//! (16 bytes a block, allocated zeroed, so untouched pages cost nothing); per request,
-//! a [`RequestTable`] of block tables. A decode step allocates nothing per block.
+//! Layout: per block, struct-of-arrays `epoch` and `written` (the two key classes'
+//! counts side by side: a commit touches one line per block); 16 bytes a block,
+//! allocated zeroed, so untouched pages cost nothing. Per request, a [`RequestTable`] of
+//! block tables with the last block inline, so a decode step (one row in the last
+//! block) never reads the table. A decode step allocates nothing per block.
 //!
 //! Scope: the mirror follows one KV-cache group, chosen by the caller (the binding
 //! takes it from vLLM's per-group `block_ids` tuples; `hscache.hidden_states` picks the
@@ -90,6 +92,52 @@ use crate::types::BlockId;
 pub use commit::{ReadEntry, StepReads};
 pub use plan::{Assignment, PrefillSkipRequest, ScheduledRequest, StepInput};
 
+/// The block size, with shift / mask for the (usual) power of two: a decode step maps
+/// positions to slots without a 64-bit division.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct BlockSize {
+    size: usize,
+    /// `log2(size)` when `size` is a power of two, else `u32::MAX`.
+    shift: u32,
+}
+
+impl BlockSize {
+    fn new(size: usize) -> Self {
+        let shift = if size.is_power_of_two() {
+            size.trailing_zeros()
+        } else {
+            u32::MAX
+        };
+        Self { size, shift }
+    }
+
+    /// `pos / size`.
+    #[inline]
+    fn div(self, pos: usize) -> usize {
+        if self.shift != u32::MAX {
+            pos >> self.shift
+        } else {
+            pos / self.size
+        }
+    }
+
+    /// `pos % size`.
+    #[inline]
+    fn rem(self, pos: usize) -> usize {
+        if self.shift != u32::MAX {
+            pos & (self.size - 1)
+        } else {
+            pos % self.size
+        }
+    }
+
+    /// The slot of position `pos` in block `block`.
+    #[inline]
+    fn slot(self, block: BlockId, pos: usize) -> i64 {
+        (block as usize * self.size + self.rem(pos)) as i64
+    }
+}
+
 /// Names one planned step of one mirror (what `commit` takes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StepRef {
@@ -110,6 +158,20 @@ pub struct PlannedRequest {
     pub kept: usize,
     /// Whether the request reads its rows `[0, num_tokens)` from the cache.
     pub read: bool,
+    /// The block of every computed row when they all lie in one block (a decode step):
+    /// writes then need not read the request's table.
+    single_block: Option<BlockId>,
+}
+
+impl PlannedRequest {
+    /// The block of position `pos` (one of the planned rows).
+    #[inline]
+    fn block_of(&self, table: &[BlockId], pos: usize, bs: BlockSize) -> BlockId {
+        match self.single_block {
+            Some(b) => b,
+            None => table[bs.div(pos)],
+        }
+    }
 }
 
 /// Counters of a mirror's life (never reset).
@@ -147,6 +209,9 @@ pub struct SlotStats {
 #[derive(Clone, Debug, Default)]
 struct RequestSlots {
     block_table: Vec<BlockId>,
+    /// `block_table.last()` (0 when empty), kept inline: a decode step plans its row
+    /// from it without reading the table.
+    last_block: BlockId,
     num_computed_tokens: usize,
     /// The prompt length, when the request's first schedule said it.
     num_prompt_tokens: Option<usize>,
@@ -175,12 +240,12 @@ pub(crate) struct Faults {
 pub struct SlotMirror {
     id: u64,
     block_size: usize,
+    bs: BlockSize,
     num_blocks: u32,
     epoch: Vec<u64>,
-    /// Leading rows written in the current version, keys of every layer.
-    written: Vec<u32>,
-    /// Leading rows written in the current version, keys of the skip layers.
-    written_skip: Vec<u32>,
+    /// Leading rows written in the current version, per key class
+    /// (`[EVERY_LAYER, SKIP_LAYERS]`): one cache line access per block in a commit.
+    written: Vec<[u32; 2]>,
     requests: RequestTable<RequestSlots>,
     step_id: u64,
     /// Bumped with any version: reads taken at an unchanged generation are still valid.
@@ -200,6 +265,12 @@ pub struct SlotMirror {
 trait ZeroIsValid: Copy {}
 impl ZeroIsValid for u32 {}
 impl ZeroIsValid for u64 {}
+impl ZeroIsValid for [u32; 2] {}
+
+/// Index into [`SlotMirror`]'s per-block written counts: keys of every layer.
+const EVERY_LAYER: usize = 0;
+/// Index into [`SlotMirror`]'s per-block written counts: keys of the skip layers.
+const SKIP_LAYERS: usize = 1;
 
 /// A zeroed `Vec` of `n` values, or [`Error::OutOfMemory`]: the pages come from the
 /// allocator's zeroed memory (`calloc`), so a large mirror costs nothing until used,
@@ -244,10 +315,10 @@ impl SlotMirror {
         Ok(Self {
             id: NEXT_MIRROR_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             block_size,
+            bs: BlockSize::new(block_size),
             num_blocks,
             epoch: zeroed_vec(n, "slot mirror block versions")?,
             written: zeroed_vec(n, "slot mirror written rows")?,
-            written_skip: zeroed_vec(n, "slot mirror written skip-layer rows")?,
             requests: RequestTable::default(),
             step_id: 0,
             generation: 0,
@@ -306,13 +377,13 @@ impl SlotMirror {
     /// `(version, leading rows written in it)` of a block (keys of every layer).
     pub fn block_state(&self, block_id: BlockId) -> Result<(u64, usize)> {
         let b = self.check_block(block_id)?;
-        Ok((self.epoch[b], self.written[b] as usize))
+        Ok((self.epoch[b], self.written[b][EVERY_LAYER] as usize))
     }
 
     /// Leading rows of the skip-layer keys written in the block's current version.
     pub fn block_skip_rows(&self, block_id: BlockId) -> Result<usize> {
         let b = self.check_block(block_id)?;
-        Ok(self.written_skip[b] as usize)
+        Ok(self.written[b][SKIP_LAYERS] as usize)
     }
 
     /// The block table the mirror holds for a request.
@@ -365,11 +436,13 @@ impl SlotMirror {
         &self,
         start: impl Fn(&PlannedRequest) -> usize + 'static,
     ) -> impl Iterator<Item = i64> + '_ {
-        let bs = self.block_size;
+        let bs = self.bs;
         self.pending.iter().flat_map(move |p| {
-            let table = &self.requests[p.handle].block_table;
-            (start(p)..p.num_tokens)
-                .map(move |pos| (table[pos / bs] as usize * bs + pos % bs) as i64)
+            let table: &[BlockId] = match p.single_block {
+                Some(_) => &[],
+                None => &self.requests[p.handle].block_table,
+            };
+            (start(p)..p.num_tokens).map(move |pos| bs.slot(p.block_of(table, pos, bs), pos))
         })
     }
 
@@ -396,8 +469,7 @@ impl SlotMirror {
         }
         let b = block_id as usize;
         self.epoch[b] += 1;
-        self.written[b] = 0;
-        self.written_skip[b] = 0;
+        self.written[b] = [0, 0];
         self.generation += 1;
         self.stats.fresh_blocks += 1;
     }

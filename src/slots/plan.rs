@@ -121,6 +121,8 @@ struct Planned {
     num_tokens: usize,
     kept: usize,
     read: bool,
+    /// The block of every computed row when they lie in one block.
+    single_block: Option<BlockId>,
     /// First block of the Start table to bump as connector-loaded, up to the first
     /// fresh one (`compute_start / block_size`).
     loaded_from: usize,
@@ -247,7 +249,10 @@ impl SlotMirror {
         known: Option<RequestHandle>,
     ) -> Result<Planned> {
         let bs = self.block_size;
-        // The request's table after this step: `head` (kept) followed by `tail` (given).
+        // The request's table after this step: `head` (kept) followed by `tail` (given);
+        // the head's last block is also inline (`last`), to spare a decode step the read
+        // of the table.
+        let mut last = NULL_BLOCK_ID;
         let (head, tail, start, compute_start, read, loaded_from): (&[BlockId], _, _, _, _, _) =
             match r.assignment {
                 Assignment::Start {
@@ -263,8 +268,8 @@ impl SlotMirror {
                             r.req_id
                         )));
                     }
-                    let aligned = num_computed_tokens / bs * bs;
-                    let loaded_from = (num_computed_tokens - num_external_tokens) / bs;
+                    let aligned = num_computed_tokens - self.bs.rem(num_computed_tokens);
+                    let loaded_from = self.bs.div(num_computed_tokens - num_external_tokens);
                     (
                         &[][..],
                         block_ids,
@@ -280,6 +285,7 @@ impl SlotMirror {
                 } => {
                     let h = known.ok_or_else(|| Error::UnknownRequest(r.req_id.to_string()))?;
                     let old = &self.requests[h];
+                    last = old.last_block;
                     let start = num_computed_tokens.unwrap_or(old.num_computed_tokens);
                     (&old.block_table[..], new_block_ids, start, start, false, 0)
                 }
@@ -298,13 +304,22 @@ impl SlotMirror {
                 end.div_ceil(bs),
             )));
         }
+        let mut single_block = None;
         if compute_start < end {
-            let block = |k: usize| match head.get(k) {
-                Some(&b) => b,
-                None => tail[k - head.len()],
+            let block = |k: usize| {
+                if k + 1 == head.len() {
+                    last
+                } else if k < head.len() {
+                    head[k]
+                } else {
+                    tail[k - head.len()]
+                }
             };
-            let first = compute_start / bs;
-            let last = (end - 1) / bs;
+            let first = self.bs.div(compute_start);
+            let last = self.bs.div(end - 1);
+            if first == last {
+                single_block = Some(block(first));
+            }
             if let Some(k) = (first..=last).find(|&k| block(k) == NULL_BLOCK_ID) {
                 return Err(Error::InvalidArgument(format!(
                     "request {:?}: position {} maps to the null block; the hidden-state \
@@ -320,6 +335,7 @@ impl SlotMirror {
             num_tokens: end,
             kept: end - compute_start,
             read,
+            single_block,
             loaded_from,
         })
     }
@@ -348,7 +364,6 @@ impl SlotMirror {
         for &b in input.fresh_block_ids.unwrap_or_default() {
             bump(self, b);
         }
-        let bs = self.block_size;
         for (r, p) in input.scheduled.iter().zip(&plan.requests) {
             let handle = match r.assignment {
                 Assignment::Start {
@@ -365,8 +380,9 @@ impl SlotMirror {
                     let slots = &mut self.requests[h];
                     slots.block_table.clear();
                     slots.block_table.extend_from_slice(block_ids);
+                    slots.last_block = block_ids.last().copied().unwrap_or(NULL_BLOCK_ID);
                     slots.num_prompt_tokens = num_prompt_tokens;
-                    let first_fresh = p.compute_start / bs;
+                    let first_fresh = self.bs.div(p.compute_start);
                     for &b in &block_ids[p.loaded_from.min(first_fresh)..first_fresh] {
                         #[cfg(test)]
                         if self.faults.trust_connector {
@@ -387,9 +403,11 @@ impl SlotMirror {
                 Assignment::Continue { new_block_ids, .. } => {
                     // `plan_request` proved the request is known.
                     let h = p.existing.unwrap_or_default();
-                    self.requests[h]
-                        .block_table
-                        .extend_from_slice(new_block_ids);
+                    let slots = &mut self.requests[h];
+                    if let Some(&b) = new_block_ids.last() {
+                        slots.block_table.extend_from_slice(new_block_ids);
+                        slots.last_block = b;
+                    }
                     for &b in new_block_ids {
                         bump(self, b);
                     }
@@ -403,6 +421,7 @@ impl SlotMirror {
                 num_tokens: p.num_tokens,
                 kept: p.kept,
                 read: p.read,
+                single_block: p.single_block,
             });
         }
         plan.vouched = vouched;

@@ -49,6 +49,31 @@ fn write_slots_follow_the_block_table() {
 }
 
 #[test]
+fn decode_rows_follow_appended_blocks() {
+    let mut m = SlotMirror::new(16, 4).unwrap();
+    step(&mut m, vec![start("a", &[3, 7], 0, 8)]);
+    let mut want = Vec::new();
+    let mut got = Vec::new();
+    let mut table = vec![3u32, 7];
+    for pos in 8..21usize {
+        let new: Vec<BlockId> = if pos % 4 == 0 {
+            vec![8 + pos as BlockId / 4]
+        } else {
+            vec![]
+        };
+        table.extend(&new);
+        want.push((table[pos / 4] as usize * 4 + pos % 4) as i64);
+        let (slots, _) = step(&mut m, vec![cont("a", &new, 1)]);
+        got.extend(slots);
+    }
+    assert_eq!(got, want);
+    assert_eq!(m.block_table("a").unwrap(), table.as_slice());
+    // Every decoded row was counted in its block.
+    assert_eq!(m.block_state(10).unwrap().1, 4);
+    assert_eq!(m.block_state(13).unwrap().1, 1);
+}
+
+#[test]
 fn hit_after_write_reads_cached_and_new_rows() {
     let mut m = SlotMirror::new(10, 4).unwrap();
     step(&mut m, vec![start("a", &[3, 7, 2], 0, 10)]);
@@ -602,4 +627,89 @@ fn random_traces_match_a_naive_model() {
     let st = m.stats();
     assert!(st.reads_served > 20 && st.read_misses > 20, "{st:?}");
     assert!(st.uncommitted_steps > 20, "{st:?}");
+}
+
+/// Random chunked prefills and decodes of several requests, blocks appended as they
+/// fill: every step's write slots equal a naive table's, and every block's written
+/// count is the number of its leading rows written since its assignment.
+#[test]
+fn random_continuations_match_a_naive_table() {
+    // Powers of two take the shift path, other sizes (hybrid models) the division.
+    for bs in [4, 6, 16] {
+        random_continuations(bs);
+    }
+}
+
+fn random_continuations(bs: usize) {
+    let mut rng: u64 = 0x9e37_79b9;
+    let mut next = move |n: usize| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng % n as u64) as usize
+    };
+    let mut m = SlotMirror::new(8192, bs).unwrap();
+    let mut free: Vec<BlockId> = (1..8192).rev().collect();
+    // (id, table, position, started)
+    let mut live: Vec<(String, Vec<BlockId>, usize, bool)> = Vec::new();
+    let mut rows = vec![0u32; 8192];
+    for s in 0..1500 {
+        if live.len() < 6 && next(3) == 0 {
+            live.push((format!("r{s}"), Vec::new(), 0, false));
+        }
+        let mut news: Vec<(usize, Vec<BlockId>)> = Vec::new();
+        let mut want: Vec<i64> = Vec::new();
+        for (_, table, pos, _) in live.iter_mut() {
+            let n = if next(3) == 0 { 1 + next(9) } else { 1 };
+            let mut new = Vec::new();
+            while table.len() * bs < *pos + n {
+                let b = free.pop().unwrap();
+                table.push(b);
+                new.push(b);
+                rows[b as usize] = 0;
+            }
+            for p in *pos..*pos + n {
+                let b = table[p / bs] as usize;
+                want.push((b * bs + p % bs) as i64);
+                rows[b] = rows[b].max((p % bs + 1) as u32);
+            }
+            *pos += n;
+            news.push((n, new));
+        }
+        let scheduled = live
+            .iter()
+            .zip(&news)
+            .map(|((id, table, _, started), (n, new))| {
+                if *started {
+                    cont(id, new, *n)
+                } else {
+                    start(id, table, 0, *n)
+                }
+            })
+            .collect();
+        let (slots, _) = step(&mut m, scheduled);
+        assert_eq!(slots, want, "step {s}");
+        for (_, table, _, started) in live.iter_mut() {
+            *started = true;
+            for &b in table.iter() {
+                assert_eq!(
+                    m.block_state(b).unwrap().1 as u32,
+                    rows[b as usize],
+                    "step {s}"
+                );
+            }
+        }
+        if next(8) == 0 && !live.is_empty() {
+            let (id, table, _, _) = live.remove(next(live.len()));
+            let id_ref: &str = &id;
+            let done = m
+                .plan_step(&StepInput {
+                    finished_req_ids: vec![id_ref],
+                    ..Default::default()
+                })
+                .unwrap();
+            m.commit(done).unwrap();
+            free.extend(table);
+        }
+    }
 }
