@@ -68,6 +68,10 @@ pub enum Error {
     /// refuses to run.
     #[error("this KV-cache manager is poisoned by an earlier internal error: {0}")]
     Poisoned(String),
+    /// An allocation the input asked for could not be made (the process keeps
+    /// running; nothing changed).
+    #[error("memory allocation of {bytes} bytes failed ({what})")]
+    OutOfMemory { bytes: u128, what: &'static str },
 }
 
 /// Stable, message-independent classification of [`Error`].
@@ -85,6 +89,7 @@ pub enum ErrorKind {
     UnknownEncoderEntry,
     Unsupported,
     Internal,
+    OutOfMemory,
 }
 
 impl Error {
@@ -103,6 +108,7 @@ impl Error {
             Error::UnknownEncoderEntry { .. } => ErrorKind::UnknownEncoderEntry,
             Error::Unsupported(_) => ErrorKind::Unsupported,
             Error::Internal(_) | Error::Poisoned(_) => ErrorKind::Internal,
+            Error::OutOfMemory { .. } => ErrorKind::OutOfMemory,
         }
     }
 }

@@ -20,9 +20,12 @@
 //! - [`request_table`]: `RequestTable`, request id → per-request state with stable
 //!   handles (the manager's, the encoder cache's and the slot mirror's tables).
 //! - [`manager`]: the `KVCacheManager` facade and the full-attention group manager.
-//! - [`encoder_cache`]: `EncoderCacheManager`, the multimodal encoder-output cache budget.
-//! - [`slots`]: `SlotMirror`, the worker-side mirror of block assignments (epochs, slot
+//! - [`encoder_cache`]: `EncoderCacheManager` (the multimodal encoder-output cache) and
+//!   `EncoderDecoderCacheManager` (the encoder budget of encoder-decoder models).
+//! - [`slots`]: `SlotMirror`, the worker-side mirror of block assignments (versions, slot
 //!   mappings, validated reads) behind the hidden-state cache.
+//! - [`prefill_skip`]: the reduced batch of KV-sharing layers (`--kv-sharing-fast-prefill`)
+//!   computed on the host.
 //! - `python` (feature `python`): the PyO3 bindings, conversion only.
 
 pub mod encoder_cache;
@@ -34,6 +37,7 @@ pub mod hash;
 pub mod hash_index;
 pub mod manager;
 pub mod pool;
+pub mod prefill_skip;
 pub mod request_table;
 pub mod slots;
 pub mod stats;

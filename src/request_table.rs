@@ -19,6 +19,13 @@
 //! cache: one lookup per coordinator stage); the table remembers the slot it found
 //! last and compares that slot's key first, so the repeats cost one compare of the
 //! key's bytes and no hashing or probing.
+//!
+//! Users: the KV manager (request id → its blocks), the encoder cache (multimodal
+//! identifier → entry, request id → cached inputs) and the worker-side slot mirror
+//! (request id → block table). Callers that link records to each other (the encoder
+//! cache's LRU list) store handles and index the table with them (`table[handle]`,
+//! which, like `Vec` indexing, panics on a handle that names no live record: those
+//! callers hold handles only while the record lives).
 
 use hashbrown::HashTable;
 use rustc_hash::FxHasher;
@@ -247,6 +254,41 @@ impl<T: Default> RequestTable<T> {
         Some(self.slots[s].key.as_str())
     }
 
+    /// The request's handle, inserting `make()` first if the request is absent.
+    pub fn handle_or_insert_with(&mut self, key: &str, make: impl FnOnce() -> T) -> RequestHandle {
+        let s = match self.find(key) {
+            Some(s) => s,
+            None => self.insert_new(key, make()),
+        };
+        handle_of(s, self.slots[s as usize].generation)
+    }
+
+    /// Whether `handle` names a live request.
+    #[inline]
+    pub fn contains_handle(&self, handle: RequestHandle) -> bool {
+        self.slot_of(handle).is_some()
+    }
+
+    /// Removes every request (slots are kept for reuse; every handle goes stale).
+    pub fn clear(&mut self) {
+        let live: Vec<u32> = (0..self.slots.len() as u32)
+            .filter(|&s| self.slots[s as usize].occupied)
+            .collect();
+        for s in live {
+            self.vacate(s);
+        }
+        self.index.clear();
+    }
+
+    /// Iterates `(handle, request id, state)` (slot order).
+    pub fn iter_handles(&self) -> impl Iterator<Item = (RequestHandle, &str, &T)> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.occupied)
+            .map(|(i, s)| (handle_of(i as u32, s.generation), s.key.as_str(), &s.value))
+    }
+
     /// The request's state, inserted with `make` if absent.
     pub fn get_or_insert_with(&mut self, key: &str, make: impl FnOnce() -> T) -> &mut T {
         let s = match self.find(key) {
@@ -367,6 +409,26 @@ impl<T: Default> RequestTable<T> {
     }
 }
 
+impl<T> std::ops::Index<RequestHandle> for RequestTable<T> {
+    type Output = T;
+    /// The state of a live request's handle (panics on a handle that names nothing).
+    #[inline]
+    fn index(&self, handle: RequestHandle) -> &T {
+        let slot = &self.slots[(handle & u64::from(u32::MAX)) as usize];
+        debug_assert!(slot.occupied && u64::from(slot.generation) == handle >> 32);
+        &slot.value
+    }
+}
+
+impl<T> std::ops::IndexMut<RequestHandle> for RequestTable<T> {
+    #[inline]
+    fn index_mut(&mut self, handle: RequestHandle) -> &mut T {
+        let slot = &mut self.slots[(handle & u64::from(u32::MAX)) as usize];
+        debug_assert!(slot.occupied && u64::from(slot.generation) == handle >> 32);
+        &mut slot.value
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -396,6 +458,26 @@ mod tests {
         assert_eq!(t.remove(&long), Some(2));
         assert!(t.is_empty());
         assert_eq!(t.iter().count(), 0);
+    }
+
+    #[test]
+    fn handle_insert_index_and_clear() {
+        let mut t: RequestTable<u32> = RequestTable::default();
+        let a = t.handle_or_insert_with("a", || 1);
+        assert_eq!(t.handle_or_insert_with("a", || 99), a);
+        let b = t.handle_or_insert_with("b", || 2);
+        t[b] += 40;
+        assert_eq!((t[a], t[b]), (1, 42));
+        let seen: Vec<_> = t
+            .iter_handles()
+            .map(|(h, k, v)| (h, k.to_owned(), *v))
+            .collect();
+        assert_eq!(seen, vec![(a, "a".to_owned(), 1), (b, "b".to_owned(), 42)]);
+        t.clear();
+        assert!(t.is_empty() && !t.contains_handle(a) && t.get("b").is_none());
+        let c = t.handle_or_insert_with("c", || 3);
+        assert!(t.contains_handle(c) && !t.contains_handle(a) && !t.contains_handle(b));
+        assert_eq!(t.len(), 1);
     }
 
     #[test]

@@ -1,13 +1,17 @@
-"""hscache's ``EncoderCacheManager`` against vLLM 0.33's, call by call.
+"""hscache's ``EncoderCacheManager`` and ``EncoderDecoderCacheManager`` against vLLM 0.33's.
 
 * Differential traces: the same seeded random calls go to vLLM's Python manager and to
   hscache's; every return value (or the fact that both raise), the counters, and every
   one of vLLM's dicts (``cached``, ``num_embeds_by_hash``, ``freeable`` in LRU order,
-  ``request_cached_ids``, ``request_hash_refs``, ``freed`` in order) are compared after
-  every call. ``get_freed_mm_hashes`` is one of the random calls (draining after every call
-  would hide the "evicted, then cached again in the same pass" rule).
+  ``request_cached_ids`` in iteration order, ``request_hash_refs``, ``freed`` in order) are
+  compared after every call. Requests carry up to 65 inputs (input ids 0..64), so the
+  iteration order of vLLM's per-request Python ``set`` (which decides the free order, hence
+  the eviction order) goes through collisions, dummies and resizes; the Scheduler's
+  ``_free_encoder_inputs`` (iterate ``get_cached_input_ids``, free some) is one of the calls.
+  ``get_freed_mm_hashes`` is one of the random calls (draining after every call would hide
+  the "evicted, then cached again in the same pass" rule).
 * vLLM's own ``tests/v1/core/test_encoder_cache_manager.py`` (from the sdist cached under
-  ``$HOME/.cache/hscache``) run with hscache's class in place of vLLM's.
+  ``$HOME/.cache/hscache``) run with hscache's classes in place of vLLM's.
 * Error paths, ``create_manager``, ``compute_mm_encoder_budget`` and real ``Request`` objects.
 """
 
@@ -24,7 +28,11 @@ from typing import Any
 import pytest
 import torch
 from hscache.exceptions import InvalidArgumentError
-from hscache.vllm.encoder_cache_manager import EncoderCacheManager, compute_mm_encoder_budget
+from hscache.vllm.encoder_cache_manager import (
+    EncoderCacheManager,
+    EncoderDecoderCacheManager,
+    compute_mm_encoder_budget,
+)
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core import encoder_cache_manager as vllm_ecm
@@ -65,7 +73,8 @@ def snapshot(m: Any) -> dict[str, Any]:
         "cached": {k: set(v) for k, v in m.cached.items()},
         "num_embeds_by_hash": dict(m.num_embeds_by_hash),
         "freeable": list(m.freeable.items()),
-        "request_cached_ids": {k: set(v) for k, v in m.request_cached_ids.items()},
+        # Lists: the iteration order is vLLM's free order.
+        "request_cached_ids": {k: list(v) for k, v in m.request_cached_ids.items()},
         "request_hash_refs": {k: dict(v) for k, v in m.request_hash_refs.items()},
         "freed": list(m.freed),
     }
@@ -106,7 +115,8 @@ class Pair:
                 raise Diverged(f"{self._where()}: vLLM {ref_exc!r}, hscache {our_exc!r}")
             return False, None
         if isinstance(expected, set):
-            expected = set(expected)
+            # The Scheduler iterates it: the order matters, not just the members.
+            expected, got = list(expected), list(got)
         if got != expected:
             raise Diverged(f"{self._where()}: vLLM returned {expected!r}, hscache {got!r}")
         self.check()
@@ -123,6 +133,21 @@ class Pair:
         if a != b:
             diff = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
             raise Diverged(f"{self._where()}: state differs (vLLM, hscache): {diff}")
+        # The core's own replay of CPython's set table (which `free` iterates) agrees.
+        for rid, ids in a["request_cached_ids"].items():
+            if self.ours.core_input_id_order(rid) != ids:
+                raise Diverged(f"{self._where()}: core set order of {rid} differs from {ids}")
+
+    def free_processed(self, req: FakeRequest, rng: random.Random) -> bool:
+        """The Scheduler's ``_free_encoder_inputs``: iterate ``get_cached_input_ids`` and
+        free the inputs whose placeholders were computed (here: a random subset)."""
+        ok, ids = self.call("get_cached_input_ids", req)
+        if not ok:
+            return False
+        keep = rng.random()
+        return all(
+            self.call("free_encoder_input", req, i)[0] for i in list(ids) if rng.random() > keep
+        )
 
     def _where(self) -> str:
         return f"call {self.calls}; last calls: {self.log[-8:]}"
@@ -157,7 +182,8 @@ def run_trace(seed: int) -> int:
     def new_request() -> FakeRequest:
         nonlocal next_req
         next_req += 1
-        n = rng.randint(1, 6)  # input ids stay below 8: see test_free_order_of_many_inputs
+        # Input ids up to 64: past the 8-slot table, CPython's set order is no longer sorted.
+        n = rng.choice([rng.randint(1, 6), rng.randint(1, 65)])
         idents = [rng.choice(items) for _ in range(n)]
         if n > 1 and rng.random() < 0.3:
             idents[-1] = idents[0]  # the same item twice in one request
@@ -179,7 +205,7 @@ def run_trace(seed: int) -> int:
         """What the Scheduler's ``_try_schedule_encoder_inputs`` asks for one request."""
         n_inputs = len(req.mm_features)
         lo = rng.randrange(n_inputs)
-        hi = rng.randint(lo + 1, n_inputs)
+        hi = rng.randint(lo + 1, min(n_inputs, lo + 24))
         compute, to_schedule = budget(), 0
         scheduled: dict[str, int] = {}
         to_alloc, dups = [], []
@@ -210,7 +236,7 @@ def run_trace(seed: int) -> int:
         return all(pair.call("check_and_update_cache", req, i)[0] for i in dups)
 
     ops = ["step"] * 6 + ["check", "can_allocate", "allocate"] + ["free_input"] * 3
-    ops += ["free", "free", "drain", "drain", "query"]
+    ops += ["free", "free", "drain", "drain", "query", "free_processed", "free_processed"]
     for _ in range(rng.randint(40, 160)):
         op = rng.choice(ops)
         if rng.random() < 0.01:
@@ -245,6 +271,8 @@ def run_trace(seed: int) -> int:
             ok = pair.call("get_freed_mm_hashes")[0]
         elif op == "query":
             ok = pair.call("get_cached_input_ids", req)[0]
+        elif op == "free_processed":
+            ok = pair.free_processed(req, rng)
         elif op == "reset":
             ok = pair.call("reset")[0]
         else:
@@ -257,6 +285,7 @@ def run_trace(seed: int) -> int:
 
 SEED_BLOCKS = 12
 SEEDS_PER_BLOCK = 25
+DIFFERENTIAL_CALLS: dict[int, int] = {}
 
 
 @pytest.mark.parametrize("block", range(SEED_BLOCKS))
@@ -264,25 +293,40 @@ def test_differential_random_traces(block: int) -> None:
     calls = 0
     for seed in range(block * SEEDS_PER_BLOCK, (block + 1) * SEEDS_PER_BLOCK):
         calls += run_trace(seed)
+    DIFFERENTIAL_CALLS[block] = calls
     assert calls > 20 * SEEDS_PER_BLOCK
 
 
-def test_free_order_of_many_inputs() -> None:
-    """Inputs 0..19 freed at once: the same entries and counters as vLLM; the ``freeable``
-    order may differ only within the one ``free`` call (vLLM iterates a Python set)."""
-    ids = [f"img{i}" for i in range(20)]
-    pair = Pair(cache_size=100)
-    req = FakeRequest("r", ids, [1 + i % 4 for i in range(20)])
-    for i in (13, 3, 19, 8, 11, 0, 16, 5):
+@pytest.mark.parametrize("seed", range(20))
+def test_free_order_of_many_inputs(seed: int) -> None:
+    """Up to 65 inputs cached in a random order, some freed one by one (dummies), then the
+    rest freed at once: exactly vLLM's ``freeable`` order, for every input id."""
+    rng = random.Random(seed)
+    n = rng.randint(9, 65)
+    ids = [f"img{i}" for i in range(n)]
+    pair = Pair(cache_size=10_000)
+    req = FakeRequest("r", ids, [1 + i % 4 for i in range(n)])
+    order = rng.sample(range(n), rng.randint(1, n))
+    for i in order:
         pair.call("allocate", req, i)
-    pair.ref.free(req)
-    pair.ours.free(req)
-    a, b = snapshot(pair.ref), snapshot(pair.ours)
-    assert sorted(a.pop("freeable")) == sorted(b.pop("freeable"))
-    assert a == b
-    assert [k for k, _ in pair.ours.freeable.items()] == [
-        f"img{i}" for i in (0, 3, 5, 8, 11, 13, 16, 19)
-    ]
+    for i in rng.sample(order, len(order) // 3):
+        pair.call("free_encoder_input", req, i)
+    for i in rng.sample(range(n), rng.randint(0, n // 2)):
+        pair.call("check_and_update_cache", req, i)
+    pair.call("get_cached_input_ids", req)
+    pair.call("free", req)
+    assert len(pair.ours.freeable) > 0
+
+
+def test_set_order_differs_from_sorted_and_still_matches() -> None:
+    """A case where vLLM's order is not ascending: {9, 1, 17} iterates as inserted."""
+    pair = Pair(cache_size=100)
+    req = FakeRequest("r", [f"i{k}" for k in range(18)], [1] * 18)
+    for i in (9, 1, 17):
+        pair.call("allocate", req, i)
+    assert list(pair.ours.get_cached_input_ids(req)) == [9, 1, 17]
+    pair.call("free", req)
+    assert list(pair.ours.freeable) == ["i9", "i1", "i17"]
 
 
 # ---- vLLM's own test file, with hscache's class swapped in -----------------------------
@@ -299,14 +343,15 @@ def _load_upstream() -> Any:
     spec = importlib.util.spec_from_file_location("_vllm_upstream_test_ecm", UPSTREAM)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    original = vllm_ecm.EncoderCacheManager
+    originals = vllm_ecm.EncoderCacheManager, vllm_ecm.EncoderDecoderCacheManager
     vllm_ecm.EncoderCacheManager = EncoderCacheManager  # type: ignore[misc]
+    vllm_ecm.EncoderDecoderCacheManager = EncoderDecoderCacheManager  # type: ignore[misc]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # its unregistered `cpu_test` mark
             spec.loader.exec_module(module)
     finally:
-        vllm_ecm.EncoderCacheManager = original  # type: ignore[misc]
+        vllm_ecm.EncoderCacheManager, vllm_ecm.EncoderDecoderCacheManager = originals  # type: ignore[misc]
     return module
 
 
@@ -318,6 +363,7 @@ _UPSTREAM_TESTS = sorted(n for n in dir(_UPSTREAM) if n.startswith("test_")) if 
 @pytest.mark.parametrize("name", _UPSTREAM_TESTS or ["(none)"])
 def test_vllm_upstream_encoder_cache_manager(name: str) -> None:
     assert _UPSTREAM.EncoderCacheManager is EncoderCacheManager
+    assert _UPSTREAM.EncoderDecoderCacheManager is EncoderDecoderCacheManager
     getattr(_UPSTREAM, name)()
 
 
@@ -391,7 +437,7 @@ def test_create_manager() -> None:
     assert m.get_manager_metadata() is None
     enc_dec = SimpleNamespace(model_config=SimpleNamespace(is_encoder_decoder=True))
     m2 = EncoderCacheManager.create_manager(cache_size=12, vllm_config=enc_dec)  # type: ignore[arg-type]
-    assert type(m2) is vllm_ecm.EncoderDecoderCacheManager
+    assert type(m2) is EncoderDecoderCacheManager and m2.cache_size == 12
     # The plug-in point vLLM's Scheduler uses (``--ec-manager-config``).
     from vllm.config.ec_manager_config import EncoderCacheManagerConfig
 
@@ -453,3 +499,43 @@ def test_real_requests_with_embedding_masks() -> None:
     pair.call("free", r2)
     assert pair.call("can_allocate", r2, 0, BIG, 0) == (True, True)  # evicts both
     assert pair.call("get_freed_mm_hashes") == (True, ["a", "b"])
+
+
+# ---- EncoderDecoderCacheManager ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_encoder_decoder_differential(seed: int) -> None:
+    """vLLM's ``EncoderDecoderCacheManager`` and hscache's on the same random calls: every
+    return value, ``num_free_slots``, ``allocated`` and ``to_free`` after each."""
+    rng = random.Random(seed)
+    size = rng.choice([0, 8, 64, 500])
+    ref = vllm_ecm.EncoderDecoderCacheManager(cache_size=size)
+    ours = EncoderDecoderCacheManager(cache_size=size)
+    reqs = [
+        FakeRequest(f"r{k}", [f"a{k}-{i}" for i in range(n)], [rng.randint(0, 40)] * n)
+        for k, n in enumerate(rng.choices(range(1, 6), k=8))
+    ]
+    for _ in range(200):
+        req = rng.choice(reqs)
+        i = rng.randrange(len(req.mm_features))
+        name, args = rng.choice(
+            [
+                ("can_allocate", (req, i, rng.choice([BIG, 10, 0]), rng.randint(0, 20))),
+                ("allocate", (req, i)),
+                ("allocate", (req, i)),
+                ("free_encoder_input", (req, i)),
+                ("free", (req,)),
+                ("get_freed_mm_hashes", ()),
+                ("get_cached_input_ids", (req,)),
+                ("check_and_update_cache", (req, i)),
+                ("reset", ()) if rng.random() < 0.05 else ("get_freed_mm_hashes", ()),
+            ]
+        )
+        want = getattr(ref, name)(*args)
+        got = getattr(ours, name)(*args)
+        assert got == want, (name, got, want)
+        state = [(m.num_free_slots, list(m.allocated), list(m.to_free)) for m in (ref, ours)]
+        assert state[0] == state[1], name
+    assert ours.get_manager_metadata() is None
+    assert EncoderDecoderCacheManager.create_manager(cache_size=3, vllm_config=None).cache_size == 3

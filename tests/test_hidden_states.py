@@ -392,3 +392,12 @@ def test_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*argv.split(), "--decode-batch", "4", "--clock", "thread"]) == 0
     out = capsys.readouterr().out
     assert "[prefill-hit]" in out and "[decode]" in out
+
+
+def test_benchmark_runs_from_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    from hscache.__main__ import main
+
+    argv = "bench --hidden-states --steps 3 --warmup 1 --width 8 --keys 2 --batch 2 --prefix 32"
+    assert main([*argv.split(), "--new", "8", "--decode-batch", "4", "--clock", "thread"]) == 0
+    out = capsys.readouterr().out
+    assert "| prefill-hit |" in out and "| decode |" in out

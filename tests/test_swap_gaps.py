@@ -14,13 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
-
 from hscache.exceptions import InvalidArgumentError
 from hscache.testing import kv_cache as kc
 from hscache.testing.manager import build_manager
 from hscache.testing.requests import init_none_hash, make_request
 from hscache.vllm import KVCacheManager
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 
 HASH_BLOCK = 2
 

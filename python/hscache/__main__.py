@@ -1,8 +1,10 @@
 """``python -m hscache``: the command line (sub-commands ``bench`` and ``info``).
 
 ``bench`` runs the side-by-side benchmark of vLLM's KVCacheManager and hscache's (see
-:mod:`hscache.bench`); ``info`` prints the installed version and the build profile of the
-compiled core, tolerating a missing or older core.
+:mod:`hscache.bench`); ``bench --hidden-states [options]`` the hidden-state cache against bare
+torch index ops (see :mod:`hscache.bench_hidden_states`, whose options follow); ``info``
+prints the installed version and the build profile of the compiled core, tolerating a missing
+or older core.
 """
 
 from __future__ import annotations
@@ -66,6 +68,12 @@ def bench_scheduler_main(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if args_in[:1] == ["bench"] and "--hidden-states" in args_in:
+        from hscache.bench_hidden_states import main as bench_hidden_states
+
+        return bench_hidden_states([a for a in args_in[1:] if a != "--hidden-states"])
+
     from hscache.bench.runner import add_arguments, run
 
     parser = argparse.ArgumentParser(prog="python -m hscache", description=__doc__)
@@ -78,6 +86,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "matches, and report per-step medians, p90s and ratios.",
     )
     add_arguments(bench)
+    bench.add_argument(
+        "--hidden-states",
+        action="store_true",
+        help="benchmark the hidden-state cache against bare torch index ops instead "
+        "(python -m hscache.bench_hidden_states; its options follow)",
+    )
     sched = sub.add_parser(
         "bench-scheduler",
         help="vLLM's real Scheduler stepping with stub model outputs: stock vs hscache",
@@ -89,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sched.add_argument("--arrivals", type=float, default=2.0, help="new requests per step")
     sched.add_argument("--num-blocks", type=int, default=65536)
     sub.add_parser("info", help="print the version and build profile")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(args_in)
     if args.command == "info":
         return info()
     if args.command == "bench-scheduler":

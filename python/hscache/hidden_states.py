@@ -6,20 +6,29 @@ keeps one row per KV slot for each declared key (``slot = block_id * block_size 
 in a tensor preallocated once, writes every computed row after the forward pass, and serves a
 hit request's full rows (cached prefix + this step's rows) from it.
 
-Every index comes from the Rust :class:`hscache._core.SlotMirror` (``src/slots.rs``), which
-is fed the step's facts from vLLM's ``SchedulerOutput`` and decides what may be read:
+Every index comes from the Rust :class:`hscache._core.SlotMirror` (``src/slots/``), which is
+fed the step's facts from vLLM's ``SchedulerOutput`` and decides what may be read:
 
-- each block has an epoch, bumped when the block is assigned fresh, and a count of leading
-  rows written in that epoch; a hit is served only if every row it reads was written in its
-  block's current epoch, otherwise it is a reported miss (``StepRows.misses``) and none of
-  its cached rows are returned: never zeros, never another request's rows;
+- each block has a version, bumped when the block is assigned fresh or loaded by a KV
+  connector, and counts of leading rows written in that version; a hit is served only if
+  every row it reads was written in its block's current version, otherwise it is a reported
+  miss (``StepRows.misses``) and none of its cached rows are returned: never zeros, never
+  another request's rows;
 - the step's writes are counted before its reads are validated, so a same-step hit (B hits
-  blocks that A computes in this very step) is served from A's rows;
+  blocks that A computes in this very step) is served from A's rows; a planned step that is
+  never written (an aborted request) writes nothing;
+- keys produced by KV-sharing skip layers (``skip_layer_keys``, vLLM's
+  ``--kv-sharing-fast-prefill``) are written only for the tokens those layers computed; a
+  hit over rows they skipped is served without those keys (``StepRows.partial``);
 - the cached span ends at a block boundary and the step's computed span starts at the same
   boundary: for a non-aligned hit (external KV) ``StepPlan.compute_start`` is *before*
   vLLM's ``num_computed_tokens`` and the caller's forward pass recomputes the gap;
 - reads can be deferred (``write`` now, ``gather`` later): each read remembers its blocks'
-  epochs, and a block reassigned in between turns the read into a miss.
+  versions, and a block reassigned in between turns the read into a miss.
+
+The mirror follows one KV-cache group: :func:`full_attention_group` picks the group that
+carries full-attention positions in vLLM's ``KVCacheConfig`` (sliding-window and Mamba
+groups drop positions), and :meth:`HiddenStateCache.from_kv_cache_config` uses it.
 
 Per step the hot path is one ``plan`` crossing into Rust, one ``index_copy_`` per key, one
 ``commit`` crossing, and, when the step has hits, one ``index_select`` per key for all of
@@ -29,8 +38,8 @@ indices go through pinned memory with ``non_blocking`` copies and nothing synchr
 
 Usage, one step::
 
-    cache = HiddenStateCache(num_blocks, block_size, keys={"hidden": (2048, torch.bfloat16)},
-                             device="cuda")
+    cache = HiddenStateCache.from_kv_cache_config(
+        kv_cache_config, keys={"hidden": (2048, torch.bfloat16)}, device="cuda")
     plan = cache.update_from_scheduler_output(scheduler_output, order=input_batch_req_ids)
     # forward: rows for positions plan.compute_start[i] .. plan.num_tokens[i] of every
     # request i, laid out at plan.query_start_loc[i]
@@ -41,159 +50,68 @@ Usage, one step::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 import torch
 
 from hscache._core import SlotMirror, SlotReads
-from hscache.exceptions import InvalidArgumentError, UnknownRequestError
+from hscache.exceptions import InvalidArgumentError
+from hscache.hidden_state_steps import StepPlan, StepRows, index_view
 
-if TYPE_CHECKING:
-    from hscache._core import SlotPlan
-
-__all__ = ["HiddenStateCache", "KeySpec", "StepPlan", "StepRows"]
+__all__ = [
+    "HiddenStateCache",
+    "KeySpec",
+    "StepPlan",
+    "StepRows",
+    "full_attention_group",
+]
 
 KeySpec = tuple[int, torch.dtype]
 """``(width, dtype)`` of one cached key: one row of ``width`` elements per token."""
 
-_EMPTY_INDEX = torch.empty(0, dtype=torch.int64)
 
+def full_attention_group(kv_cache_config: Any) -> int:
+    """The index of the KV-cache group that carries full-attention positions (every token
+    of a request maps to its own block), the group a hidden-state cache follows.
 
-def _index_view(buf: bytearray) -> torch.Tensor:
-    # torch.frombuffer rejects an empty buffer; it keeps `buf` alive otherwise.
-    if not buf:
-        return _EMPTY_INDEX
-    return torch.frombuffer(buf, dtype=torch.int64)
-
-
-class StepPlan:
-    """One planned step: which rows the forward pass must produce and where they go.
-
-    Request ``i`` (``req_ids[i]``) computes positions ``compute_start[i]`` to
-    ``num_tokens[i] - 1``; its rows sit at ``query_start_loc[i]:query_start_loc[i + 1]`` of
-    the step's outputs. ``compute_start`` is block aligned on a hit, so for a non-aligned
-    (external) hit it lies before vLLM's ``num_computed_tokens``: recompute the gap.
-    ``write_slots`` is the int64 slot of every row, in the same layout.
+    The first group whose spec is vLLM's ``FullAttentionSpec`` (MLA and attention sinks
+    included) without a sliding window, chunking or R-SWA eviction, and that is neither an
+    EAGLE draft group nor host resident. Sliding-window, chunked-local and Mamba groups put
+    the null block where they dropped positions, cross-attention groups index encoder tokens.
     """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, RSWASpec, UniformTypeKVCacheSpecs
 
-    __slots__ = (
-        "_index",
-        "compute_start",
-        "num_tokens",
-        "query_start_loc",
-        "req_ids",
-        "step_id",
-        "write_slots",
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            spec = spec.first_spec
+        if (
+            isinstance(spec, FullAttentionSpec)
+            and not isinstance(spec, RSWASpec)
+            and spec.sliding_window is None
+            and spec.attention_chunk_size is None
+            and not getattr(group, "is_eagle_group", False)
+            and not getattr(group, "host_resident", False)
+        ):
+            return i
+    kinds = [type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups]
+    raise InvalidArgumentError(
+        f"no KV-cache group carries full-attention positions ({kinds}); the hidden-state "
+        "cache needs one"
     )
-
-    def __init__(self, raw: SlotPlan) -> None:
-        step_id, req_ids, spans, slots = raw
-        n = len(req_ids)
-        view = np.frombuffer(spans, dtype=np.int64)
-        self.step_id: int = step_id
-        self.req_ids: list[str] = req_ids
-        self.compute_start: npt.NDArray[np.int64] = view[:n]
-        self.num_tokens: npt.NDArray[np.int64] = view[n : 2 * n]
-        self.query_start_loc: npt.NDArray[np.int64] = view[2 * n :]
-        self.write_slots: torch.Tensor = _index_view(slots)
-        self._index: dict[str, int] | None = None
-
-    def __repr__(self) -> str:
-        return (
-            f"StepPlan(step_id={self.step_id}, requests={len(self.req_ids)}, rows={self.num_rows})"
-        )
-
-    @property
-    def num_rows(self) -> int:
-        """Rows the forward pass produces for this step (all requests)."""
-        return int(self.query_start_loc[-1])
-
-    def index(self, req_id: str) -> int:
-        """Position of ``req_id`` in ``req_ids``."""
-        if self._index is None:
-            self._index = {r: i for i, r in enumerate(self.req_ids)}
-        try:
-            return self._index[req_id]
-        except KeyError:
-            raise UnknownRequestError(f"request {req_id!r} is not in step {self.step_id}") from None
-
-
-class StepRows:
-    """The rows of one step, per request.
-
-    A request whose hit was served gets its full rows, positions ``0`` to ``num_tokens - 1``
-    (``start`` is 0); every other request gets the rows computed this step, from
-    ``compute_start`` (a missed hit is listed in ``misses`` and has only those rows).
-    """
-
-    __slots__ = ("_gathered", "_loc", "_outputs", "hits", "misses", "plan", "reads")
-
-    def __init__(
-        self,
-        plan: StepPlan,
-        reads: SlotReads,
-        gathered: Mapping[str, torch.Tensor],
-        outputs: Mapping[str, torch.Tensor] | None,
-    ) -> None:
-        self.plan = plan
-        self.reads = reads
-        self._gathered = gathered
-        self._outputs = outputs
-        self.hits: list[str] = [plan.req_ids[i] for i in reads.plan_indices]
-        """Requests whose full rows (cached prefix included) were served."""
-        self.misses: list[str] = [plan.req_ids[i] for i in reads.misses]
-        """Requests with a hit whose cached rows could not be validated (never served)."""
-        self._loc: dict[int, tuple[int, int]] | None = None
-
-    @property
-    def req_ids(self) -> list[str]:
-        return self.plan.req_ids
-
-    def _served(self) -> dict[int, tuple[int, int]]:
-        if self._loc is None:
-            loc: dict[int, tuple[int, int]] = {}
-            offset = 0
-            for i, n in zip(self.reads.plan_indices, self.reads.num_tokens, strict=True):
-                loc[i] = (offset, n)
-                offset += n
-            self._loc = loc
-        return self._loc
-
-    def start(self, req_id: str) -> int:
-        """Position of the first row returned for ``req_id``."""
-        i = self.plan.index(req_id)
-        return 0 if i in self._served() else int(self.plan.compute_start[i])
-
-    def rows(self, req_id: str, key: str) -> torch.Tensor:
-        """Rows of ``req_id`` for ``key``: positions ``start(req_id)`` to ``num_tokens - 1``."""
-        i = self.plan.index(req_id)
-        served = self._served().get(i)
-        if served is not None:
-            offset, n = served
-            return self._gathered[key].narrow(0, offset, n)
-        if self._outputs is None:
-            raise UnknownRequestError(f"request {req_id!r}: no rows were read from the cache")
-        q = self.plan.query_start_loc
-        begin = int(q[i])
-        return self._outputs[key].narrow(0, begin, int(q[i + 1]) - begin)
-
-    def items(self, key: str) -> Iterator[tuple[str, int, torch.Tensor]]:
-        """``(req_id, start, rows)`` for every request of the step, in plan order."""
-        for req_id in self.plan.req_ids:
-            yield req_id, self.start(req_id), self.rows(req_id, key)
 
 
 class HiddenStateCache:
     """Per-token outputs (hidden states, captured layers) of prefix-cached tokens.
 
     ``keys`` declares every cached quantity as ``name -> (width, dtype)``; each gets one
-    ``(num_blocks * block_size, width)`` tensor on ``device``, allocated once. Every step
-    writes all declared keys.
-    ``kv_cache_group`` picks the (full-attention) KV-cache group whose block tables index the
-    rows; one group suffices because hidden states are one row per token.
+    ``(num_blocks * block_size, width)`` tensor on ``device``, allocated once (a failed
+    allocation raises ``MemoryError``). ``skip_layer_keys`` names the keys produced by
+    KV-sharing skip layers (written only for the tokens those layers computed under fast
+    prefill). ``kv_cache_group`` picks the KV-cache group whose block tables index the rows
+    (:func:`full_attention_group`); one group suffices because hidden states are one row per
+    token.
     """
 
     def __init__(
@@ -204,6 +122,7 @@ class HiddenStateCache:
         device: torch.device | str = "cpu",
         *,
         kv_cache_group: int = 0,
+        skip_layer_keys: Collection[str] = (),
     ) -> None:
         if not keys:
             raise InvalidArgumentError("declare at least one key: keys={'hidden': (D, dtype)}")
@@ -223,21 +142,60 @@ class HiddenStateCache:
                     f"key {name!r}: expected (width > 0, torch.dtype), got {spec!r}"
                 )
             specs[name] = (spec[0], spec[1])
+        unknown = set(skip_layer_keys) - set(specs)
+        if unknown:
+            raise InvalidArgumentError(f"skip_layer_keys {sorted(unknown)} are not declared keys")
         self._mirror = SlotMirror(
             num_blocks=num_blocks, block_size=block_size, kv_cache_group=kv_cache_group
         )
-        self._device = torch.device(device)
+        self._mirror_id = self._mirror.mirror_id
         self._specs = specs
+        self._skip_keys = frozenset(skip_layer_keys)
         num_slots = num_blocks * block_size
-        self._tensors: dict[str, torch.Tensor] = {
-            # Zeroed, i.e. committed now: no first-touch page faults on the hot path and
-            # no out-of-memory mid-serving. Zeros are never served: validity is tracked.
-            name: torch.zeros((num_slots, width), dtype=dtype, device=self._device)
-            for name, (width, dtype) in specs.items()
-        }
+        try:
+            self._tensors: dict[str, torch.Tensor] = {
+                # Zeroed, i.e. committed now: no first-touch page faults on the hot path
+                # and no out-of-memory mid-serving. Zeros are never served.
+                name: torch.zeros((num_slots, width), dtype=dtype, device=device)
+                for name, (width, dtype) in specs.items()
+            }
+        except RuntimeError as e:  # torch's CPU and CUDA allocation failures
+            if "memory" not in str(e).lower() and "alloc" not in str(e).lower():
+                raise
+            raise MemoryError(
+                f"hidden-state cache: {num_slots} rows x {self.bytes_per_token()} bytes "
+                f"on {device}: {e}"
+            ) from e
         # "cuda" -> "cuda:N": the device the storage landed on, as tensors report it.
         self._device = next(iter(self._tensors.values())).device
         self._cuda = self._device.type == "cuda"
+        # Per key: (tensor, width, dtype, is a skip-layer key), for the hot path.
+        self._write_specs = [
+            (name, self._tensors[name], w, d, name in self._skip_keys)
+            for name, (w, d) in specs.items()
+        ]
+
+    @classmethod
+    def from_kv_cache_config(
+        cls,
+        kv_cache_config: Any,
+        keys: Mapping[str, KeySpec],
+        device: torch.device | str = "cpu",
+        *,
+        skip_layer_keys: Collection[str] = (),
+    ) -> HiddenStateCache:
+        """A cache sized and indexed by vLLM's ``KVCacheConfig``: its pool's blocks, the
+        block size of the group that carries full-attention positions, that group's tables."""
+        group = full_attention_group(kv_cache_config)
+        spec = kv_cache_config.kv_cache_groups[group].kv_cache_spec
+        return cls(
+            kv_cache_config.num_blocks,
+            spec.block_size,
+            keys,
+            device,
+            kv_cache_group=group,
+            skip_layer_keys=skip_layer_keys,
+        )
 
     # ------------------------------------------------------------------ properties
 
@@ -250,6 +208,10 @@ class HiddenStateCache:
         return self._mirror.block_size
 
     @property
+    def kv_cache_group(self) -> int:
+        return self._mirror.kv_cache_group
+
+    @property
     def device(self) -> torch.device:
         return self._device
 
@@ -258,8 +220,12 @@ class HiddenStateCache:
         return dict(self._specs)
 
     @property
+    def skip_layer_keys(self) -> frozenset[str]:
+        return self._skip_keys
+
+    @property
     def mirror(self) -> SlotMirror:
-        """The Rust slot mirror (epochs, tables, counters)."""
+        """The Rust slot mirror (versions, tables, counters)."""
         return self._mirror
 
     def tensor(self, key: str) -> torch.Tensor:
@@ -275,13 +241,21 @@ class HiddenStateCache:
         return sum(w * d.itemsize for w, d in self._specs.values())
 
     def stats(self) -> dict[str, int]:
-        """The mirror's counters (steps, reads served, misses, stale reads, ...)."""
+        """The mirror's counters (steps, reads served, misses, partial and stale reads, ...)."""
         return self._mirror.stats()
 
     # ------------------------------------------------------------------ planning
 
     def update_from_scheduler_output(
-        self, scheduler_output: Any, order: Iterable[str] | None = None
+        self,
+        scheduler_output: Any,
+        order: Iterable[str] | None = None,
+        *,
+        external_tokens: Mapping[str, int] | None = None,
+        connector_versions: Mapping[int, int] | None = None,
+        fast_prefill: bool = False,
+        num_reqs_padded: int | None = None,
+        num_logits_padded: int = 0,
     ) -> StepPlan:
         """Plans a step from vLLM's ``SchedulerOutput``.
 
@@ -291,8 +265,29 @@ class HiddenStateCache:
         are forgotten; ``new_block_ids_to_zero``, when sent, marks fresh blocks. Rows are
         laid out new requests first, then cached ones, unless ``order`` (the model runner's
         batch order) lists the scheduled request ids.
+
+        KV connectors: ``external_tokens[req_id]`` is how many of a new request's computed
+        tokens a connector loaded (the tail of its hit); their blocks count as unwritten
+        unless ``connector_versions`` (``block -> version`` from ``mirror.block_state``)
+        vouches for them. With a connector (``kv_connector_metadata`` set) and no
+        ``external_tokens``, every hit is treated as loaded.
+
+        ``fast_prefill``: also plan the KV-sharing skip layers' reduced batch over this
+        plan's layout (``StepPlan.prefill_skip``; a request samples once its prompt is
+        complete; drafts from ``scheduled_spec_decode_tokens``).
         """
-        return StepPlan(self._mirror.plan_scheduler_output(scheduler_output, order))
+        return StepPlan(
+            self._mirror.plan_scheduler_output(
+                scheduler_output,
+                order,
+                external_tokens=external_tokens,
+                connector_versions=connector_versions,
+                fast_prefill=fast_prefill,
+                num_reqs_padded=num_reqs_padded,
+                num_logits_padded=num_logits_padded,
+            ),
+            self._device,
+        )
 
     def plan_step(
         self,
@@ -302,12 +297,21 @@ class HiddenStateCache:
         finished: Iterable[str] = (),
         fresh_block_ids: Iterable[int] | None = None,
         order: Iterable[str] | None = None,
+        external_tokens: Mapping[str, int] | None = None,
+        connector_versions: Mapping[int, int] | None = None,
+        num_prompt_tokens: Mapping[str, int] | None = None,
+        spec_tokens: Mapping[str, int] | None = None,
+        fast_prefill: bool = False,
+        num_reqs_padded: int | None = None,
+        num_logits_padded: int = 0,
     ) -> StepPlan:
         """Plans a step from plain ids.
 
         ``new``: ``(req_id, block_ids, num_computed_tokens, num_scheduled_tokens)`` for
         first schedules (resumed requests too: the table is replaced). ``running``:
         ``(req_id, new_block_ids, num_scheduled_tokens)``. ``finished``: ids to forget first.
+        ``num_prompt_tokens`` (new requests) and ``spec_tokens`` (draft counts) feed fast
+        prefill; the other options are those of :meth:`update_from_scheduler_output`.
         """
         return StepPlan(
             self._mirror.plan(
@@ -316,7 +320,15 @@ class HiddenStateCache:
                 finished=list(finished),
                 fresh_block_ids=None if fresh_block_ids is None else list(fresh_block_ids),
                 order=order,
-            )
+                external_tokens=external_tokens,
+                connector_versions=connector_versions,
+                num_prompt_tokens=num_prompt_tokens,
+                spec_tokens=spec_tokens,
+                fast_prefill=fast_prefill,
+                num_reqs_padded=num_reqs_padded,
+                num_logits_padded=num_logits_padded,
+            ),
+            self._device,
         )
 
     # ------------------------------------------------------------------ data movement
@@ -334,50 +346,101 @@ class HiddenStateCache:
 
     def _checked_rows(
         self, plan: StepPlan, outputs: Mapping[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
+    ) -> tuple[list[tuple[str, torch.Tensor, torch.Tensor, bool]], set[str]]:
+        """``(key, storage, rows, skip-layer key)`` per key, and the skip keys given reduced."""
         n = plan.num_rows
-        rows: dict[str, torch.Tensor] = {}
-        for key, (width, dtype) in self._specs.items():
+        kept = plan.num_kept if self._skip_keys else n
+        cuda = self._cuda
+        out: list[tuple[str, torch.Tensor, torch.Tensor, bool]] = []
+        reduced: set[str] = set()
+        for key, storage, width, dtype, skip in self._write_specs:
             t = outputs.get(key)
             if t is None:
                 raise InvalidArgumentError(f"outputs lack declared key {key!r}")
-            if t.dim() != 2 or t.shape[1] != width or t.shape[0] < n:
-                raise InvalidArgumentError(
-                    f"outputs[{key!r}] has shape {tuple(t.shape)}; expected ({n}, {width})"
-                )
-            if t.dtype != dtype:
-                raise InvalidArgumentError(f"outputs[{key!r}] is {t.dtype}; key is {dtype}")
-            if t.shape[0] != n:
+            shape = t.shape
+            if shape == (n, width):
+                pass
+            elif skip and kept != n and shape == (kept, width):
+                reduced.add(key)  # the skip layers' own output: kept rows only
+            elif len(shape) == 2 and shape[1] == width and shape[0] > n:
                 t = t.narrow(0, 0, n)  # CUDA-graph padding
-            if t.device != self._device:
-                t = t.to(self._device, non_blocking=self._cuda)
-            rows[key] = t
-        return rows
+            else:
+                want = f"({n}, {width})" + (f" or ({kept}, {width})" if skip else "")
+                raise InvalidArgumentError(
+                    f"outputs[{key!r}] has shape {tuple(shape)}; expected {want}"
+                )
+            if t.dtype is not dtype:
+                raise InvalidArgumentError(f"outputs[{key!r}] is {t.dtype}; key is {dtype}")
+            if t.is_cuda != cuda or (cuda and t.device != self._device):
+                t = t.to(self._device, non_blocking=cuda)
+            out.append((key, storage, t, skip))
+        return out, reduced
 
     def write(self, plan: StepPlan, outputs: Mapping[str, torch.Tensor]) -> SlotReads:
         """Writes the step's rows (one ``index_copy_`` per key), then commits the step in the
         mirror and returns its validated reads (gather them now or later with ``gather``).
 
         ``outputs[key]`` holds ``plan.num_rows`` rows (more are ignored: padding) laid out by
-        ``plan.query_start_loc``. Everything is checked before the first write.
+        ``plan.query_start_loc``; a skip-layer key may instead hold only the ``plan.num_kept``
+        rows those layers computed. Everything is checked before the first write; a plan
+        made by another cache is refused.
         """
+        self._check_plan(plan)
+        rows, reduced = self._checked_rows(plan, outputs)
+        self._write_rows(plan, rows, reduced)
+        return self._mirror.commit(plan.step_id, plan.mirror_id)
+
+    def _check_plan(self, plan: StepPlan) -> None:
+        if plan.mirror_id != self._mirror_id:
+            raise InvalidArgumentError(
+                f"step {plan.step_id} was planned by another HiddenStateCache; a cache "
+                "writes only its own plans"
+            )
         if self._mirror.pending_step != plan.step_id:
             raise InvalidArgumentError(
                 f"step {plan.step_id} is not the pending step "
                 f"({self._mirror.pending_step}); plans are written once, in order"
             )
-        rows = self._checked_rows(plan, outputs)
-        if plan.num_rows:
-            index = self._to_device(plan.write_slots)
-            for key, t in rows.items():
-                self._tensors[key].index_copy_(0, index, t)
-        return self._mirror.commit(plan.step_id)
+
+    def _write_rows(
+        self,
+        plan: StepPlan,
+        rows: list[tuple[str, torch.Tensor, torch.Tensor, bool]],
+        reduced: set[str],
+    ) -> None:
+        if not plan.num_rows:
+            return
+        index = plan.write_slots
+        if self._cuda:
+            index = self._to_device(index)
+        partial = bool(self._skip_keys) and plan.num_kept != plan.num_rows
+        kept_index: torch.Tensor | None = None
+        kept_rows: torch.Tensor | None = None
+        for key, storage, t, skip in rows:
+            if not (skip and partial):
+                storage.index_copy_(0, index, t)
+                continue
+            # A skip-layer key under fast prefill: only the rows those layers computed.
+            if kept_index is None:
+                kept_index = self._to_device(plan.kept_write_slots)
+            if key not in reduced:
+                if kept_rows is None:
+                    kept_rows = self._to_device(_kept_positions(plan))
+                t = t.index_select(0, kept_rows)
+            if kept_index.numel():
+                storage.index_copy_(0, kept_index, t)
 
     def _gather(self, reads: SlotReads) -> dict[str, torch.Tensor]:
         if not reads.num_rows:
             return {}
-        index = self._to_device(_index_view(reads.slots()))
-        return {k: torch.index_select(t, 0, index) for k, t in self._tensors.items()}
+        index = self._to_device(index_view(reads.slots()))
+        skip_index = index
+        if self._skip_keys and not all(reads.skip_layers):
+            skip_index = self._to_device(index_view(reads.slots(skip_layers_only=True)))
+        return {
+            k: torch.index_select(t, 0, skip_index if k in self._skip_keys else index)
+            for k, t in self._tensors.items()
+        }
 
     def gather(
         self,
@@ -391,12 +454,34 @@ class HiddenStateCache:
         delayed gather), the read becomes a miss. ``outputs`` (the step's rows) lets
         ``StepRows.rows`` also return the requests that read nothing.
         """
-        if reads.step_id != plan.step_id:
+        if reads.step_id != plan.step_id or reads.mirror_id != plan.mirror_id:
             raise InvalidArgumentError(f"reads of step {reads.step_id} with plan {plan.step_id}")
         self._mirror.revalidate(reads)
-        return StepRows(plan, reads, self._gather(reads), outputs)
+        return self._rows(plan, reads, outputs)
+
+    def _rows(
+        self, plan: StepPlan, reads: SlotReads, outputs: Mapping[str, torch.Tensor] | None
+    ) -> StepRows:
+        reduced: set[str] = set()
+        if self._skip_keys and outputs is not None and plan.num_kept != plan.num_rows:
+            reduced = {
+                k for k in self._skip_keys if k in outputs and outputs[k].shape[0] == plan.num_kept
+            }
+        return StepRows(plan, reads, self._gather(reads), outputs, self._skip_keys, reduced)
 
     def write_and_gather(self, plan: StepPlan, outputs: Mapping[str, torch.Tensor]) -> StepRows:
         """``write`` then ``gather`` in one call: the hot path of a step."""
         reads = self.write(plan, outputs)
-        return StepRows(plan, reads, self._gather(reads), outputs)
+        return self._rows(plan, reads, outputs)
+
+
+def _kept_positions(plan: StepPlan) -> torch.Tensor:
+    """Row indices (in the step's layout) of the rows the skip layers computed: the last
+    ``kept[i]`` rows of every request ``i``."""
+    ends = torch.from_numpy(plan.query_start_loc[1:].copy())
+    kept = torch.from_numpy(plan.kept.copy())
+    starts = torch.repeat_interleave(ends - kept, kept)
+    offsets = torch.arange(int(kept.sum()), dtype=torch.int64) - torch.repeat_interleave(
+        torch.cumsum(kept, 0) - kept, kept
+    )
+    return starts + offsets

@@ -17,7 +17,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PySet, PyString};
 
 use super::errors::InvalidArgumentError;
-use crate::encoder_cache::{compute_mm_encoder_budget, EncoderCacheManager};
+use crate::encoder_cache::input_ids::check_input_id;
+use crate::encoder_cache::{compute_mm_encoder_budget, EncoderCacheManager, InputIdOp};
 
 #[pyclass(name = "EncoderCacheCore", module = "hscache._core", subclass)]
 pub struct PyEncoderCacheCore {
@@ -25,7 +26,7 @@ pub struct PyEncoderCacheCore {
 }
 
 /// `request.request_id` as a Python str.
-fn request_id<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
+pub(super) fn request_id<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
     request
         .getattr(intern!(request.py(), "request_id"))?
         .cast_into::<PyString>()
@@ -33,7 +34,10 @@ fn request_id<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>
 }
 
 /// `request.mm_features[input_id].identifier` as a Python str.
-fn identifier<'py>(request: &Bound<'py, PyAny>, input_id: i64) -> PyResult<Bound<'py, PyString>> {
+pub(super) fn identifier<'py>(
+    request: &Bound<'py, PyAny>,
+    input_id: i64,
+) -> PyResult<Bound<'py, PyString>> {
     let py = request.py();
     let features = request.getattr(intern!(py, "mm_features"))?;
     let feature = match (features.cast::<PyList>(), usize::try_from(input_id)) {
@@ -47,19 +51,33 @@ fn identifier<'py>(request: &Bound<'py, PyAny>, input_id: i64) -> PyResult<Bound
 }
 
 /// `request.get_num_encoder_embeds(input_id)`.
-fn num_embeds(request: &Bound<'_, PyAny>, input_id: i64) -> PyResult<i64> {
+pub(super) fn num_embeds(request: &Bound<'_, PyAny>, input_id: i64) -> PyResult<i64> {
     request
         .call_method1(intern!(request.py(), "get_num_encoder_embeds"), (input_id,))?
         .extract()
 }
 
 /// An input id as the core stores it.
-fn input_index(input_id: i64) -> PyResult<u32> {
-    u32::try_from(input_id).map_err(|_| {
-        InvalidArgumentError::new_err(format!(
-            "input_id must be a non-negative index into mm_features, got {input_id}"
-        ))
-    })
+pub(super) fn input_index(input_id: i64) -> PyResult<u32> {
+    Ok(check_input_id(input_id)?)
+}
+
+/// A Python `set` made by replaying `log` on a fresh `set()`: the interpreter's own
+/// table, iterated in the order vLLM's `request_cached_ids` set would be.
+fn replay_set<'py>(
+    py: Python<'py>,
+    log: impl Iterator<Item = InputIdOp>,
+) -> PyResult<Bound<'py, PySet>> {
+    let set = PySet::empty(py)?;
+    for op in log {
+        match op {
+            InputIdOp::Add(i) => set.add(i)?,
+            InputIdOp::Remove(i) => {
+                set.discard(i)?;
+            }
+        }
+    }
+    Ok(set)
 }
 
 #[pymethods]
@@ -199,20 +217,25 @@ impl PyEncoderCacheCore {
         Ok(())
     }
 
-    /// vLLM's `get_cached_input_ids` (a new set).
+    /// vLLM's `get_cached_input_ids`: a new set that iterates in vLLM's order (the
+    /// Scheduler frees inputs in that order).
     fn get_cached_input_ids<'py>(
         slf: &Bound<'py, Self>,
         request: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PySet>> {
         let rid = request_id(request)?;
         let this = slf.try_borrow()?;
-        PySet::new(slf.py(), this.core.get_cached_input_ids(rid.to_str()?))
+        replay_set(slf.py(), this.core.cached_input_ids_log(rid.to_str()?))
     }
 
     /// vLLM's `get_freed_mm_hashes`: drains the evicted identifiers.
     fn get_freed_mm_hashes<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let freed = self.core.get_freed_mm_hashes();
-        PyList::new(py, freed.iter().map(|s| &**s))
+        PyList::new(py, self.core.get_freed_mm_hashes())
+    }
+
+    /// The request's cached input ids in the core's (CPython set) iteration order.
+    fn core_input_id_order(&self, request_id: &str) -> Vec<u32> {
+        self.core.get_cached_input_ids(request_id).collect()
     }
 
     // ---- views of vLLM's dicts (cold) --------------------------------------------
@@ -276,11 +299,10 @@ impl PyEncoderCacheCore {
         py: Python<'py>,
         request_id: &str,
     ) -> PyResult<Option<Bound<'py, PySet>>> {
-        let mut ids = self.core.get_cached_input_ids(request_id).peekable();
-        if ids.peek().is_none() {
+        if self.core.get_cached_input_ids(request_id).next().is_none() {
             return Ok(None);
         }
-        PySet::new(py, ids).map(Some)
+        replay_set(py, self.core.cached_input_ids_log(request_id)).map(Some)
     }
 
     /// `request_hash_refs[request_id]` (a new dict), or None.

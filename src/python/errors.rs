@@ -3,10 +3,12 @@
 //! Each class subclasses the builtin a vLLM caller expects (`KeyError`,
 //! `ValueError`, `RuntimeError`, `NotImplementedError`; `InvalidArgumentError` is
 //! also an `AssertionError`, what vLLM's checks raise); `hscache.exceptions`
-//! re-exports them with docstrings.
+//! re-exports them with docstrings. A failed allocation is the builtin `MemoryError`.
 
 use pyo3::create_exception;
-use pyo3::exceptions::{PyKeyError, PyNotImplementedError, PyRuntimeError, PyValueError};
+use pyo3::exceptions::{
+    PyKeyError, PyMemoryError, PyNotImplementedError, PyRuntimeError, PyValueError,
+};
 use pyo3::prelude::*;
 
 use crate::error::{Error, ErrorKind};
@@ -74,6 +76,7 @@ impl From<Error> for PyErr {
             ErrorKind::UnknownEncoderEntry => UnknownEncoderEntryError::new_err(msg),
             ErrorKind::Unsupported => UnsupportedError::new_err(msg),
             ErrorKind::Internal => InternalError::new_err(msg),
+            ErrorKind::OutOfMemory => PyMemoryError::new_err(msg),
         }
     }
 }

@@ -16,11 +16,14 @@ mod blocks;
 mod convert;
 mod coordinator;
 mod encoder_cache;
+mod encoder_decoder;
 mod errors;
 mod events;
 mod hasher;
 mod manager;
 mod pool;
+mod prefill_skip;
+mod slot_facts;
 mod slots;
 
 // Sibling modules address it as `super::buffers`.
@@ -78,7 +81,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::PyKVCacheCore>()?;
     m.add_class::<slots::PySlotMirror>()?;
     m.add_class::<slots::PySlotReads>()?;
+    m.add_function(wrap_pyfunction!(prefill_skip::prefill_skip, m)?)?;
     m.add_class::<encoder_cache::PyEncoderCacheCore>()?;
+    m.add_class::<encoder_decoder::PyEncoderDecoderCacheCore>()?;
     m.add_function(wrap_pyfunction!(
         encoder_cache::py_compute_mm_encoder_budget,
         m

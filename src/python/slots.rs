@@ -1,47 +1,45 @@
 //! `SlotMirror` and `SlotReads`: the core `crate::slots` as Python classes.
 //!
-//! Conversion only. `plan_scheduler_output` reads vLLM 0.33's `SchedulerOutput`
-//! attributes in place (one FFI crossing per step); `plan` takes the same facts as
-//! plain ids for tests and other engines. Slot mappings and per-request spans come
-//! back as `bytearray`s of native-endian int64 (see `buffers.rs`).
+//! Conversion only. `plan_scheduler_output` reads vLLM 0.33's `SchedulerOutput` in
+//! place (one FFI crossing per step; `slot_facts.rs` reads it); `plan` takes the same
+//! facts as plain ids for tests and other engines. Slot mappings and per-request spans
+//! come back as `bytearray`s of native-endian int64 (see `buffers.rs`), the fast
+//! prefill result as `prefill_skip.rs` encodes it.
 
-use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyByteArray, PyDict, PyList, PyString};
 use rustc_hash::FxHashMap;
 
 use super::buffers::i64_bytearray;
-use super::errors::{count, BlockIdError, InvalidArgumentError};
-use crate::slots::{Assignment, ScheduledRequest, SlotMirror, StepInput, StepReads};
-use crate::types::BlockId;
+use super::errors::{count, InvalidArgumentError};
+use super::prefill_skip::{skip_tuple, SkipTuple};
+use super::slot_facts::{
+    block_id, block_id_vec, lookup, optional_dict, push_block_ids, read_scheduler_output,
+    read_versions, Facts, Spec,
+};
+use crate::slots::{
+    Assignment, PrefillSkipRequest, ScheduledRequest, SlotMirror, StepInput, StepReads, StepRef,
+};
 
-/// `(step_id, req_ids, spans, write_slots)`; `spans` holds, for `n` requests,
-/// `compute_start[n]`, `num_tokens[n]` and `query_start_loc[n + 1]`.
+/// `(mirror_id, step_id, req_ids, spans, write_slots, kept_slots, prefill_skip)`;
+/// `spans` holds, for `n` requests, `compute_start[n]`, `num_tokens[n]`,
+/// `query_start_loc[n + 1]` and `kept[n]`; `kept_slots` (the slots of the rows the
+/// skip layers computed) is `None` when every row was kept.
 type PlanTuple<'py> = (
+    u64,
     u64,
     Bound<'py, PyList>,
     Bound<'py, PyByteArray>,
     Bound<'py, PyByteArray>,
+    Option<Bound<'py, PyByteArray>>,
+    Option<SkipTuple<'py>>,
 );
 
-/// One scheduled request's facts, owned until the core borrows them.
-struct Spec {
-    start: bool,
-    block_ids: Vec<BlockId>,
-    num_computed_tokens: Option<usize>,
-    num_scheduled_tokens: usize,
-}
-
-fn block_id(value: i64) -> PyResult<BlockId> {
-    BlockId::try_from(value)
-        .map_err(|_| BlockIdError::new_err(format!("block id {value} is out of range")))
-}
-
-fn block_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
-    let raw: Vec<i64> = obj
-        .extract()
-        .map_err(|_| InvalidArgumentError::new_err("block ids must be a sequence of ints"))?;
-    raw.into_iter().map(block_id).collect()
+/// Fast-prefill options of a plan call.
+struct SkipOptions {
+    enabled: bool,
+    num_reqs_padded: Option<usize>,
+    num_logits_padded: usize,
 }
 
 #[pyclass(name = "SlotMirror", module = "hscache._core")]
@@ -51,63 +49,58 @@ pub struct PySlotMirror {
 }
 
 impl PySlotMirror {
-    /// The group's block ids out of vLLM's per-group tuple.
-    fn group_ids(&self, per_group: &Bound<'_, PyAny>, req_id: &str) -> PyResult<Vec<BlockId>> {
-        let groups = per_group.cast::<PyTuple>().map_err(|_| {
-            InvalidArgumentError::new_err(format!(
-                "request {req_id:?}: block ids must be a tuple with one list per KV-cache group"
-            ))
-        })?;
-        let ids = groups.get_item(self.kv_cache_group).map_err(|_| {
-            InvalidArgumentError::new_err(format!(
-                "request {req_id:?} has {} KV-cache groups; this mirror follows group {}",
-                groups.len(),
-                self.kv_cache_group
-            ))
-        })?;
-        block_ids(&ids)
-    }
-
     fn run<'py>(
         &mut self,
         py: Python<'py>,
-        req_ids: Vec<Bound<'py, PyString>>,
-        specs: Vec<Spec>,
-        finished: Vec<Bound<'py, PyString>>,
-        fresh: Option<Vec<BlockId>>,
+        facts: Facts<'py>,
         order: Option<Bound<'py, PyAny>>,
+        skip: SkipOptions,
     ) -> PyResult<PlanTuple<'py>> {
+        let Facts {
+            req_ids,
+            specs,
+            arena,
+            finished,
+            fresh,
+            versions,
+        } = facts;
         let ids: Vec<&str> = req_ids
             .iter()
             .map(|s| s.to_str())
             .collect::<PyResult<_>>()?;
-        let mut perm: Vec<usize> = (0..ids.len()).collect();
-        let mut ordered_ids = req_ids.clone();
-        if let Some(order) = order {
-            let pos: FxHashMap<&str, usize> =
-                ids.iter().enumerate().map(|(i, s)| (*s, i)).collect();
-            perm.clear();
-            ordered_ids.clear();
-            for item in order.try_iter()? {
-                let item = item?.cast_into::<PyString>().map_err(|_| {
-                    InvalidArgumentError::new_err("order must be an iterable of request ids")
-                })?;
-                let i = *pos.get(item.to_str()?).ok_or_else(|| {
-                    InvalidArgumentError::new_err(format!(
-                        "order names {item} which is not scheduled in this step"
-                    ))
-                })?;
-                perm.push(i);
-                ordered_ids.push(item);
+        // Rows are laid out in `order` when given, else new requests first.
+        let (perm, req_list) = match order.filter(|o| !o.is_none()) {
+            None => (
+                (0..ids.len()).collect::<Vec<_>>(),
+                PyList::new(py, &req_ids)?,
+            ),
+            Some(order) => {
+                let pos: FxHashMap<&str, usize> =
+                    ids.iter().enumerate().map(|(i, s)| (*s, i)).collect();
+                let mut perm = Vec::with_capacity(ids.len());
+                let list = PyList::empty(py);
+                for item in order.try_iter()? {
+                    let item = item?.cast_into::<PyString>().map_err(|_| {
+                        InvalidArgumentError::new_err("order must be an iterable of request ids")
+                    })?;
+                    let i = *pos.get(item.to_str()?).ok_or_else(|| {
+                        InvalidArgumentError::new_err(format!(
+                            "order names {item} which is not scheduled in this step"
+                        ))
+                    })?;
+                    perm.push(i);
+                    list.append(item)?;
+                }
+                if perm.len() != ids.len() {
+                    return Err(InvalidArgumentError::new_err(format!(
+                        "order has {} request ids; {} are scheduled",
+                        perm.len(),
+                        ids.len()
+                    )));
+                }
+                (perm, list)
             }
-            if perm.len() != ids.len() {
-                return Err(InvalidArgumentError::new_err(format!(
-                    "order has {} request ids; {} are scheduled",
-                    perm.len(),
-                    ids.len()
-                )));
-            }
-        }
+        };
         let finished: Vec<&str> = finished
             .iter()
             .map(|s| s.to_str())
@@ -116,16 +109,19 @@ impl PySlotMirror {
             .iter()
             .map(|&i| {
                 let s = &specs[i];
+                let blocks = &arena[s.blocks.clone()];
                 ScheduledRequest {
                     req_id: ids[i],
                     assignment: if s.start {
                         Assignment::Start {
-                            block_ids: &s.block_ids,
+                            block_ids: blocks,
                             num_computed_tokens: s.num_computed_tokens.unwrap_or(0),
+                            num_external_tokens: s.num_external_tokens,
+                            num_prompt_tokens: s.num_prompt_tokens,
                         }
                     } else {
                         Assignment::Continue {
-                            new_block_ids: &s.block_ids,
+                            new_block_ids: blocks,
                             num_computed_tokens: s.num_computed_tokens,
                         }
                     },
@@ -133,10 +129,21 @@ impl PySlotMirror {
                 }
             })
             .collect();
-        let step_id = self.core.plan_step(&StepInput {
+        let spec_tokens: Vec<u32> = if skip.enabled && specs.iter().any(|s| s.num_spec_tokens > 0) {
+            perm.iter().map(|&i| specs[i].num_spec_tokens).collect()
+        } else {
+            Vec::new()
+        };
+        let step = self.core.plan_step(&StepInput {
             finished_req_ids: finished,
             scheduled,
             fresh_block_ids: fresh.as_deref(),
+            connector_versions: &versions,
+            prefill_skip: skip.enabled.then_some(PrefillSkipRequest {
+                num_spec_tokens: &spec_tokens,
+                num_reqs_padded: skip.num_reqs_padded,
+                num_logits_padded: skip.num_logits_padded,
+            }),
         })?;
         let planned = self.core.planned();
         let mut row = 0i64;
@@ -146,15 +153,36 @@ impl PySlotMirror {
         }));
         let spans = i64_bytearray(
             py,
-            3 * planned.len() + 1,
+            4 * planned.len() + 1,
             planned
                 .iter()
                 .map(|p| p.compute_start as i64)
                 .chain(planned.iter().map(|p| p.num_tokens as i64))
-                .chain(query_start_loc),
+                .chain(query_start_loc)
+                .chain(planned.iter().map(|p| p.kept as i64)),
         )?;
-        let slots = i64_bytearray(py, self.core.num_write_rows(), self.core.write_slots())?;
-        Ok((step_id, PyList::new(py, ordered_ids)?, spans, slots))
+        let num_rows = self.core.num_write_rows();
+        let slots = i64_bytearray(py, num_rows, self.core.write_slots())?;
+        let num_kept = self.core.num_kept_rows();
+        let kept_slots = if num_kept == num_rows {
+            None
+        } else {
+            Some(i64_bytearray(py, num_kept, self.core.kept_write_slots())?)
+        };
+        let skip = self
+            .core
+            .pending_prefill_skip()
+            .map(|s| skip_tuple(py, s))
+            .transpose()?;
+        Ok((
+            step.mirror_id,
+            step.step_id,
+            req_list,
+            spans,
+            slots,
+            kept_slots,
+            skip,
+        ))
     }
 }
 
@@ -164,7 +192,7 @@ impl PySlotMirror {
     #[pyo3(signature = (*, num_blocks, block_size, kv_cache_group=0))]
     fn new(num_blocks: i64, block_size: i64, kv_cache_group: i64) -> PyResult<Self> {
         let num_blocks = u32::try_from(count("num_blocks", num_blocks)?)
-            .map_err(|_| InvalidArgumentError::new_err("num_blocks is too large"))?;
+            .map_err(|_| InvalidArgumentError::new_err("num_blocks must be below 2^32"))?;
         Ok(Self {
             core: SlotMirror::new(num_blocks, count("block_size", block_size)?)?,
             kv_cache_group: count("kv_cache_group", kv_cache_group)?,
@@ -186,6 +214,12 @@ impl PySlotMirror {
         self.kv_cache_group
     }
 
+    /// This mirror's id (plans carry it; other mirrors refuse them).
+    #[getter]
+    fn mirror_id(&self) -> u64 {
+        self.core.id()
+    }
+
     /// The id of the last planned step (0 before the first).
     #[getter]
     fn step_id(&self) -> u64 {
@@ -195,7 +229,7 @@ impl PySlotMirror {
     /// The planned step awaiting its commit, or None.
     #[getter]
     fn pending_step(&self) -> Option<u64> {
-        self.core.pending_step()
+        self.core.pending_step().map(|s| s.step_id)
     }
 
     #[getter]
@@ -204,105 +238,38 @@ impl PySlotMirror {
     }
 
     /// Plans a step from vLLM's `SchedulerOutput` (see `crate::slots`).
-    #[pyo3(signature = (scheduler_output, order=None))]
+    #[pyo3(signature = (scheduler_output, order=None, *, external_tokens=None,
+        connector_versions=None, fast_prefill=false, num_reqs_padded=None, num_logits_padded=0))]
+    #[allow(clippy::too_many_arguments)]
     fn plan_scheduler_output<'py>(
         &mut self,
         scheduler_output: &Bound<'py, PyAny>,
         order: Option<Bound<'py, PyAny>>,
+        external_tokens: Option<Bound<'py, PyAny>>,
+        connector_versions: Option<Bound<'py, PyAny>>,
+        fast_prefill: bool,
+        num_reqs_padded: Option<usize>,
+        num_logits_padded: usize,
     ) -> PyResult<PlanTuple<'py>> {
         let py = scheduler_output.py();
-        let so = scheduler_output;
-        let num_scheduled = so.getattr(intern!(py, "num_scheduled_tokens"))?;
-        let num_scheduled = num_scheduled
-            .cast::<PyDict>()
-            .map_err(|_| InvalidArgumentError::new_err("num_scheduled_tokens must be a dict"))?;
-        let scheduled_of = |req_id: &Bound<'py, PyString>| -> PyResult<usize> {
-            let n = num_scheduled.get_item(req_id)?.ok_or_else(|| {
-                InvalidArgumentError::new_err(format!(
-                    "request {req_id} is scheduled but has no num_scheduled_tokens"
-                ))
-            })?;
-            count("num_scheduled_tokens", n.extract()?)
-        };
-        let as_str = |obj: Bound<'py, PyAny>| -> PyResult<Bound<'py, PyString>> {
-            obj.cast_into::<PyString>()
-                .map_err(|_| InvalidArgumentError::new_err("request ids must be str"))
-        };
-
-        let mut req_ids = Vec::new();
-        let mut specs = Vec::new();
-        for nr in so.getattr(intern!(py, "scheduled_new_reqs"))?.try_iter()? {
-            let nr = nr?;
-            let req_id = as_str(nr.getattr(intern!(py, "req_id"))?)?;
-            let ids = self.group_ids(&nr.getattr(intern!(py, "block_ids"))?, req_id.to_str()?)?;
-            let nc = count(
-                "num_computed_tokens",
-                nr.getattr(intern!(py, "num_computed_tokens"))?.extract()?,
-            )?;
-            specs.push(Spec {
-                start: true,
-                block_ids: ids,
-                num_computed_tokens: Some(nc),
-                num_scheduled_tokens: scheduled_of(&req_id)?,
-            });
-            req_ids.push(req_id);
-        }
-        let cached = so.getattr(intern!(py, "scheduled_cached_reqs"))?;
-        let resumed = cached.getattr(intern!(py, "resumed_req_ids"))?;
-        let any_resumed = resumed.len()? > 0;
-        let list = |name: &Bound<'py, PyString>| -> PyResult<Bound<'py, PyList>> {
-            cached.getattr(name)?.cast_into::<PyList>().map_err(|_| {
-                InvalidArgumentError::new_err(format!(
-                    "scheduled_cached_reqs.{name} must be a list"
-                ))
-            })
-        };
-        let cached_ids = list(intern!(py, "req_ids"))?;
-        let new_block_ids = list(intern!(py, "new_block_ids"))?;
-        let computed = list(intern!(py, "num_computed_tokens"))?;
-        if new_block_ids.len() != cached_ids.len() || computed.len() != cached_ids.len() {
-            return Err(InvalidArgumentError::new_err(
-                "scheduled_cached_reqs lists have different lengths",
-            ));
-        }
-        for ((req_id, per_group), nc) in cached_ids
-            .iter()
-            .zip(new_block_ids.iter())
-            .zip(computed.iter())
-        {
-            let req_id = as_str(req_id)?;
-            let start = any_resumed && resumed.contains(&req_id)?;
-            let ids = if per_group.is_none() {
-                Vec::new()
-            } else {
-                self.group_ids(&per_group, req_id.to_str()?)?
-            };
-            let nc = count("num_computed_tokens", nc.extract()?)?;
-            specs.push(Spec {
-                start,
-                block_ids: ids,
-                num_computed_tokens: Some(nc),
-                num_scheduled_tokens: scheduled_of(&req_id)?,
-            });
-            req_ids.push(req_id);
-        }
-        let mut finished = Vec::new();
-        for key in ["finished_req_ids", "preempted_req_ids"] {
-            let set = so.getattr(key)?;
-            if set.is_none() {
-                continue;
-            }
-            for id in set.try_iter()? {
-                finished.push(as_str(id?)?);
-            }
-        }
-        let fresh = so.getattr(intern!(py, "new_block_ids_to_zero"))?;
-        let fresh = if fresh.is_none() {
-            None
-        } else {
-            Some(block_ids(&fresh)?)
-        };
-        self.run(py, req_ids, specs, finished, fresh, order)
+        let external = optional_dict("external_tokens", external_tokens)?;
+        let mut facts = read_scheduler_output(
+            scheduler_output,
+            self.kv_cache_group,
+            external,
+            fast_prefill,
+        )?;
+        facts.versions = read_versions(connector_versions.as_ref())?;
+        self.run(
+            py,
+            facts,
+            order,
+            SkipOptions {
+                enabled: fast_prefill,
+                num_reqs_padded,
+                num_logits_padded,
+            },
+        )
     }
 
     /// Plans a step from plain ids: `new` (first schedules, resumed requests too) as
@@ -310,8 +277,9 @@ impl PySlotMirror {
     /// `(req_id, new_block_ids, num_scheduled_tokens)`; rows are laid out new first,
     /// then running, unless `order` lists the request ids.
     #[pyo3(signature = (*, new=None, running=None, finished=None, fresh_block_ids=None,
-        order=None))]
-    #[allow(clippy::type_complexity)]
+        order=None, external_tokens=None, connector_versions=None, num_prompt_tokens=None,
+        spec_tokens=None, fast_prefill=false, num_reqs_padded=None, num_logits_padded=0))]
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
     fn plan<'py>(
         &mut self,
         py: Python<'py>,
@@ -320,42 +288,68 @@ impl PySlotMirror {
         finished: Option<Vec<Bound<'py, PyString>>>,
         fresh_block_ids: Option<Bound<'py, PyAny>>,
         order: Option<Bound<'py, PyAny>>,
+        external_tokens: Option<Bound<'py, PyAny>>,
+        connector_versions: Option<Bound<'py, PyAny>>,
+        num_prompt_tokens: Option<Bound<'py, PyAny>>,
+        spec_tokens: Option<Bound<'py, PyAny>>,
+        fast_prefill: bool,
+        num_reqs_padded: Option<usize>,
+        num_logits_padded: usize,
     ) -> PyResult<PlanTuple<'py>> {
-        let mut req_ids = Vec::new();
-        let mut specs = Vec::new();
+        let external = optional_dict("external_tokens", external_tokens)?;
+        let prompts = optional_dict("num_prompt_tokens", num_prompt_tokens)?;
+        let specs_map = optional_dict("spec_tokens", spec_tokens)?;
+        let spec_of = |req_id: &Bound<'py, PyString>| -> PyResult<u32> {
+            let n = lookup(specs_map.as_ref(), req_id)?.unwrap_or(0);
+            u32::try_from(n).map_err(|_| InvalidArgumentError::new_err("too many spec tokens"))
+        };
+        let mut facts = Facts::default();
         for (req_id, ids, nc, n) in new.unwrap_or_default() {
-            specs.push(Spec {
+            let blocks = push_block_ids(&mut facts.arena, &ids)?;
+            facts.specs.push(Spec {
                 start: true,
-                block_ids: block_ids(&ids)?,
+                blocks,
                 num_computed_tokens: Some(count("num_computed_tokens", nc)?),
                 num_scheduled_tokens: count("num_scheduled_tokens", n)?,
+                num_external_tokens: lookup(external.as_ref(), &req_id)?.unwrap_or(0),
+                num_prompt_tokens: lookup(prompts.as_ref(), &req_id)?,
+                num_spec_tokens: spec_of(&req_id)?,
             });
-            req_ids.push(req_id);
+            facts.req_ids.push(req_id);
         }
         for (req_id, ids, n) in running.unwrap_or_default() {
-            specs.push(Spec {
+            let blocks = push_block_ids(&mut facts.arena, &ids)?;
+            facts.specs.push(Spec {
                 start: false,
-                block_ids: block_ids(&ids)?,
+                blocks,
                 num_computed_tokens: None,
                 num_scheduled_tokens: count("num_scheduled_tokens", n)?,
+                num_external_tokens: 0,
+                num_prompt_tokens: None,
+                num_spec_tokens: spec_of(&req_id)?,
             });
-            req_ids.push(req_id);
+            facts.req_ids.push(req_id);
         }
-        let fresh = fresh_block_ids.map(|f| block_ids(&f)).transpose()?;
+        facts.finished = finished.unwrap_or_default();
+        facts.fresh = fresh_block_ids.map(|f| block_id_vec(&f)).transpose()?;
+        facts.versions = read_versions(connector_versions.as_ref())?;
         self.run(
             py,
-            req_ids,
-            specs,
-            finished.unwrap_or_default(),
-            fresh,
+            facts,
             order,
+            SkipOptions {
+                enabled: fast_prefill,
+                num_reqs_padded,
+                num_logits_padded,
+            },
         )
     }
 
-    /// Counts the pending step's rows as written, then validates its reads.
-    fn commit(&mut self, step_id: u64) -> PyResult<PySlotReads> {
+    /// Counts the pending step's rows as written, then validates its reads. The step
+    /// must be this mirror's (`mirror_id`) pending one.
+    fn commit(&mut self, step_id: u64, mirror_id: u64) -> PyResult<PySlotReads> {
         Ok(PySlotReads {
-            reads: self.core.commit(step_id)?,
+            reads: self.core.commit(StepRef { mirror_id, step_id })?,
         })
     }
 
@@ -365,9 +359,14 @@ impl PySlotMirror {
         Ok(self.core.revalidate(&mut reads.reads)?)
     }
 
-    /// `(epoch, leading rows written in it)` of a block.
+    /// `(version, leading rows written in it)` of a block (keys of every layer).
     fn block_state(&self, block_id: i64) -> PyResult<(u64, usize)> {
         Ok(self.core.block_state(self::block_id(block_id)?)?)
+    }
+
+    /// Leading rows of the skip-layer keys written in the block's current version.
+    fn block_skip_rows(&self, block_id: i64) -> PyResult<usize> {
+        Ok(self.core.block_skip_rows(self::block_id(block_id)?)?)
     }
 
     fn block_table<'py>(&self, py: Python<'py>, req_id: &str) -> PyResult<Bound<'py, PyList>> {
@@ -387,9 +386,13 @@ impl PySlotMirror {
             ("committed_steps", s.committed_steps),
             ("uncommitted_steps", s.uncommitted_steps),
             ("fresh_blocks", s.fresh_blocks),
+            ("untrusted_loaded_blocks", s.untrusted_loaded_blocks),
+            ("vouched_blocks", s.vouched_blocks),
             ("rows_written", s.rows_written),
+            ("skipped_rows", s.skipped_rows),
             ("reads_served", s.reads_served),
             ("cached_rows_served", s.cached_rows_served),
+            ("partial_reads", s.partial_reads),
             ("read_misses", s.read_misses),
             ("stale_reads", s.stale_reads),
         ] {
@@ -410,6 +413,11 @@ impl PySlotReads {
     #[getter]
     fn step_id(&self) -> u64 {
         self.reads.step_id
+    }
+
+    #[getter]
+    fn mirror_id(&self) -> u64 {
+        self.reads.mirror_id()
     }
 
     /// Plan index of every served read, in plan order.
@@ -434,6 +442,12 @@ impl PySlotReads {
             .collect()
     }
 
+    /// Whether every served read also serves the skip-layer keys.
+    #[getter]
+    fn skip_layers(&self) -> Vec<bool> {
+        self.reads.entries().iter().map(|e| e.skip_layers).collect()
+    }
+
     /// Plan indices of the reads refused (never served), in plan order.
     #[getter]
     fn misses(&self) -> Vec<usize> {
@@ -445,9 +459,23 @@ impl PySlotReads {
         self.reads.num_rows()
     }
 
-    /// The slot of every served row (int64 bytearray), entry after entry.
-    fn slots<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyByteArray>> {
-        i64_bytearray(py, self.reads.num_rows(), self.reads.slots())
+    /// The slot of every served row (int64 bytearray), entry after entry; with
+    /// `skip_layers_only`, of the reads served for the skip-layer keys too.
+    #[pyo3(signature = (skip_layers_only=false))]
+    fn slots<'py>(
+        &self,
+        py: Python<'py>,
+        skip_layers_only: bool,
+    ) -> PyResult<Bound<'py, PyByteArray>> {
+        if skip_layers_only {
+            i64_bytearray(
+                py,
+                self.reads.num_skip_layer_rows(),
+                self.reads.skip_layer_slots(),
+            )
+        } else {
+            i64_bytearray(py, self.reads.num_rows(), self.reads.slots())
+        }
     }
 
     fn __len__(&self) -> usize {

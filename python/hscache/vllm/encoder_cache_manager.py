@@ -1,8 +1,9 @@
-"""``EncoderCacheManager``: vLLM 0.33's encoder-cache manager interface, backed by the Rust core.
+"""vLLM 0.33's encoder-cache managers, backed by the Rust core.
 
-Mirrors ``vllm/v1/core/encoder_cache_manager.py`` (``EncoderCacheManager`` and
-``compute_mm_encoder_budget``). The bookkeeping (per-identifier entries, per-request
-references, the ``freeable`` LRU, eviction, ``freed``) lives in ``src/encoder_cache.rs``;
+Mirrors ``vllm/v1/core/encoder_cache_manager.py``: ``EncoderCacheManager`` (multimodal
+decoder models), ``EncoderDecoderCacheManager`` (encoder-decoder models) and
+``compute_mm_encoder_budget``. The bookkeeping (per-identifier entries, per-request
+references, the ``freeable`` LRU, eviction, ``freed``) lives in ``src/encoder_cache/``;
 the methods vLLM's Scheduler calls are the Rust methods of ``hscache._core.EncoderCacheCore``
 with vLLM's signatures (they read ``request.request_id``,
 ``request.mm_features[input_id].identifier`` and ``request.get_num_encoder_embeds(input_id)``).
@@ -13,17 +14,18 @@ views of vLLM's dicts (``cached``, ``freeable``, ``num_embeds_by_hash``,
 How to switch vLLM to it (the Scheduler builds its manager through
 ``vllm_config.ec_manager_config``): ``--ec-manager-config
 '{"encoder_cache_manager_cls": "hscache.vllm.encoder_cache_manager.EncoderCacheManager"}'``.
-For encoder-decoder models ``create_manager`` hands back vLLM's own
-``EncoderDecoderCacheManager`` (which the Scheduler would have chosen), with one log line.
+For encoder-decoder models ``create_manager`` hands back hscache's
+``EncoderDecoderCacheManager`` (vLLM's counterpart, which the Scheduler would have chosen).
 
 Differences from vLLM (misuse paths and introspection only):
 
 - ``allocate`` without room, or with an embedding count that differs from the cached
   entry's, raises ``EncoderCacheFullError`` / ``InvalidArgumentError`` (both ``ValueError``)
   and changes nothing; vLLM asserts after it has created the entry.
-- ``free`` releases a request's inputs in ascending input-id order; vLLM iterates a Python set,
-  which is the same order for input ids below 8 and may differ beyond (then only the relative
-  ``freeable`` order of the entries freed by that one call can differ).
+- ``free`` releases a request's inputs in the order vLLM's Python set iterates them, for every
+  input id (the core replays CPython's set table), and ``get_cached_input_ids`` returns a set
+  built by replaying the same adds and removes, so the Scheduler's ``_free_encoder_inputs``
+  also frees in vLLM's order.
 - The views are snapshots: ``cached[h]`` is a new set per access, and mutating it does not
   change the manager. The one write vLLM's tests do, ``manager.cached = {}``, is supported.
 """
@@ -34,17 +36,16 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
-from vllm.v1.core.encoder_cache_manager import EncoderDecoderCacheManager
 
 from hscache import _core
-from hscache._core import EncoderCacheCore
+from hscache._core import EncoderCacheCore, EncoderDecoderCacheCore
 
 if TYPE_CHECKING:
     from vllm.config import SchedulerConfig, VllmConfig
 
 logger = init_logger(__name__)
 
-__all__ = ["EncoderCacheManager", "compute_mm_encoder_budget"]
+__all__ = ["EncoderCacheManager", "EncoderDecoderCacheManager", "compute_mm_encoder_budget"]
 
 
 class EncoderCacheManager(EncoderCacheCore):
@@ -60,10 +61,6 @@ class EncoderCacheManager(EncoderCacheCore):
     ) -> EncoderCacheManager | EncoderDecoderCacheManager:
         model_config = getattr(vllm_config, "model_config", None)
         if model_config is not None and model_config.is_encoder_decoder:
-            logger.info(
-                "hscache: encoder-decoder model, using vLLM's EncoderDecoderCacheManager "
-                "(hscache's EncoderCacheManager serves multimodal decoder models)"
-            )
             return EncoderDecoderCacheManager(cache_size=cache_size)
         return cls(cache_size=cache_size)
 
@@ -108,6 +105,27 @@ class EncoderCacheManager(EncoderCacheCore):
     def freed(self) -> list[str]:
         """Identifiers evicted since the last ``get_freed_mm_hashes`` (a copy)."""
         return self.core_freed()
+
+
+class EncoderDecoderCacheManager(EncoderDecoderCacheCore):
+    """Drop-in for vLLM's ``EncoderDecoderCacheManager``: a scheduling-only encoder budget.
+
+    Nothing is shared or ever a hit; every allocated identifier is reported freed by the
+    second ``get_freed_mm_hashes`` after its allocation (the worker frees before it runs the
+    model). ``allocated`` and ``to_free`` are copies of vLLM's two lists.
+    """
+
+    @classmethod
+    def create_manager(
+        cls, *, cache_size: int, vllm_config: VllmConfig | None
+    ) -> EncoderDecoderCacheManager:
+        return cls(cache_size=cache_size)
+
+    def __init__(self, cache_size: int) -> None:
+        """The core was built by ``EncoderDecoderCacheCore.__new__`` with ``cache_size``."""
+
+    def get_manager_metadata(self) -> None:
+        return None
 
 
 def compute_mm_encoder_budget(

@@ -50,7 +50,7 @@ class _LiveBlockList(list):  # type: ignore[type-arg]
     looked at. After the request is freed it keeps its last contents, as the list vLLM
     pops does. Mutating it changes nothing in the core."""
 
-    __slots__ = ("_manager", "_request_id", "_group")
+    __slots__ = ("_group", "_manager", "_request_id")
 
     def __init__(self, manager: KVCacheManager, request_id: str, group: int) -> None:
         self._manager, self._request_id, self._group = manager, request_id, group
@@ -88,7 +88,7 @@ class _LiveBlockList(list):  # type: ignore[type-arg]
     def __ne__(self, other: object) -> bool:
         return not self == other
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None
 
     def __repr__(self) -> str:
         self._sync()

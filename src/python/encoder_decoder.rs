@@ -1,0 +1,139 @@
+//! `EncoderDecoderCacheCore`: the core `EncoderDecoderCacheManager` as a subclassable
+//! Python class.
+//!
+//! `hscache.vllm.encoder_cache_manager.EncoderDecoderCacheManager` subclasses it. The
+//! methods vLLM's Scheduler calls for encoder-decoder models (`can_allocate`,
+//! `allocate`, `free_encoder_input`, `free`, `get_cached_input_ids`,
+//! `get_freed_mm_hashes`, `check_and_update_cache`, `reset`) have vLLM 0.33's exact
+//! signatures; a `Request` is read for `mm_features[input_id].identifier` and
+//! `get_num_encoder_embeds(input_id)` before the core is borrowed.
+
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PySet};
+
+use super::encoder_cache::{identifier, num_embeds};
+use crate::encoder_cache::EncoderDecoderCacheManager;
+
+#[pyclass(name = "EncoderDecoderCacheCore", module = "hscache._core", subclass)]
+pub struct PyEncoderDecoderCacheCore {
+    core: EncoderDecoderCacheManager,
+}
+
+/// `len(request.mm_features)`.
+fn num_inputs(request: &Bound<'_, PyAny>) -> PyResult<usize> {
+    request.getattr(intern!(request.py(), "mm_features"))?.len()
+}
+
+#[pymethods]
+impl PyEncoderDecoderCacheCore {
+    #[new]
+    #[pyo3(signature = (cache_size))]
+    fn new(cache_size: i64) -> PyResult<Self> {
+        Ok(Self {
+            core: EncoderDecoderCacheManager::new(cache_size)?,
+        })
+    }
+
+    #[getter]
+    fn cache_size(&self) -> i64 {
+        self.core.cache_size()
+    }
+
+    #[setter]
+    fn set_cache_size(&mut self, n: i64) -> PyResult<()> {
+        Ok(self.core.set_cache_size(n)?)
+    }
+
+    #[getter]
+    fn num_free_slots(&self) -> i64 {
+        self.core.num_free_slots()
+    }
+
+    #[setter]
+    fn set_num_free_slots(&mut self, n: i64) -> PyResult<()> {
+        Ok(self.core.set_num_free_slots(n)?)
+    }
+
+    /// vLLM's `allocated` (a copy): identifiers allocated in the current window.
+    #[getter]
+    fn allocated<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.core.allocated())
+    }
+
+    /// vLLM's `to_free` (a copy): what the next `get_freed_mm_hashes` returns.
+    #[getter]
+    fn to_free<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.core.to_free())
+    }
+
+    /// vLLM's `reset`.
+    fn reset(&mut self) {
+        self.core.reset();
+    }
+
+    /// Never a hit: encoder outputs are not shared between requests.
+    fn check_and_update_cache(&self, request: &Bound<'_, PyAny>, input_id: i64) -> bool {
+        let _ = (request, input_id);
+        false
+    }
+
+    /// vLLM's `can_allocate` (no eviction: nothing is kept).
+    fn can_allocate(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+        input_id: i64,
+        encoder_compute_budget: i64,
+        num_embeds_to_schedule: i64,
+    ) -> PyResult<bool> {
+        let n = num_embeds(request, input_id)?;
+        let ok = slf.try_borrow()?.core.can_allocate(
+            n,
+            encoder_compute_budget,
+            num_embeds_to_schedule,
+        )?;
+        Ok(ok)
+    }
+
+    /// vLLM's `allocate`.
+    fn allocate(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>, input_id: i64) -> PyResult<()> {
+        let n = num_embeds(request, input_id)?;
+        let ident = identifier(request, input_id)?;
+        slf.try_borrow_mut()?.core.allocate(ident.to_str()?, n)?;
+        Ok(())
+    }
+
+    /// vLLM's `free_encoder_input`: the input's embeddings come back.
+    fn free_encoder_input(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+        input_id: i64,
+    ) -> PyResult<()> {
+        let n = num_embeds(request, input_id)?;
+        slf.try_borrow_mut()?.core.free_encoder_input(n)?;
+        Ok(())
+    }
+
+    /// vLLM's `free`: every input of the request comes back.
+    fn free(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
+        let counts = (0..num_inputs(request)?)
+            .map(|i| num_embeds(request, i as i64))
+            .collect::<PyResult<Vec<i64>>>()?;
+        slf.try_borrow_mut()?.core.free(&counts)?;
+        Ok(())
+    }
+
+    /// vLLM's `get_cached_input_ids`: all of the request's input ids.
+    fn get_cached_input_ids<'py>(
+        &self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PySet>> {
+        PySet::new(py, 0..num_inputs(request)?)
+    }
+
+    /// vLLM's `get_freed_mm_hashes`: the previous window's identifiers.
+    fn get_freed_mm_hashes<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.core.get_freed_mm_hashes())
+    }
+}

@@ -1,0 +1,292 @@
+//! The facts of one slot-mirror step, read from Python: vLLM 0.33's `SchedulerOutput`
+//! (its attributes read in place) or plain ids, into owned values the core borrows.
+//!
+//! Conversion only. Each request's block ids are appended to one flat buffer (no
+//! allocation per request); vLLM's per-group `block_ids` tuples give the mirror's
+//! KV-cache group's list. A KV connector (`kv_connector_metadata` set) without
+//! per-request external counts makes every hit of a new request count as loaded.
+
+use std::ops::Range;
+
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+
+use super::errors::{count, BlockIdError, InvalidArgumentError};
+use crate::types::BlockId;
+
+/// One scheduled request's facts; its block ids are `arena[blocks]`.
+pub(super) struct Spec {
+    pub(super) start: bool,
+    pub(super) blocks: Range<usize>,
+    pub(super) num_computed_tokens: Option<usize>,
+    pub(super) num_scheduled_tokens: usize,
+    pub(super) num_external_tokens: usize,
+    pub(super) num_prompt_tokens: Option<usize>,
+    pub(super) num_spec_tokens: u32,
+}
+
+/// Everything one step's plan reads from Python.
+#[derive(Default)]
+pub(super) struct Facts<'py> {
+    pub(super) req_ids: Vec<Bound<'py, PyString>>,
+    pub(super) specs: Vec<Spec>,
+    pub(super) arena: Vec<BlockId>,
+    pub(super) finished: Vec<Bound<'py, PyString>>,
+    pub(super) fresh: Option<Vec<BlockId>>,
+    pub(super) versions: Vec<(BlockId, u64)>,
+}
+
+pub(super) fn block_id(value: i64) -> PyResult<BlockId> {
+    BlockId::try_from(value)
+        .map_err(|_| BlockIdError::new_err(format!("block id {value} is out of range")))
+}
+
+/// Appends a sequence of block ids to `arena`; returns their range.
+pub(super) fn push_block_ids(
+    arena: &mut Vec<BlockId>,
+    obj: &Bound<'_, PyAny>,
+) -> PyResult<Range<usize>> {
+    let start = arena.len();
+    let bad = || InvalidArgumentError::new_err("block ids must be a sequence of ints");
+    if let Ok(list) = obj.cast::<PyList>() {
+        arena.reserve(list.len());
+        for item in list.iter() {
+            arena.push(block_id(item.extract().map_err(|_| bad())?)?);
+        }
+    } else {
+        for item in obj.try_iter().map_err(|_| bad())? {
+            arena.push(block_id(item?.extract().map_err(|_| bad())?)?);
+        }
+    }
+    Ok(start..arena.len())
+}
+
+pub(super) fn block_id_vec(obj: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
+    let mut v = Vec::new();
+    push_block_ids(&mut v, obj)?;
+    Ok(v)
+}
+
+pub(super) fn as_str<'py>(obj: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
+    obj.cast_into::<PyString>()
+        .map_err(|_| InvalidArgumentError::new_err("request ids must be str"))
+}
+
+/// `{req_id: int}` lookups (external tokens, prompt lengths, spec counts).
+pub(super) fn lookup(
+    map: Option<&Bound<'_, PyDict>>,
+    req_id: &Bound<'_, PyString>,
+) -> PyResult<Option<usize>> {
+    match map {
+        Some(d) => d
+            .get_item(req_id)?
+            .map(|v| count("value", v.extract()?))
+            .transpose(),
+        None => Ok(None),
+    }
+}
+
+pub(super) fn optional_dict<'py>(
+    name: &str,
+    obj: Option<Bound<'py, PyAny>>,
+) -> PyResult<Option<Bound<'py, PyDict>>> {
+    match obj {
+        Some(o) if !o.is_none() => Ok(Some(o.cast_into::<PyDict>().map_err(|_| {
+            InvalidArgumentError::new_err(format!("{name} must be a dict of request id -> int"))
+        })?)),
+        _ => Ok(None),
+    }
+}
+
+pub(super) fn read_versions(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<(BlockId, u64)>> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(Vec::new());
+    };
+    let bad = || {
+        InvalidArgumentError::new_err(
+            "connector_versions must map block id -> version (ints), or be (block, version) pairs",
+        )
+    };
+    let pairs: Vec<(i64, u64)> = if let Ok(d) = obj.cast::<PyDict>() {
+        d.iter()
+            .map(|(k, v)| {
+                Ok((
+                    k.extract().map_err(|_| bad())?,
+                    v.extract().map_err(|_| bad())?,
+                ))
+            })
+            .collect::<PyResult<_>>()?
+    } else {
+        obj.extract().map_err(|_| bad())?
+    };
+    pairs
+        .into_iter()
+        .map(|(b, v)| Ok((block_id(b)?, v)))
+        .collect()
+}
+
+/// Appends the mirror's group's block ids out of vLLM's per-group tuple.
+fn push_group_ids(
+    group: usize,
+    arena: &mut Vec<BlockId>,
+    per_group: &Bound<'_, PyAny>,
+    req_id: &Bound<'_, PyString>,
+) -> PyResult<Range<usize>> {
+    let groups = per_group.cast::<PyTuple>().map_err(|_| {
+        InvalidArgumentError::new_err(format!(
+            "request {req_id}: block ids must be a tuple with one list per KV-cache group"
+        ))
+    })?;
+    let ids = groups.get_item(group).map_err(|_| {
+        InvalidArgumentError::new_err(format!(
+            "request {req_id} has {} KV-cache groups; this mirror follows group {}",
+            groups.len(),
+            group
+        ))
+    })?;
+    push_block_ids(arena, &ids)
+}
+
+/// The facts of vLLM's `SchedulerOutput` for a mirror of KV-cache group `group`.
+pub(super) fn read_scheduler_output<'py>(
+    so: &Bound<'py, PyAny>,
+    group: usize,
+    external: Option<Bound<'py, PyDict>>,
+    fast_prefill: bool,
+) -> PyResult<Facts<'py>> {
+    let py = so.py();
+    let num_scheduled = so.getattr(intern!(py, "num_scheduled_tokens"))?;
+    let num_scheduled = num_scheduled
+        .cast::<PyDict>()
+        .map_err(|_| InvalidArgumentError::new_err("num_scheduled_tokens must be a dict"))?;
+    let scheduled_of = |req_id: &Bound<'py, PyString>| -> PyResult<usize> {
+        let n = num_scheduled.get_item(req_id)?.ok_or_else(|| {
+            InvalidArgumentError::new_err(format!(
+                "request {req_id} is scheduled but has no num_scheduled_tokens"
+            ))
+        })?;
+        count("num_scheduled_tokens", n.extract()?)
+    };
+    // A connector may have loaded any hit: without per-request external counts,
+    // every hit of a new request is treated as loaded (distrusted).
+    let connector = so
+        .getattr_opt(intern!(py, "kv_connector_metadata"))?
+        .is_some_and(|m| !m.is_none());
+    let spec_map = if fast_prefill {
+        so.getattr_opt(intern!(py, "scheduled_spec_decode_tokens"))?
+            .and_then(|d| d.cast_into::<PyDict>().ok())
+            .filter(|d| !d.is_empty())
+    } else {
+        None
+    };
+    let spec_of = |req_id: &Bound<'py, PyString>| -> PyResult<u32> {
+        match &spec_map {
+            Some(d) => match d.get_item(req_id)? {
+                Some(drafts) => u32::try_from(drafts.len()?)
+                    .map_err(|_| InvalidArgumentError::new_err("too many spec decode tokens")),
+                None => Ok(0),
+            },
+            None => Ok(0),
+        }
+    };
+
+    let mut facts = Facts::default();
+    let new_reqs = so.getattr(intern!(py, "scheduled_new_reqs"))?;
+    for nr in new_reqs.try_iter()? {
+        let nr = nr?;
+        let req_id = as_str(nr.getattr(intern!(py, "req_id"))?)?;
+        let blocks = push_group_ids(
+            group,
+            &mut facts.arena,
+            &nr.getattr(intern!(py, "block_ids"))?,
+            &req_id,
+        )?;
+        let nc = count(
+            "num_computed_tokens",
+            nr.getattr(intern!(py, "num_computed_tokens"))?.extract()?,
+        )?;
+        let num_external_tokens = match lookup(external.as_ref(), &req_id)? {
+            Some(n) => n,
+            None if connector && external.is_none() => nc,
+            None => 0,
+        };
+        let num_prompt_tokens = if fast_prefill {
+            match nr.getattr_opt(intern!(py, "prompt_len"))? {
+                Some(n) => Some(count("prompt_len", n.extract()?)?),
+                None => None,
+            }
+        } else {
+            None
+        };
+        facts.specs.push(Spec {
+            start: true,
+            blocks,
+            num_computed_tokens: Some(nc),
+            num_scheduled_tokens: scheduled_of(&req_id)?,
+            num_external_tokens,
+            num_prompt_tokens,
+            num_spec_tokens: spec_of(&req_id)?,
+        });
+        facts.req_ids.push(req_id);
+    }
+    let cached = so.getattr(intern!(py, "scheduled_cached_reqs"))?;
+    let resumed = cached.getattr(intern!(py, "resumed_req_ids"))?;
+    let any_resumed = resumed.len()? > 0;
+    let list = |name: &Bound<'py, PyString>| -> PyResult<Bound<'py, PyList>> {
+        cached.getattr(name)?.cast_into::<PyList>().map_err(|_| {
+            InvalidArgumentError::new_err(format!("scheduled_cached_reqs.{name} must be a list"))
+        })
+    };
+    let cached_ids = list(intern!(py, "req_ids"))?;
+    let new_block_ids = list(intern!(py, "new_block_ids"))?;
+    let computed = list(intern!(py, "num_computed_tokens"))?;
+    if new_block_ids.len() != cached_ids.len() || computed.len() != cached_ids.len() {
+        return Err(InvalidArgumentError::new_err(
+            "scheduled_cached_reqs lists have different lengths",
+        ));
+    }
+    facts.req_ids.reserve(cached_ids.len());
+    facts.specs.reserve(cached_ids.len());
+    // Index-based: one list access per field, no iterator length checks.
+    for i in 0..cached_ids.len() {
+        let req_id = cached_ids.get_item(i)?;
+        let per_group = new_block_ids.get_item(i)?;
+        let nc = computed.get_item(i)?;
+        let req_id = as_str(req_id)?;
+        let start = any_resumed && resumed.contains(&req_id)?;
+        let blocks = if per_group.is_none() {
+            facts.arena.len()..facts.arena.len()
+        } else {
+            push_group_ids(group, &mut facts.arena, &per_group, &req_id)?
+        };
+        let nc = count("num_computed_tokens", nc.extract()?)?;
+        facts.specs.push(Spec {
+            start,
+            blocks,
+            num_computed_tokens: Some(nc),
+            num_scheduled_tokens: scheduled_of(&req_id)?,
+            num_external_tokens: 0,
+            num_prompt_tokens: None,
+            num_spec_tokens: spec_of(&req_id)?,
+        });
+        facts.req_ids.push(req_id);
+    }
+    for key in [
+        intern!(py, "finished_req_ids"),
+        intern!(py, "preempted_req_ids"),
+    ] {
+        let set = so.getattr(key)?;
+        if set.is_none() {
+            continue;
+        }
+        for id in set.try_iter()? {
+            facts.finished.push(as_str(id?)?);
+        }
+    }
+    let fresh = so.getattr(intern!(py, "new_block_ids_to_zero"))?;
+    if !fresh.is_none() {
+        facts.fresh = Some(block_id_vec(&fresh)?);
+    }
+    Ok(facts)
+}
