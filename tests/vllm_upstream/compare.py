@@ -95,13 +95,18 @@ def report_census(census: dict[str, int], allowlist: list[re.Pattern[str]]) -> l
         return []
     total = sum(census.values())
     served = sum(n for key, n in census.items() if key.startswith("served"))
-    print(f"\ncensus: {total} KV-cache managers built, {served} served by hscache "
-          f"({100.0 * served / total:.1f} %)")
+    print(
+        f"\ncensus: {total} KV-cache managers built, {served} served by hscache "
+        f"({100.0 * served / total:.1f} %)"
+    )
     width = max(len(key) for key in census)
     for key, n in sorted(census.items(), key=lambda kv: (-kv[1], kv[0])):
         print(f"  {key:<{width}}  {n:>6}")
-    reasons = {key.split(" | ", 1)[0].removeprefix("fallback: ")
-               for key in census if key.startswith("fallback")}
+    reasons = {
+        key.split(" | ", 1)[0].removeprefix("fallback: ")
+        for key in census
+        if key.startswith("fallback")
+    }
     return sorted(r for r in reasons if not any(p.search(r) for p in allowlist))
 
 

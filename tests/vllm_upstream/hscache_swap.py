@@ -308,6 +308,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any)
         terminalreporter.write_line(
             f"census: {served} of {total} KV-cache managers served by hscache "
             f"({100.0 * served / total:.1f} %); fallbacks: "
-            + (", ".join(f"{k} x{n}" for k, n in census.items() if k.startswith("fallback"))
-               or "none")
+            + (
+                ", ".join(f"{k} x{n}" for k, n in census.items() if k.startswith("fallback"))
+                or "none"
+            )
         )
