@@ -6,12 +6,14 @@ creates those directories (configuration only, no weights) and returns ``{model_
 for vLLM's ``VLLM_MODEL_REDIRECT_PATH``.
 
 No tokenizer of these models is available offline. Text-only models are loaded with
-``skip_tokenizer_init=True`` (see ``hscache_swap``). LLaVA's multimodal processor cannot
-run without one, so its directory also gets a *synthetic* word-level tokenizer with LLaVA's
-vocabulary size and special-token ids (``<image>`` = 32000) and a CLIP image processor with
-LLaVA-1.5's settings, generated with ``tokenizers``/``transformers``. The tests feed token
-ids directly and never decode text; the image-token count (576 per 336x336 image) comes
-from the vision config.
+``skip_tokenizer_init=True`` (see ``hscache_swap``). The multimodal processors of LLaVA and
+Qwen2.5-VL cannot run without one, so their directories also get a *synthetic* word-level
+tokenizer with the model's vocabulary size and special-token ids (LLaVA's ``<image>`` =
+32000; Qwen's ``<|vision_start|>`` = 151652, ``<|image_pad|>`` = 151655 ...) and an image
+processor with the published settings (CLIP for LLaVA-1.5; ``Qwen2VLImageProcessor`` and
+its video twin for Qwen2.5-VL), generated with ``tokenizers``/``transformers``. The tests
+feed token ids directly and never decode text; the image-token counts (576 per 336x336
+image for LLaVA, pixels / (14 * 2)^2 for Qwen2.5-VL) come from the vision configs.
 """
 
 from __future__ import annotations
@@ -204,11 +206,119 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "use_sliding_window": False,
         "vocab_size": 151936,
     },
+    # tests/v1/core/test_priority_scheduler_random.py: priority scheduling with images.
+    "Qwen/Qwen2.5-VL-3B-Instruct": {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "vision_start_token_id": 151652,
+        "vision_end_token_id": 151653,
+        "vision_token_id": 151654,
+        "image_token_id": 151655,
+        "video_token_id": 151656,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 11008,
+        "max_position_embeddings": 128000,
+        "max_window_layers": 70,
+        "model_type": "qwen2_5_vl",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 36,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "sliding_window": 32768,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.41.2",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vision_config": {
+            "depth": 32,
+            "hidden_act": "silu",
+            "hidden_size": 1280,
+            "intermediate_size": 3420,
+            "num_heads": 16,
+            "in_chans": 3,
+            "out_hidden_size": 2048,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "spatial_patch_size": 14,
+            "window_size": 112,
+            "fullatt_block_indexes": [7, 15, 23, 31],
+            "tokens_per_second": 2,
+            "temporal_patch_size": 2,
+        },
+        "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+        "vocab_size": 151936,
+    },
 }
 
 
 # Models whose directory holds a tokenizer (so skip_tokenizer_init is not forced).
-WITH_TOKENIZER = {"llava-hf/llava-1.5-7b-hf"}
+WITH_TOKENIZER = {"llava-hf/llava-1.5-7b-hf", "Qwen/Qwen2.5-VL-3B-Instruct"}
+
+# Qwen2/2.5's added tokens, in id order from 151643 (the byte-level BPE vocabulary has
+# ids 0..151642); tokenizer.json of Qwen/Qwen2.5-VL-3B-Instruct.
+QWEN_ADDED_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+]
+QWEN_FIRST_ADDED_ID = 151643
+# The first 14 are special tokens; the tool-call, FIM and repo tokens are plain added ones.
+QWEN_NUM_SPECIAL = 14
+
+# preprocessor_config.json of Qwen/Qwen2.5-VL-3B-Instruct (CLIP's mean/std).
+QWEN2_5_VL_PREPROCESSOR: dict[str, Any] = {
+    "min_pixels": 3136,
+    "max_pixels": 12845056,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+}
+
+# chat_template.json of Qwen/Qwen2.5-VL-3B-Instruct (Qwen2-VL's ChatML template).
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def _write_llava_processor(d: Path) -> None:
@@ -242,6 +352,42 @@ def _write_llava_processor(d: Path) -> None:
     ).save_pretrained(d)
 
 
+def _write_qwen2_5_vl_processor(d: Path) -> None:
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import (
+        PreTrainedTokenizerFast,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    vocab = {f"t{i}": i for i in range(QWEN_FIRST_ADDED_ID)}
+    vocab.update({t: QWEN_FIRST_ADDED_ID + i for i, t in enumerate(QWEN_ADDED_TOKENS)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_tokens(
+        [
+            AddedToken(t, special=i < QWEN_NUM_SPECIAL, normalized=False)
+            for i, t in enumerate(QWEN_ADDED_TOKENS)
+        ]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=131072,
+        additional_special_tokens=QWEN_ADDED_TOKENS[1:QWEN_NUM_SPECIAL],
+    )
+    # The published repository has one preprocessor_config.json, which transformers reads
+    # for both the image and the video processor.
+    Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**QWEN2_5_VL_PREPROCESSOR),
+        video_processor=Qwen2VLVideoProcessor(**QWEN2_5_VL_PREPROCESSOR),
+        tokenizer=fast,
+        chat_template=QWEN2_VL_CHAT_TEMPLATE,
+    ).save_pretrained(d)
+
+
 def write(root: Path) -> dict[str, str]:
     """Write every model directory under ``root``; return ``{model_id: directory}``."""
     out: dict[str, str] = {}
@@ -251,5 +397,7 @@ def write(root: Path) -> dict[str, str]:
         (d / "config.json").write_text(json.dumps(config, indent=2))
         if model_id == "llava-hf/llava-1.5-7b-hf":
             _write_llava_processor(d)
+        elif model_id == "Qwen/Qwen2.5-VL-3B-Instruct":
+            _write_qwen2_5_vl_processor(d)
         out[model_id] = str(d)
     return out
