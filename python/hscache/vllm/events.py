@@ -12,6 +12,11 @@ This module makes the builder (:func:`make_event_builder`) and owns the fallback
 request the core cannot convert exactly is built by :func:`_block_stored_py`, the same
 conversion with vLLM's own helpers end to end, kept whole on purpose: it is also the
 reference of the differential tests (``tests/test_events.py``).
+
+vLLM 0.32 has no lookahead hashing: its ``BlockStored`` has no ``lookahead_token_ids``
+field (14 fields, not 15) and its ``kv_cache_utils`` no lookahead extra-key helper. The
+builder passes only the fields the installed class declares; the fallback asks the
+version profile (``hscache.vllm.version``).
 """
 
 from __future__ import annotations
@@ -27,12 +32,22 @@ from vllm.distributed.kv_events import (
 )
 from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys,
-    generate_lookahead_block_hash_extra_keys,
     maybe_convert_block_hash,
     to_event_extra_keys,
 )
 
 from hscache._core import EventBuilder
+from hscache.vllm.version import require
+
+_PROFILE = require()
+
+
+def _check_lookahead(num_hash_lookahead_tokens: int) -> None:
+    if num_hash_lookahead_tokens and not _PROFILE.hash_lookahead:
+        raise ValueError(
+            f"num_hash_lookahead_tokens={num_hash_lookahead_tokens!r}: vLLM "
+            f"{_PROFILE.version} has no lookahead block hashing (it must be 0)"
+        )
 
 
 def make_event_builder(
@@ -45,6 +60,7 @@ def make_event_builder(
     ``int_block_hashes``: ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, read now if None (a
     pool reads it once, when it is built).
     """
+    _check_lookahead(num_hash_lookahead_tokens)
     if int_block_hashes is None:
         int_block_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
     return EventBuilder(
@@ -90,6 +106,7 @@ def _block_stored_py(
     medium: str = MEDIUM_GPU,
 ) -> BlockStored:
     """:func:`block_stored` with vLLM's own helpers, one call per block (the fallback)."""
+    _check_lookahead(num_hash_lookahead_tokens)
     hashes = request.block_hashes
     all_token_ids = request.all_token_ids
     extra_keys_list: list[tuple[Any, ...] | None] = []
@@ -99,6 +116,8 @@ def _block_stored_py(
         start = i * block_size
         end = start + block_size
         if num_hash_lookahead_tokens:
+            from vllm.v1.core.kv_cache_utils import generate_lookahead_block_hash_extra_keys
+
             keys, mm_idx = generate_lookahead_block_hash_extra_keys(
                 request, start, end, end + num_hash_lookahead_tokens, mm_idx
             )
@@ -108,6 +127,9 @@ def _block_stored_py(
         if lookahead_token_ids is not None:
             lookahead_token_ids.append(all_token_ids[end : end + num_hash_lookahead_tokens])
     lora = request.lora_request
+    lookahead: dict[str, Any] = (
+        {"lookahead_token_ids": lookahead_token_ids} if _PROFILE.hash_lookahead else {}
+    )
     return BlockStored(
         block_hashes=[maybe_convert_block_hash(h) for h in hashes[start_block:end_block]],
         parent_block_hash=(
@@ -121,5 +143,5 @@ def _block_stored_py(
         extra_keys=to_event_extra_keys(extra_keys_list),
         group_idx=group_idx,
         session_id=request.session_id,
-        lookahead_token_ids=lookahead_token_ids,
+        **lookahead,
     )
