@@ -60,8 +60,10 @@ from hscache._core import KVCacheBlock, KVCacheCore
 from hscache.exceptions import InvalidArgumentError
 from hscache.vllm.block_pool import BlockPool
 from hscache.vllm.parity import ParityKVCacheManager, building_parity_side
+from hscache.vllm.version import require
 
 logger = init_logger(__name__)
+_PROFILE = require()  # what differs between the supported vLLM versions
 
 _SIGNATURE = inspect.signature(VllmKVCacheManager.__init__)
 _WATERMARK_STATUSES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -264,7 +266,9 @@ class KVCacheManager(KVCacheCore):
             max_model_len=params["max_model_len"],
             enable_caching=params["enable_caching"],
             enable_kv_cache_events=params["enable_kv_cache_events"],
-            use_eagle=params["use_eagle"],
+            use_eagle=_PROFILE.drops_eagle_block(
+                params["use_eagle"], config.kv_cache_groups[0].is_eagle_group
+            ),
             watermark_blocks=int(watermark * config.num_blocks),
             num_reprefillable_tokens=max(0, params["num_prefill_lookahead"] - 1),
             needs_kv_cache_zeroing=config.needs_kv_cache_zeroing,
