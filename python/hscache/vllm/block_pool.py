@@ -93,6 +93,25 @@ class BlockHashToBlockMap:
         """The first-inserted block of a ``BlockHashWithGroupId`` key."""
         return self._core.core_get_cached_block(key[:-4], int.from_bytes(key[-4:], "big"))
 
+    @property
+    def _cache(self) -> dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]]:
+        """vLLM's internal map, rebuilt from the core on each read (vLLM's connector tests
+        read it): key -> its block, or ``{block_id: block}`` for duplicates, the
+        first-inserted first; keys in block-id order, not insertion order."""
+        by_key: dict[bytes, list[KVCacheBlock]] = {}
+        for block_id in range(1, self._core.num_gpu_blocks):
+            block = self._core.block(block_id)
+            if block.block_hash is not None:
+                by_key.setdefault(block.block_hash, []).append(block)
+        out: dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+        for key, blocks in by_key.items():
+            first = self.get_one_block(key)
+            if len(blocks) == 1 or first is None:
+                out[key] = blocks[0]
+            else:
+                out[key] = {b.block_id: b for b in [first, *(b for b in blocks if b is not first)]}
+        return out
+
 
 class BlockPool:
     """vLLM's ``BlockPool`` interface over a ``KVCacheCore``."""
