@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import json
 import os
 import random
@@ -60,6 +61,15 @@ from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
 ReferenceKVCacheManager = _vllm_kvm.KVCacheManager
+# What the installed vLLM's interface has (0.33 has both, 0.32 neither): the generator
+# only makes calls the reference takes, and passes exactly what its Scheduler passes.
+HAS_HASH_LOOKAHEAD = (
+    "num_hash_lookahead_tokens" in inspect.signature(ReferenceKVCacheManager.__init__).parameters
+)
+HAS_MAX_HIT_LEN = (
+    "max_cache_hit_length"
+    in inspect.signature(ReferenceKVCacheManager.get_computed_blocks).parameters
+)
 DEFAULT_CANDIDATE = "hscache.vllm:KVCacheManager"
 CANDIDATE_ENV = "HSCACHE_DIFF_CANDIDATE"
 
@@ -158,6 +168,7 @@ class TraceConfig:
     p_async_load: float = 0.4
     p_deferred_free: float = 0.25
     p_resumable: float = 0.08  # streaming-input sessions
+    p_max_hit_len: float = 0.05  # lookups with an explicit max_cache_hit_length
     # comparison
     events_every_call: bool = True
     check_free_queue: bool = True
@@ -236,6 +247,10 @@ def config_for_seed(seed: int, num_ops: int = 500, **overrides) -> TraceConfig:
         cfg = dataclasses.replace(cfg, p_dup=0.6, p_conv=0.3)
     elif variant < 0.15:  # one request at a time
         cfg = dataclasses.replace(cfg, max_running=1)
+    if not HAS_HASH_LOOKAHEAD:
+        cfg = dataclasses.replace(cfg, hash_lookahead=0)
+    if not HAS_MAX_HIT_LEN:
+        cfg = dataclasses.replace(cfg, p_max_hit_len=0.0)
     return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
 
@@ -262,13 +277,14 @@ def make_kv_cache_config(cfg: TraceConfig) -> KVCacheConfig:
 
 def manager_kwargs(cfg: TraceConfig) -> dict:
     """Keyword arguments exactly as vLLM's Scheduler passes them."""
+    lookahead = {"num_hash_lookahead_tokens": cfg.hash_lookahead} if HAS_HASH_LOOKAHEAD else {}
     return dict(
+        **lookahead,
         kv_cache_config=make_kv_cache_config(cfg),
         max_model_len=cfg.max_model_len,
         max_in_flight_tokens=cfg.max_in_flight_tokens,
         enable_caching=cfg.enable_caching,
         use_eagle=cfg.use_eagle,
-        num_hash_lookahead_tokens=cfg.hash_lookahead,
         num_prefill_lookahead=cfg.num_prefill_lookahead,
         log_stats=cfg.log_stats,
         enable_kv_cache_events=cfg.enable_events,
@@ -360,7 +376,8 @@ class Side:
             if type(self.mgr) is ReferenceKVCacheManager:
                 raise RuntimeError(f"the candidate fell back to vLLM's manager for {cfg}")
         factory = hasher_factory or get_request_block_hasher
-        self.hasher = factory(cfg.block_size, get_hash_fn_by_name(cfg.hash_fn), cfg.hash_lookahead)
+        lookahead = (cfg.hash_lookahead,) if HAS_HASH_LOOKAHEAD else ()
+        self.hasher = factory(cfg.block_size, get_hash_fn_by_name(cfg.hash_fn), *lookahead)
         self.reqs: dict[str, Request] = {}
         self.hits: dict[str, Any] = {}  # rid -> KVCacheBlocks of the last lookup
         self.popped: dict[str, list] = {}  # rid -> blocks of pop_blocks_for_free
@@ -1154,7 +1171,7 @@ class _Generator:
                 if rng.random() < 0.1:
                     res = p.call("get_computed_blocks_for_connector", rid=rid)
                     _, hit, boundary, _ = res
-                elif rng.random() < 0.05:
+                elif rng.random() < cfg.p_max_hit_len:
                     max_len = rng.randint(0, N - 1)
                     _, hit, boundary = p.call("get_computed_blocks", rid=rid, max_len=max_len)
                 else:
