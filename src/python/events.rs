@@ -12,7 +12,9 @@
 //! token ids. The values are vLLM's own objects wherever vLLM's event carries them
 //! (hashes when not converted to ints, multimodal identifiers, LoRA name, cache salt,
 //! prompt-embedding digests), so the event equals, field for field, what vLLM 0.33's
-//! `BlockPool.cache_full_blocks` emits.
+//! `BlockPool.cache_full_blocks` emits. vLLM 0.32's `BlockStored` has no
+//! `lookahead_token_ids` (14 fields, and 0.32 has no lookahead hashing): the builder
+//! passes only the fields the installed class declares.
 //!
 //! Extra keys are computed by the core's `generate_block_hash_extra_keys` /
 //! `generate_lookahead_block_hash_extra_keys` with the multimodal scan starting at
@@ -26,7 +28,7 @@
 //! arithmetic beyond `isize`) raises `UnsupportedError`, and the adapter converts that
 //! event with its pure-Python path instead.
 
-use pyo3::exceptions::PyRuntimeError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -460,6 +462,7 @@ fn stored_fields<'py>(
 
 /// vLLM 0.33's `BlockStored` fields, in declaration order: when the class has
 /// exactly these, events are built with positional arguments (no keyword dict).
+/// vLLM 0.32's struct has the first 14 (no `lookahead_token_ids`): positional too.
 const BLOCK_STORED_FIELDS: [&str; 15] = [
     "block_hashes",
     "parent_block_hash",
@@ -478,20 +481,54 @@ const BLOCK_STORED_FIELDS: [&str; 15] = [
     "lookahead_token_ids",
 ];
 
+/// How a `BlockStored` struct is called, decided once from its declared fields.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum StoredCall {
+    /// vLLM 0.33's 15 fields, positionally.
+    Positional15,
+    /// vLLM 0.32's 14 fields (no `lookahead_token_ids`), positionally.
+    Positional14,
+    /// Any other layout: keywords, `lookahead_token_ids` only if declared.
+    Keywords { lookahead_field: bool },
+}
+
 /// The leading `BlockRemoved` fields this module fills (the rest keep defaults).
 const BLOCK_REMOVED_FIELDS: [&str; 3] = ["block_hashes", "medium", "group_idx"];
 
-/// Whether `cls.__struct_fields__` is `expected` (`prefix`: starts with it).
-fn has_fields(cls: &Bound<'_, PyAny>, expected: &[&str], prefix: bool) -> bool {
-    let Ok(fields) = cls.getattr(intern!(cls.py(), "__struct_fields__")) else {
-        return false;
-    };
-    let Ok(fields) = fields.extract::<Vec<String>>() else {
-        return false;
-    };
+/// `cls.__struct_fields__` as strings (empty when the class declares none).
+fn struct_fields(cls: &Bound<'_, PyAny>) -> Vec<String> {
+    cls.getattr(intern!(cls.py(), "__struct_fields__"))
+        .and_then(|f| f.extract::<Vec<String>>())
+        .unwrap_or_default()
+}
+
+/// Whether `fields` is `expected` (`prefix`: starts with it).
+fn has_fields(fields: &[String], expected: &[&str], prefix: bool) -> bool {
     let n = expected.len();
     (fields.len() == n || (prefix && fields.len() > n))
         && fields.iter().zip(expected).all(|(a, b)| a == b)
+}
+
+impl StoredCall {
+    fn of(fields: &[String]) -> Self {
+        if has_fields(fields, &BLOCK_STORED_FIELDS, false) {
+            StoredCall::Positional15
+        } else if has_fields(fields, &BLOCK_STORED_FIELDS[..14], false) {
+            StoredCall::Positional14
+        } else {
+            StoredCall::Keywords {
+                lookahead_field: fields.iter().any(|f| f == "lookahead_token_ids"),
+            }
+        }
+    }
+
+    fn has_lookahead_field(self) -> bool {
+        match self {
+            StoredCall::Positional15 => true,
+            StoredCall::Positional14 => false,
+            StoredCall::Keywords { lookahead_field } => lookahead_field,
+        }
+    }
 }
 
 /// Builds vLLM's KV-cache event structs from the core's records, inside the call
@@ -509,7 +546,7 @@ pub struct PyEventBuilder {
     int_block_hashes: bool,
     /// `fallback(request, start, end, block_size, group_idx, lookahead, medium)`.
     fallback: Py<PyAny>,
-    stored_positional: bool,
+    stored_call: StoredCall,
     removed_positional: bool,
 }
 
@@ -528,10 +565,21 @@ impl PyEventBuilder {
         num_hash_lookahead_tokens: usize,
         int_block_hashes: bool,
         fallback: Bound<'_, PyAny>,
-    ) -> Self {
-        Self {
-            stored_positional: has_fields(&block_stored, &BLOCK_STORED_FIELDS, false),
-            removed_positional: has_fields(&block_removed, &BLOCK_REMOVED_FIELDS, true),
+    ) -> PyResult<Self> {
+        let stored_call = StoredCall::of(&struct_fields(&block_stored));
+        if num_hash_lookahead_tokens > 0 && !stored_call.has_lookahead_field() {
+            return Err(PyValueError::new_err(format!(
+                "num_hash_lookahead_tokens={num_hash_lookahead_tokens}, but this BlockStored \
+                 has no lookahead_token_ids field (vLLM before 0.33 has no lookahead hashing)"
+            )));
+        }
+        Ok(Self {
+            stored_call,
+            removed_positional: has_fields(
+                &struct_fields(&block_removed),
+                &BLOCK_REMOVED_FIELDS,
+                true,
+            ),
             block_stored: block_stored.unbind(),
             block_removed: block_removed.unbind(),
             all_blocks_cleared: all_blocks_cleared.unbind(),
@@ -539,7 +587,7 @@ impl PyEventBuilder {
             num_hash_lookahead_tokens,
             int_block_hashes,
             fallback: fallback.unbind(),
-        }
+        })
     }
 
     #[getter]
@@ -635,29 +683,28 @@ impl PyEventBuilder {
             fields;
         let medium = self.medium.bind(py).clone();
         let cls = self.block_stored.bind(py);
-        if self.stored_positional {
+        if let StoredCall::Positional15 | StoredCall::Positional14 = self.stored_call {
             let none = py.None().into_bound(py);
-            let args = PyTuple::new(
-                py,
-                [
-                    hashes,
-                    parent,
-                    token_ids,
-                    block_size.clone(),
-                    lora_id,
-                    medium,
-                    lora_name,
-                    extra_keys,
-                    group_idx.clone(),
-                    none.clone(),
-                    none.clone(),
-                    none.clone(),
-                    none,
-                    session_id,
-                    lookahead,
-                ],
-            )?;
-            return cls.call1(args);
+            let mut args = vec![
+                hashes,
+                parent,
+                token_ids,
+                block_size.clone(),
+                lora_id,
+                medium,
+                lora_name,
+                extra_keys,
+                group_idx.clone(),
+                none.clone(),
+                none.clone(),
+                none.clone(),
+                none,
+                session_id,
+            ];
+            if self.stored_call == StoredCall::Positional15 {
+                args.push(lookahead);
+            }
+            return cls.call1(PyTuple::new(py, args)?);
         }
         let kwargs = PyDict::new(py);
         for (k, v) in [
@@ -671,9 +718,11 @@ impl PyEventBuilder {
             ("extra_keys", extra_keys),
             ("group_idx", group_idx.clone()),
             ("session_id", session_id),
-            ("lookahead_token_ids", lookahead),
         ] {
             kwargs.set_item(k, v)?;
+        }
+        if self.stored_call.has_lookahead_field() {
+            kwargs.set_item("lookahead_token_ids", lookahead)?;
         }
         cls.call((), Some(&kwargs))
     }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import os
 import random
 from typing import Any
@@ -22,6 +23,15 @@ from vllm.v1.core import kv_cache_manager as _vllm_kvm
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 ReferenceKVCacheManager = _vllm_kvm.KVCacheManager
+# What the installed vLLM's interface has (0.33 has both, 0.32 neither): the generator
+# only makes calls the reference takes, and passes exactly what its Scheduler passes.
+HAS_HASH_LOOKAHEAD = (
+    "num_hash_lookahead_tokens" in inspect.signature(ReferenceKVCacheManager.__init__).parameters
+)
+HAS_MAX_HIT_LEN = (
+    "max_cache_hit_length"
+    in inspect.signature(ReferenceKVCacheManager.get_computed_blocks).parameters
+)
 DEFAULT_CANDIDATE = "hscache.vllm:KVCacheManager"
 CANDIDATE_ENV = "HSCACHE_DIFF_CANDIDATE"
 
@@ -64,6 +74,7 @@ class TraceConfig:
     p_async_load: float = 0.4
     p_deferred_free: float = 0.25
     p_resumable: float = 0.08  # streaming-input sessions
+    p_max_hit_len: float = 0.05  # lookups with an explicit max_cache_hit_length
     # comparison
     events_every_call: bool = True
     check_free_queue: bool = True
@@ -142,6 +153,10 @@ def config_for_seed(seed: int, num_ops: int = 500, **overrides) -> TraceConfig:
         cfg = dataclasses.replace(cfg, p_dup=0.6, p_conv=0.3)
     elif variant < 0.15:  # one request at a time
         cfg = dataclasses.replace(cfg, max_running=1)
+    if not HAS_HASH_LOOKAHEAD:
+        cfg = dataclasses.replace(cfg, hash_lookahead=0)
+    if not HAS_MAX_HIT_LEN:
+        cfg = dataclasses.replace(cfg, p_max_hit_len=0.0)
     return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
 

@@ -237,7 +237,7 @@ class Generator:
             if rng.random() < 0.1:
                 res = p.call("get_computed_blocks_for_connector", rid=rid)
                 _, hit, boundary, _ = res
-            elif rng.random() < 0.05:
+            elif rng.random() < cfg.p_max_hit_len:
                 max_len = rng.randint(0, N - 1)
                 _, hit, boundary = p.call("get_computed_blocks", rid=rid, max_len=max_len)
             else:

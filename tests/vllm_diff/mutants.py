@@ -160,7 +160,8 @@ class NoEagleBlockDrop(KVCacheManager):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.coordinator.drop_eagle_group_ids = set()
+        self.coordinator.drop_eagle_group_ids = set()  # vLLM 0.33 drops for these groups
+        self.coordinator.eagle_group_ids = set()  # vLLM 0.32 for these
 
 
 class CachesReprefillableTokens(KVCacheManager):

@@ -23,7 +23,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
-from .config import ReferenceKVCacheManager, TraceConfig, manager_kwargs
+from .config import HAS_HASH_LOOKAHEAD, ReferenceKVCacheManager, TraceConfig, manager_kwargs
 from .errors import HarnessError
 
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(PrefixCacheStats))
@@ -75,7 +75,8 @@ class Side:
             if type(self.mgr) is ReferenceKVCacheManager:
                 raise RuntimeError(f"the candidate fell back to vLLM's manager for {cfg}")
         factory = hasher_factory or get_request_block_hasher
-        self.hasher = factory(cfg.block_size, get_hash_fn_by_name(cfg.hash_fn), cfg.hash_lookahead)
+        lookahead = (cfg.hash_lookahead,) if HAS_HASH_LOOKAHEAD else ()
+        self.hasher = factory(cfg.block_size, get_hash_fn_by_name(cfg.hash_fn), *lookahead)
         self.reqs: dict[str, Request] = {}
         self.hits: dict[str, Any] = {}  # rid -> KVCacheBlocks of the last lookup
         self.popped: dict[str, list] = {}  # rid -> blocks of pop_blocks_for_free

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Fetches vLLM's own test suite (tests/ of the vLLM 0.33.0 sdist) into the cache and prints
-# the cached tree's path: ${HSCACHE_CACHE:-$HOME/.cache/hscache}/vllm-0.33.0-src, holding the
+# Fetches vLLM's own test suite (tests/ of the vLLM 0.33.0 sdist, or of the version given as
+# the first argument: 0.33.0 or 0.32.0) into the cache and prints the cached tree's path:
+#   tests/vllm_upstream/fetch_sdist.sh [VERSION]
+# ${HSCACHE_CACHE:-$HOME/.cache/hscache}/vllm-VERSION-src, holding the
 # sdist's tests/ and pyproject.toml (pytest configuration) and nothing else — in particular
 # not the sdist's vllm/ source tree, which would shadow the installed package.
 # Nothing of vLLM is copied into the repository.
@@ -13,8 +15,12 @@
 # the same way on every machine.
 set -euo pipefail
 
-VLLM_VERSION=0.33.0
-VLLM_SDIST_SHA256=f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112
+VLLM_VERSION="${1:-0.33.0}"
+case "$VLLM_VERSION" in
+    0.33.0) VLLM_SDIST_SHA256=f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112 ;;
+    0.32.0) VLLM_SDIST_SHA256=d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad ;;
+    *) echo "[hscache] no sdist hash pinned for vLLM $VLLM_VERSION (0.33.0 or 0.32.0)" >&2; exit 2 ;;
+esac
 
 cache="${HSCACHE_CACHE:-$HOME/.cache/hscache}"
 dest="$cache/vllm-$VLLM_VERSION-src"
@@ -29,7 +35,7 @@ if [[ -z "$python" ]]; then
 fi
 
 mkdir -p "$cache"
-exec 9>"$cache/.vllm-sdist.lock"
+exec 9>"$cache/.vllm-$VLLM_VERSION-sdist.lock"
 flock 9
 if [[ -f "$dest/.complete" ]]; then
     echo "$dest"
@@ -38,7 +44,7 @@ fi
 work="$(mktemp -d "$cache/.vllm-sdist.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
 t0=$SECONDS
-echo "[hscache] fetching the vLLM $VLLM_VERSION sdist (~47 MB) for its tests" >&2
+echo "[hscache] fetching the vLLM $VLLM_VERSION sdist (~50 MB) for its tests" >&2
 
 "$python" -m venv "$work/venv"
 echo "vllm==$VLLM_VERSION --hash=sha256:$VLLM_SDIST_SHA256" >"$work/req.txt"

@@ -1,8 +1,10 @@
-"""pytest plugin: run vLLM 0.33.0's own unit tests offline, optionally with hscache swapped in.
+"""pytest plugin: run vLLM's own unit tests offline, optionally with hscache swapped in.
 
 Loaded with ``-p hscache_swap`` (this directory on ``PYTHONPATH``) by ``run.sh``, from the
-cached tests tree of the vLLM sdist (``fetch_sdist.sh``) with ``--noconftest``. It is not a
-test module and is never collected by hscache's own ``pytest tests/`` run.
+cached tests tree of the vLLM sdist (``fetch_sdist.sh``; 0.33.0, or 0.32.0 against vLLM
+0.32) with ``--confcutdir tests/v1``: the conftest files under ``tests/v1/`` (the KV
+connector tests' fixtures) load, vLLM's root conftest (which needs many extras) does not.
+It is not a test module and is never collected by hscache's own ``pytest tests/`` run.
 
 What it does:
 
@@ -13,7 +15,8 @@ What it does:
   ``VLLM_MODEL_REDIRECT_PATH`` mechanism at them, and wraps ``ModelConfig.__init__`` so that
   the text-only ones get ``skip_tokenizer_init=True`` (no tokenizer offline). Any other
   model id is left alone and fails offline as it would anyway (see ``known_failures.txt``).
-* ``caplog_vllm``: the fixture of vLLM's root conftest (not loaded), re-implemented.
+* ``caplog_vllm``, ``default_vllm_config``: fixtures of vLLM's root conftest (not loaded),
+  re-implemented.
 * **The swap** (``HSCACHE_SWAP=1``): replaces vLLM's ``KVCacheManager`` with
   ``hscache.vllm.KVCacheManager`` (or ``HSCACHE_SWAP_CLASS=module:Class``) in
   ``vllm.v1.core.kv_cache_manager`` and in every module that has already bound the name with
@@ -222,10 +225,21 @@ def _record_construction(cls: Any, obj: Any, args: tuple, kwargs: dict) -> None:
 
 @pytest.fixture()
 def caplog_vllm(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """What vLLM's root conftest (not loaded: --noconftest) provides: caplog of vLLM's logs."""
+    """What vLLM's root conftest (not loaded) provides: caplog of vLLM's logs."""
     monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
     with caplog.at_level(logging.INFO):
         yield caplog
+
+
+@pytest.fixture()
+def default_vllm_config() -> Any:
+    """What vLLM's root conftest (not loaded) provides: a default ``VllmConfig`` made
+    current, for tests that reach ``get_current_vllm_config()`` outside an engine."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    config = VllmConfig()
+    with set_current_vllm_config(config):
+        yield config
 
 
 def pytest_configure(config: Any) -> None:

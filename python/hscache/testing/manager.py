@@ -1,7 +1,8 @@
 """The keyword arguments vLLM 0.33's ``Scheduler`` passes to ``KVCacheManager``.
 
 :func:`manager_kwargs` returns all sixteen, in the Scheduler's order, for a
-``KVCacheConfig`` (any list of groups, see :mod:`hscache.testing.kv_cache`);
+``KVCacheConfig`` (any list of groups, see :mod:`hscache.testing.kv_cache`; on vLLM 0.32,
+which has no lookahead hashing, fifteen: no ``num_hash_lookahead_tokens``);
 ``scheduler_block_size`` and ``hash_block_size`` are resolved as vLLM's engine resolves them
 (:func:`hscache.testing.kv_cache.block_sizes`) unless given. Both vLLM's manager and
 ``hscache.vllm.KVCacheManager`` take them unchanged: ``cls(**manager_kwargs(config))``.
@@ -9,11 +10,17 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from hscache.testing.kv_cache import block_sizes
+
+_HAS_HASH_LOOKAHEAD = (
+    "num_hash_lookahead_tokens" in inspect.signature(VllmKVCacheManager.__init__).parameters
+)
 
 __all__ = ["build_manager", "manager_kwargs"]
 
@@ -51,7 +58,7 @@ def manager_kwargs(
         )
         scheduler_block_size = resolved[0] if scheduler_block_size is None else scheduler_block_size
         hash_block_size = resolved[1] if hash_block_size is None else hash_block_size
-    return {
+    kwargs: dict[str, Any] = {
         "kv_cache_config": kv_cache_config,
         "max_model_len": max_model_len,
         "max_in_flight_tokens": max_in_flight_tokens,
@@ -69,6 +76,11 @@ def manager_kwargs(
         "watermark": watermark,
         "enable_mamba_shared_prefix_checkpoint": enable_mamba_shared_prefix_checkpoint,
     }
+    if not _HAS_HASH_LOOKAHEAD:  # vLLM 0.32: no lookahead hashing, no such keyword
+        if num_hash_lookahead_tokens:
+            raise ValueError("this vLLM has no lookahead hashing: num_hash_lookahead_tokens=0")
+        del kwargs["num_hash_lookahead_tokens"]
+    return kwargs
 
 
 def build_manager(cls: type, kv_cache_config: KVCacheConfig, **kwargs: Any) -> Any:

@@ -12,6 +12,7 @@ before building requests whose hashes are compared.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +33,11 @@ __all__ = [
     "request_block_hasher",
 ]
 
+_HAS_HASH_LOOKAHEAD = (
+    "num_hash_lookahead_tokens"
+    in inspect.signature(kv_cache_utils.get_request_block_hasher).parameters
+)
+
 BlockHasher = Callable[[Request], list[Any]]
 """What ``Request(block_hasher=...)`` takes: the request's new block hashes."""
 
@@ -47,8 +53,13 @@ def request_block_hasher(
     hash_block_size: int = 16, hash_algo: str = "sha256", num_hash_lookahead_tokens: int = 0
 ) -> BlockHasher:
     """vLLM's own block hasher (``get_request_block_hasher``), one per argument set."""
+    hash_fn = get_hash_fn_by_name(hash_algo)
+    if not _HAS_HASH_LOOKAHEAD:  # vLLM 0.32: the factory takes two arguments
+        if num_hash_lookahead_tokens:
+            raise ValueError("this vLLM has no lookahead hashing: num_hash_lookahead_tokens=0")
+        return kv_cache_utils.get_request_block_hasher(hash_block_size, hash_fn)
     return kv_cache_utils.get_request_block_hasher(
-        hash_block_size, get_hash_fn_by_name(hash_algo), num_hash_lookahead_tokens
+        hash_block_size, hash_fn, num_hash_lookahead_tokens
     )
 
 

@@ -1,4 +1,4 @@
-"""hscache's request block hasher: vLLM 0.33's block hashes, computed natively.
+"""hscache's request block hasher: vLLM's block hashes, computed natively.
 
 Mirrors ``vllm/v1/core/kv_cache_utils.py`` (``get_request_block_hasher``,
 ``hash_block_tokens``) and ``vllm/utils/hashing.py`` (``sha256``, ``sha256_cbor``,
@@ -25,7 +25,11 @@ Fallbacks, never a silent difference:
 
 Bad input raises: a token id outside ``0..2**32`` or a malformed multimodal position
 (``InvalidArgumentError``, a ``ValueError``), a parent hash that is not bytes
-(``BlockHashError``, a ``ValueError``).
+(``BlockHashError``, a ``ValueError``), lookahead tokens with a vLLM that has no lookahead
+hashing (0.32; ``ValueError``).
+
+vLLM 0.32 hashes exactly as 0.33 does without lookahead (``num_hash_lookahead_tokens=0``);
+its factory takes two arguments (``hscache.vllm.version``).
 """
 
 from __future__ import annotations
@@ -44,7 +48,9 @@ from vllm.v1.request import Request
 from hscache._core import RequestBlockHasher, blake3_block, blake3_digest, hash_object
 from hscache._core import hash_block_tokens as _hash_block_tokens
 from hscache.exceptions import UnsupportedError
+from hscache.vllm.version import require
 
+_PROFILE = require()
 logger = init_logger(__name__)
 
 __all__ = [
@@ -154,9 +160,17 @@ def get_request_block_hasher(
     """
     # vLLM's own factory, bound at import: tools that swap the module's name for this
     # function (vLLM's test plugin does) must not make it call itself.
-    vllm_hasher = _vllm_request_block_hasher(
-        hash_block_size, caching_hash_fn, num_hash_lookahead_tokens
-    )
+    if _PROFILE.hash_lookahead:
+        vllm_hasher = _vllm_request_block_hasher(
+            hash_block_size, caching_hash_fn, num_hash_lookahead_tokens
+        )
+    elif num_hash_lookahead_tokens:
+        raise ValueError(
+            f"num_hash_lookahead_tokens={num_hash_lookahead_tokens!r}: vLLM "
+            f"{_PROFILE.version} has no lookahead block hashing (it must be 0)"
+        )
+    else:
+        vllm_hasher = _vllm_request_block_hasher(hash_block_size, caching_hash_fn)
     algo = algo_of(caching_hash_fn)
     if algo is None:
         logger.info(

@@ -12,6 +12,11 @@ This module makes the builder (:func:`make_event_builder`) and owns the fallback
 request the core cannot convert exactly is built by :func:`_block_stored_py`, the same
 conversion with vLLM's own helpers end to end, kept whole on purpose: it is also the
 reference of the differential tests (``tests/test_events.py``).
+
+vLLM 0.32 has no lookahead hashing: its ``BlockStored`` has no ``lookahead_token_ids``
+field (14 fields, not 15) and its ``kv_cache_utils`` no lookahead extra-key helper. The
+builder passes only the fields the installed class declares; the fallback asks the
+version profile (``hscache.vllm.version``).
 """
 
 from __future__ import annotations
@@ -28,12 +33,22 @@ from vllm.distributed.kv_events import (
 )
 from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys,
-    generate_lookahead_block_hash_extra_keys,
     maybe_convert_block_hash,
     to_event_extra_keys,
 )
 
 from hscache._core import EventBuilder
+from hscache.vllm.version import require
+
+_PROFILE = require()
+
+
+def _check_lookahead(num_hash_lookahead_tokens: int) -> None:
+    if num_hash_lookahead_tokens and not _PROFILE.hash_lookahead:
+        raise ValueError(
+            f"num_hash_lookahead_tokens={num_hash_lookahead_tokens!r}: vLLM "
+            f"{_PROFILE.version} has no lookahead block hashing (it must be 0)"
+        )
 
 
 def make_event_builder(
@@ -46,6 +61,7 @@ def make_event_builder(
     ``int_block_hashes``: ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, read now if None (a
     pool reads it once, when it is built).
     """
+    _check_lookahead(num_hash_lookahead_tokens)
     if int_block_hashes is None:
         int_block_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
     return EventBuilder(
@@ -98,6 +114,7 @@ def _block_stored_py(
     ``(i + 1) * hash_scale - 1``); ``skipped``: blocks of the range that got no hash
     (null or masked out), left out of the hashes, extra keys and lookahead ids.
     """
+    _check_lookahead(num_hash_lookahead_tokens)
     all_hashes = request.block_hashes
     all_token_ids = request.all_token_ids
     included = [i for i in range(start_block, end_block) if i not in set(skipped)]
@@ -108,6 +125,8 @@ def _block_stored_py(
         start = i * block_size
         end = start + block_size
         if num_hash_lookahead_tokens:
+            from vllm.v1.core.kv_cache_utils import generate_lookahead_block_hash_extra_keys
+
             keys, mm_idx = generate_lookahead_block_hash_extra_keys(
                 request, start, end, end + num_hash_lookahead_tokens, mm_idx
             )
@@ -121,6 +140,9 @@ def _block_stored_py(
     else:
         hashes = [all_hashes[(i + 1) * hash_scale - 1] for i in included]
     lora = request.lora_request
+    lookahead: dict[str, Any] = (
+        {"lookahead_token_ids": lookahead_token_ids} if _PROFILE.hash_lookahead else {}
+    )
     return BlockStored(
         block_hashes=[maybe_convert_block_hash(h) for h in hashes],
         parent_block_hash=(
@@ -136,5 +158,5 @@ def _block_stored_py(
         extra_keys=to_event_extra_keys(extra_keys_list),
         group_idx=group_idx,
         session_id=request.session_id,
-        lookahead_token_ids=lookahead_token_ids,
+        **lookahead,
     )

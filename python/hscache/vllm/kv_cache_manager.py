@@ -52,9 +52,11 @@ from hscache.exceptions import InvalidArgumentError, UnsupportedConfigError
 from hscache.vllm.block_pool import BlockPool
 from hscache.vllm.parity import ParityKVCacheManager
 from hscache.vllm.specs import env_flag, group_specs, unsupported_reason
+from hscache.vllm.version import require
 from hscache.vllm.views import coordinator_view
 
 logger = init_logger(__name__)
+_PROFILE = require()  # what differs between the supported vLLM versions
 
 _SIGNATURE = inspect.signature(VllmKVCacheManager.__init__)
 
@@ -136,9 +138,13 @@ class KVCacheManager(KVCacheCore):
             hash_block_size=params["hash_block_size"],
             enable_caching=bool(params["enable_caching"]),
             enable_kv_cache_events=bool(params["enable_kv_cache_events"]),
-            use_eagle=bool(params["use_eagle"]),
+            # vLLM 0.32 drops the EAGLE block of every flagged group, use_eagle or not.
+            use_eagle=_PROFILE.drops_eagle_block(
+                bool(params["use_eagle"]),
+                any(g.is_eagle_group for g in config.kv_cache_groups),
+            ),
             watermark_blocks=int(watermark * config.num_blocks),
-            num_hash_lookahead_tokens=params["num_hash_lookahead_tokens"],
+            num_hash_lookahead_tokens=params.get("num_hash_lookahead_tokens", 0),
             num_prefill_lookahead=params["num_prefill_lookahead"],
             dcp_world_size=params["dcp_world_size"],
             pcp_world_size=params["pcp_world_size"],

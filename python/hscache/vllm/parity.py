@@ -129,9 +129,11 @@ class ParityKVCacheManager:
         self.check("usage", ours, theirs)
         return float(ours)
 
-    def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None) -> Any:
-        ours = self.hscache.get_computed_blocks(request, max_cache_hit_length)
-        theirs = self.vllm.get_computed_blocks(request, max_cache_hit_length)
+    def get_computed_blocks(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        # Both managers get the caller's exact arguments: vLLM 0.33 passes
+        # ``max_cache_hit_length`` on some paths, 0.32's manager takes no such argument.
+        ours = self.hscache.get_computed_blocks(request, *args, **kwargs)
+        theirs = self.vllm.get_computed_blocks(request, *args, **kwargs)
         self.check(
             f"get_computed_blocks({request.request_id!r})",
             (_ids(ours[0]), *ours[1:]),
@@ -139,11 +141,9 @@ class ParityKVCacheManager:
         )
         return ours
 
-    def get_computed_blocks_for_connector(
-        self, request: Any, max_cache_hit_length: int | None = None
-    ) -> Any:
-        ours = self.hscache.get_computed_blocks_for_connector(request, max_cache_hit_length)
-        theirs = self.vllm.get_computed_blocks_for_connector(request, max_cache_hit_length)
+    def get_computed_blocks_for_connector(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        ours = self.hscache.get_computed_blocks_for_connector(request, *args, **kwargs)
+        theirs = self.vllm.get_computed_blocks_for_connector(request, *args, **kwargs)
         self.check(
             f"get_computed_blocks_for_connector({request.request_id!r})",
             (_ids(ours[0]), *ours[1:]),

@@ -8,17 +8,47 @@ scheduler use hscache's, and installs hscache's request block hasher (which ``En
 builds after the scheduler); without it the plugin does nothing.
 ``--scheduler-cls hscache.vllm.Scheduler`` uses the same bindings, for its constructor
 only.
+
+vLLM imports this module in every process of every vLLM installation hscache is
+installed beside, so it imports nothing of hscache's vLLM glue until ``HSCACHE=1`` asks
+for it. With a vLLM that hscache does not support (``hscache.vllm.version``) it logs one
+line and does nothing: never a traceback.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
+
+logger = logging.getLogger(__name__)
+_said_unsupported = False
+_said_switched = False
 
 
 def enabled() -> bool:
     """Whether ``HSCACHE`` asks for hscache (``1``, ``true``, ``yes``)."""
     return os.environ.get("HSCACHE", "0").lower() in ("1", "true", "yes", "on")
+
+
+def use_vllm_log_handler() -> None:
+    """Show hscache's log lines (fallback reasons, parity mode) in vLLM's log.
+
+    vLLM configures only its own ``vllm`` logger (no propagation), so lines of the
+    ``hscache`` logger would otherwise reach no handler in a vLLM process. Gives that
+    logger vLLM's handlers and level, once (it still propagates, so a process that
+    captures the root logger, as pytest does, sees its records); a process that gave
+    the ``hscache`` logger handlers itself keeps them.
+    """
+    ours = logging.getLogger("hscache")
+    if ours.handlers:
+        return
+    theirs = logging.getLogger("vllm")
+    if not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
 
 
 def scheduler_bindings() -> dict[str, Any]:
@@ -36,7 +66,19 @@ def scheduler_bindings() -> dict[str, Any]:
 
 def register() -> None:
     """The plugin entry point; idempotent (vLLM may load plugins several times)."""
+    global _said_unsupported, _said_switched
     if not enabled():
+        return
+    from hscache.vllm import version
+
+    use_vllm_log_handler()
+    if version.profile() is None:
+        if not _said_unsupported:
+            _said_unsupported = True
+            logger.warning(
+                "hscache: HSCACHE=1 ignored, vLLM keeps its own managers: %s",
+                version.unsupported_message(version.installed_version()),
+            )
         return
     import vllm.v1.core.sched.scheduler as scheduler_module
 
@@ -45,3 +87,10 @@ def register() -> None:
     for name, obj in scheduler_bindings().items():
         setattr(scheduler_module, name, obj)
     install_block_hasher()
+    if not _said_switched:
+        _said_switched = True
+        logger.info(
+            "hscache: HSCACHE=1: vLLM %s's schedulers build hscache's KV-cache and "
+            "encoder-cache managers and block hasher",
+            version.installed_version(),
+        )

@@ -5,12 +5,20 @@ switches them on. The Scheduler builds its KV-cache and encoder-cache managers b
 names bound in its own module; the subclasses rebind those names to hscache's managers
 (``plugin.scheduler_bindings``) for the duration of the parent constructor, and install
 hscache's request block hasher, which ``EngineCore`` builds right after the scheduler.
-Nothing else in vLLM changes.
+Nothing else in vLLM changes; each supported vLLM (``hscache.vllm.version``) runs its own
+scheduling code. With any other vLLM, importing this module raises
+``UnsupportedVllmVersionError``, so ``--scheduler-cls hscache.vllm.Scheduler`` stops the
+engine at start with a message naming the supported versions.
+
+After construction the scheduler logs one line naming the KV-cache manager class it got
+(``hscache.vllm.kv_cache_manager.KVCacheManager``, or vLLM's own after a fallback, whose
+reason is logged just before): what ``scripts/e2e.sh`` reads to prove hscache served.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -20,8 +28,11 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler as _VllmAsyncSched
 from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
 
 from hscache.vllm.block_hasher import install_block_hasher
-from hscache.vllm.plugin import scheduler_bindings
+from hscache.vllm.plugin import scheduler_bindings, use_vllm_log_handler
+from hscache.vllm.version import require
 
+_PROFILE = require()
+logger = logging.getLogger(__name__)
 _PATCH_LOCK = threading.Lock()
 
 
@@ -41,11 +52,20 @@ def _hscache_managers() -> Iterator[None]:
 
 class _HscacheSchedulerMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        use_vllm_log_handler()
         # EngineCore builds its request block hasher right after the scheduler: from
         # then on it is hscache's (same hashes as the configured vLLM algorithm).
         install_block_hasher()
         with _hscache_managers():
             super().__init__(*args, **kwargs)
+        manager = type(self.kv_cache_manager)  # type: ignore[attr-defined]
+        logger.info(
+            "hscache: %s (vLLM %s) uses KV-cache manager %s.%s",
+            type(self).__name__,
+            _PROFILE.version,
+            manager.__module__,
+            manager.__qualname__,
+        )
 
 
 class Scheduler(_HscacheSchedulerMixin, _VllmScheduler):

