@@ -6,6 +6,7 @@
 //! prints ns per block directly.
 //!
 //! Run: `cargo bench --bench block_pool` (add `-- --quick` for a short run).
+#![allow(clippy::unwrap_used)] // test code: a panic is a failed test
 
 use std::hint::black_box;
 

@@ -8,6 +8,7 @@
 //! `Throughput::Elements` is tokens, so criterion prints tokens/s directly.
 //!
 //! Run: `cargo bench --bench hashing` (add `-- --quick` for a short run).
+#![allow(clippy::unwrap_used)] // test code: a panic is a failed test
 
 use std::hint::black_box;
 
@@ -71,8 +72,8 @@ fn plain(c: &mut Criterion) {
                         root.as_bytes(),
                         RequestExtraKeys::default(),
                         &mut out,
-                    )
-                })
+                    );
+                });
             });
         }
         g.finish();
@@ -106,7 +107,7 @@ fn with_extra_keys(c: &mut Criterion) {
         let mut h = RequestBlockHasher::new(algo, 16, 0).expect("valid");
         let mut out = Vec::with_capacity(PROMPT / 16);
         g.bench_function(algo.name(), |b| {
-            b.iter(|| hash_prompt(&mut h, black_box(&toks), root.as_bytes(), keys, &mut out))
+            b.iter(|| hash_prompt(&mut h, black_box(&toks), root.as_bytes(), keys, &mut out));
         });
     }
     g.finish();

@@ -7,6 +7,7 @@
 //! is requests, so criterion prints ns per scheduled request.
 //!
 //! Run: `cargo bench --bench slots` (add `-- --quick` for a short run).
+#![allow(clippy::unwrap_used)] // test code: a panic is a failed test
 
 use std::hint::black_box;
 

@@ -78,7 +78,7 @@ impl FreeKVCacheBlockQueue {
             Ok(())
         } else {
             Err(Error::BlockIdOutOfRange {
-                block_id: block_id as i64,
+                block_id: i64::from(block_id),
                 num_blocks: self.num_blocks() as u32,
             })
         }

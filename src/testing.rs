@@ -70,7 +70,11 @@ pub fn hybrid_manager(
     c.coordinator.scheduler_block_size = scheduler;
     c.coordinator.hash_block_size = hash;
     c.coordinator.enable_kv_cache_events = events;
-    c.coordinator.needs_kv_cache_zeroing = c.coordinator.groups.iter().any(|g| g.is_mamba());
+    c.coordinator.needs_kv_cache_zeroing = c
+        .coordinator
+        .groups
+        .iter()
+        .any(super::manager::spec::GroupSpec::is_mamba);
     KVCacheManager::new(c).expect("a valid hybrid config")
 }
 
@@ -109,7 +113,7 @@ pub fn allocate(
     hits: Option<&[Vec<BlockId>]>,
     args: AllocateSlots<'_>,
 ) -> crate::Result<Option<Vec<BlockId>>> {
-    let flat: Vec<BlockId> = hits.map(|h| h.concat()).unwrap_or_default();
+    let flat: Vec<BlockId> = hits.map(<[std::vec::Vec<u32>]>::concat).unwrap_or_default();
     let ends: Vec<usize> = hits
         .map(|h| {
             h.iter()

@@ -6,6 +6,7 @@
 //! `free` per finished one, the other with one `allocate_running_batch` /
 //! `free_batch` per step. After every step the new block ids, preemptions, block
 //! tables, free-queue order, KV events and pool invariants must be identical.
+#![allow(clippy::unwrap_used)] // test code: a panic is a failed test
 
 use hscache::manager::{AllocateSlots, BatchStop, KVCacheManager, RunningBatch};
 use hscache::testing::{allocate, full_attention_manager, lookup, prompt_hashes, request};

@@ -10,6 +10,7 @@
 //!   overlap each block, with offsets relative to the block start;
 //! - hashing a request's tokens in arbitrary increments yields the one-shot hashes;
 //! - the pickle writer emits a frame structure that parses back to the input length.
+#![allow(clippy::unwrap_used)] // test code: a panic is a failed test
 
 use hscache::extra_keys::{
     gen_mm_extra_hash_keys, generate_lookahead_block_hash_extra_keys, initial_mm_index,
@@ -349,7 +350,7 @@ proptest! {
             let hash_upto = |h: &mut RequestBlockHasher, n: usize, hashed: &[BlockHash]| {
                 let input = RequestHashInput {
                     num_hashed_blocks: hashed.len(),
-                    parent: hashed.last().map(|p| p.as_bytes()),
+                    parent: hashed.last().map(hscache::types::BlockHash::as_bytes),
                     none_hash: root.as_bytes(),
                     tokens: &tokens[(hashed.len() * bs).min(n)..n],
                     keys,

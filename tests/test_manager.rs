@@ -1,6 +1,7 @@
 //! Scenario tests of the core manager, with the exact outcomes vLLM 0.33's own
 //! tests assert (`tests/v1/core/test_prefix_caching.py`): block ids, hit lengths
 //! and free-queue orders.
+#![allow(clippy::unwrap_used)] // test code: a panic is a failed test
 
 use hscache::manager::{AllocateSlots, KVCacheManager};
 use hscache::testing::{allocate, full_attention_manager, lookup, prompt_hashes, request};

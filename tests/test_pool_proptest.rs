@@ -11,6 +11,7 @@
 //!
 //! A failing case is saved (as its seed) in `proptest-regressions/test_pool_proptest.txt`,
 //! which is committed: every later run replays those cases before the random ones.
+#![allow(clippy::unwrap_used)] // test code: a panic is a failed test
 
 use std::collections::HashMap;
 
@@ -146,9 +147,9 @@ impl ModelPool {
             self.ref_cnt[id as usize] -= 1;
             if self.ref_cnt[id as usize] == 0 {
                 if self.hash[id as usize].is_none() {
-                    first.push(id)
+                    first.push(id);
                 } else {
-                    last.push(id)
+                    last.push(id);
                 }
             }
         }
@@ -249,7 +250,7 @@ proptest! {
                     }
                 }
                 PoolOp::Evict(id) => {
-                    pool.evict_blocks(&[id as i64]).unwrap();
+                    pool.evict_blocks(&[i64::from(id)]).unwrap();
                     model.evict(id);
                 }
                 PoolOp::Reset => {

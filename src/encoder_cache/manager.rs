@@ -289,13 +289,10 @@ impl EncoderCacheManager {
         encoder_compute_budget: i64,
         num_embeds_to_schedule: i64,
     ) -> Result<bool> {
-        let victims = match self.plan_can_allocate(
-            num_embeds,
-            encoder_compute_budget,
-            num_embeds_to_schedule,
-        )? {
-            Some(victims) => victims,
-            None => return Ok(false),
+        let Some(victims) =
+            self.plan_can_allocate(num_embeds, encoder_compute_budget, num_embeds_to_schedule)?
+        else {
+            return Ok(false);
         };
         for _ in 0..victims {
             self.evict_oldest();

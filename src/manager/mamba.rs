@@ -597,7 +597,7 @@ impl SingleTypeManager for MambaManager {
     ) -> Result<i64> {
         if self.hit_cached_this_step(pool, q.new_computed_blocks) {
             // Not usable before the next step: report that nothing fits.
-            return Ok(pool.num_gpu_blocks() as i64 + 1);
+            return Ok(i64::from(pool.num_gpu_blocks()) + 1);
         }
         if self.align() {
             return Ok(self.align_num_blocks_to_allocate(pool, slot, req, q));

@@ -956,7 +956,7 @@ impl KVCacheManager {
     ) -> Result<i64> {
         self.guard()?;
         for &b in hits.ids {
-            self.block_pool().check_block_id(b as i64)?;
+            self.block_pool().check_block_id(i64::from(b))?;
         }
         self.coordinator.get_num_blocks_to_allocate(
             request_id,
@@ -975,8 +975,8 @@ impl KVCacheManager {
     /// a manager's `_pending_cow_copies`).
     pub fn push_cow_copy(&mut self, g: usize, pair: (BlockId, BlockId)) -> Result<()> {
         self.guard()?;
-        self.block_pool().check_block_id(pair.0 as i64)?;
-        self.block_pool().check_block_id(pair.1 as i64)?;
+        self.block_pool().check_block_id(i64::from(pair.0))?;
+        self.block_pool().check_block_id(i64::from(pair.1))?;
         self.coordinator.push_cow_copy(g, pair);
         Ok(())
     }

@@ -100,7 +100,7 @@ impl BlockPool {
             if !included(i) {
                 continue;
             }
-            self.check_block_id(id as i64)?;
+            self.check_block_id(i64::from(id))?;
             view.get(i)?;
             let num_hash_tokens = (i + 1) * block_size;
             if let Some(n) = self.block_hash_num_tokens(id) {
@@ -191,7 +191,7 @@ impl BlockPool {
         num_tokens: usize,
         block_size: usize,
     ) -> Result<Option<crate::types::BlockHash>> {
-        self.check_block_id(block_id as i64)?;
+        self.check_block_id(i64::from(block_id))?;
         if block_id == NULL_BLOCK_ID {
             return Ok(None);
         }
@@ -211,8 +211,8 @@ impl BlockPool {
     /// vLLM's `move_block_hashes`: every key of `src` now points at `dst` (which
     /// must be uncached); no events.
     pub fn move_block_hashes(&mut self, src: BlockId, dst: BlockId) -> Result<()> {
-        self.check_block_id(src as i64)?;
-        self.check_block_id(dst as i64)?;
+        self.check_block_id(i64::from(src))?;
+        self.check_block_id(i64::from(dst))?;
         if self.block_hash(dst).is_some() || src == dst {
             return Err(Error::InvalidArgument(format!(
                 "cannot move the keys of block {src} onto cached block {dst}"

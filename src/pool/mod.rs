@@ -118,7 +118,7 @@ impl BlockPool {
     /// `Err` unless `block_id` names a block of this pool.
     #[inline]
     pub fn check_block_id(&self, block_id: i64) -> Result<BlockId> {
-        if block_id >= 0 && block_id < self.num_gpu_blocks as i64 {
+        if block_id >= 0 && block_id < i64::from(self.num_gpu_blocks) {
             Ok(block_id as BlockId)
         } else {
             Err(Error::BlockIdOutOfRange {
@@ -284,7 +284,7 @@ impl BlockPool {
     /// block in the free queue); nothing changes.
     pub fn validate_touch(&self, block_ids: &[BlockId]) -> Result<()> {
         for &id in block_ids {
-            self.check_block_id(id as i64)?;
+            self.check_block_id(i64::from(id))?;
             if id != NULL_BLOCK_ID
                 && self.ref_cnt[id as usize] == 0
                 && !self.free_block_queue.contains(id)
@@ -338,7 +338,7 @@ impl BlockPool {
         zeroed.clear();
         let mut failure = None;
         for &id in ids {
-            if let Err(e) = self.check_block_id(id as i64) {
+            if let Err(e) = self.check_block_id(i64::from(id)) {
                 failure = Some(e);
                 break;
             }
@@ -464,7 +464,7 @@ impl BlockPool {
             if (rc == 0) != queued {
                 return Err(format!("block {id}: ref_cnt {rc} but queued={queued}"));
             }
-            free += queued as usize;
+            free += usize::from(queued);
         }
         if self.free_block_queue.contains(NULL_BLOCK_ID) {
             return Err("the null block is in the free queue".into());

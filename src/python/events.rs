@@ -203,7 +203,11 @@ fn mm_items<'py>(
     let features = request.getattr(intern!(py, "mm_features"))?;
     let holder = MmHolder::read(Some(&features), start)
         .map_err(|e| unsupported(format!("mm_features: {e}")))?;
-    if holder.identifiers.iter().any(|id| id.is_none()) {
+    if holder
+        .identifiers
+        .iter()
+        .any(pyo3::types::PyAnyMethods::is_none)
+    {
         return Err(unsupported("a multimodal item has identifier None"));
     }
     let items = holder

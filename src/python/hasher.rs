@@ -261,9 +261,11 @@ fn read_list_tokens(
 }
 
 fn hash_bytes_of<'o>(what: &str, obj: &'o Bound<'_, PyAny>) -> PyResult<&'o [u8]> {
-    obj.cast::<PyBytes>().map(|b| b.as_bytes()).map_err(|_| {
-        BlockHashError::new_err(format!("{what} must be bytes, got {}", type_name(obj)))
-    })
+    obj.cast::<PyBytes>()
+        .map(pyo3::types::PyBytesMethods::as_bytes)
+        .map_err(|_| {
+            BlockHashError::new_err(format!("{what} must be bytes, got {}", type_name(obj)))
+        })
 }
 
 fn hash_to_py<'py>(py: Python<'py>, h: &BlockHash) -> Bound<'py, PyBytes> {

@@ -306,7 +306,7 @@ impl SlotMirror {
                  got {num_blocks} and {block_size}"
             )));
         }
-        if (num_blocks as u128) * (block_size as u128) > i64::MAX as u128 {
+        if u128::from(num_blocks) * (block_size as u128) > i64::MAX as u128 {
             return Err(Error::InvalidArgument(
                 "num_blocks * block_size overflows an int64 slot id".into(),
             ));

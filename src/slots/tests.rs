@@ -588,7 +588,7 @@ fn random_traces_match_a_naive_model() {
         let commit = next(5) != 0;
         let id = m
             .plan_step(&StepInput {
-                finished_req_ids: tables.keys().map(|k| k.as_str()).collect(),
+                finished_req_ids: tables.keys().map(std::string::String::as_str).collect(),
                 scheduled: vec![start(&rid, &table, hit, n)],
                 ..Default::default()
             })
