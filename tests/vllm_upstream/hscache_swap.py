@@ -214,7 +214,8 @@ def _record_construction(cls: Any, obj: Any, args: tuple, kwargs: dict) -> None:
     elif type(obj).__name__ == "ParityKVCacheManager":
         outcome = "served (parity)"
     else:
-        outcome = f"fallback: {unsupported_reason(config) or 'unknown'}"
+        caching = bool(kwargs.get("enable_caching", True))
+        outcome = f"fallback: {unsupported_reason(config, caching) or 'unknown'}"
     census: dict[str, int] = _state.setdefault("census", {})
     key = f"{outcome} | {layout}"
     census[key] = census.get(key, 0) + 1

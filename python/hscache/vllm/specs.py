@@ -22,9 +22,14 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupRole,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+from hscache.vllm.version import require
+
+_PROFILE = require()
 
 
 def env_flag(name: str) -> bool:
@@ -53,10 +58,18 @@ def manager_class(group: Any) -> Any:
         return None
 
 
-def unsupported_reason(config: KVCacheConfig) -> str | None:
+def unsupported_reason(config: KVCacheConfig, enable_caching: bool = True) -> str | None:
     """Why the core cannot serve this configuration, or None if it can."""
     if env_flag("HSCACHE_DISABLE"):
         return "HSCACHE_DISABLE is set"
+    if enable_caching and _PROFILE.series == "0.32":
+        # 0.32 lets a Mamba group in "none" / "all" mode sit under prefix caching (0.33
+        # refuses it, and the core implements 0.33's rules); its caching of such states is
+        # not 0.33's, so vLLM 0.32 keeps serving those configurations itself.
+        for i, group in enumerate(config.kv_cache_groups):
+            mode = getattr(group.kv_cache_spec, "mamba_cache_mode", "align")
+            if isinstance(group.kv_cache_spec, MambaSpec) and mode != "align":
+                return f"group {i}: vLLM 0.32 prefix caching over Mamba mode {mode!r}"
     for i, group in enumerate(config.kv_cache_groups):
         spec = group.kv_cache_spec
         if group.role != KVCacheGroupRole.DEFAULT or group.host_resident:
