@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import shrinking, trace
     from .actions import dump_repro, format_actions, load_repro
     from .config import config_for_seed, load_candidate
-    from .errors import Divergence
+    from .errors import Divergence, HarnessError
 
     if not args.verbose:
         for name in ("vllm", "vllm.v1.core.block_pool", "hscache"):
@@ -81,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         t1 = time.perf_counter()
         try:
             summary = trace.run_trace(seed, cfg, candidate)
+        except HarnessError as e:
+            failures += 1
+            print(f"--- seed {seed} [{cfg.short()}]\nHARNESS ERROR: {e}", flush=True)
+            if not args.keep_going:
+                return 1
+            continue
         except Divergence as d:
             failures += 1
             print(f"--- seed {seed} [{cfg.short()}]\n{d}", flush=True)

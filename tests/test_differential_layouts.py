@@ -1,0 +1,114 @@
+"""Differential regressions of the hybrid KV-cache layouts, and vLLM's documented exceptions.
+
+Each ``test_regression_*`` is a short trace, shrunk from a random differential trace
+(``tests/vllm_diff``), on which hscache's manager once diverged from vLLM 0.33.0's: it
+runs both managers in lock-step and compares every answer and the whole observable state
+(every group's tables, the prefix-cache index, Mamba's bookkeeping) after every call.
+
+``test_vllm_exception_*`` cover :data:`vllm_diff.exceptions.KNOWN`: where vLLM itself crashes
+or is clearly wrong, the harness stops comparing (``HarnessError`` names the exception) and
+these tests pin hscache's own behaviour.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import vllm_diff as diff
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def candidate():
+    return diff.load_candidate()
+
+
+def _pair(candidate, name: str, **cfg_kw) -> diff.Pair:
+    cfg = diff.TraceConfig(
+        **{"num_blocks": 32, "max_model_len": 64, "deep_every": 1, "events_every_call": True}
+        | cfg_kw
+    )
+    return diff.Pair(cfg, candidate, seed=name)
+
+
+def _spec(rid: str, prompt: list[int], **kw) -> dict:
+    return {"rid": rid, "prompt": list(prompt), "max_tokens": kw.pop("max_tokens", 8), **kw}
+
+
+# ------------------------------------------------------------------ vLLM's own crashes
+
+
+def _prefill_in_mamba_chunks(p: diff.Pair, rid: str, chunks: list[int]) -> None:
+    """Admit ``rid`` and prefill it in the chunks vLLM's Mamba "align" split makes."""
+    p.call("get_computed_blocks", rid=rid)
+    p.call("allocate_slots", rid=rid, n=chunks[0], hit="hit", kw={"num_new_computed_tokens": 0})
+    done = chunks[0]
+    p.do(["set", rid, "num_computed_tokens", done])
+    p.do(["set", rid, "status", "RUNNING"])
+    for n in chunks[1:]:
+        p.call("allocate_slots", rid=rid, n=n)
+        done += n
+        p.do(["set", rid, "num_computed_tokens", done])
+
+
+def test_vllm_exception_report_full_partial_hit_events(candidate):
+    """Known vLLM bug ``report-full-partial-hit-events``: full attention 32 + Mamba
+    "align" 64, hash block 32; a 110-token request asking for full KV-cache reports hits
+    96 tokens (a partial Mamba hit). vLLM raises IndexError inside
+    ``get_computed_blocks``; hscache answers the hit and reports it: the full-attention
+    blocks' BlockStored, the Mamba group's full block and a partial-entry event for the
+    tail."""
+    cfg_kw = {"layout": "fa:32+mamba:64:mode=align", "num_blocks": 40, "max_model_len": 256}
+    p = _pair(candidate, "report-full", events_every_call=False, **cfg_kw)
+    prompt = list(range(1, 111))
+    p.do(["new", _spec("warm", prompt[:100], max_tokens=1)])
+    _prefill_in_mamba_chunks(p, "warm", [64, 32, 4])  # vLLM's aligned split of 100
+    p.call("free", rid="warm")
+    p.call("take_events")
+    p.do(["new", _spec("r", prompt, max_tokens=1, report_full=True)])
+    with pytest.raises(diff.exceptions.KnownVllmException) as err:
+        p.call("get_computed_blocks", rid="r")
+    assert err.value.bug.name == "report-full-partial-hit-events"
+    # hscache's answer (the harness already checked it did not raise)
+    events = [e for e in p.cand.mgr.take_events() if type(e).__name__ == "BlockStored"]
+    assert p.cand.hits["r"].get_block_ids() == ([1, 2, 4], [0, 7])  # 96 tokens
+    hashes = p.cand.reqs["r"].block_hashes  # every 32 tokens
+    ext = [int.from_bytes(h, "big") & (2**64 - 1) for h in hashes]
+    summary = [
+        (e.group_idx, e.block_size, e.block_hashes, e.parent_block_hash, len(e.token_ids))
+        for e in events
+    ]
+    assert summary[0] == (0, 32, ext[:3], None, 96)
+    assert summary[1:] == [(1, 64, [ext[1]], None, 64), (1, 32, [ext[2]], ext[1], 32)]
+
+
+def test_vllm_exception_mamba_align_external_undercount(candidate):
+    """Known vLLM bug ``mamba-align-external-undercount``: full attention 2 + Mamba
+    "align" 2, 4 free blocks; a 5-token request with 4 external (connector) tokens, one
+    new token and one lookahead slot. vLLM counts 4 blocks (3 + the Mamba group's per-step
+    cap of 1) but its base ``allocate_external_computed_blocks`` takes a Mamba block for
+    the external tokens first, so ``get_new_blocks`` raises ValueError mid-allocation.
+    hscache counts the same, fails at the same call with InternalError and stays
+    poisoned (every later call raises): no silent wrong allocation."""
+    from hscache.exceptions import InternalError
+
+    p = _pair(candidate, "mamba-external", layout="fa:2+mamba:2:mode=align", num_blocks=5)
+    p.do(["new", _spec("r", [1, 2, 3, 4, 5], max_tokens=4)])
+    p.call("get_computed_blocks", rid="r")
+    kw = {
+        "num_new_computed_tokens": 0,
+        "num_external_computed_tokens": 4,
+        "num_lookahead_tokens": 1,
+    }
+    with pytest.raises(diff.exceptions.KnownVllmException) as err:
+        p.call("allocate_slots", rid="r", n=1, hit="hit", kw=kw)
+    assert err.value.bug.name == "mamba-align-external-undercount"
+    with pytest.raises(InternalError, match="poisoned"):
+        p.cand.mgr.free(p.cand.reqs["r"])
