@@ -42,6 +42,27 @@ def _spec(rid: str, prompt: list[int], **kw) -> dict:
     return {"rid": rid, "prompt": list(prompt), "max_tokens": kw.pop("max_tokens", 8), **kw}
 
 
+def test_regression_mamba_prompt_boundary_below_the_cached_run(candidate):
+    """Mamba "align" with a retention interval leaves the prompt's last full block
+    unkeyed; when a streaming session's next turn moves the prompt boundary onto that
+    block, caching registers it as a partial entry and reads its hash, which lies below
+    the run of newly full blocks. The core's hash-read plan missed it
+    (``InternalError: block hash 8 was read but not planned``); vLLM caches it."""
+    p = _pair(candidate, "mamba-boundary", layout="fa:2+mamba:2:mode=align", retention_interval=4)
+    p.do(["new", _spec("s", list(range(1, 19)), max_tokens=1, resumable=True)])
+    p.call("get_computed_blocks", rid="s")
+    p.call("allocate_slots", rid="s", n=18, hit="hit", kw={"num_new_computed_tokens": 0})
+    p.do(["set", "s", "num_computed_tokens", 18])
+    p.do(["set", "s", "status", "RUNNING"])
+    p.do(["append", "s", [77]])
+    p.do(["set", "s", "status", "WAITING_FOR_STREAMING_REQ"])
+    p.do(["session_update", "s", [88], 4])  # prompt 19 tokens: boundary at 18
+    new = p.call("allocate_slots", rid="s", n=1, hit="empty", kw={})
+    assert new is not None
+    p.call("free", rid="s")
+    p.check_state(deep=True)
+
+
 # ------------------------------------------------------------------ vLLM's own crashes
 
 

@@ -952,7 +952,14 @@ impl KVCacheCoordinator {
             lo = lo.min(cached * scale);
             let n = self.get_num_cacheable_tokens(num_computed_tokens, g);
             hi = hi.max(n / hbs);
-            m.extra_hash_reads(slot, num_prompt_tokens, num_hashes, n, points);
+            m.extra_hash_reads(
+                slot,
+                num_prompt_tokens,
+                num_hashes,
+                n,
+                num_computed_tokens,
+                points,
+            );
         }
         (lo.min(hi), hi.min(num_hashes))
     }
