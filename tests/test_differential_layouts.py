@@ -63,6 +63,32 @@ def test_regression_mamba_prompt_boundary_below_the_cached_run(candidate):
     p.check_state(deep=True)
 
 
+def test_regression_encoder_longer_than_max_model_len(candidate):
+    """An encoder-decoder model's encoder input is not bounded by the decoder's
+    ``max_model_len`` (Whisper: 1500 encoder positions, 448 decoder tokens). hscache
+    refused ``num_encoder_tokens > max_model_len`` as invalid input; vLLM allocates the
+    cross-attention blocks (or answers None when the pool is too small)."""
+    p = _pair(
+        candidate,
+        "cross-long-encoder",
+        layout="fa:4+cross:4",
+        enable_caching=False,
+        max_model_len=16,
+        num_blocks=17,
+    )
+    p.do(["new", _spec("a", [1, 2, 3, 4, 5], max_tokens=4)])
+    p.call("get_computed_blocks", rid="a")
+    kw = {"num_new_computed_tokens": 0, "num_encoder_tokens": 21}
+    new = p.call("allocate_slots", rid="a", n=5, hit="hit", kw=kw)
+    assert new is not None and len(new.get_block_ids()[1]) == 6
+    p.do(["new", _spec("b", [6, 7, 8], max_tokens=4)])
+    p.call("get_computed_blocks", rid="b")
+    kw = {"num_new_computed_tokens": 0, "num_encoder_tokens": 80}  # beyond the pool
+    assert p.call("allocate_slots", rid="b", n=3, hit="hit", kw=kw) is None
+    p.call("free", rid="a")
+    p.check_state(deep=True)
+
+
 # ------------------------------------------------------------------ vLLM's own crashes
 
 

@@ -451,7 +451,15 @@ impl KVCacheManager {
             args.num_external_computed_tokens,
         )?;
         self.check_tokens("num_lookahead_tokens", args.num_lookahead_tokens)?;
-        self.check_tokens("num_encoder_tokens", args.num_encoder_tokens)?;
+        // The encoder's length is not bounded by the decoder's max_model_len (Whisper:
+        // 1500 encoder positions, 448 decoder tokens); beyond the pool it just does
+        // not fit. Only absurd counts are refused.
+        if args.num_encoder_tokens > u32::MAX as usize {
+            return Err(Error::InvalidArgument(format!(
+                "num_encoder_tokens = {} is out of range",
+                args.num_encoder_tokens
+            )));
+        }
         self.check_tokens("request.num_computed_tokens", request.num_computed_tokens())?;
         let rid = request.request_id();
         let n_groups = self.num_kv_cache_groups();
