@@ -89,6 +89,26 @@ def test_regression_encoder_longer_than_max_model_len(candidate):
     p.check_state(deep=True)
 
 
+def test_regression_negative_reserved_blocks(candidate):
+    """The Scheduler's reservation for in-flight prefills sums
+    ``coordinator.get_num_blocks_to_allocate``, which a Mamba "align" group with
+    over-allocated speculative blocks makes negative (seen in trace seed 328); vLLM then
+    admits against ``free - reserved``. hscache refused a negative ``reserved_blocks``
+    as invalid input."""
+    p = _pair(candidate, "negative-reserve", layout="fa:4+mamba:4:mode=align:s=1", num_blocks=6)
+    p.do(["new", _spec("b", list(range(100, 108)))])
+    p.call("get_computed_blocks", rid="b")
+    kw = {
+        "num_new_computed_tokens": 0,
+        "num_external_computed_tokens": 4,
+        "delay_cache_blocks": True,
+        "reserved_blocks": -1,
+    }
+    assert p.call("allocate_slots", rid="b", n=0, hit="hit", kw=kw) is not None
+    p.call("free", rid="b")
+    p.check_state(deep=True)
+
+
 # ------------------------------------------------------------------ vLLM's own crashes
 
 

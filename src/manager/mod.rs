@@ -132,7 +132,10 @@ pub struct AllocateSlots<'a> {
     pub delay_cache_blocks: bool,
     pub num_encoder_tokens: usize,
     pub full_sequence_must_fit: bool,
-    pub reserved_blocks: usize,
+    /// Blocks held back for in-flight prefills (the Scheduler's reservation; may be
+    /// negative: a Mamba "align" group's over-allocated speculative blocks count
+    /// against it, as in vLLM).
+    pub reserved_blocks: i64,
     /// Other requests are scheduled this step (the watermark may apply).
     pub has_scheduled_reqs: bool,
     /// Groups whose external-token blocks an async load writes (not zeroed).
@@ -550,8 +553,7 @@ impl KVCacheManager {
             prefill_end,
         );
         let need = self.applied(need)?;
-        let available =
-            self.block_pool().get_num_free_blocks() as i64 - args.reserved_blocks as i64;
+        let available = self.block_pool().get_num_free_blocks() as i64 - args.reserved_blocks;
         if need + watermark as i64 > available {
             return Ok(false);
         }
