@@ -38,6 +38,8 @@ class TraceConfig:
     retention_interval: int | None = None  # KVCacheConfig.prefix_cache_retention_interval
     metrics: float = 0.0  # KVCacheMetricsCollector(sample_rate) on both sides (0: off)
     mamba_shared_checkpoint: bool = False  # enable_mamba_shared_prefix_checkpoint
+    dcp: int = 1  # decode context parallel world size
+    prefix_match_unit: int | None = None  # CacheConfig.prefix_match_unit (hash block size)
     num_blocks: int = 32
     max_model_len: int = 96
     enable_caching: bool = True
@@ -96,12 +98,21 @@ class TraceConfig:
     @property
     def sched_block(self) -> int:
         """The Scheduler's block size (the lcm of the group block sizes)."""
-        return _block_sizes(self.layout_str, self.enable_caching, self.p_external > 0)[0]
+        return self._block_sizes()[0]
 
     @property
     def hash_block(self) -> int:
         """``request.block_hashes``' granularity (vLLM's ``hash_block_size``)."""
-        return _block_sizes(self.layout_str, self.enable_caching, self.p_external > 0)[1]
+        return self._block_sizes()[1]
+
+    def _block_sizes(self) -> tuple[int, int]:
+        return _block_sizes(
+            self.layout_str,
+            self.enable_caching,
+            self.p_external > 0,
+            self.dcp,
+            self.prefix_match_unit,
+        )
 
     def short(self) -> str:
         extra = ""
@@ -113,6 +124,10 @@ class TraceConfig:
             extra += f"-m{self.metrics}"
         if self.mamba_shared_checkpoint:
             extra += "-msc"
+        if self.dcp > 1:
+            extra += f"-dcp{self.dcp}"
+        if self.prefix_match_unit:
+            extra += f"-pmu{self.prefix_match_unit}"
         return (
             f"B{self.block_size}-N{self.num_blocks}-L{self.max_model_len}"
             f"-c{int(self.enable_caching)}-e{int(self.enable_events)}"
@@ -131,9 +146,17 @@ def _layout_info(layout: str) -> LayoutInfo:
 
 
 @functools.cache
-def _block_sizes(layout: str, enable_caching: bool, kv_connector: bool) -> tuple[int, int]:
+def _block_sizes(
+    layout: str, enable_caching: bool, kv_connector: bool, dcp: int, prefix_match_unit: int | None
+) -> tuple[int, int]:
     config = kv_cache_config(kv_cache_groups(layout), 2)
-    return block_sizes(config, enable_caching=enable_caching, kv_connector=kv_connector)
+    return block_sizes(
+        config,
+        enable_caching=enable_caching,
+        kv_connector=kv_connector,
+        dcp_world_size=dcp,
+        prefix_match_unit=prefix_match_unit,
+    )
 
 
 # Layout families of config_for_seed, one per seed in turn ("fa": one full-attention group,
@@ -151,6 +174,8 @@ FAMILIES = (
     "mixed",
     "mla",
     "rswa|ring",
+    "fa",
+    "dcp",
 )
 
 
@@ -244,6 +269,8 @@ def _layout_config(family: str, seed: int, num_ops: int) -> TraceConfig:
     caching = rng.random() < 0.85
     use_eagle = False
     hash_lookahead = 0
+    dcp = 1
+    prefix_match_unit: int | None = None
     num_spec = rng.choice((0, 0, 0, 1, 2))
     p_external = rng.choice((0.0, 0.08, 0.2))
     if family == "fa+swa":
@@ -269,6 +296,8 @@ def _layout_config(family: str, seed: int, num_ops: int) -> TraceConfig:
         attn = [f"fa:{a}"] * rng.choice((1, 1, 2))
         layout = "+".join([*attn, f"mamba:{m}:" + ":".join(opts)])
         b = a
+        if a >= 4 and rng.random() < 0.25:
+            prefix_match_unit = a // 2  # hashes finer than the attention block
         use_eagle = rng.random() < 0.2
         hash_lookahead = 1 if (not use_eagle and rng.random() < 0.1) else 0
     elif family == "fa+mamba-nocache":
@@ -289,8 +318,16 @@ def _layout_config(family: str, seed: int, num_ops: int) -> TraceConfig:
             )
         )
         use_eagle = True
+    elif family == "dcp":
+        # vLLM: DCP hybrids take full attention, Mamba (no hit search) and draft groups
+        dcp = rng.choice((2, 4))
+        layout = rng.choice((f"fa:{b}", f"mla:{b}", f"fa:{b}+mamba:{b}:mode=none"))
+        if "mamba" in layout:
+            caching = False
     elif family == "mixed":
         w = _window(rng, b)
+        if b >= 4 and rng.random() < 0.25:
+            prefix_match_unit = b // 2
         layout = rng.choice(
             (
                 f"fa:{2 * b}+swa:{b}:w={w}",
@@ -306,7 +343,7 @@ def _layout_config(family: str, seed: int, num_ops: int) -> TraceConfig:
         raise ValueError(f"unknown layout family {family!r}")
     info = LayoutInfo(layout)
     groups = info.num_groups
-    sched = math.lcm(*(g.block_size for g in info.groups))
+    sched = math.lcm(*(g.block_size for g in info.groups)) * dcp
     tight = rng.random() < 0.4
     per_group = rng.randint(6, 16) if tight else rng.randint(20, 60)
     if sched > b:
@@ -345,6 +382,8 @@ def _layout_config(family: str, seed: int, num_ops: int) -> TraceConfig:
         retention_interval=retention,
         metrics=rng.choice((0.0, 0.0, 0.0, 1.0, 0.5)),
         mamba_shared_checkpoint=info.mamba_align and rng.random() < 0.3,
+        dcp=dcp,
+        prefix_match_unit=prefix_match_unit,
     )
     return _variant(cfg, rng)
 
@@ -375,6 +414,8 @@ def manager_kwargs(cfg: TraceConfig) -> dict:
         watermark=cfg.watermark,
         enable_mamba_shared_prefix_checkpoint=cfg.mamba_shared_checkpoint,
         kv_connector=cfg.p_external > 0,
+        dcp_world_size=cfg.dcp,
+        prefix_match_unit=cfg.prefix_match_unit,
     )
 
 
