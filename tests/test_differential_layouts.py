@@ -179,3 +179,26 @@ def test_vllm_exception_mamba_align_external_undercount(candidate):
     assert err.value.bug.name == "mamba-align-external-undercount"
     with pytest.raises(InternalError, match="poisoned"):
         p.cand.mgr.free(p.cand.reqs["r"])
+
+
+def test_vllm_exception_report_full_dcp_events(candidate):
+    """Known vLLM bug ``report-full-dcp-events``: one full-attention group of 4 tokens
+    under DCP 2 (blocks of 8); a request asking for full KV-cache reports hits 24 tokens.
+    vLLM fails an assertion inside ``get_computed_blocks``; hscache answers the hit and
+    reports its 3 blocks at the block size caching reports them with (8)."""
+    cfg_kw = {"layout": "fa:4", "dcp": 2, "num_blocks": 40, "max_model_len": 128}
+    p = _pair(candidate, "report-full-dcp", events_every_call=False, **cfg_kw)
+    prompt = list(range(1, 30))
+    p.do(["new", _spec("warm", prompt, max_tokens=1)])
+    p.call("get_computed_blocks", rid="warm")
+    p.call("allocate_slots", rid="warm", n=29, hit="hit", kw={"num_new_computed_tokens": 0})
+    p.call("free", rid="warm")
+    stored = [e for e in p.call("take_events") if type(e).__name__ == "BlockStored"]
+    assert [(e.block_size, len(e.block_hashes)) for e in stored] == [(8, 3)]
+    p.do(["new", _spec("r", prompt, max_tokens=1, report_full=True)])
+    with pytest.raises(diff.exceptions.KnownVllmException) as err:
+        p.call("get_computed_blocks", rid="r")
+    assert err.value.bug.name == "report-full-dcp-events"
+    events = [e for e in p.cand.mgr.take_events() if type(e).__name__ == "BlockStored"]
+    assert p.cand.hits["r"].get_block_ids() == ([1, 2, 3],)
+    assert [(e.block_size, e.block_hashes) for e in events] == [(8, stored[0].block_hashes)]

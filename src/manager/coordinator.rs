@@ -705,6 +705,9 @@ impl KVCacheCoordinator {
     /// `BlockStored` per group for its reused blocks. A hit that ends inside a block
     /// (partial hits) has no full-block hash for that block: vLLM 0.33 raises
     /// `IndexError` there; hscache reports the full blocks and the partial entry.
+    /// Blocks are reported at the group's block size as caching reports them (DCP
+    /// included: vLLM 0.33 passes the spec's unscaled size there and fails an
+    /// assertion).
     pub fn emit_cached_block_events(
         &mut self,
         num_hashes: usize,
@@ -716,7 +719,7 @@ impl KVCacheCoordinator {
             if b.is_empty() {
                 continue;
             }
-            let bs = self.managers[g].base().spec.block_size;
+            let bs = self.managers[g].base().block_size;
             let scale = self.pool.hash_scale(bs)?;
             let full = b.len().min(num_hashes / scale);
             self.pool.emit_cached_block_events(full, bs, g as u32)?;

@@ -47,6 +47,10 @@ def _mamba_align(_action: list, pair: Any) -> bool:
     return bool(pair.cfg.info.mamba_align)
 
 
+def _dcp(_action: list, pair: Any) -> bool:
+    return pair.cfg.dcp > 1
+
+
 def _mamba_align_external(action: list, pair: Any) -> bool:
     kw = action[2].get("kw", {})
     return _mamba_align(action, pair) and kw.get("num_external_computed_tokens", 0) > 0
@@ -69,6 +73,22 @@ KNOWN: tuple[KnownVllmBug, ...] = (
         raised_in="emit_cached_block_events",
         candidate_outcome=("ok",),
         applies=_mamba_align,
+    ),
+    KnownVllmBug(
+        name="report-full-dcp-events",
+        summary=(
+            "A request with kv_cache_report_mode='full' and KV events on gets a prefix "
+            "hit under decode context parallelism: KVCacheCoordinator."
+            "emit_cached_block_events passes the spec's block size, unscaled by DCP, "
+            "which is finer than the hash block size (block size x DCP), and "
+            "resolve_block_hashes fails an assertion inside get_computed_blocks. "
+            "hscache reports the hit at the group's block size, as caching reports it."
+        ),
+        methods=("get_computed_blocks", "get_computed_blocks_for_connector"),
+        exception=AssertionError,
+        raised_in="emit_cached_block_events",
+        candidate_outcome=("ok",),
+        applies=_dcp,
     ),
     KnownVllmBug(
         name="mamba-align-external-undercount",
