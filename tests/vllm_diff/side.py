@@ -95,6 +95,12 @@ class RecordingMetricsCollector(KVCacheMetricsCollector):
         )
 
 
+def _norm_stats(x: Any) -> Any:
+    if x is None:
+        return None
+    return ("PrefixCacheStats", tuple((f, getattr(x, f, "<missing>")) for f in _STATS_FIELDS))
+
+
 def _index(pool: Any) -> list:
     """The prefix-cache index: key -> its blocks in insertion order (the first is what a
     lookup returns). Whether vLLM's dict holds one block bare or in a one-entry dict is
@@ -355,92 +361,113 @@ class Side:
 
     # -- observation --------------------------------------------------------------------
     def observe(self, live: Sequence[str], deep: bool) -> list[tuple[str, Any]]:
-        mgr = self.mgr
-        obs: list[tuple[str, Any]] = []
+        return observe_manager(
+            self.mgr,
+            live=live,
+            deep=deep,
+            requests=self.reqs,
+            check_free_queue=self.cfg.check_free_queue,
+            metrics=self.metrics,
+        )
 
-        def probe(label: str, fn: Callable[[], Any]) -> None:
-            try:
-                obs.append((label, fn()))
-            except Exception as exc:  # a missing attribute is a divergence too
-                obs.append((label, ("raise", type(exc).__name__, str(exc)[:200])))
 
-        pool = mgr.block_pool
-        probe("block_pool.get_num_free_blocks()", pool.get_num_free_blocks)
-        probe("usage", lambda: mgr.usage)
-        if self.cfg.check_free_queue:
-            probe(
-                "free_block_queue order",
-                lambda: [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
-            )
+def observe_manager(
+    mgr: Any,
+    *,
+    live: Sequence[str],
+    deep: bool,
+    requests: dict[str, Request],
+    check_free_queue: bool = True,
+    metrics: RecordingMetricsCollector | None = None,
+) -> list[tuple[str, Any]]:
+    """The state of one manager compared after every call (``deep``: periodically):
+    ``(label, value)`` pairs, a raised exception standing for its value. ``live`` are the
+    requests holding blocks, ``requests`` their ``Request`` objects."""
+    obs: list[tuple[str, Any]] = []
+
+    def probe(label: str, fn: Callable[[], Any]) -> None:
+        try:
+            obs.append((label, fn()))
+        except Exception as exc:  # a missing attribute is a divergence too
+            obs.append((label, ("raise", type(exc).__name__, str(exc)[:200])))
+
+    pool = mgr.block_pool
+    probe("block_pool.get_num_free_blocks()", pool.get_num_free_blocks)
+    probe("usage", lambda: mgr.usage)
+    if check_free_queue:
+        probe(
+            "free_block_queue order",
+            lambda: [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+        )
+    for rid in live:
+        probe(
+            f"get_block_ids({rid!r})",
+            lambda rid=rid: tuple(list(g) for g in mgr.get_block_ids(rid)),
+        )
+    managers = mgr.coordinator.single_type_managers
+    for g, stm in enumerate(managers):
+        # every group's tables (empty ones aside: vLLM's defaultdict may hold some)
+        probe(
+            f"coordinator.single_type_managers[{g}].req_to_blocks",
+            lambda stm=stm: sorted(
+                (rid, [b.block_id for b in blocks])
+                for rid, blocks in stm.req_to_blocks.items()
+                if blocks
+            ),
+        )
+        probe(
+            f"coordinator.single_type_managers[{g}].num_cached_block",
+            lambda stm=stm: sorted(stm.num_cached_block.items()),
+        )
+    if metrics is not None:
+        probe("metrics collector (calls, sampled blocks, drained events)", metrics.observe)
+    if deep:
+        probe(
+            "block_pool.blocks[*].(ref_cnt, block_hash, hash_num_tokens, is_null)",
+            lambda: [
+                (
+                    b.block_id,
+                    b.ref_cnt if not b.is_null else None,
+                    b.block_hash,
+                    b.block_hash_num_tokens,
+                    b.is_null,
+                )
+                for b in pool.blocks
+            ],
+        )
+        probe("free_block_queue.num_free_blocks", lambda: pool.free_block_queue.num_free_blocks)
+        probe("prefix_cache_stats (running)", lambda: _norm_stats(mgr.prefix_cache_stats))
         for rid in live:
             probe(
-                f"get_block_ids({rid!r})",
-                lambda rid=rid: tuple(list(g) for g in mgr.get_block_ids(rid)),
+                f"estimate_cached_tokens({rid!r})",
+                lambda rid=rid: mgr.estimate_cached_tokens(requests[rid]),
             )
-        managers = mgr.coordinator.single_type_managers
+        probe("cached_block_hash_to_block._cache", lambda: _index(pool))
+        probe(
+            "cached_block_hashes_by_block",
+            lambda: sorted(
+                (bid, sorted(keys)) for bid, keys in pool.cached_block_hashes_by_block.items()
+            ),
+        )
         for g, stm in enumerate(managers):
-            # every group's tables (empty ones aside: vLLM's defaultdict may hold some)
             probe(
-                f"coordinator.single_type_managers[{g}].req_to_blocks",
+                f"coordinator.single_type_managers[{g}]._partial_hit_reqs",
                 lambda stm=stm: sorted(
-                    (rid, [b.block_id for b in blocks])
-                    for rid, blocks in stm.req_to_blocks.items()
-                    if blocks
+                    (rid, idx, b.block_id) for rid, (idx, b) in stm._partial_hit_reqs.items()
                 ),
             )
-            probe(
-                f"coordinator.single_type_managers[{g}].num_cached_block",
-                lambda stm=stm: sorted(stm.num_cached_block.items()),
-            )
-        if self.metrics is not None:
-            probe("metrics collector (calls, sampled blocks, drained events)", self.metrics.observe)
-        if deep:
-            probe(
-                "block_pool.blocks[*].(ref_cnt, block_hash, hash_num_tokens, is_null)",
-                lambda: [
-                    (
-                        b.block_id,
-                        b.ref_cnt if not b.is_null else None,
-                        b.block_hash,
-                        b.block_hash_num_tokens,
-                        b.is_null,
-                    )
-                    for b in pool.blocks
-                ],
-            )
-            probe("free_block_queue.num_free_blocks", lambda: pool.free_block_queue.num_free_blocks)
-            probe("prefix_cache_stats (running)", lambda: self.norm(mgr.prefix_cache_stats))
-            for rid in live:
+            if getattr(stm.kv_cache_spec, "mamba_cache_mode", None) == "align":
+                probe(f"mamba[{g}] state", lambda stm=stm: _mamba_state(stm))
+            if hasattr(stm.kv_cache_spec, "mamba_cache_mode"):
                 probe(
-                    f"estimate_cached_tokens({rid!r})",
-                    lambda rid=rid: mgr.estimate_cached_tokens(self.reqs[rid]),
+                    f"mamba[{g}].cached_blocks_this_step",
+                    lambda stm=stm: sorted(stm.cached_blocks_this_step),
                 )
-            probe("cached_block_hash_to_block._cache", lambda: _index(pool))
-            probe(
-                "cached_block_hashes_by_block",
-                lambda: sorted(
-                    (bid, sorted(keys)) for bid, keys in pool.cached_block_hashes_by_block.items()
-                ),
-            )
-            for g, stm in enumerate(managers):
-                probe(
-                    f"coordinator.single_type_managers[{g}]._partial_hit_reqs",
-                    lambda stm=stm: sorted(
-                        (rid, idx, b.block_id) for rid, (idx, b) in stm._partial_hit_reqs.items()
-                    ),
-                )
-                if getattr(stm.kv_cache_spec, "mamba_cache_mode", None) == "align":
-                    probe(f"mamba[{g}] state", lambda stm=stm: _mamba_state(stm))
-                if hasattr(stm.kv_cache_spec, "mamba_cache_mode"):
-                    probe(
-                        f"mamba[{g}].cached_blocks_this_step",
-                        lambda stm=stm: sorted(stm.cached_blocks_this_step),
-                    )
-            # hscache's core can verify its own invariants: a failure is reported as a
-            # divergence (the reference side has no such hook and reports None)
-            check = getattr(getattr(mgr, "_core", None), "check_invariants", None)
-            probe(
-                "internal invariants (_core.check_invariants())",
-                lambda: check() if callable(check) else None,
-            )
-        return obs
+        # hscache's core can verify its own invariants: a failure is reported as a
+        # divergence (vLLM's manager has no such hook and reports None)
+        check = getattr(mgr, "check_invariants", None)
+        probe(
+            "internal invariants (check_invariants())",
+            lambda: check() if callable(check) else None,
+        )
+    return obs
