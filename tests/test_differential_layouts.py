@@ -8,6 +8,9 @@ runs both managers in lock-step and compares every answer and the whole observab
 ``test_vllm_exception_*`` cover :data:`vllm_diff.exceptions.KNOWN`: where vLLM itself crashes
 or is clearly wrong, the harness stops comparing (``HarnessError`` names the exception) and
 these tests pin hscache's own behaviour.
+
+``test_real_scheduler_stream`` runs vLLM's real Scheduler over the hybrid layouts with both
+managers in parity mode (``vllm_diff.real_scheduler``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import vllm  # noqa: F401 (a hard requirement: a broken install fails, never ski
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import vllm_diff as diff
+from vllm_diff.real_scheduler import real_config_for_seed, run_real_scheduler
 
 pytestmark = pytest.mark.vllm
 
@@ -202,3 +206,17 @@ def test_vllm_exception_report_full_dcp_events(candidate):
     events = [e for e in p.cand.mgr.take_events() if type(e).__name__ == "BlockStored"]
     assert p.cand.hits["r"].get_block_ids() == ([1, 2, 3],)
     assert [(e.block_size, e.block_hashes) for e in events] == [(8, stored[0].block_hashes)]
+
+
+# ------------------------------------------------------------------ vLLM's real Scheduler
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(12))
+def test_real_scheduler_stream(seed):
+    """vLLM's own Scheduler schedules a seeded request stream over a hybrid layout with
+    both managers in parity mode; every call and, after every step, every group's state
+    must agree (``vllm_diff.real_scheduler``)."""
+    cfg = real_config_for_seed(seed, steps=100)
+    stats = run_real_scheduler(seed, cfg)
+    assert stats["steps"] == 100 and stats["calls"] > 0

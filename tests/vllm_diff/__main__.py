@@ -3,6 +3,7 @@
     cd tests && python -m vllm_diff --seeds 0:200 --ops 500            # hscache.vllm vs vLLM
     cd tests && python -m vllm_diff --long              # soak: >= 1M manager calls, all layouts
     cd tests && python -m vllm_diff --seeds 5000: --min-calls 200000 --keep-going
+    cd tests && python -m vllm_diff --real --seeds 0:50      # vLLM's real Scheduler, parity
     cd tests && python -m vllm_diff --candidate vllm_diff.mutants:FreeForwardOrder --seeds 0:5
     cd tests && python -m vllm_diff --seeds 17 --minimize --dump /tmp/repro   # short repro
     cd tests && python -m vllm_diff --replay /tmp/repro/seed17.json
@@ -68,6 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         help=f"soak mode: --seeds {LONG_SEEDS} --ops {LONG_OPS} --min-calls {LONG_MIN_CALLS} "
         "--keep-going (explicit flags win)",
     )
+    ap.add_argument(
+        "--real",
+        action="store_true",
+        help="drive vLLM's real Scheduler (parity mode) instead of the trace generator "
+        "(--ops: scheduler steps per stream, default 120)",
+    )
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     if args.long:
@@ -104,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"no divergence ({n} calls)")
         return 0
+
+    if args.real:
+        return _run_real(args)
 
     total: collections.Counter[str] = collections.Counter()
     failures = 0
@@ -163,6 +173,40 @@ def main(argv: list[str] | None = None) -> int:
     known = {k: v for k, v in total.items() if k.startswith("vllm_exception:")}
     if known:
         print("documented vLLM crashes (traces ended there):", known)
+    print("coverage:", dict(sorted(total.items())))
+    return 1 if failures else 0
+
+
+def _run_real(args: argparse.Namespace) -> int:
+    """``--real``: seeded request streams on vLLM's real Scheduler, both managers in
+    parity mode (see ``real_scheduler``)."""
+    from .real_scheduler import real_config_for_seed, run_real_scheduler
+
+    steps = args.ops if "--ops" in sys.argv[1:] else 120
+    total: collections.Counter[str] = collections.Counter()
+    failures = streams = 0
+    t0 = time.perf_counter()
+    for seed in _seeds(args.seeds):
+        if args.min_calls and total["calls"] >= args.min_calls:
+            break
+        streams += 1
+        cfg = real_config_for_seed(seed, steps=steps)
+        try:
+            summary = run_real_scheduler(seed, cfg)
+        except AssertionError as e:  # ParityError, RealSchedulerDivergence
+            failures += 1
+            print(f"--- seed {seed} [{cfg.short()}]\n{type(e).__name__}: {e}", flush=True)
+            if not args.keep_going:
+                return 1
+            continue
+        total.update(summary)
+        if args.verbose:
+            print(f"seed {seed} [{cfg.short()}] ok: {summary}", flush=True)
+    dt = time.perf_counter() - t0
+    print(
+        f"{streams - failures} streams ok, {failures} failed, {total['calls']} manager calls "
+        f"compared, {dt:.1f}s"
+    )
     print("coverage:", dict(sorted(total.items())))
     return 1 if failures else 0
 
