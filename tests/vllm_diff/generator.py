@@ -710,7 +710,15 @@ class Generator:
                 p.call("estimate_cached_tokens", rid=rid)
         elif self.running and r < 0.6:
             rid = rng.choice(self.running)
-            p.call("cache_blocks", rid=rid, n=rng.randint(0, p.req(rid).num_computed_tokens))
+            req = p.req(rid)
+            if self.info.mamba_align:
+                # what the Scheduler passes (update_from_output): the processed tokens. A
+                # count below them would re-key a Mamba state the request has moved past,
+                # which no Scheduler path does (vLLM's own manager then fails an assert).
+                n = max(0, req.num_computed_tokens - req.num_in_flight_tokens)
+            else:  # below the cached blocks: a no-op the managers must agree on
+                n = rng.randint(0, req.num_computed_tokens)
+            p.call("cache_blocks", rid=rid, n=n)
         elif r < 0.75 and (self.waiting or self.running):
             rid = rng.choice(list(self.waiting) + self.running)
             _, hit, _ = p.call("get_computed_blocks", rid=rid)
