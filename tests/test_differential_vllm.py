@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import vllm_diff as diff
 from vllm_diff import mutants
+from vllm_diff.config import FAMILIES
 
 pytestmark = pytest.mark.vllm
 
@@ -332,14 +333,31 @@ def test_harness_vllm_against_itself(seed):
 
 @pytest.mark.parametrize("mutant", mutants.ALL, ids=lambda m: m.__name__)
 def test_harness_detects_divergence(mutant):
-    """Each deliberately broken manager is caught within a few traces."""
-    for seed in range(40):
+    """Each deliberately broken manager is caught within a few traces (80 at most: the
+    seeds walk every layout family, and the rarest, full_sequence_must_fit admissions
+    that would not fit, shows first at seed 50)."""
+    for seed in range(80):
         try:
             diff.run_trace(seed, diff.config_for_seed(seed, num_ops=300), mutant)
         except diff.Divergence as d:
             assert f"seed={seed}" in str(d) and d.call in str(d)
             return
-    pytest.fail(f"{mutant.__name__} was not detected in 40 traces")
+    pytest.fail(f"{mutant.__name__} was not detected in 80 traces")
+
+
+@pytest.mark.parametrize("mutant", list(mutants.HYBRID), ids=lambda m: m.__name__)
+def test_harness_detects_hybrid_divergence(mutant):
+    """Each mutant of one group type (or of the groups' interplay) is caught by the traces
+    of the layout family it shows in."""
+    family = mutants.HYBRID[mutant]
+    seeds = [s for s in range(400) if FAMILIES[s % len(FAMILIES)] == family][:12]
+    for seed in seeds:
+        try:
+            diff.run_trace(seed, diff.config_for_seed(seed, num_ops=300), mutant)
+        except diff.Divergence as d:
+            assert f"seed={seed}" in str(d)
+            return
+    pytest.fail(f"{mutant.__name__} was not detected in the {family} traces {seeds}")
 
 
 def test_harness_shrinks_to_a_short_repro():

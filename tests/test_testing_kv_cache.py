@@ -54,6 +54,37 @@ CONFIGS: dict[str, tuple[Callable[[], KVCacheConfig], bool]] = {
         lambda: kc.kv_cache_config([kc.full_attention(16), kc.mamba(64, mode="none")], 64),
         False,  # vLLM: "Mamba prefix caching requires mamba_cache_mode='align'"
     ),
+    "full+mamba-align-checkpoint": (
+        lambda: kc.kv_cache_config(
+            [
+                kc.full_attention(16),
+                kc.mamba(
+                    64,
+                    mode="align",
+                    num_speculative_blocks=1,
+                    num_prefill_checkpoint_blocks=1,
+                    prefill_checkpoint_alignment=16,
+                ),
+            ],
+            64,
+        ),
+        True,
+    ),
+    "full+mamba-all": (
+        lambda: kc.kv_cache_config([kc.full_attention(16), kc.mamba(64, mode="all")], 64),
+        False,
+    ),
+    "rswa": (lambda: kc.kv_cache_config([kc.rswa(16, 32)], 64), True),
+    "full+circular-buffer": (
+        lambda: kc.kv_cache_config([kc.full_attention(16), kc.circular_buffer(16)], 64),
+        True,
+    ),
+    "full+sliding-window-retention": (
+        lambda: kc.kv_cache_config(
+            [kc.full_attention(16), kc.sliding_window(16, 64)], 64, retention_interval=32
+        ),
+        True,
+    ),
     "full+eagle": (
         lambda: kc.kv_cache_config(
             [

@@ -724,6 +724,9 @@ impl KVCacheCoordinator {
     /// `BlockStored` per group for its reused blocks. A hit that ends inside a block
     /// (partial hits) has no full-block hash for that block: vLLM 0.33 raises
     /// `IndexError` there; hscache reports the full blocks and the partial entry.
+    /// Blocks are reported at the group's block size as caching reports them (DCP
+    /// included: vLLM 0.33 passes the spec's unscaled size there and fails an
+    /// assertion).
     pub fn emit_cached_block_events(
         &mut self,
         num_hashes: usize,
@@ -735,7 +738,7 @@ impl KVCacheCoordinator {
             if b.is_empty() {
                 continue;
             }
-            let bs = self.managers[g].base().spec.block_size;
+            let bs = self.managers[g].base().block_size;
             let scale = self.pool.hash_scale(bs)?;
             let full = b.len().min(num_hashes / scale);
             self.pool.emit_cached_block_events(full, bs, g as u32)?;
@@ -971,7 +974,14 @@ impl KVCacheCoordinator {
             lo = lo.min(cached * scale);
             let n = self.get_num_cacheable_tokens(num_computed_tokens, g);
             hi = hi.max(n / hbs);
-            m.extra_hash_reads(slot, num_prompt_tokens, num_hashes, n, points);
+            m.extra_hash_reads(
+                slot,
+                num_prompt_tokens,
+                num_hashes,
+                n,
+                num_computed_tokens,
+                points,
+            );
         }
         (lo.min(hi), hi.min(num_hashes))
     }

@@ -190,6 +190,7 @@ impl SingleTypeManager for FullAttentionManager {
         num_prompt_tokens: usize,
         num_hashes: usize,
         num_tokens: usize,
+        _query_end: usize,
         out: &mut SmallVec<[usize; 4]>,
     ) {
         full_attention_extra_hash_reads(

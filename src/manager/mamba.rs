@@ -673,6 +673,43 @@ impl SingleTypeManager for MambaManager {
         Ok(())
     }
 
+    /// Align mode's partial entries (`cache_partial_tail_block`) read the hash at
+    /// their boundary, which may lie below the run of newly full blocks (a block the
+    /// retention mask left unkeyed): the prompt boundary or junction at
+    /// `num_tokens`, and the checkpoint, set by this call's allocation (derived from
+    /// `query_end`) or by an earlier one.
+    fn extra_hash_reads(
+        &self,
+        slot: u32,
+        _num_prompt_tokens: usize,
+        _num_hashes: usize,
+        num_tokens: usize,
+        query_end: usize,
+        out: &mut SmallVec<[usize; 4]>,
+    ) {
+        if !self.align() {
+            return;
+        }
+        let hbs = self.base.hash_block_size;
+        let mut push = |tokens: usize| {
+            if tokens >= hbs && tokens % hbs == 0 && !out.contains(&(tokens / hbs - 1)) {
+                out.push(tokens / hbs - 1);
+            }
+        };
+        push(num_tokens);
+        if self.has_prefill_checkpoint_blocks {
+            push(prefill_checkpoint_position(
+                query_end,
+                self.base.cache_hit_alignment_tokens,
+                self.drop_eagle_checkpoint_block,
+                self.base.num_hash_lookahead_tokens,
+            ));
+            if let Some(&(position, _)) = self.checkpoints.get(&slot) {
+                push(position);
+            }
+        }
+    }
+
     fn remove_skipped_blocks(
         &mut self,
         pool: &mut BlockPool,

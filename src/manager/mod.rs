@@ -132,7 +132,10 @@ pub struct AllocateSlots<'a> {
     pub delay_cache_blocks: bool,
     pub num_encoder_tokens: usize,
     pub full_sequence_must_fit: bool,
-    pub reserved_blocks: usize,
+    /// Blocks held back for in-flight prefills (the Scheduler's reservation; may be
+    /// negative: a Mamba "align" group's over-allocated speculative blocks count
+    /// against it, as in vLLM).
+    pub reserved_blocks: i64,
     /// Other requests are scheduled this step (the watermark may apply).
     pub has_scheduled_reqs: bool,
     /// Groups whose external-token blocks an async load writes (not zeroed).
@@ -463,7 +466,15 @@ impl KVCacheManager {
             args.num_external_computed_tokens,
         )?;
         self.check_tokens("num_lookahead_tokens", args.num_lookahead_tokens)?;
-        self.check_tokens("num_encoder_tokens", args.num_encoder_tokens)?;
+        // The encoder's length is not bounded by the decoder's max_model_len (Whisper:
+        // 1500 encoder positions, 448 decoder tokens); beyond the pool it just does
+        // not fit. Only absurd counts are refused.
+        if args.num_encoder_tokens > u32::MAX as usize {
+            return Err(Error::InvalidArgument(format!(
+                "num_encoder_tokens = {} is out of range",
+                args.num_encoder_tokens
+            )));
+        }
         self.check_tokens("request.num_computed_tokens", request.num_computed_tokens())?;
         let rid = request.request_id();
         let n_groups = self.num_kv_cache_groups();
@@ -554,8 +565,7 @@ impl KVCacheManager {
             prefill_end,
         );
         let need = self.applied(need)?;
-        let available =
-            self.block_pool().get_num_free_blocks() as i64 - args.reserved_blocks as i64;
+        let available = self.block_pool().get_num_free_blocks() as i64 - args.reserved_blocks;
         if need + watermark as i64 > available {
             return Ok(false);
         }

@@ -60,6 +60,7 @@ impl SingleTypeManager for RswaManager {
         num_prompt_tokens: usize,
         num_hashes: usize,
         num_tokens: usize,
+        _query_end: usize,
         out: &mut smallvec::SmallVec<[usize; 4]>,
     ) {
         super::full_attention::full_attention_extra_hash_reads(

@@ -318,12 +318,16 @@ pub trait SingleTypeManager: std::fmt::Debug + Send + Sync {
 
     /// Hash indices (of the request's hash list) that `cache_blocks` may read
     /// outside the run of newly full blocks: partial-entry boundaries.
+    /// `num_tokens`: the group's cacheable tokens; `query_end`: the tokens the call
+    /// computes up to (capped at `request.num_tokens`), from which an allocation
+    /// derives checkpoint positions before it caches.
     fn extra_hash_reads(
         &self,
         _slot: u32,
         _num_prompt_tokens: usize,
         _num_hashes: usize,
         _num_tokens: usize,
+        _query_end: usize,
         _out: &mut SmallVec<[usize; 4]>,
     ) {
     }

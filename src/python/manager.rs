@@ -497,7 +497,7 @@ impl PyKVCacheCore {
             delay_cache_blocks,
             num_encoder_tokens: count("num_encoder_tokens", num_encoder_tokens)?,
             full_sequence_must_fit,
-            reserved_blocks: count("reserved_blocks", reserved_blocks)?,
+            reserved_blocks,
             has_scheduled_reqs,
             skip_zeroing_group_ids: &skip_zeroing,
         };

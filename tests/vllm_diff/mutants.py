@@ -1,5 +1,9 @@
 """Deliberately wrong KVCacheManagers (subclasses of vLLM's) used to prove that the
 differential harness notices a divergence.  Each one breaks exactly one documented behaviour.
+
+:data:`ALL` break behaviours of any layout; :data:`HYBRID` (mutant -> the layout family of
+:data:`vllm_diff.config.FAMILIES` it shows in) break one group type or the interplay of
+groups, so that the per-group comparisons are proven too.
 """
 
 from __future__ import annotations
@@ -216,3 +220,73 @@ ALL = [
     ParentHashAlwaysNone,
     TouchesHitsOnFailure,
 ]
+
+
+# ------------------------------------------------------------------ hybrid layouts
+
+
+class FreesGroupsLastFirst(KVCacheManager):
+    """free() returns the groups' blocks last group first (vLLM: group order)."""
+
+    def free(self, request):
+        for manager in reversed(self.coordinator.single_type_managers):
+            manager.free(request.request_id)
+
+
+class SlidingWindowKeepsOldBlocks(KVCacheManager):
+    """Sliding-window groups never free the blocks that left the window."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for manager in self.coordinator.single_type_managers:
+            if type(manager).__name__ == "SlidingWindowManager":
+                manager.get_num_skipped_tokens = lambda n: 0
+
+
+class ChunkedLocalKeepsOldChunks(KVCacheManager):
+    """Chunked-local groups never free the blocks of earlier chunks."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for manager in self.coordinator.single_type_managers:
+            if type(manager).__name__ == "ChunkedLocalAttentionManager":
+                manager.get_num_skipped_tokens = lambda n: 0
+
+
+class _NoSet(set):
+    def add(self, item):
+        return None
+
+
+class MambaHitsStatesOfThisStep(KVCacheManager):
+    """Mamba groups let a request hit a state another request cached in the same step
+    (vLLM defers it to the next step)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for manager in self.coordinator.single_type_managers:
+            if hasattr(manager, "cached_blocks_this_step"):
+                manager.cached_blocks_this_step = _NoSet()
+
+    def new_step_starts(self):
+        super().new_step_starts()
+        for manager in self.coordinator.single_type_managers:
+            if hasattr(manager, "cached_blocks_this_step"):
+                manager.cached_blocks_this_step = _NoSet()
+
+
+class CrossAttentionIgnoresEncoder(KVCacheManager):
+    """allocate_slots ignores num_encoder_tokens (no cross-attention blocks)."""
+
+    def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
+        args, kwargs = _override_kw(args, kwargs, "num_encoder_tokens", 5, 0)
+        return super().allocate_slots(request, num_new_tokens, *args, **kwargs)
+
+
+HYBRID = {
+    FreesGroupsLastFirst: "fa+swa",
+    SlidingWindowKeepsOldBlocks: "fa+swa",
+    ChunkedLocalKeepsOldChunks: "fa+cl",
+    MambaHitsStatesOfThisStep: "fa+mamba-align",
+    CrossAttentionIgnoresEncoder: "fa+cross",
+}

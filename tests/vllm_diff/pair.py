@@ -11,6 +11,7 @@ check it still follows the same path (shrinking keeps only realistic traces).
 
 from __future__ import annotations
 
+import random
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,6 +20,7 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.request import Request
 
+from . import exceptions
 from .actions import render_action
 from .config import ReferenceKVCacheManager, TraceConfig
 from .errors import Divergence, HarnessError
@@ -83,8 +85,18 @@ class Pair:
             if raw[1]:
                 self._bump("lookup_hit")
                 self._bump("hit_tokens", raw[1])
+                if raw[1] % self.cfg.sched_block:
+                    self._bump("partial_hit")  # ends inside a scheduler block
             else:
                 self._bump("lookup_miss")
+            if raw[2]:
+                self._bump("shared_prefix_boundary")
+            if method == "get_computed_blocks_for_connector" and raw[3]:
+                self._bump("hit_diverged")
+        elif method == "take_boundary_state_offloads" and raw:
+            self._bump("boundary_offloads", sum(len(v) for v in raw.values()))
+        elif method == "finalize_partial_tail_offloads" and raw:
+            self._bump("partial_tail_offloads", len(raw))
         elif method == "take_events":
             for e in raw:
                 self._bump("ev_" + type(e).__name__)
@@ -139,6 +151,9 @@ class Pair:
         outs = []
         raws = []
         for side in (self.ref, self.cand):
+            # vLLM's KVCacheMetricsCollector samples blocks with the global `random`:
+            # both sides draw from the same stream
+            random.seed(len(self.actions))
             try:
                 raw = side.apply(action)
                 norm = side.norm_result(method, raw) if is_call else None
@@ -158,9 +173,24 @@ class Pair:
             )
         if ref_out[0] == "raise" and not expect_raise:
             exc = raws[0]
+            bug = exceptions.match(action, exc, self)
+            if bug is not None:
+                self._bump(f"vllm_exception:{bug.name}")
+                where = (
+                    f"vLLM raised {exc!r} on action#{len(self.actions) - 1} "
+                    f"{render_action(action)} (seed={self.seed}): known vLLM bug {bug.name!r}"
+                )
+                if tuple(cand_out[: len(bug.candidate_outcome)]) != bug.candidate_outcome:
+                    self._diverge(
+                        f"hscache's documented behaviour in vLLM bug {bug.name!r}",
+                        bug.candidate_outcome,
+                        cand_out,
+                    )
+                raise exceptions.KnownVllmException(bug, where)
             raise HarnessError(
                 f"reference raised on action#{len(self.actions) - 1} "
                 f"{render_action(action)} (seed={self.seed}): {exc!r}\n"
+                f"  candidate: {_fmt(cand_out, 600)}\n"
                 + "".join(traceback.format_exception(exc)[-6:])
             ) from exc
         if ref_out[0] == cand_out[0] == "raise" and isinstance(raws[1], type(raws[0])):
@@ -275,21 +305,43 @@ class Pair:
                 "len(coordinator.single_type_managers)",
                 lambda m: len(m.coordinator.single_type_managers),
             ),
+            ("coordinator.scheduler_block_size", lambda m: m.coordinator.scheduler_block_size),
             (
-                "coordinator.single_type_managers[0].block_size",
-                lambda m: m.coordinator.single_type_managers[0].block_size,
+                "coordinator.hash_block_size (hybrid)",
+                lambda m: (
+                    m.coordinator.hash_block_size
+                    if type(m.coordinator).__name__ == "HybridKVCacheCoordinator"
+                    else "<not hybrid>"
+                ),
+            ),
+            ("coordinator.retention_interval", lambda m: m.coordinator.retention_interval),
+            ("type(coordinator).__name__", lambda m: type(m.coordinator).__name__),
+            (
+                "coordinator.full_attention_group_id",
+                lambda m: getattr(m.coordinator, "full_attention_group_id", "<none>"),
             ),
             (
-                "coordinator.single_type_managers[0].kv_cache_spec",
-                lambda m: m.coordinator.single_type_managers[0].kv_cache_spec,
+                "coordinator.attention_groups",
+                lambda m: [
+                    (g.group_ids, g.manager_cls.__name__, g.use_eagle)
+                    for g in getattr(m.coordinator, "attention_groups", ())
+                ],
             ),
             (
-                "coordinator.single_type_managers[0].kv_cache_group_id",
-                lambda m: m.coordinator.single_type_managers[0].kv_cache_group_id,
-            ),
-            (
-                "coordinator.single_type_managers[0].records_new_block_ids",
-                lambda m: m.coordinator.single_type_managers[0].records_new_block_ids,
+                "coordinator.single_type_managers[*].(class, block_size, spec, group id, "
+                "records_new_block_ids, use_eagle, cache_hit_alignment_tokens)",
+                lambda m: [
+                    (
+                        type(stm).__name__,
+                        stm.block_size,
+                        stm.kv_cache_spec,
+                        stm.kv_cache_group_id,
+                        stm.records_new_block_ids,
+                        stm.use_eagle,
+                        stm.cache_hit_alignment_tokens,
+                    )
+                    for stm in m.coordinator.single_type_managers
+                ],
             ),
             ("get_num_common_prefix_blocks('x')", lambda m: m.get_num_common_prefix_blocks("x")),
         ]

@@ -6,7 +6,9 @@ connectors or ``EngineCore`` would make, on one manager (vLLM's reference or the
 with that side's own ``Request`` objects (built by :func:`build_request` from the trace's
 request specs through :mod:`hscache.testing.requests`). :meth:`Side.norm_result` reduces an
 answer to plain comparable data (block ids, identities, stats fields, msgpack-encoded
-events); :meth:`Side.observe` reads the state compared after every call.
+events); :meth:`Side.observe` reads the state compared after every call: pool, free queue,
+every group's block tables and cached-block counts, and periodically every block, the
+prefix-cache index, each group's Mamba bookkeeping and the block-metrics calls.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import msgspec
 import torch
 from hscache.testing.requests import lora, make_request, mm_feature
 from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
@@ -57,6 +60,68 @@ def build_request(spec: dict, hasher: Callable | None) -> Request:
     )
 
 
+class RecordingMetricsCollector(KVCacheMetricsCollector):
+    """vLLM's ``KVCacheMetricsCollector`` that also records every call it gets, in order:
+    the two sides' records must be equal (residency times are wall-clock, so only the
+    calls, the sampled blocks and the shape of the drained events are compared)."""
+
+    def __init__(self, sample_rate: float):
+        super().__init__(sample_rate)
+        self.calls: list[tuple[str, int]] = []
+
+    def on_block_allocated(self, block: Any) -> None:
+        self.calls.append(("allocated", block.block_id))
+        super().on_block_allocated(block)
+
+    def on_block_accessed(self, block: Any) -> None:
+        self.calls.append(("accessed", block.block_id))
+        super().on_block_accessed(block)
+
+    def on_block_evicted(self, block: Any) -> None:
+        self.calls.append(("evicted", block.block_id))
+        super().on_block_evicted(block)
+
+    def reset(self) -> None:
+        self.calls.append(("reset", -1))
+        super().reset()
+
+    def observe(self) -> tuple:
+        calls, self.calls = self.calls, []
+        events = self.drain_events()
+        return (
+            tuple(calls),
+            tuple(sorted((k, len(v.access_history)) for k, v in self.block_metrics.items())),
+            tuple(len(e.reuse_gaps_seconds) for e in events),
+        )
+
+
+def _norm_stats(x: Any) -> Any:
+    if x is None:
+        return None
+    return ("PrefixCacheStats", tuple((f, getattr(x, f, "<missing>")) for f in _STATS_FIELDS))
+
+
+def _index(pool: Any) -> list:
+    """The prefix-cache index: key -> its blocks in insertion order (the first is what a
+    lookup returns). Whether vLLM's dict holds one block bare or in a one-entry dict is
+    not compared: vLLM keeps a key promoted to a dict after its duplicates are evicted,
+    hscache's view shows a single block bare (no decision depends on it)."""
+    out = []
+    for key, value in pool.cached_block_hash_to_block._cache.items():
+        blocks = value.values() if isinstance(value, dict) else (value,)
+        out.append((key, tuple(b.block_id for b in blocks)))
+    return sorted(out)
+
+
+def _mamba_state(stm: Any) -> tuple:
+    """An align-mode Mamba manager's per-request bookkeeping."""
+    return (
+        sorted(stm._checkpoints.items()),
+        sorted(stm.last_state_block_idx.items()),
+        sorted(stm._allocated_block_reqs),
+    )
+
+
 def _is_kv_blocks(x: Any) -> bool:
     return hasattr(x, "blocks") and hasattr(x, "get_block_ids") and not isinstance(x, type)
 
@@ -69,14 +134,19 @@ class Side:
     ):
         self.name = name
         self.cfg = cfg
-        self.mgr = cls(**manager_kwargs(cfg))
+        kwargs = manager_kwargs(cfg)
+        self.metrics: RecordingMetricsCollector | None = None
+        if cfg.metrics:
+            self.metrics = RecordingMetricsCollector(cfg.metrics)
+            kwargs["metrics_collector"] = self.metrics
+        self.mgr = cls(**kwargs)
         if name == "cand" and cls is not ReferenceKVCacheManager:
             # A constructor fall-back to vLLM's manager would compare vLLM with itself.
             if type(self.mgr) is ReferenceKVCacheManager:
                 raise RuntimeError(f"the candidate fell back to vLLM's manager for {cfg}")
         factory = hasher_factory or get_request_block_hasher
         lookahead = (cfg.hash_lookahead,) if HAS_HASH_LOOKAHEAD else ()
-        self.hasher = factory(cfg.block_size, get_hash_fn_by_name(cfg.hash_fn), *lookahead)
+        self.hasher = factory(cfg.hash_block, get_hash_fn_by_name(cfg.hash_fn), *lookahead)
         self.reqs: dict[str, Request] = {}
         self.hits: dict[str, Any] = {}  # rid -> KVCacheBlocks of the last lookup
         self.popped: dict[str, list] = {}  # rid -> blocks of pop_blocks_for_free
@@ -150,7 +220,7 @@ class Side:
             keep_end = s.num_tokens - 1
             kept = s._all_token_ids[s.num_prompt_tokens : keep_end]
             del s._all_token_ids[keep_end:]
-            del s.block_hashes[keep_end // self.cfg.block_size :]
+            del s.block_hashes[keep_end // self.cfg.hash_block :]
             s._output_token_ids.clear()
             s.prompt_token_ids.extend(kept)
             s._all_token_ids.extend(toks)
@@ -240,18 +310,22 @@ class Side:
         if method == "usage":
             return mgr.usage
         if method == "take_kv_cache_block_copies":
-            return mgr.take_kv_cache_block_copies()
+            copies, retained = mgr.take_kv_cache_block_copies()
+            if "key" in a:  # the Scheduler frees the retained endpoints (now or deferred)
+                self.popped[a["key"]] = list(retained)
+            return copies, retained
         if method == "take_boundary_state_offloads":
             return mgr.take_boundary_state_offloads()
         if method == "prefix_cache_lookup_enabled":
             return mgr.prefix_cache_lookup_enabled(req)
         if method == "block_pool.get_cached_block":
-            return mgr.block_pool.get_cached_block(req.block_hashes[a["i"]], [0])
+            return mgr.block_pool.get_cached_block(req.block_hashes[a["i"]], a.get("gids", [0]))
         if method == "block_pool.is_block_writable":
             return mgr.block_pool.is_block_writable(mgr.block_pool.blocks[a["id"]])
         if method == "block_pool.touch":  # a connector pins cached blocks
             pool = mgr.block_pool
-            blocks = [pool.get_cached_block(req.block_hashes[i], [0])[0] for i in a["idx"]]
+            gids = a.get("gids", [0])
+            blocks = [pool.get_cached_block(req.block_hashes[i], gids)[0] for i in a["idx"]]
             pool.touch(blocks)
             self.popped[a["key"]] = blocks
             return [b.block_id for b in blocks]
@@ -288,54 +362,113 @@ class Side:
 
     # -- observation --------------------------------------------------------------------
     def observe(self, live: Sequence[str], deep: bool) -> list[tuple[str, Any]]:
-        mgr = self.mgr
-        obs: list[tuple[str, Any]] = []
+        return observe_manager(
+            self.mgr,
+            live=live,
+            deep=deep,
+            requests=self.reqs,
+            check_free_queue=self.cfg.check_free_queue,
+            metrics=self.metrics,
+        )
 
-        def probe(label: str, fn: Callable[[], Any]) -> None:
-            try:
-                obs.append((label, fn()))
-            except Exception as exc:  # a missing attribute is a divergence too
-                obs.append((label, ("raise", type(exc).__name__, str(exc)[:200])))
 
-        pool = mgr.block_pool
-        probe("block_pool.get_num_free_blocks()", pool.get_num_free_blocks)
-        probe("usage", lambda: mgr.usage)
-        if self.cfg.check_free_queue:
-            probe(
-                "free_block_queue order",
-                lambda: [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
-            )
+def observe_manager(
+    mgr: Any,
+    *,
+    live: Sequence[str],
+    deep: bool,
+    requests: dict[str, Request],
+    check_free_queue: bool = True,
+    metrics: RecordingMetricsCollector | None = None,
+) -> list[tuple[str, Any]]:
+    """The state of one manager compared after every call (``deep``: periodically):
+    ``(label, value)`` pairs, a raised exception standing for its value. ``live`` are the
+    requests holding blocks, ``requests`` their ``Request`` objects."""
+    obs: list[tuple[str, Any]] = []
+
+    def probe(label: str, fn: Callable[[], Any]) -> None:
+        try:
+            obs.append((label, fn()))
+        except Exception as exc:  # a missing attribute is a divergence too
+            obs.append((label, ("raise", type(exc).__name__, str(exc)[:200])))
+
+    pool = mgr.block_pool
+    probe("block_pool.get_num_free_blocks()", pool.get_num_free_blocks)
+    probe("usage", lambda: mgr.usage)
+    if check_free_queue:
+        probe(
+            "free_block_queue order",
+            lambda: [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+        )
+    for rid in live:
+        probe(
+            f"get_block_ids({rid!r})",
+            lambda rid=rid: tuple(list(g) for g in mgr.get_block_ids(rid)),
+        )
+    managers = mgr.coordinator.single_type_managers
+    for g, stm in enumerate(managers):
+        # every group's tables (empty ones aside: vLLM's defaultdict may hold some)
+        probe(
+            f"coordinator.single_type_managers[{g}].req_to_blocks",
+            lambda stm=stm: sorted(
+                (rid, [b.block_id for b in blocks])
+                for rid, blocks in stm.req_to_blocks.items()
+                if blocks
+            ),
+        )
+        probe(
+            f"coordinator.single_type_managers[{g}].num_cached_block",
+            lambda stm=stm: sorted(stm.num_cached_block.items()),
+        )
+    if metrics is not None:
+        probe("metrics collector (calls, sampled blocks, drained events)", metrics.observe)
+    if deep:
+        probe(
+            "block_pool.blocks[*].(ref_cnt, block_hash, hash_num_tokens, is_null)",
+            lambda: [
+                (
+                    b.block_id,
+                    b.ref_cnt if not b.is_null else None,
+                    b.block_hash,
+                    b.block_hash_num_tokens,
+                    b.is_null,
+                )
+                for b in pool.blocks
+            ],
+        )
+        probe("free_block_queue.num_free_blocks", lambda: pool.free_block_queue.num_free_blocks)
+        probe("prefix_cache_stats (running)", lambda: _norm_stats(mgr.prefix_cache_stats))
         for rid in live:
             probe(
-                f"get_block_ids({rid!r})",
-                lambda rid=rid: tuple(list(g) for g in mgr.get_block_ids(rid)),
+                f"estimate_cached_tokens({rid!r})",
+                lambda rid=rid: mgr.estimate_cached_tokens(requests[rid]),
             )
-        if deep:
+        probe("cached_block_hash_to_block._cache", lambda: _index(pool))
+        probe(
+            "cached_block_hashes_by_block",
+            lambda: sorted(
+                (bid, sorted(keys)) for bid, keys in pool.cached_block_hashes_by_block.items()
+            ),
+        )
+        for g, stm in enumerate(managers):
             probe(
-                "block_pool.blocks[*].(ref_cnt, block_hash, hash_num_tokens, is_null)",
-                lambda: [
-                    (
-                        b.block_id,
-                        b.ref_cnt if not b.is_null else None,
-                        b.block_hash,
-                        b.block_hash_num_tokens,
-                        b.is_null,
-                    )
-                    for b in pool.blocks
-                ],
+                f"coordinator.single_type_managers[{g}]._partial_hit_reqs",
+                lambda stm=stm: sorted(
+                    (rid, idx, b.block_id) for rid, (idx, b) in stm._partial_hit_reqs.items()
+                ),
             )
-            probe("free_block_queue.num_free_blocks", lambda: pool.free_block_queue.num_free_blocks)
-            probe("prefix_cache_stats (running)", lambda: self.norm(mgr.prefix_cache_stats))
-            for rid in live:
+            if getattr(stm.kv_cache_spec, "mamba_cache_mode", None) == "align":
+                probe(f"mamba[{g}] state", lambda stm=stm: _mamba_state(stm))
+            if hasattr(stm.kv_cache_spec, "mamba_cache_mode"):
                 probe(
-                    f"estimate_cached_tokens({rid!r})",
-                    lambda rid=rid: mgr.estimate_cached_tokens(self.reqs[rid]),
+                    f"mamba[{g}].cached_blocks_this_step",
+                    lambda stm=stm: sorted(stm.cached_blocks_this_step),
                 )
-            # hscache's core can verify its own invariants: a failure is reported as a
-            # divergence (the reference side has no such hook and reports None)
-            check = getattr(getattr(mgr, "_core", None), "check_invariants", None)
-            probe(
-                "internal invariants (_core.check_invariants())",
-                lambda: check() if callable(check) else None,
-            )
-        return obs
+        # hscache's core can verify its own invariants: a failure is reported as a
+        # divergence (vLLM's manager has no such hook and reports None)
+        check = getattr(mgr, "check_invariants", None)
+        probe(
+            "internal invariants (check_invariants())",
+            lambda: check() if callable(check) else None,
+        )
+    return obs

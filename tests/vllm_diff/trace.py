@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from .actions import summarize
 from .config import TraceConfig, config_for_seed, load_candidate
+from .exceptions import KnownVllmException
 from .generator import Generator
 from .pair import Pair
 
@@ -24,7 +25,9 @@ def run_trace(
 ) -> dict:
     """Generate and run one trace; raise ``Divergence`` on the first difference.
 
-    Returns a small summary (calls made, actions, feature counters) for coverage checks."""
+    Returns a small summary (calls made, actions, feature counters) for coverage checks.
+    A documented vLLM crash (:mod:`.exceptions`) ends the trace early; the summary counts
+    it as ``vllm_exception:<name>``."""
     if cfg is None:
         cfg = config_for_seed(seed)
     if num_ops is not None:
@@ -33,5 +36,8 @@ def run_trace(
         candidate = load_candidate(candidate)
     pair = Pair(cfg, candidate, seed, cand_hasher_factory)
     gen = Generator(pair, random.Random(seed))
-    gen.run()
+    try:
+        gen.run()
+    except KnownVllmException:
+        pass  # vLLM crashed in a documented case: the trace ends here (counted)
     return summarize(pair.actions) | pair.stats | {"calls": pair.ncalls}

@@ -31,6 +31,7 @@ import torch
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
@@ -38,6 +39,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
+    RSWASpec,
     SinkFullAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
@@ -47,6 +49,7 @@ __all__ = [
     "MambaCacheMode",
     "block_sizes",
     "chunked_local",
+    "circular_buffer",
     "cross_attention",
     "full_attention",
     "full_attention_config",
@@ -54,12 +57,15 @@ __all__ = [
     "kv_cache_config",
     "mamba",
     "mla",
+    "rswa",
     "sink",
     "sliding_window",
 ]
 
-MambaCacheMode = Literal["none", "align"]
-"""vLLM 0.33's ``CacheConfig.mamba_cache_mode`` values (``align``: prefix-cacheable)."""
+MambaCacheMode = Literal["none", "align", "all"]
+"""A ``MambaSpec``'s ``mamba_cache_mode``: vLLM 0.33's ``CacheConfig`` values (``none``,
+``align``: prefix-cacheable) and ``all``, which the spec and vLLM's ``MambaManager`` take
+as a non-``align`` mode (without prefix caching only)."""
 
 
 def full_attention(
@@ -108,16 +114,44 @@ def chunked_local(block_size: int, chunk: int) -> ChunkedLocalAttentionSpec:
 
 
 def mamba(
-    block_size: int, *, mode: MambaCacheMode = "none", num_speculative_blocks: int = 0
+    block_size: int,
+    *,
+    mode: MambaCacheMode = "none",
+    num_speculative_blocks: int = 0,
+    num_prefill_checkpoint_blocks: int = 0,
+    prefill_checkpoint_alignment: int | None = None,
 ) -> MambaSpec:
     """A Mamba (state-space) layer; ``mode="align"`` makes its states prefix-cacheable
-    (vLLM refuses prefix caching over a Mamba group in ``"none"`` mode)."""
+    (vLLM refuses prefix caching over a Mamba group in any other mode).
+    ``num_prefill_checkpoint_blocks`` / ``prefill_checkpoint_alignment``: a backend that
+    exports the prompt's checkpoint state inside the last prefill chunk (align mode)."""
     return MambaSpec(
         block_size=block_size,
         shapes=((1, 1),),
         dtypes=(torch.float32,),
         mamba_cache_mode=mode,
         num_speculative_blocks=num_speculative_blocks,
+        num_prefill_checkpoint_blocks=num_prefill_checkpoint_blocks,
+        prefill_checkpoint_alignment=prefill_checkpoint_alignment,
+    )
+
+
+def rswa(block_size: int, window: int) -> RSWASpec:
+    """Reference sliding-window attention: the prompt stays visible, only the last
+    ``window`` generated tokens are kept (the gap between them is freed)."""
+    return RSWASpec(
+        block_size=block_size,
+        num_kv_heads=1,
+        head_size=1,
+        dtype=torch.float32,
+        rswa_window=window,
+    )
+
+
+def circular_buffer(block_size: int) -> CircularBufferSpec:
+    """A compressor ring: one block of ``block_size`` rows per request, never cached."""
+    return CircularBufferSpec(
+        block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
     )
 
 
@@ -161,11 +195,15 @@ def kv_cache_config(
     num_blocks: int,
     *,
     needs_zeroing: bool = False,
+    retention_interval: int | None = None,
 ) -> KVCacheConfig:
     """One pool of ``num_blocks`` blocks (the null block included) shared by ``groups``.
 
     A bare spec becomes a group of its own: layer ``"layer"`` when it is the only group,
-    ``"layer{i}"`` otherwise. ``needs_zeroing`` forces ``needs_kv_cache_zeroing`` on."""
+    ``"layer{i}"`` otherwise. ``needs_zeroing`` forces ``needs_kv_cache_zeroing`` on.
+    ``retention_interval``: ``prefix_cache_retention_interval`` (None: dense caching, as a
+    bare ``KVCacheConfig``; the engine resolves 0 by default: sparse sliding-window and
+    Mamba caching)."""
     made = [
         g
         if isinstance(g, KVCacheGroupSpec)
@@ -173,7 +211,12 @@ def kv_cache_config(
         for i, g in enumerate(groups)
     ]
     cls = _ZeroingKVCacheConfig if needs_zeroing else KVCacheConfig
-    return cls(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=made)
+    return cls(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=made,
+        prefix_cache_retention_interval=retention_interval,
+    )
 
 
 def full_attention_config(

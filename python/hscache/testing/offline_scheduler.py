@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import CacheConfig, KVEventsConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import ModelRunnerOutput
@@ -74,8 +74,13 @@ def make_vllm_config(
     scheduler_reserve_full_isl: bool | None = None,
     enable_prefix_caching: bool = True,
     model_path: Path | None = None,
+    cache: Mapping[str, Any] | None = None,
+    kv_cache_events: bool = False,
 ) -> VllmConfig:
-    """The engine configuration of an offline scheduler (see :func:`make_scheduler`)."""
+    """The engine configuration of an offline scheduler (see :func:`make_scheduler`).
+    ``cache``: further ``CacheConfig`` fields (``mamba_cache_mode``, ``prefix_match_unit``,
+    ``enable_mamba_shared_prefix_checkpoint``, ...); ``kv_cache_events``: KV events on
+    (published nowhere)."""
     model_config = ModelConfig(
         model=str(model_path or model_dir()),
         dtype="float16",
@@ -102,8 +107,16 @@ def make_vllm_config(
         cache_dtype="auto",
         enable_prefix_caching=enable_prefix_caching,
     )
+    for name, value in (cache or {}).items():
+        setattr(cache_config, name, value)
+    events = (
+        KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_cache_events else None
+    )
     return VllmConfig(
-        scheduler_config=scheduler_config, model_config=model_config, cache_config=cache_config
+        scheduler_config=scheduler_config,
+        model_config=model_config,
+        cache_config=cache_config,
+        kv_events_config=events,
     )
 
 
@@ -121,12 +134,17 @@ def make_scheduler(
     scheduler_reserve_full_isl: bool | None = None,
     enable_prefix_caching: bool = True,
     model_path: Path | None = None,
+    cache: Mapping[str, Any] | None = None,
+    kv_cache_events: bool = False,
 ) -> Any:
     """A vLLM ``Scheduler`` (or subclass ``cls``) over ``kv_cache``: a ``KVCacheConfig``, or a
     block count for one full-attention group of ``block_size``-token blocks. The scheduler
     and hash block sizes are resolved from the config as vLLM's engine resolves them.
     ``watermark`` and ``scheduler_reserve_full_isl`` (admissions need the whole prompt to
-    fit: ``full_sequence_must_fit``) are vLLM's defaults when None."""
+    fit: ``full_sequence_must_fit``) are vLLM's defaults when None. ``cache`` and
+    ``kv_cache_events``: see :func:`make_vllm_config` (``cache["block_size"]`` is the
+    engine's ``cache_config.block_size`` when it differs from ``block_size``, as for a
+    Mamba model, whose scheduler block is the Mamba block)."""
     vllm_config = make_vllm_config(
         block_size=block_size,
         max_num_seqs=max_num_seqs,
@@ -138,12 +156,16 @@ def make_scheduler(
         scheduler_reserve_full_isl=scheduler_reserve_full_isl,
         enable_prefix_caching=enable_prefix_caching,
         model_path=model_path,
+        cache=cache,
+        kv_cache_events=kv_cache_events,
     )
     kv_cache_config = (
         full_attention_config(kv_cache, block_size) if isinstance(kv_cache, int) else kv_cache
     )
     scheduler_block_size, hash_block_size = block_sizes(
-        kv_cache_config, enable_caching=enable_prefix_caching
+        kv_cache_config,
+        enable_caching=enable_prefix_caching,
+        prefix_match_unit=(cache or {}).get("prefix_match_unit"),
     )
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     register_all_kvcache_specs(vllm_config)  # type: ignore[no-untyped-call]
