@@ -126,3 +126,22 @@ def test_cli_plot_is_a_png_of_every_scenario_and_path(
         return
     assert f"plot written to {png}" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("layout", ["full+swa", "full+mamba", "full+chunked"])
+def test_hybrid_scenarios_run_on_the_real_scheduler(layout: str) -> None:
+    """A hybrid scenario runs both managers under vLLM's own Scheduler, decisions compared
+    at every step, with preemptions and prefix hits on the tiny pool."""
+    from dataclasses import replace
+
+    scenario = replace(TINY_SCENARIO, name=f"tiny-{layout}", layout=layout, num_blocks=160)
+    candidate = load_class("hscache.vllm:KVCacheManager")
+    result = run_scenario(scenario, _reference(), candidate, seed=0, check=True)
+    c = result.counters
+    assert c.steps == scenario.total_steps and c.admissions > 0 and c.finishes > 0
+    assert c.hit_tokens > 0
+    assert len(result.candidate.step_ns) == scenario.steps
+    assert result.candidate.class_name == "hscache.vllm.kv_cache_manager.KVCacheManager"
+    assert "allocate_slots(running)" in result.candidate.op_ns
+    with pytest.raises(Exception, match="batched API"):
+        run_scenario(scenario, _reference(), candidate, seed=0, check=True, batched=True)

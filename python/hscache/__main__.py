@@ -46,24 +46,31 @@ def info() -> int:
 
 def bench_scheduler_main(args: argparse.Namespace) -> int:
     """Print the scheduler-level comparison (see :mod:`hscache.bench.scheduler_level`)."""
+    from hscache.bench.layouts import LAYOUTS
     from hscache.bench.scheduler_level import bench_scheduler
 
-    res = bench_scheduler(
-        seed=args.seed,
-        steps=args.steps,
-        num_blocks=args.num_blocks,
-        prompt_len=args.prompt_len,
-        arrivals_per_step=args.arrivals,
-        repeat=args.repeat,
-    )
-    print(
-        f"schedule() + update_from_output() per step, median of {res['steps']} steps x "
-        f"{res['repeat']} runs:\n"
-        f"  vLLM Scheduler (stock manager)      {res['vllm_median_us']:10.1f} us\n"
-        f"  hscache.vllm.Scheduler              {res['hscache_median_us']:10.1f} us\n"
-        f"  step time reduction {res['reduction'] * 100:.1f}% ({res['speedup']:.2f}x); "
-        "decisions identical at every step"
-    )
+    layouts = list(LAYOUTS) if args.layout == "all" else [args.layout]
+    for layout in layouts:
+        res = bench_scheduler(
+            seed=args.seed,
+            steps=args.steps,
+            num_blocks=args.num_blocks,
+            prompt_len=args.prompt_len,
+            arrivals_per_step=args.arrivals,
+            repeat=args.repeat,
+            layout=layout,
+        )
+        print(
+            f"[{layout}] {LAYOUTS[layout]}\n"
+            f"  medians per step over {res['steps']} steps x {res['repeat']} runs"
+            "        whole step   KV-cache manager calls\n"
+            f"  vLLM Scheduler (stock manager)            {res['vllm_median_us']:10.1f} us"
+            f"   {res['vllm_kv_median_us']:10.1f} us\n"
+            f"  hscache.vllm.Scheduler                    {res['hscache_median_us']:10.1f} us"
+            f"   {res['hscache_kv_median_us']:10.1f} us\n"
+            f"  ratio vLLM/hscache                        {res['speedup']:10.2f} x"
+            f"   {res['kv_speedup']:10.2f} x   (decisions identical at every step)"
+        )
     return 0
 
 
@@ -101,7 +108,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     sched.add_argument("--seed", type=int, default=0)
     sched.add_argument("--prompt-len", type=int, default=1024)
     sched.add_argument("--arrivals", type=float, default=2.0, help="new requests per step")
-    sched.add_argument("--num-blocks", type=int, default=65536)
+    sched.add_argument("--num-blocks", type=int, default=65536, help="blocks per KV group")
+    sched.add_argument(
+        "--layout",
+        default="full",
+        help="full, full+swa, full+mamba, full+chunked, or all",
+    )
     sub.add_parser("info", help="print the version and build profile")
     args = parser.parse_args(args_in)
     if args.command == "info":

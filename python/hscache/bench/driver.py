@@ -22,11 +22,21 @@ from hscache.bench.results import RunResult, WorkloadCounters
 from hscache.bench.scenarios import Scenario, TraceGenerator
 from hscache.bench.side import Decision, Side
 
-__all__ = ["DivergenceError", "StepDriver", "calibrate_timer", "run_scenario"]
+__all__ = [
+    "DivergenceError",
+    "StepDriver",
+    "UnsupportedScenarioError",
+    "calibrate_timer",
+    "run_scenario",
+]
 
 
 class DivergenceError(RuntimeError):
     """The two managers made different decisions on the same trace."""
+
+
+class UnsupportedScenarioError(ValueError):
+    """The scenario cannot run on this path (a hybrid layout on the batched path)."""
 
 
 def calibrate_timer(samples: int = 20_001) -> int:
@@ -152,6 +162,17 @@ def run_scenario(
 
     ``batched``: the candidate uses ``allocate_slots_batch`` / ``free_batch`` for the
     running set and finishes instead of one call per request."""
+    if scenario.layout != "full":
+        if batched:
+            raise UnsupportedScenarioError(
+                f"{scenario.name}: the batched API serves one full-attention group only"
+            )
+        from hscache.bench.real_scheduler import run_real_scenario
+
+        overhead = calibrate_timer() if timer_overhead_ns is None else timer_overhead_ns
+        return run_real_scenario(
+            scenario, reference_cls, candidate_cls, seed, check, progress, overhead
+        )
     t_start = time.perf_counter()
     driver = StepDriver(
         scenario, reference_cls, candidate_cls, seed, check, timer_overhead_ns, batched

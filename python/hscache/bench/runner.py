@@ -249,7 +249,12 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     info = core_build_info()
     _banner(stream, args, scenarios, info)
 
-    from hscache.bench.driver import DivergenceError, calibrate_timer, run_scenario
+    from hscache.bench.driver import (
+        DivergenceError,
+        UnsupportedScenarioError,
+        calibrate_timer,
+        run_scenario,
+    )
     from hscache.bench.report import (
         ScenarioSummary,
         format_scenario,
@@ -286,6 +291,13 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         print(f"#### {title}\n", file=stream)
         mode_summaries: list[ScenarioSummary] = []
         for sc in scenarios:
+            if batched and sc.layout != "full":
+                print(
+                    f"{sc.name}: skipped on the batched path (the batched API serves one "
+                    f"full-attention group; layout {sc.layout} runs drop-in)\n",
+                    file=stream,
+                )
+                continue
             repeats: list[RunResult] = []
             for k in range(args.repeat):
                 desc = sc.name if args.repeat == 1 else f"{sc.name} [{k + 1}/{args.repeat}]"
@@ -314,6 +326,10 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                         file=stream,
                     )
                     return 3
+                except UnsupportedScenarioError as exc:
+                    bar.close()
+                    print(f"\n{exc}; skipping", file=stream)
+                    break
                 except AttributeError as exc:
                     bar.close()
                     if not batched:

@@ -57,6 +57,9 @@ class Scenario:
     """Measured steps."""
     kv_events: bool = True
     """Construct the managers with ``enable_kv_cache_events`` (``take_events`` every step)."""
+    layout: str = "full"
+    """The KV-cache layout (:data:`hscache.bench.layouts.LAYOUTS`). Hybrid layouts run on
+    vLLM's real Scheduler (:mod:`hscache.bench.real_scheduler`), drop-in path only."""
     tags: tuple[str, ...] = field(default=())
 
     @property
@@ -171,6 +174,32 @@ DEFAULT_SCENARIOS: tuple[Scenario, ...] = (
         steps=600,
         tags=("pressure",),
     ),
+    # Hybrid layouts, on vLLM's real Scheduler (see Scenario.layout).
+    replace(
+        _PROMPTS_1K,
+        name="r256-p1k-swa",
+        description="256 running, ~1k-token prompts, full attention + 128-token sliding window",
+        max_running=256,
+        num_blocks=65_536,
+        output_len=(32, 512),
+        warmup_steps=60,
+        steps=500,
+        layout="full+swa",
+        tags=("roomy", "hybrid"),
+    ),
+    replace(
+        _PROMPTS_1K,
+        name="r256-p1k-mamba",
+        description="256 running, ~1k-token prompts, full attention + Mamba 'align' (64-token "
+        "blocks)",
+        max_running=256,
+        num_blocks=65_536,
+        output_len=(32, 512),
+        warmup_steps=60,
+        steps=500,
+        layout="full+mamba",
+        tags=("roomy", "hybrid"),
+    ),
 )
 
 # Small versions of the same shapes for a ~20 s smoke run.
@@ -198,6 +227,19 @@ QUICK_SCENARIOS: tuple[Scenario, ...] = (
         warmup_steps=20,
         steps=100,
         tags=("pressure", "quick"),
+    ),
+    replace(
+        _PROMPTS_1K,
+        name="quick-r64-mamba",
+        description="64 running, ~1k-token prompts, full attention + Mamba 'align'",
+        max_running=64,
+        num_blocks=16_384,
+        output_len=(16, 128),
+        num_prefixes=4,
+        warmup_steps=15,
+        steps=60,
+        layout="full+mamba",
+        tags=("roomy", "quick", "hybrid"),
     ),
 )
 

@@ -83,18 +83,14 @@ impl<'a, 'py> PyRequest<'a, 'py> {
         Error::InvalidArgument(msg)
     }
 
-    /// A count attribute, read once.
-    fn counted(&self, cell: &OnceCell<usize>, name: &'static str) -> Result<usize> {
+    /// A count attribute (`name`: an interned attribute name), read once.
+    fn counted(&self, cell: &OnceCell<usize>, name: &Bound<'py, PyString>) -> Result<usize> {
         if let Some(&v) = cell.get() {
             return Ok(v);
         }
-        let py = self.request.py();
         let read = || -> PyResult<usize> {
-            let n: i64 = self
-                .request
-                .getattr(pyo3::types::PyString::intern(py, name))?
-                .extract()?;
-            count(name, n)
+            let n: i64 = self.request.getattr(name)?.extract()?;
+            count(name.to_str()?, n)
         };
         let v = read().map_err(|e| self.stash(e))?;
         Ok(*cell.get_or_init(|| v))
@@ -127,15 +123,21 @@ impl<'py> RequestLike for PyRequest<'_, 'py> {
     }
 
     fn num_tokens(&self) -> Result<usize> {
-        self.counted(&self.num_tokens, "num_tokens")
+        self.counted(&self.num_tokens, intern!(self.request.py(), "num_tokens"))
     }
 
     fn num_prompt_tokens(&self) -> Result<usize> {
-        self.counted(&self.num_prompt_tokens, "num_prompt_tokens")
+        self.counted(
+            &self.num_prompt_tokens,
+            intern!(self.request.py(), "num_prompt_tokens"),
+        )
     }
 
     fn num_in_flight_tokens(&self) -> Result<usize> {
-        self.counted(&self.num_in_flight_tokens, "num_in_flight_tokens")
+        self.counted(
+            &self.num_in_flight_tokens,
+            intern!(self.request.py(), "num_in_flight_tokens"),
+        )
     }
 
     fn shared_prefix_boundary(&self) -> Result<usize> {
