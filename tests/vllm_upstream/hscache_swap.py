@@ -214,8 +214,7 @@ def _record_construction(cls: Any, obj: Any, args: tuple, kwargs: dict) -> None:
     elif type(obj).__name__ == "ParityKVCacheManager":
         outcome = "served (parity)"
     else:
-        caching = bool(kwargs.get("enable_caching", True))
-        outcome = f"fallback: {unsupported_reason(config, caching) or 'unknown'}"
+        outcome = f"fallback: {unsupported_reason(config) or 'unknown'}"
     census: dict[str, int] = _state.setdefault("census", {})
     key = f"{outcome} | {layout}"
     census[key] = census.get(key, 0) + 1

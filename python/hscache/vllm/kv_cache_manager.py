@@ -97,7 +97,7 @@ class KVCacheManager(KVCacheCore):
         bound = _SIGNATURE.bind(None, *args, **kwargs)
         bound.apply_defaults()
         params = bound.arguments
-        reason = unsupported_reason(params["kv_cache_config"], bool(params["enable_caching"]))
+        reason = unsupported_reason(params["kv_cache_config"])
         if reason is not None:
             if env_flag("HSCACHE_STRICT"):
                 raise UnsupportedConfigError(f"hscache cannot serve this KV cache: {reason}")

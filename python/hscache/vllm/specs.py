@@ -22,7 +22,6 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupRole,
-    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
@@ -50,6 +49,10 @@ _KINDS: dict[type, str] = {
 }
 
 
+# Managers whose block tables never hold the null block (served on vLLM 0.32 too).
+_NO_NULL_BLOCK_KINDS = frozenset({"full_attention", "cross_attention"})
+
+
 def manager_class(group: Any) -> Any:
     """The vLLM manager class of a KV-cache group (None if none is registered)."""
     try:
@@ -58,18 +61,19 @@ def manager_class(group: Any) -> Any:
         return None
 
 
-def unsupported_reason(config: KVCacheConfig, enable_caching: bool = True) -> str | None:
+def unsupported_reason(config: KVCacheConfig) -> str | None:
     """Why the core cannot serve this configuration, or None if it can."""
     if env_flag("HSCACHE_DISABLE"):
         return "HSCACHE_DISABLE is set"
-    if enable_caching and _PROFILE.series == "0.32":
-        # 0.32 lets a Mamba group in "none" / "all" mode sit under prefix caching (0.33
-        # refuses it, and the core implements 0.33's rules); its caching of such states is
-        # not 0.33's, so vLLM 0.32 keeps serving those configurations itself.
+    if _PROFILE.null_block_ref_counted:
+        # vLLM 0.32's BlockPool counts references on the null block (0.33 skips it), and
+        # frees it with the tables that hold it: sliding-window, chunked-local, Mamba ...
+        # tables do. The core implements 0.33's rule, so vLLM 0.32 keeps serving those.
         for i, group in enumerate(config.kv_cache_groups):
-            mode = getattr(group.kv_cache_spec, "mamba_cache_mode", "align")
-            if isinstance(group.kv_cache_spec, MambaSpec) and mode != "align":
-                return f"group {i}: vLLM 0.32 prefix caching over Mamba mode {mode!r}"
+            kind = _KINDS.get(manager_class(group))
+            if kind not in _NO_NULL_BLOCK_KINDS:
+                name = type(group.kv_cache_spec).__name__
+                return f"group {i}: vLLM 0.32 counts references on the null block ({name})"
     for i, group in enumerate(config.kv_cache_groups):
         spec = group.kv_cache_spec
         if group.role != KVCacheGroupRole.DEFAULT or group.host_resident:
