@@ -1,5 +1,8 @@
 //! `EncoderCacheManager`: the bookkeeping of the multimodal encoder-output cache.
 //!
+//! Length: one method per vLLM method, each mirroring vLLM's dict updates in order;
+//! the tests live in `manager_tests.rs`.
+//!
 //! Mirrors vLLM 0.33 `v1/core/encoder_cache_manager.py`'s `EncoderCacheManager`. An
 //! entry is one multimodal item, keyed by its identifier (`mm_hash`), and is shared by
 //! every request that carries the same item.

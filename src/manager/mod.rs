@@ -1,5 +1,9 @@
 //! `KVCacheManager`: the scheduler-facing facade over the coordinator.
 //!
+//! Length: the facade is vLLM's `kv_cache_manager.py`, one method per method of its
+//! interface (with its plan/apply stages); the rules it delegates live in
+//! `coordinator.rs` and the single-type managers.
+//!
 //! Mirrors vLLM 0.33 `v1/core/kv_cache_manager.py::KVCacheManager`: the rules of
 //! the Scheduler's interface live here (when a lookup is skipped, the
 //! `num_tokens - 1` hit cap, when the watermark applies, what `allocate_slots`

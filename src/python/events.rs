@@ -3,6 +3,9 @@
 //! `block_stored_fields`, the per-block part of vLLM's `BlockStored` event (wraps
 //! `src/extra_keys.rs`).
 //!
+//! Length: one concept (vLLM's event fields from the core's records), kept whole so
+//! that the 0.32 and 0.33 struct shapes and the fallback rules stay side by side.
+//!
 //! The core records `BlockStored { group, start_block, end_block, block_size }` (a
 //! range of the recording call's request), `BlockRemoved` and `AllBlocksCleared`; the
 //! bindings hand each call's records and request to the pool's `EventBuilder`

@@ -2,6 +2,9 @@
 //! `serialize`, `blake3_digest`, `blake3_block` (wraps `src/hash.rs`,
 //! `src/hash/request.rs`, `src/extra_keys.rs`).
 //!
+//! Length: pickle's identity-exact conversion is one concept and one recursion; its
+//! type cases must be read together.
+//!
 //! Conversion only. Python objects become core values *with their identity*: every
 //! `str`, `bytes` and `tuple` carries its object address as [`ObjId`], and every object
 //! is kept alive until the call returns, so addresses are unique and pickle's

@@ -1,5 +1,8 @@
 //! `KVCacheCore`: the core `KVCacheManager` as a subclassable Python class.
 //!
+//! Length: the class has one method per vLLM `KVCacheManager` method, each a few
+//! lines of conversion; splitting it would scatter vLLM's interface over files.
+//!
 //! `hscache.vllm.KVCacheManager` subclasses it. The methods vLLM's Scheduler calls
 //! every step (`allocate_slots`, `get_computed_blocks`, `free`, `get_blocks`,
 //! `get_block_ids`, `cache_blocks`, ...) are here with vLLM's exact signatures and
