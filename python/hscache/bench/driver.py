@@ -18,7 +18,12 @@ import time
 from collections.abc import Callable, Iterator
 
 from hscache.bench.managers import RequestFactory, build_manager
-from hscache.bench.results import RunResult, WorkloadCounters
+from hscache.bench.results import (
+    DivergenceError,
+    RunResult,
+    UnsupportedScenarioError,
+    WorkloadCounters,
+)
 from hscache.bench.scenarios import Scenario, TraceGenerator
 from hscache.bench.side import Decision, Side
 
@@ -29,14 +34,6 @@ __all__ = [
     "calibrate_timer",
     "run_scenario",
 ]
-
-
-class DivergenceError(RuntimeError):
-    """The two managers made different decisions on the same trace."""
-
-
-class UnsupportedScenarioError(ValueError):
-    """The scenario cannot run on this path (a hybrid layout on the batched path)."""
 
 
 def calibrate_timer(samples: int = 20_001) -> int:

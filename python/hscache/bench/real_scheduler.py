@@ -26,6 +26,7 @@ from hscache.bench.layouts import layout_config
 from hscache.bench.results import (
     OP_ALLOC_ADMIT,
     OP_ALLOC_RUNNING,
+    DivergenceError,
     RunResult,
     SideResult,
     WorkloadCounters,
@@ -171,7 +172,6 @@ class RealSchedulerDriver:
             self.candidate.add(self._build(spec), spec.output)
 
     def steps(self) -> Iterator[int]:
-        from hscache.bench.driver import DivergenceError
 
         sc = self.scenario
         gc.collect()

@@ -3,7 +3,8 @@
 Owns the operation names of the per-operation statistics, :class:`SideResult` (one
 manager's per-step and per-call times), :class:`WorkloadCounters` (what the trace did,
 identical on both sides when their decisions agree) and :class:`RunResult` (one scenario,
-both sides), plus :func:`merge_runs` for ``--repeat``. No vLLM, no timing code.
+both sides), plus :func:`merge_runs` for ``--repeat`` and the two errors a run can end
+with. No vLLM, no timing code.
 """
 
 from __future__ import annotations
@@ -28,11 +29,22 @@ __all__ = [
     "OP_TAKE_EVENTS",
     "OP_TAKE_NEW_IDS",
     "OP_USAGE",
+    "DivergenceError",
     "RunResult",
     "SideResult",
+    "UnsupportedScenarioError",
     "WorkloadCounters",
     "merge_runs",
 ]
+
+
+class DivergenceError(RuntimeError):
+    """The two managers made different decisions on the same trace."""
+
+
+class UnsupportedScenarioError(ValueError):
+    """The scenario cannot run on this path (a hybrid layout on the batched path)."""
+
 
 # Operation names used in the per-operation statistics.
 OP_NEW_STEP = "new_step_starts"
