@@ -10,6 +10,7 @@ mod chunked_local;
 mod circular_buffer;
 mod coordinator;
 mod cross_attention;
+mod hybrid_proptest;
 mod mamba;
 mod rswa;
 mod sink;

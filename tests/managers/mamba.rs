@@ -234,3 +234,23 @@ fn a_partial_hit_inside_a_mamba_block_is_copied_on_write() {
     );
     m.check_invariants().unwrap();
 }
+
+#[test]
+fn an_evicted_prompt_boundary_state_is_cached_again() {
+    // A connector's `evict_blocks` drops the key of a running request's state block
+    // (the state at the prompt's last full block); the next allocation registers it
+    // again, as vLLM does. hscache's hash-read plan used to miss that read (found by
+    // `hybrid_proptest`): InternalError "block hash 2 was read but not planned", and
+    // a poisoned manager. Fixed by c8898f7.
+    let mut m = fa_mamba_align(0);
+    let mut a = Req::new("a", toks(1..14), 4);
+    let (_, _, new) = admit(&mut m, &mut a, Some(12), no_args());
+    assert_eq!(new, Some(t![[1, 2, 3], [0, 0, 4]]));
+    m.new_step_starts();
+    m.evict_blocks(&[4]).unwrap();
+    assert_eq!(m.block_pool().block_hash_num_tokens(4), None);
+    assert_eq!(chunk(&mut m, &mut a, 1, no_args()), Some(t![[5], [6]]));
+    assert_eq!(tables(&m, "a"), t![[1, 2, 3, 5], [0, 0, 4, 6]]);
+    assert_eq!(m.block_pool().block_hash_num_tokens(4), Some(12));
+    m.check_invariants().unwrap();
+}
