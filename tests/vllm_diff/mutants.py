@@ -8,7 +8,10 @@ groups, so that the per-group comparisons are proven too.
 
 from __future__ import annotations
 
+import dataclasses
+
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
+from vllm.v1.core import single_type_kv_cache_manager as stm
 from vllm.v1.core.block_pool import BlockHashToBlockMap
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 
@@ -283,10 +286,184 @@ class CrossAttentionIgnoresEncoder(KVCacheManager):
         return super().allocate_slots(request, num_new_tokens, *args, **kwargs)
 
 
+# One broken rule each of a single-type manager or of the hybrid coordinator.
+
+
+def _posing_as(base: type):
+    """A mutant manager class keeps its base's name: the harness compares class names
+    after construction, and only the broken rule should tell the mutant apart."""
+
+    def name(cls: type) -> type:
+        cls.__name__, cls.__qualname__ = base.__name__, base.__qualname__
+        return cls
+
+    return name
+
+
+def _swap_manager_class(mgr, base: type, sub: type) -> None:
+    """Give ``mgr``'s single-type managers of class ``base`` the class ``sub`` (these
+    instances only: vLLM's classes stay intact for the reference manager), including
+    the hybrid coordinator's lookup table."""
+    for manager in mgr.coordinator.single_type_managers:
+        if type(manager) is base:
+            manager.__class__ = sub
+    groups = getattr(mgr.coordinator, "attention_groups", None)
+    for i, group in enumerate(groups or ()):
+        if group.manager_cls is base:
+            groups[i] = group._replace(manager_cls=sub)
+
+
+def _managers(mgr, name: str) -> list:
+    return [m for m in mgr.coordinator.single_type_managers if type(m).__name__ == name]
+
+
+@_posing_as(stm.SlidingWindowManager)
+class _SlidingWindowWholeWindow(stm.SlidingWindowManager):
+    @classmethod
+    def _contiguous_blocks_for_hit(cls, window_size, block_size, use_eagle):
+        return super()._contiguous_blocks_for_hit(window_size + 1, block_size, use_eagle)
+
+
+class SlidingWindowHitNeedsWholeWindow(KVCacheManager):
+    """Sliding-window hits need cdiv(window, block) contiguous blocks (vLLM:
+    cdiv(window - 1, block): the next token attends to window - 1 cached tokens)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _swap_manager_class(self, stm.SlidingWindowManager, _SlidingWindowWholeWindow)
+
+
+@_posing_as(stm.ChunkedLocalAttentionManager)
+class _ChunkedLocalFromZero(stm.ChunkedLocalAttentionManager):
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes,
+        max_length,
+        kv_cache_group_ids,
+        block_pool,
+        kv_cache_spec,
+        *args,
+        **kwargs,
+    ):
+        one_chunk = dataclasses.replace(kv_cache_spec, attention_chunk_size=1 << 40)
+        return super().find_longest_cache_hit(
+            block_hashes, max_length, kv_cache_group_ids, block_pool, one_chunk, *args, **kwargs
+        )
+
+
+class ChunkedLocalLooksUpEarlierChunks(KVCacheManager):
+    """Chunked-local hits look blocks up from the start instead of counting the chunks
+    before the current one as computed (null blocks)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _swap_manager_class(self, stm.ChunkedLocalAttentionManager, _ChunkedLocalFromZero)
+
+
+class MambaPartialHitWithoutCopy(KVCacheManager):
+    """A Mamba hit that ends inside a block shares that block instead of copying it on
+    write (no extra block reserved, no copy queued)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for manager in _managers(self, "MambaManager"):
+            manager._has_partial_local_hit = lambda blocks, num_tokens: False
+
+
+class MambaAlignIgnoresSpeculativeBlocks(KVCacheManager):
+    """Mamba "align" allocates no speculative (draft) state blocks."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for manager in _managers(self, "MambaManager"):
+            manager.num_speculative_blocks = 0
+
+
+class CrossAttentionNotCountedInFit(KVCacheManager):
+    """The fit check forgets the cross-attention group's encoder blocks."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for manager in _managers(self, "CrossAttentionManager"):
+            manager.get_num_blocks_to_allocate = lambda *a, **kw: 0
+
+
+@_posing_as(stm.CircularBufferManager)
+class _RingEveryStep(stm.CircularBufferManager):
+    def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model):
+        new_blocks = self.block_pool.get_new_blocks(1)
+        self.req_to_blocks[request_id].extend(new_blocks)
+        return new_blocks
+
+
+class RingClaimsBlockEveryStep(KVCacheManager):
+    """A circular buffer claims a new ring block at every allocation (vLLM: one per
+    request, kept for its lifetime)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _swap_manager_class(self, stm.CircularBufferManager, _RingEveryStep)
+
+
+@_posing_as(stm.RSWAManager)
+class _RswaFloorGap(stm.RSWAManager):
+    def remove_skipped_blocks(self, request_id, processed_computed_tokens, num_prompt_tokens=None):
+        if num_prompt_tokens is None:
+            return super().remove_skipped_blocks(request_id, processed_computed_tokens)
+        window_start = max(num_prompt_tokens, processed_computed_tokens - self.rswa_window)
+        self._remove_blocks_in_range(
+            request_id, num_prompt_tokens // self.block_size, window_start // self.block_size
+        )
+
+
+class RswaGapStartsInsidePrompt(KVCacheManager):
+    """R-SWA's gap starts at the block holding the prompt's last tokens (floor instead
+    of cdiv), freeing prompt KV that stays visible."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _swap_manager_class(self, stm.RSWAManager, _RswaFloorGap)
+
+
+class _LooksLikeTwoGroups(list):
+    def __len__(self):
+        return 2
+
+
+class HybridHitSinglePass(KVCacheManager):
+    """The hybrid hit search stops after one pass over the groups (vLLM iterates to a
+    fixed point unless the model is full attention + one other type)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        groups = getattr(self.coordinator, "attention_groups", None)
+        if groups is not None:
+            self.coordinator.attention_groups = _LooksLikeTwoGroups(groups)
+
+
+class HybridCachesPastTheSchedulerBlock(KVCacheManager):
+    """A hybrid model caches every full block of each group, not only up to the
+    scheduler block where a hit can land."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.coordinator._align_cacheable = lambda num_tokens: num_tokens
+
+
 HYBRID = {
     FreesGroupsLastFirst: "fa+swa",
     SlidingWindowKeepsOldBlocks: "fa+swa",
     ChunkedLocalKeepsOldChunks: "fa+cl",
     MambaHitsStatesOfThisStep: "fa+mamba-align",
     CrossAttentionIgnoresEncoder: "fa+cross",
+    SlidingWindowHitNeedsWholeWindow: "fa+swa",
+    ChunkedLocalLooksUpEarlierChunks: "fa+cl",
+    MambaPartialHitWithoutCopy: "fa+mamba-align",
+    MambaAlignIgnoresSpeculativeBlocks: "fa+mamba-align",
+    CrossAttentionNotCountedInFit: "fa+cross",
+    RingClaimsBlockEveryStep: "rswa|ring",
+    RswaGapStartsInsidePrompt: "rswa|ring",
+    HybridHitSinglePass: "fa+swa",
+    HybridCachesPastTheSchedulerBlock: "mixed",
 }
