@@ -20,6 +20,7 @@ mod encoder_decoder;
 mod errors;
 mod events;
 mod hasher;
+mod hisparse;
 mod manager;
 mod pool;
 mod prefill_skip;

@@ -212,8 +212,7 @@ impl SlotMirror {
                 .push(u32::try_from(p.num_tokens - p.compute_start).map_err(|_| {
                     Error::InvalidArgument(format!("request {:?}: too many tokens", r.req_id))
                 })?);
-            plan.samples
-                .push(prompt.is_none_or(|n| p.num_tokens >= n));
+            plan.samples.push(prompt.is_none_or(|n| p.num_tokens >= n));
             plan.requests.push(p);
         }
         plan.seen.sort_unstable();
