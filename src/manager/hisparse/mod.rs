@@ -754,3 +754,6 @@ pub fn cpython_set_order(hashes: &[u64]) -> Vec<usize> {
     }
     table.into_iter().filter(|&k| k != EMPTY).collect()
 }
+
+#[cfg(test)]
+mod tests;

@@ -242,3 +242,110 @@ impl SingleTypeManager for HiSparseSourceManager {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::manager::spec::{GroupSpec, ManagerKind};
+    use crate::testing::prompt_hashes;
+
+    fn manager(host_blocks: u32) -> HiSparseSourceManager {
+        let spec = GroupSpec {
+            kind: ManagerKind::HiSparseSource {
+                host_num_blocks: host_blocks,
+            },
+            ..GroupSpec::full_attention(4)
+        };
+        let base = ManagerBase::new(spec, 0, true, 4, 4, 1, 1, true);
+        HiSparseSourceManager::new(base, host_blocks, true).unwrap()
+    }
+
+    fn query(num_tokens: usize, hits: &[BlockId]) -> NumBlocksQuery<'_> {
+        NumBlocksQuery {
+            request_id: "r",
+            num_tokens,
+            new_computed_blocks: hits,
+            total_computed_tokens: hits.len() * 4,
+            num_local_computed_tokens: hits.len() * 4,
+            num_tokens_main_model: num_tokens,
+            apply_admission_cap: false,
+            prefill_end: 0,
+        }
+    }
+
+    #[test]
+    fn host_pool_backs_the_group_and_never_counts_against_the_device() {
+        let mut m = manager(4);
+        let mut device = BlockPool::new(10, true, 4, true, false).unwrap();
+        // Three usable host blocks back three pages: nothing to take from the device.
+        assert_eq!(
+            m.get_num_blocks_to_allocate(&device, 0, None, &query(12, &[]))
+                .unwrap(),
+            0
+        );
+        // Four pages do not fit: the admission sentinel.
+        assert_eq!(
+            m.get_num_blocks_to_allocate(&device, 0, None, &query(16, &[]))
+                .unwrap(),
+            11
+        );
+        let mut req = GroupBlocks::default();
+        let mut out = vec![];
+        m.allocate_new_blocks(&mut device, 0, "r", &mut req, 12, 12, &mut out)
+            .unwrap();
+        assert_eq!(req.blocks, vec![1, 2, 3]);
+        assert_eq!(m.host_pool().get_num_free_blocks(), 0);
+        assert_eq!(device.get_num_free_blocks(), 9);
+        // New host blocks are never recorded for zeroing.
+        assert!(m.base().new_block_ids.is_empty());
+    }
+
+    #[test]
+    fn publishing_caches_in_the_host_pool_with_host_events() {
+        let mut m = manager(6);
+        let mut device = BlockPool::new(10, true, 4, true, false).unwrap();
+        let mut req = GroupBlocks::default();
+        let mut out = vec![];
+        m.allocate_new_blocks(&mut device, 0, "r", &mut req, 8, 8, &mut out)
+            .unwrap();
+        let hashes = prompt_hashes(1, 2, 0, 0);
+        let q = CacheQuery {
+            request_id: "r",
+            block_hashes: &hashes,
+            num_tokens: 8,
+            retention_interval: None,
+            replay_boundaries: &[],
+            num_prompt_tokens: 8,
+            num_computed_tokens: 8,
+            shared_prefix_boundary: 0,
+        };
+        m.publish_blocks(&mut req, &q).unwrap();
+        assert!(m.host_pool().block_hash(1).is_some());
+        assert!(device.block_hash(1).is_none());
+        device.absorb_host_events(m.host_pool_mut(), Some(7));
+        let events = device.take_events();
+        assert!(matches!(
+            events.as_slice(),
+            [crate::events::KVCacheEvent::Host {
+                publication: Some(7),
+                ..
+            }]
+        ));
+        // Hits are looked up in the host pool.
+        let mut found = vec![Vec::new()];
+        let hit = m
+            .find_longest_cache_hit(
+                &device,
+                &HitQuery {
+                    block_hashes: &hashes,
+                    max_length: 8,
+                    group_ids: &[0],
+                    drop_eagle_block: false,
+                    alignment_tokens: 4,
+                },
+                &mut found,
+            )
+            .unwrap();
+        assert_eq!((hit, found[0].clone()), (8, vec![1, 2]));
+    }
+}
