@@ -180,7 +180,7 @@ class Trace:
         for side in self.sides:
             try:
                 answers.append(("ok", _ids(fn(side))))
-            except Exception as e:  # noqa: BLE001 - both sides must fail alike
+            except Exception as e:
                 answers.append(("raise", f"{type(e).__name__}: {e}"))
         assert answers[0] == answers[1], self._where(f"{what}: {answers[0]} != {answers[1]}")
         status, value = answers[0]
@@ -218,6 +218,7 @@ class Trace:
             for side in self.sides:
                 side.requests[rid] = make_request(rid, tokens, max_tokens=64, hash_block_size=BS)
             self.status[rid] = "waiting"
+
         def lookup(s: Side) -> Any:
             s.lookups[rid] = s.manager.get_computed_blocks(self.req(s, rid))
             return s.lookups[rid]
@@ -282,17 +283,24 @@ class Trace:
         ]
         self.both(f"advance_scheduled({pairs})", lambda s: s.coord.advance_scheduled(pairs))
         triples = [(rid, start, count) for rid, start, count in entries]
-        self.both("all_context_pages_resident", lambda s: s.coord.all_context_pages_resident(
-            triples))
-        self.both("build_row_mirrors", lambda s: [
-            (m.source_starts, m.destination_start, m.num_rows)
-            for m in s.coord.build_row_mirrors(triples)
-        ])
+        self.both(
+            "all_context_pages_resident", lambda s: s.coord.all_context_pages_resident(triples)
+        )
+        self.both(
+            "build_row_mirrors",
+            lambda s: [
+                (m.source_starts, m.destination_start, m.num_rows)
+                for m in s.coord.build_row_mirrors(triples)
+            ],
+        )
         rids = [rid for rid, _, _ in entries]
-        self.both("take_residency_updates", lambda s: {
-            k: (u.pages, [list(x) for x in u.block_ids])
-            for k, u in s.coord.take_residency_updates(rids).items()
-        })
+        self.both(
+            "take_residency_updates",
+            lambda s: {
+                k: (u.pages, [list(x) for x in u.block_ids])
+                for k, u in s.coord.take_residency_updates(rids).items()
+            },
+        )
         command = self.both("build_offload_command", lambda s: s.coord.build_offload_command())
         if command:
             self.transfers.extend(t.transfer_id for t in command)
@@ -300,7 +308,8 @@ class Trace:
         token = self.rng.randrange(1000)
         for rid, _, _ in entries:
             req0 = self.req(self.sides[0], rid)
-            if req0.num_computed_tokens == req0.num_tokens and req0.num_tokens < self.max_model_len - 8:
+            full = req0.num_computed_tokens == req0.num_tokens
+            if full and req0.num_tokens < self.max_model_len - 8:
                 for side in self.sides:
                     self.req(side, rid).append_output_token_ids(token)
 
@@ -316,7 +325,8 @@ class Trace:
             if todo <= 0:
                 continue
             n = min(todo, r.choice([1, BS, 2 * BS]))
-            la = r.choice([0, 0, 2]) if req0.num_computed_tokens + n + 2 <= self.max_model_len else 0
+            fits = req0.num_computed_tokens + n + 2 <= self.max_model_len
+            la = r.choice([0, 0, 2]) if fits else 0
             start = req0.num_computed_tokens
             got = self.both(
                 f"allocate_slots({rid}, new={n}, lookahead={la})",
@@ -370,8 +380,9 @@ class Trace:
             req = self.req(side, rid)
             req.num_computed_tokens = min(side.importing.pop(rid), req.num_tokens - 1)
         n = self.req(self.sides[0], rid).num_computed_tokens
-        self.both(f"cache_blocks({rid}, {n})", lambda s: s.manager.cache_blocks(
-            self.req(s, rid), n))
+        self.both(
+            f"cache_blocks({rid}, {n})", lambda s: s.manager.cache_blocks(self.req(s, rid), n)
+        )
         self.status[rid] = "running"
 
     def finish(self, rid: str | None = None, preempt: bool | None = None) -> None:
@@ -391,8 +402,10 @@ class Trace:
         if deferred:
             got = self.both(
                 f"pop_blocks_for_free({rid})",
-                lambda s: s.deferred.append(s.manager.pop_blocks_for_free(self.req(s, rid)))
-                or s.deferred[-1],
+                lambda s: (
+                    s.deferred.append(s.manager.pop_blocks_for_free(self.req(s, rid)))
+                    or s.deferred[-1]
+                ),
             )
             assert got is not None
         else:
@@ -435,7 +448,9 @@ class Trace:
         n = self.host_blocks if host else self.num_blocks
         ids = {r.randrange(1, n) for _ in range(r.randint(1, 3))}
         if host:
-            self.both(f"host evict {ids}", lambda s: s.coord.get_host_block_pool().evict_blocks(ids))
+            self.both(
+                f"host evict {ids}", lambda s: s.coord.get_host_block_pool().evict_blocks(ids)
+            )
         else:
             self.both(f"evict {ids}", lambda s: s.manager.evict_blocks(ids))
 
@@ -477,3 +492,56 @@ class Trace:
 def test_random_hisparse_traces_match_vllm(seed: int) -> None:
     init_none_hash("sha256")
     Trace(seed).run(NUM_OPS)
+
+
+def test_hisparse_layouts_are_served_and_bound_at_construction() -> None:
+    """The core serves the layout and builds its coordinator with the manager:
+    ``get_hisparse_coordinator`` returns it (an instance of vLLM's class), every time."""
+    from vllm.distributed.kv_events import MEDIUM_CPU
+    from vllm.v1.hisparse.coordinator import HiSparseCoordinator
+
+    m = build_manager(KVCacheManager, kc.hisparse_config(16, 8), hash_block_size=BS)
+    assert type(m) is KVCacheManager
+    coordinator = get_hisparse_coordinator(m)
+    assert isinstance(coordinator, HiSparseCoordinator)
+    assert get_hisparse_coordinator(m) is coordinator
+    assert coordinator.host_manager.block_pool.medium == MEDIUM_CPU
+    assert coordinator.get_host_block_pool().num_gpu_blocks == 8
+    assert m.retained_hit_group_ids == (0,)
+
+
+def _reorder(config: Any) -> Any:
+    groups = config.kv_cache_groups
+    config.kv_cache_groups = [groups[2], groups[0], groups[1], groups[3]]
+    return config
+
+
+def _no_host_blocks(config: Any) -> Any:
+    config.hisparse_host_num_blocks = None
+    return config
+
+
+@pytest.mark.parametrize(
+    "mutate, hash_block_size, reason",
+    [
+        (_reorder, BS, "host group after a resident group"),
+        (_no_host_blocks, BS, "without hisparse_host_num_blocks"),
+        (lambda c: c, BS // 2, "partial host entries"),
+    ],
+    ids=["resident-first", "no-host-pool", "finer-hashes"],
+)
+def test_layouts_the_core_does_not_serve_fall_back_to_vllm(
+    mutate: Any, hash_block_size: int, reason: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Layouts vLLM's coordinator refuses to bind stay vLLM's (so vLLM raises, at the
+    same call), as does a source group hashed finer than its blocks."""
+    from hscache.testing.manager import manager_kwargs
+    from hscache.vllm import kv_cache_manager as module
+
+    said: list[str] = []
+    monkeypatch.setattr(module.logger, "info", lambda msg, *a: said.append(msg % a))
+    config = mutate(kc.hisparse_config(16, 8))
+    kwargs = manager_kwargs(config, hash_block_size=hash_block_size, scheduler_block_size=BS)
+    m = KVCacheManager(**kwargs)
+    assert type(m) is VllmKVCacheManager
+    assert len(said) == 1 and reason in said[0]

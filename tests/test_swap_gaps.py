@@ -193,7 +193,9 @@ def test_hisparse_host_copy_on_write_reaches_the_connector() -> None:
         output = SchedulerOutput.make_empty()
         host_copies = connector.build_connector_meta(output).host_block_copies
         host = coordinator.get_host_block_pool()
-        endpoints = [(host.blocks[c.src_block_id], host.blocks[c.dst_block_id]) for c in host_copies]
+        endpoints = [
+            (host.blocks[c.src_block_id], host.blocks[c.dst_block_id]) for c in host_copies
+        ]
         manager.free(resumed)
         held = [(s.ref_cnt, d.ref_cnt) for s, d in endpoints]
         pending = coordinator.has_pending_work()
@@ -228,14 +230,13 @@ def test_pending_hisparse_spill_keeps_scheduler_alive() -> None:
     the coordinator's internal ``pending_spills`` dict. Restated with a real write-back:
     a Scheduler whose connector is bound to the coordinator has requests while the
     finished request's spill is in flight, and none once the workers acknowledged it."""
+    from hscache.testing.offline_scheduler import make_scheduler
     from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
         HiSparseConnector,
         HiSparseConnectorScheduler,
     )
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
     from vllm.v1.core.sched.scheduler import Scheduler
-
-    from hscache.testing.offline_scheduler import make_scheduler
 
     outcomes = []
     for manager, coordinator in _hisparse_pair():

@@ -147,7 +147,9 @@ def sink(block_size: int, sink_len: int) -> SinkFullAttentionSpec:
     )
 
 
-def hisparse_resident(block_size: int = 16, *, page_size: int | None = None) -> HiSparseResidentSpec:
+def hisparse_resident(
+    block_size: int = 16, *, page_size: int | None = None
+) -> HiSparseResidentSpec:
     """HiSparse's GPU-resident pages of host-backed KV."""
     return HiSparseResidentSpec(block_size=block_size, page_size=page_size or 4 * block_size)
 

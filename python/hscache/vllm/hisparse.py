@@ -59,7 +59,8 @@ class _HostBlockList(Sequence[KVCacheBlock]):
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(f"block index {index} out of range")
-        return self._core.core_host_block(index)
+        block: KVCacheBlock = self._core.core_host_block(index)
+        return block
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
         return (self._core.core_host_block(i) for i in range(len(self)))
@@ -149,6 +150,8 @@ class SourceView:
 
     _manager: KVCacheManager
     kv_cache_group_id: int
+    # The HiSparse coordinator view (vLLM's managers carry theirs here).
+    coordinator: Any = None
 
     def take_new_block_ids(self) -> list[int]:
         return []
@@ -197,6 +200,7 @@ class _AuxiliaryView:
 
     _manager: KVCacheManager
     kv_cache_group_id: int
+    coordinator: Any = None
 
     def get_num_blocks_to_allocate(
         self,
@@ -384,10 +388,12 @@ class HiSparseCoordinatorView:
             applied,
         ) in self._manager.core_hisparse_pending_spills():
             data = self._manager.core_hisparse_state(state_id)
+            if data is None:  # a spill keeps its request's state alive
+                raise RuntimeError(f"HiSparse spill {transfer_id} lost its request state")
             out[transfer_id] = _vllm_hisparse._PendingSpill(
                 transfer_id=transfer_id,
                 page=(rid, page),
-                request_state=None if data is None else self._state(data),
+                request_state=self._state(data),
                 host_block=host_block(host),
                 resident_blocks=tuple(block(b) for b in resident),
                 restore=restore,
@@ -482,12 +488,8 @@ class HiSparseCoordinatorView:
         self, requests: Iterable[tuple[str, int, int]]
     ) -> tuple[SparseKVRowMirror, ...]:
         return tuple(
-            SparseKVRowMirror(
-                source_starts=tuple(starts), destination_start=dest, num_rows=rows
-            )
-            for starts, dest, rows in self._manager.core_hisparse_build_row_mirrors(
-                list(requests)
-            )
+            SparseKVRowMirror(source_starts=tuple(starts), destination_start=dest, num_rows=rows)
+            for starts, dest, rows in self._manager.core_hisparse_build_row_mirrors(list(requests))
         )
 
     def all_context_pages_resident(self, requests: Iterable[tuple[str, int, int]]) -> bool:
