@@ -21,6 +21,7 @@ mod errors;
 mod events;
 mod hasher;
 mod hisparse;
+mod hisparse_groups;
 mod manager;
 mod pool;
 mod prefill_skip;

@@ -125,13 +125,12 @@ impl KVCacheCoordinator {
                 m.add_local_computed_blocks(pool, request_id, gb, hits(g), num_local, num_external)
             })?;
         }
-        let resident_bs = {
-            let h = self.hisparse.as_deref().map(|h| h.layout().block_size);
-            h.unwrap_or(1)
-        };
+        // vLLM's resident groups commit their host pages as they adopt their (null)
+        // hits; nothing in between reads what the commit changes.
         if let Some((h, ctx)) = self.hisparse_split() {
             if h.has_resident() {
-                h.commit_computed_blocks(&ctx, request_id, cdiv(num_local, resident_bs))?;
+                let num_host_pages = cdiv(num_local, h.layout().block_size);
+                h.commit_computed_blocks(&ctx, request_id, num_host_pages)?;
             }
         }
         if num_external > 0 {
