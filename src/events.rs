@@ -8,6 +8,10 @@
 //! request at hand (`src/python/events.rs`), so the struct's fields are exactly what
 //! vLLM would have filled.
 //!
+//! HiSparse's host pool (vLLM's `SharedEventQueueBlockPool`, medium CPU) publishes
+//! into the device pool's queue: its records are moved there, in operation order,
+//! wrapped in [`KVCacheEvent::Host`].
+//!
 //! [`MetricsOp`] records the calls vLLM's `BlockPool` makes on a
 //! `KVCacheMetricsCollector` (`--kv-cache-metrics`), in order, so the bindings can
 //! replay them on the user's collector: same calls, same random samples.
@@ -42,6 +46,14 @@ pub enum KVCacheEvent {
     BlockRemoved { key: BlockHashWithGroupId },
     /// The prefix cache was reset.
     AllBlocksCleared,
+    /// An event of the HiSparse host pool (medium CPU). A `BlockStored` inside
+    /// covers the request of HiSparse publication `publication` (a token the
+    /// coordinator hands out, see `src/manager/hisparse/`), or the recording call's
+    /// request when `None`.
+    Host {
+        event: Box<KVCacheEvent>,
+        publication: Option<u64>,
+    },
 }
 
 /// One call of vLLM's `BlockPool` on its `KVCacheMetricsCollector`.

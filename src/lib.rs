@@ -19,7 +19,8 @@
 //! - [`testing`]: deterministic fixtures shared by tests and benches.
 //! - [`request_table`]: `RequestTable`, request id → per-request state with stable
 //!   handles (the manager's, the encoder cache's and the slot mirror's tables).
-//! - [`manager`]: the `KVCacheManager` facade and the full-attention group manager.
+//! - [`manager`]: the `KVCacheManager` facade, the coordinator and one single-type
+//!   manager per group kind (HiSparse's host-backed groups in `manager::hisparse`).
 //! - [`encoder_cache`]: `EncoderCacheManager` (the multimodal encoder-output cache) and
 //!   `EncoderDecoderCacheManager` (the encoder budget of encoder-decoder models).
 //! - [`slots`]: `SlotMirror`, the worker-side mirror of block assignments (versions, slot

@@ -152,3 +152,48 @@ pub fn admit(m: &mut KVCacheManager, req: &PlainRequest) -> (usize, Vec<BlockId>
         .expect("fits");
     (hit, m.get_blocks(&req.request_id, 0).to_vec())
 }
+
+/// vLLM's HiSparse layout: a source group on a host pool of `host_num_blocks` blocks,
+/// an indexer group, one resident group (admission window `max_model_len`) and one hot
+/// group of `blocks_per_request` blocks, all of `block_size` tokens.
+pub fn hisparse_manager(
+    num_blocks: u32,
+    host_num_blocks: u32,
+    block_size: usize,
+    max_model_len: usize,
+    blocks_per_request: usize,
+    caching: bool,
+) -> KVCacheManager {
+    use crate::manager::{GroupSpec, ManagerKind};
+    let aux = |kind: ManagerKind, class: u32, window: Option<usize>| GroupSpec {
+        kind,
+        prefix_cacheable: false,
+        is_full_attention_spec: false,
+        is_attention_spec: false,
+        dcp_sharded: false,
+        spec_class: class,
+        max_admission_blocks_per_request: window,
+        ..GroupSpec::full_attention(block_size)
+    };
+    let groups = vec![
+        GroupSpec {
+            kind: ManagerKind::HiSparseSource { host_num_blocks },
+            ..GroupSpec::full_attention(block_size)
+        },
+        GroupSpec {
+            spec_class: 1,
+            ..GroupSpec::full_attention(block_size)
+        },
+        aux(
+            ManagerKind::HiSparseResident,
+            2,
+            Some(max_model_len.div_ceil(block_size)),
+        ),
+        aux(ManagerKind::HiSparseHot { blocks_per_request }, 3, None),
+    ];
+    let mut c = KVCacheManagerConfig::full_attention(num_blocks, block_size, max_model_len);
+    c.coordinator.groups = groups;
+    c.coordinator.enable_caching = caching;
+    c.coordinator.enable_kv_cache_events = true;
+    KVCacheManager::new(c).expect("a valid HiSparse config")
+}

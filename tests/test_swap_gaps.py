@@ -131,3 +131,132 @@ def test_invalid_argument_is_an_assertion_error_too() -> None:
     with pytest.raises(AssertionError):
         manager.truncate_computed_blocks(blocks, 3)
     assert issubclass(InvalidArgumentError, ValueError)
+
+
+# ---- HiSparse ---------------------------------------------------------------------------
+
+HS_BLOCK = 16
+
+
+def _hisparse_pair(**kwargs: Any) -> list[tuple[Any, Any]]:
+    """(manager, its HiSparse coordinator) for vLLM and for hscache."""
+    from vllm.v1.hisparse.coordinator import get_hisparse_coordinator
+
+    out = []
+    for cls in (VllmKVCacheManager, KVCacheManager):
+        manager = build_manager(
+            cls,
+            kc.hisparse_config(32, 16),
+            hash_block_size=HS_BLOCK,
+            max_model_len=128,
+            **kwargs,
+        )
+        out.append((manager, get_hisparse_coordinator(manager)))
+    return out
+
+
+def _publish(manager: Any, coordinator: Any, request: Any) -> None:
+    """Compute `request`'s prompt and acknowledge every write-back (as the connector)."""
+    assert manager.allocate_slots(request, request.num_tokens) is not None
+    coordinator.advance_scheduled([(request.request_id, request.num_tokens)])
+    command = coordinator.build_offload_command()
+    counts = {t.transfer_id: 1 for t in command.page_transfers}
+    coordinator.update_spills(counts, counts)
+
+
+def test_hisparse_host_copy_on_write_reaches_the_connector() -> None:
+    """Upstream ``test_hisparse_host_cow_copy_is_drained_without_a_gpu_pool`` writes a
+    table and a partial hit into the source manager's internal dicts. Restated with a
+    real partial host hit: the host copy-on-write pair is drained by the HiSparse
+    connector (not by ``take_kv_cache_block_copies``, which carries the device group's
+    copy), both host endpoints stay retained until the worker reports the copy, and
+    ``has_pending_work`` follows them."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
+        HiSparseConnectorScheduler,
+        HiSparseConnectorWorkerMetadata,
+    )
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+
+    outcomes = []
+    for manager, coordinator in _hisparse_pair(enable_caching=True):
+        tokens = list(range(4 * HS_BLOCK))
+        _publish(manager, coordinator, make_request("original", tokens))
+        manager.free(make_request("original", tokens))
+        resumed = make_request("resumed", tokens)
+        blocks, num_local, _ = manager.get_computed_blocks(resumed)
+        partial = num_local - HS_BLOCK // 2
+        assert manager.allocate_slots(resumed, 8, partial, blocks) is not None
+        device_copies, _ = manager.take_kv_cache_block_copies()
+        connector = HiSparseConnectorScheduler(async_speculative=False)
+        connector.bind_coordinator(coordinator)
+        output = SchedulerOutput.make_empty()
+        host_copies = connector.build_connector_meta(output).host_block_copies
+        host = coordinator.get_host_block_pool()
+        endpoints = [
+            (host.blocks[c.src_block_id], host.blocks[c.dst_block_id]) for c in host_copies
+        ]
+        manager.free(resumed)
+        held = [(s.ref_cnt, d.ref_cnt) for s, d in endpoints]
+        pending = coordinator.has_pending_work()
+        connector.update_connector_output(
+            KVConnectorOutput(
+                kv_connector_worker_meta=HiSparseConnectorWorkerMetadata(
+                    {}, {}, completed_host_copy_dst_ids=tuple(c.dst_block_id for c in host_copies)
+                )
+            )
+        )
+        released = [(s.ref_cnt, d.ref_cnt) for s, d in endpoints]
+        outcomes.append(
+            (
+                [tuple(c) for c in device_copies],
+                [tuple(c) for c in host_copies],
+                held,
+                pending,
+                released,
+                coordinator.has_pending_work(),
+                manager.take_new_block_ids(),
+            )
+        )
+    assert outcomes[0] == outcomes[1]
+    device_copies, host_copies, held, pending, released, pending_after, _ = outcomes[1]
+    assert len(host_copies) == 1 and len(device_copies) == 1
+    assert all(s > 0 and d > 0 for s, d in held) and pending
+    assert released == [(0, 0)] and not pending_after
+
+
+def test_pending_hisparse_spill_keeps_scheduler_alive() -> None:
+    """Upstream ``test_pending_hisparse_spill_keeps_scheduler_alive`` puts a ``Mock`` into
+    the coordinator's internal ``pending_spills`` dict. Restated with a real write-back:
+    a Scheduler whose connector is bound to the coordinator has requests while the
+    finished request's spill is in flight, and none once the workers acknowledged it."""
+    from hscache.testing.offline_scheduler import make_scheduler
+    from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
+        HiSparseConnector,
+        HiSparseConnectorScheduler,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    outcomes = []
+    for manager, coordinator in _hisparse_pair():
+        scheduler = make_scheduler(Scheduler, 16)
+        connector = object.__new__(HiSparseConnector)
+        connector.connector_scheduler = HiSparseConnectorScheduler(async_speculative=False)
+        connector.connector_scheduler.bind_coordinator(coordinator)
+        composite = object.__new__(MultiConnector)
+        composite._connectors = (connector,)
+        scheduler.connector = composite
+        alive = [scheduler.has_requests()]
+        request = make_request("r", list(range(2 * HS_BLOCK)))
+        assert manager.allocate_slots(request, request.num_tokens) is not None
+        coordinator.advance_scheduled([("r", request.num_tokens)])
+        manager.free(request)
+        alive.append(scheduler.has_requests())
+        command = coordinator.build_offload_command()
+        alive.append(scheduler.has_requests())
+        counts = {t.transfer_id: 1 for t in command.page_transfers}
+        coordinator.update_spills(counts, counts)
+        alive.append(scheduler.has_requests())
+        outcomes.append(alive)
+    assert outcomes[0] == outcomes[1] == [False, True, True, False]

@@ -95,6 +95,8 @@ CONFIGS: dict[str, tuple[Callable[[], KVCacheConfig], bool]] = {
         ),
         True,
     ),
+    "hisparse": (lambda: kc.hisparse_config(64, 16), True),
+    "hisparse-3-resident": (lambda: kc.hisparse_config(64, 16, num_resident_groups=3), True),
 }
 
 
@@ -154,3 +156,17 @@ def test_zeroing_config_and_layer_names() -> None:
     assert [g.layer_names for g in config.kv_cache_groups] == [["layer0"], ["layer1"]]
     assert not config.needs_kv_cache_zeroing
     assert kc.full_attention_config(8, needs_zeroing=True).needs_kv_cache_zeroing
+
+
+def test_hisparse_config_binds_vllms_coordinator() -> None:
+    """The HiSparse builder gives the layout vLLM's connector binds: one host group first,
+    resident groups of its block size, one hot group per resident group."""
+    from vllm.v1.hisparse.coordinator import get_hisparse_coordinator
+
+    config = kc.hisparse_config(32, 12, num_resident_groups=2, blocks_per_request=3)
+    manager = KVCacheManager(**manager_kwargs(config))
+    coordinator = get_hisparse_coordinator(manager)
+    assert coordinator.host_group_id == 0
+    assert [m.kv_cache_group_id for m in coordinator.resident_managers] == [2, 4]
+    assert [m.blocks_per_request for m in coordinator.hot_managers] == [3, 3]
+    assert coordinator.get_host_block_pool().num_gpu_blocks == 12

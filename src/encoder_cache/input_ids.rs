@@ -72,7 +72,7 @@ pub struct InputIdSet {
 }
 
 /// CPython's probe sequence for `hash` in a table of `mask + 1` slots (endless).
-fn probe(mask: usize, hash: u64) -> impl Iterator<Item = usize> {
+pub(crate) fn probe(mask: usize, hash: u64) -> impl Iterator<Item = usize> {
     let mut i = (hash as usize) & mask;
     let mut run = if i + LINEAR_PROBES <= mask {
         LINEAR_PROBES

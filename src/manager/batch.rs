@@ -134,7 +134,11 @@ impl KVCacheManager {
 
     fn check_batch_layout(&self) -> Result<()> {
         let needs = self.coordinator.needs();
-        if needs.in_flight_for_skip || needs.cache_every_call || needs.prompt_for_cache {
+        if needs.in_flight_for_skip
+            || needs.cache_every_call
+            || needs.prompt_for_cache
+            || self.coordinator.hisparse().is_some()
+        {
             return Err(Error::Unsupported(
                 "the batched calls serve layouts without skipped blocks or partial caching \
                  (full attention); use allocate_slots per request"
@@ -312,6 +316,11 @@ impl KVCacheManager {
     /// first: a stale or unknown handle, or a block already freed, frees nothing.
     pub fn free_batch(&mut self, handles: &[RequestHandle]) -> Result<()> {
         self.guard()?;
+        if self.coordinator.hisparse().is_some() {
+            return Err(Error::Unsupported(
+                "the batched calls do not serve HiSparse layouts; use free per request".into(),
+            ));
+        }
         let epoch = self.next_batch_epoch();
         for (i, &handle) in handles.iter().enumerate() {
             let Some(state) = self.coordinator.requests.get_mut_by_handle(handle) else {
@@ -329,7 +338,11 @@ impl KVCacheManager {
         // One checked free of every request: a stale handle or a block already freed
         // frees nothing (blocks shared between the requests count once per holder).
         let mut scratch = std::mem::take(&mut self.free_scratch);
-        let r = self.coordinator.free_handles(handles, &mut scratch);
+        let r = self.coordinator.free_handles(
+            handles,
+            &mut scratch,
+            &crate::manager::hisparse::PlainPublicationRequests::default(),
+        );
         self.free_scratch = scratch;
         r?;
         Ok(())

@@ -66,6 +66,7 @@ impl SingleTypeManager for CircularBufferManager {
     fn add_local_computed_blocks(
         &mut self,
         _pool: &mut BlockPool,
+        _request_id: &str,
         _req: &mut GroupBlocks,
         _hits: &[BlockId],
         _num_local: usize,
@@ -77,6 +78,7 @@ impl SingleTypeManager for CircularBufferManager {
     fn allocate_external_computed_blocks(
         &mut self,
         pool: &mut BlockPool,
+        _request_id: &str,
         req: &mut GroupBlocks,
         _num_local: usize,
         _num_external: usize,

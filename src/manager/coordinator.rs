@@ -21,6 +21,7 @@
 
 use smallvec::SmallVec;
 
+use super::hisparse::{HiSparseCoordinator, PublicationRequests};
 use super::request::PlannedHashes;
 use super::single_type::{
     new_manager, CacheQuery, GroupBlocks, HitQuery, ManagerBase, NumBlocksQuery, SingleTypeManager,
@@ -120,6 +121,8 @@ pub struct KVCacheCoordinator {
     needs: FieldNeeds,
     /// Some Mamba "align" group keeps per-request state from the first lookup on.
     mamba_align: bool,
+    /// HiSparse's coordinator, on a layout with a HiSparse source group.
+    pub(crate) hisparse: Option<Box<HiSparseCoordinator>>,
 }
 
 fn lcm_divides(scheduler_block_size: usize, block_size: usize) -> bool {
@@ -190,7 +193,7 @@ impl KVCacheCoordinator {
             );
             base.num_hash_lookahead_tokens = c.num_hash_lookahead_tokens;
             base.eagle_checkpoints = c.use_eagle;
-            managers.push(new_manager(base)?);
+            managers.push(new_manager(base, c.enable_kv_cache_events)?);
         }
         Self::validate_retention(c.retention_interval, sbs, &c.groups)?;
         let mamba_align = c
@@ -214,6 +217,7 @@ impl KVCacheCoordinator {
             full_attention_group_id: None,
             needs: FieldNeeds::default(),
             mamba_align,
+            hisparse: None,
         };
         match kind {
             CoordinatorKind::NoPrefixCache => {}
@@ -392,6 +396,10 @@ impl KVCacheCoordinator {
                         needs.prefill_end |= self.retention_interval == Some(0);
                     }
                 }
+                // HiSparse's source group replaces its publication on every call.
+                ManagerKind::HiSparseSource { .. } if b.enable_caching => {
+                    needs.cache_every_call = true;
+                }
                 ManagerKind::FullAttention | ManagerKind::SinkFullAttention { .. }
                     if b.block_size != self.hash_block_size && b.enable_caching =>
                 {
@@ -509,6 +517,13 @@ impl KVCacheCoordinator {
                 m.base_mut().shared_prefix_checkpoint = true;
             }
         }
+    }
+
+    /// Every request's table in group `g`.
+    pub fn request_tables(&self, g: usize) -> impl Iterator<Item = (&str, &GroupBlocks)> {
+        self.requests
+            .iter()
+            .filter_map(move |(rid, s)| s.groups.get(g).map(|gb| (rid, gb)))
     }
 
     /// The request's state (None if it holds nothing).
@@ -674,7 +689,11 @@ impl KVCacheCoordinator {
             if !sg.is_full_attention {
                 continue;
             }
-            let bs = self.managers[sg.group_ids[0] as usize].base().block_size;
+            let m = &self.managers[sg.group_ids[0] as usize];
+            if m.retains_longer_hit() {
+                continue;
+            }
+            let bs = m.base().block_size;
             let keep = cdiv(hit_length, bs);
             for &gid in &sg.group_ids {
                 if let Some(b) = found_by_group[gid as usize].as_mut() {
@@ -741,6 +760,15 @@ impl KVCacheCoordinator {
             let bs = self.managers[g].base().block_size;
             let scale = self.pool.hash_scale(bs)?;
             let full = b.len().min(num_hashes / scale);
+            if let Some(src) = self.managers[g].hisparse_source_mut() {
+                // The host pool's events (medium CPU) join the device pool's queue.
+                let r = src
+                    .host_pool_mut()
+                    .emit_cached_block_events(full, bs, g as u32);
+                self.pool.absorb_host_events(src.host_pool_mut(), None);
+                r?;
+                continue;
+            }
             self.pool.emit_cached_block_events(full, bs, g as u32)?;
             if b.len() > full && hit_length >= hbs {
                 self.pool.push_event(KVCacheEvent::PartialBlockStored {
@@ -788,6 +816,7 @@ impl KVCacheCoordinator {
             let req = state.and_then(|s| s.groups.get(g));
             let q = if m.base().spec.kind == ManagerKind::CrossAttention {
                 NumBlocksQuery {
+                    request_id,
                     num_tokens: num_encoder_tokens,
                     new_computed_blocks: &[],
                     total_computed_tokens: 0,
@@ -798,6 +827,7 @@ impl KVCacheCoordinator {
                 }
             } else {
                 NumBlocksQuery {
+                    request_id,
                     num_tokens,
                     new_computed_blocks: hits(g),
                     total_computed_tokens,
@@ -822,6 +852,15 @@ impl KVCacheCoordinator {
         num_external_computed_tokens: usize,
         skip_zeroing: &dyn Fn(usize) -> bool,
     ) -> Result<()> {
+        if self.hisparse.is_some() {
+            return self.hisparse_allocate_new_computed_blocks(
+                request_id,
+                hits,
+                num_local_computed_tokens,
+                num_external_computed_tokens,
+                skip_zeroing,
+            );
+        }
         let n = self.managers.len();
         let spare = &mut self.spare_states;
         let (_, state) = self
@@ -838,6 +877,7 @@ impl KVCacheCoordinator {
         for (g, m) in self.managers.iter_mut().enumerate() {
             m.add_local_computed_blocks(
                 &mut self.pool,
+                request_id,
                 &mut state.groups[g],
                 hits(g),
                 num_local_computed_tokens,
@@ -848,6 +888,7 @@ impl KVCacheCoordinator {
             for (g, m) in self.managers.iter_mut().enumerate() {
                 m.allocate_external_computed_blocks(
                     &mut self.pool,
+                    request_id,
                     &mut state.groups[g],
                     num_local_computed_tokens,
                     num_external_computed_tokens,
@@ -869,6 +910,16 @@ impl KVCacheCoordinator {
         out: &mut Vec<BlockId>,
         ends: &mut SmallVec<[usize; 4]>,
     ) -> Result<()> {
+        if self.hisparse.is_some() {
+            return self.hisparse_allocate_new_blocks(
+                request_id,
+                num_tokens,
+                num_tokens_main_model,
+                num_encoder_tokens,
+                out,
+                ends,
+            );
+        }
         let n = self.managers.len();
         let spare = &mut self.spare_states;
         let (slot, state) = self
@@ -1001,6 +1052,17 @@ impl KVCacheCoordinator {
         let cacheable: SmallVec<[usize; 4]> = (0..self.managers.len())
             .map(|g| self.get_num_cacheable_tokens(num_computed_tokens, g))
             .collect();
+        if self.hisparse.is_some() {
+            return self.hisparse_cache_blocks(
+                request_id,
+                block_hashes,
+                &cacheable,
+                &boundaries,
+                num_prompt_tokens,
+                request_num_computed_tokens,
+                shared_prefix_boundary,
+            );
+        }
         let Some((slot, state)) = self.requests.get_mut_with_slot(request_id) else {
             return Err(Error::UnknownRequest(request_id.to_owned()));
         };
@@ -1047,9 +1109,17 @@ impl KVCacheCoordinator {
 
     /// vLLM's `free`: every group's table, tail first (no-op for an unknown
     /// request). All or nothing: a double free leaves every table in place.
-    pub fn free(&mut self, request_id: &str, scratch: &mut Vec<BlockId>) -> Result<()> {
+    pub fn free(
+        &mut self,
+        request_id: &str,
+        scratch: &mut Vec<BlockId>,
+        pubs: &dyn PublicationRequests,
+    ) -> Result<()> {
+        if self.hisparse.is_some() {
+            return self.hisparse_free(request_id, pubs, None).map(|_| ());
+        }
         match self.requests.handle(request_id) {
-            Some(h) => self.free_handles(&[h], scratch),
+            Some(h) => self.free_handles(&[h], scratch, pubs),
             None => Ok(()),
         }
     }
@@ -1060,7 +1130,18 @@ impl KVCacheCoordinator {
         &mut self,
         handles: &[crate::request_table::RequestHandle],
         scratch: &mut Vec<BlockId>,
+        pubs: &dyn PublicationRequests,
     ) -> Result<()> {
+        if self.hisparse.is_some() {
+            for &h in handles {
+                let Some(rid) = self.requests.key_of(h) else {
+                    return Err(Error::UnknownRequest(format!("handle {h:#x}")));
+                };
+                let rid: Box<str> = rid.into();
+                self.hisparse_free(&rid, pubs, None)?;
+            }
+            return Ok(());
+        }
         scratch.clear();
         let mut ends: SmallVec<[usize; 8]> = SmallVec::new();
         for &h in handles {
@@ -1077,7 +1158,7 @@ impl KVCacheCoordinator {
         for &h in handles {
             if let Some(rid) = self.requests.key_of(h) {
                 let rid: Box<str> = rid.into();
-                self.pop_request(&rid);
+                self.pop_request_state(&rid);
             }
         }
         Ok(())
@@ -1085,18 +1166,29 @@ impl KVCacheCoordinator {
 
     /// vLLM's `pop_blocks_for_free`: the request's blocks in allocation order, group
     /// after group, leading nulls trimmed; not freed.
-    pub fn pop_blocks_for_free(&mut self, request_id: &str, out: &mut Vec<BlockId>) {
+    /// On a HiSparse layout the request is detached from the HiSparse coordinator
+    /// first, and the host group's blocks (host pool ids) are the returned range.
+    pub fn pop_blocks_for_free(
+        &mut self,
+        request_id: &str,
+        out: &mut Vec<BlockId>,
+        pubs: &dyn PublicationRequests,
+    ) -> Result<Option<std::ops::Range<usize>>> {
+        if self.hisparse.is_some() {
+            return self.hisparse_free(request_id, pubs, Some(out));
+        }
         let Some(state) = self.requests.get(request_id) else {
-            return;
+            return Ok(None);
         };
         for g in &state.groups {
             out.extend_from_slice(&g.blocks[null_head(&g.blocks)..]);
         }
-        self.pop_request(request_id);
+        self.pop_request_state(request_id);
+        Ok(None)
     }
 
     /// Removes the request's state and the managers' per-request state.
-    fn pop_request(&mut self, request_id: &str) {
+    pub(crate) fn pop_request_state(&mut self, request_id: &str) {
         let Some(handle) = self.requests.handle(request_id) else {
             return;
         };
@@ -1148,6 +1240,10 @@ impl KVCacheCoordinator {
     pub fn take_pending_cow_copies(&mut self) -> Vec<(BlockId, BlockId)> {
         let mut out = Vec::new();
         for m in &mut self.managers {
+            // HiSparse's host copies go to its connector (`take_host_block_copies`).
+            if m.host_pool().is_some() {
+                continue;
+            }
             out.append(&mut m.base_mut().pending_cow_copies);
         }
         out
@@ -1173,6 +1269,11 @@ impl KVCacheCoordinator {
     pub fn take_new_block_ids(&mut self) -> Vec<BlockId> {
         let mut out = Vec::new();
         for m in &mut self.managers {
+            if m.host_pool().is_some() {
+                // HiSparse's source group reports none (host blocks are not zeroed).
+                m.base_mut().new_block_ids.clear();
+                continue;
+            }
             out.append(&mut m.base_mut().new_block_ids);
         }
         out
@@ -1210,9 +1311,22 @@ impl KVCacheCoordinator {
         Ok(())
     }
 
-    /// Resets the prefix cache (false while any block is in use).
-    pub fn reset_prefix_cache(&mut self) -> bool {
-        self.pool.reset_prefix_cache()
+    /// Resets the prefix cache of every pool (false while any block of one is in
+    /// use).
+    pub fn reset_prefix_cache(&mut self) -> Result<bool> {
+        if self.hisparse.is_some() {
+            return self.hisparse_reset_prefix_cache();
+        }
+        Ok(self.pool.reset_prefix_cache())
+    }
+
+    /// The pool group `g`'s blocks come from.
+    #[inline]
+    pub fn pool_of(&self, g: usize) -> &BlockPool {
+        self.managers
+            .get(g)
+            .and_then(|m| m.host_pool())
+            .unwrap_or(&self.pool)
     }
 
     /// Checks the coordinator's invariants on top of the pool's: every block a
@@ -1220,7 +1334,13 @@ impl KVCacheCoordinator {
     /// holds a free block, and hit bookkeeping is in range.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         self.pool.check_invariants()?;
+        let host_group = self.managers.iter().position(|m| m.host_pool().is_some());
+        if let Some(g) = host_group {
+            self.pool_of(g).check_invariants()?;
+        }
         let mut held = vec![0u32; self.pool.num_gpu_blocks() as usize];
+        let mut host_held =
+            vec![0u32; host_group.map_or(0, |g| self.pool_of(g).num_gpu_blocks() as usize)];
         for (rid, state) in self.requests.iter() {
             if state.groups.len() != self.managers.len() {
                 return Err(format!(
@@ -1229,9 +1349,14 @@ impl KVCacheCoordinator {
                 ));
             }
             for (g, gb) in state.groups.iter().enumerate() {
+                let counts = if Some(g) == host_group {
+                    &mut host_held
+                } else {
+                    &mut held
+                };
                 for &b in &gb.blocks {
                     if b != NULL_BLOCK_ID {
-                        held[b as usize] += 1;
+                        counts[b as usize] += 1;
                     }
                 }
                 if gb.num_cached_block.is_some_and(|n| n > gb.blocks.len()) {
@@ -1247,6 +1372,16 @@ impl KVCacheCoordinator {
             let rc = self.pool.ref_cnt(b as BlockId);
             if h > rc {
                 return Err(format!("block {b} is held {h} times but has ref_cnt {rc}"));
+            }
+        }
+        if let Some(g) = host_group {
+            for (b, &h) in host_held.iter().enumerate() {
+                let rc = self.pool_of(g).ref_cnt(b as BlockId);
+                if h > rc {
+                    return Err(format!(
+                        "host block {b} is held {h} times but has ref_cnt {rc}"
+                    ));
+                }
             }
         }
         Ok(())

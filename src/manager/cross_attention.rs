@@ -46,6 +46,7 @@ impl SingleTypeManager for CrossAttentionManager {
     fn add_local_computed_blocks(
         &mut self,
         _pool: &mut BlockPool,
+        _request_id: &str,
         _req: &mut GroupBlocks,
         hits: &[BlockId],
         _num_local: usize,
@@ -62,6 +63,7 @@ impl SingleTypeManager for CrossAttentionManager {
     fn allocate_external_computed_blocks(
         &mut self,
         _pool: &mut BlockPool,
+        _request_id: &str,
         _req: &mut GroupBlocks,
         _num_local: usize,
         _num_external: usize,

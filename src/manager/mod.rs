@@ -40,6 +40,7 @@ pub mod circular_buffer;
 pub mod coordinator;
 pub mod cross_attention;
 pub mod full_attention;
+pub mod hisparse;
 pub mod mamba;
 pub mod request;
 pub mod rswa;
@@ -57,6 +58,9 @@ pub use crate::request_table::{RequestHandle, RequestTable};
 use crate::types::{cdiv, BlockHash, BlockHashSource, BlockId, NULL_BLOCK_ID};
 pub use batch::{BatchProgress, BatchStop, RunningBatch};
 pub use coordinator::{CoordinatorConfig, CoordinatorKind, KVCacheCoordinator};
+pub use hisparse::{
+    HiSparseCoordinator, HiSparseCtx, PlainPublicationRequests, PublicationRequests,
+};
 pub use request::{PlainRequest, PlannedHashes, RequestLike, RequestStatus};
 pub use single_type::{BoundaryOffload, GroupBlocks};
 pub use spec::{GroupSpec, MambaCacheMode, MambaParams, ManagerKind};
@@ -221,6 +225,7 @@ impl KVCacheManager {
             )));
         }
         let mut coordinator = KVCacheCoordinator::new(c.clone())?;
+        coordinator.enable_hisparse(c.num_blocks, config.max_model_len)?;
         // One predicate for both sides of the feature (vLLM's comment): multi-module
         // MTP is excluded because caching then lags the chunk end.
         let mamba_shared_prefix_checkpoint = config.enable_mamba_shared_prefix_checkpoint
@@ -486,7 +491,17 @@ impl KVCacheManager {
             ids: &[],
             ends: &[],
         };
-        let hits = args.new_computed_blocks.unwrap_or(no_hits);
+        let mut retained: Option<(Vec<BlockId>, SmallVec<[usize; 4]>)> = None;
+        if let Some(given) = args.new_computed_blocks {
+            // Groups that kept a longer hit keep only the prefix the local and
+            // external hits cover (vLLM's `retained_hit_group_ids`).
+            let reused = args.num_new_computed_tokens + args.num_external_computed_tokens;
+            retained = self.retained_hits(given, reused);
+        }
+        let hits = match (&retained, args.new_computed_blocks) {
+            (Some((ids, ends)), Some(_)) => GroupedBlocks { ids, ends },
+            (_, given) => given.unwrap_or(no_hits),
+        };
         let adopt = args.new_computed_blocks.is_some() || args.num_external_computed_tokens > 0;
         let running = self
             .coordinator
@@ -625,8 +640,13 @@ impl KVCacheManager {
                 hits.ends.len()
             )));
         }
-        let pool = self.block_pool();
-        pool.validate_touch(hits.ids)?;
+        if self.coordinator.hisparse().is_some() {
+            for g in 0..hits.ends.len() {
+                self.coordinator.pool_of(g).validate_touch(hits.group(g))?;
+            }
+        } else {
+            self.block_pool().validate_touch(hits.ids)?;
+        }
         if hits.ids.is_empty() {
             return Ok(());
         }
@@ -654,6 +674,31 @@ impl KVCacheManager {
             }
         }
         Ok(())
+    }
+
+    /// `hits` with the groups that retain a longer hit cut to the blocks of
+    /// `reused` tokens; None when no group does.
+    fn retained_hits(
+        &self,
+        hits: GroupedBlocks<'_>,
+        reused: usize,
+    ) -> Option<(Vec<BlockId>, SmallVec<[usize; 4]>)> {
+        let managers = self.coordinator.managers();
+        if !managers.iter().any(|m| m.retains_longer_hit()) {
+            return None;
+        }
+        let mut ids = Vec::with_capacity(hits.ids.len());
+        let mut ends = SmallVec::new();
+        for g in 0..hits.ends.len() {
+            let group = hits.group(g);
+            let keep = match managers.get(g) {
+                Some(m) if m.retains_longer_hit() => cdiv(reused, m.base().block_size),
+                _ => group.len(),
+            };
+            ids.extend_from_slice(&group[..keep.min(group.len())]);
+            ends.push(ids.len());
+        }
+        Some((ids, ends))
     }
 
     /// Decides whether caching `upper` tokens (capped at `num_tokens` when `cap`)
@@ -759,10 +804,18 @@ impl KVCacheManager {
     /// vLLM's `free`: every group's table, tail first (no-op for an unknown request,
     /// as in vLLM: a request aborted before allocation has nothing to free).
     pub fn free(&mut self, request_id: &str) -> Result<()> {
+        self.free_with(request_id, &PlainPublicationRequests::default())
+    }
+
+    /// `free`, with what the core asks about a HiSparse request's publication.
+    pub fn free_with(&mut self, request_id: &str, pubs: &dyn PublicationRequests) -> Result<()> {
         self.guard()?;
         let mut scratch = std::mem::take(&mut self.free_scratch);
-        let r = self.coordinator.free(request_id, &mut scratch);
+        let r = self.coordinator.free(request_id, &mut scratch, pubs);
         self.free_scratch = scratch;
+        if self.coordinator.hisparse().is_some() {
+            return self.applied(r);
+        }
         r
     }
 
@@ -770,9 +823,21 @@ impl KVCacheManager {
     /// after group, leading nulls trimmed) go to `out` and must later be freed,
     /// reversed, through the pool.
     pub fn pop_blocks_for_free(&mut self, request_id: &str, out: &mut Vec<BlockId>) -> Result<()> {
+        self.pop_blocks_for_free_with(request_id, out, &PlainPublicationRequests::default())
+            .map(|_| ())
+    }
+
+    /// `pop_blocks_for_free`; on a HiSparse layout the returned range of `out` holds
+    /// the host group's blocks (host pool ids).
+    pub fn pop_blocks_for_free_with(
+        &mut self,
+        request_id: &str,
+        out: &mut Vec<BlockId>,
+        pubs: &dyn PublicationRequests,
+    ) -> Result<Option<std::ops::Range<usize>>> {
         self.guard()?;
-        self.coordinator.pop_blocks_for_free(request_id, out);
-        Ok(())
+        let r = self.coordinator.pop_blocks_for_free(request_id, out, pubs);
+        self.applied(r)
     }
 
     /// vLLM's `remove_skipped_blocks` (connectors call it when a request finishes).
@@ -797,10 +862,134 @@ impl KVCacheManager {
         self.coordinator.block_pool_mut().evict_blocks(block_ids)
     }
 
-    /// Resets the prefix cache; false while any block is in use.
+    /// Resets the prefix cache of every pool; false while any block is in use.
     pub fn reset_prefix_cache(&mut self) -> Result<bool> {
         self.guard()?;
-        Ok(self.coordinator.reset_prefix_cache())
+        let r = self.coordinator.reset_prefix_cache();
+        self.applied(r)
+    }
+
+    /// The device pool's `reset_prefix_cache` alone (vLLM's
+    /// `kv_cache_manager.block_pool.reset_prefix_cache()`).
+    pub fn reset_device_prefix_cache(&mut self) -> Result<bool> {
+        self.guard()?;
+        let r = self.coordinator.reset_device_prefix_cache();
+        self.applied(r)
+    }
+
+    /// The device pool's `get_new_blocks` (then HiSparse's reuse callbacks).
+    pub fn get_new_blocks(&mut self, n: usize, out: &mut Vec<BlockId>) -> Result<()> {
+        self.guard()?;
+        self.coordinator.block_pool_mut().get_new_blocks(n, out)?;
+        let r = self.coordinator.process_reused();
+        self.applied(r)
+    }
+
+    /// Runs `f` on HiSparse's coordinator (`Err` on other layouts); a failure midway
+    /// poisons the manager.
+    pub fn hisparse_call<T>(
+        &mut self,
+        f: impl FnOnce(&mut HiSparseCoordinator, &mut HiSparseCtx<'_>) -> Result<T>,
+    ) -> Result<T> {
+        self.guard()?;
+        if self.coordinator.hisparse().is_none() {
+            return Err(Error::InvalidArgument(
+                "this KV-cache layout has no HiSparse group".into(),
+            ));
+        }
+        let r = self.coordinator.with_hisparse(f);
+        self.applied(r)
+    }
+
+    /// Runs `f` on HiSparse's host pool and moves its events to the device pool's
+    /// queue (`Err` on other layouts). Pool calls validate before they change
+    /// anything, so an `Err` leaves everything as it was.
+    pub fn host_pool_call<T>(&mut self, f: impl FnOnce(&mut BlockPool) -> Result<T>) -> Result<T> {
+        self.guard()?;
+        let host_group = self.coordinator.hisparse().map(|h| h.layout().host_group);
+        let Some(g) = host_group else {
+            return Err(Error::InvalidArgument(
+                "this KV-cache layout has no HiSparse host pool".into(),
+            ));
+        };
+        self.coordinator
+            .with_hisparse(|_, ctx| ctx.with_host(g, None, f))
+    }
+
+    /// HiSparse publications made and dropped since the last call: `(made, dropped)`
+    /// ids; a made one's request is the request of the call that made it.
+    pub fn take_publication_changes(&mut self) -> Option<(Vec<u64>, Vec<u64>)> {
+        let h = self.coordinator.hisparse.as_deref_mut()?;
+        if !h.has_publication_changes() {
+            return None;
+        }
+        Some((h.take_publication_binds(), h.take_publication_releases()))
+    }
+
+    /// Whether HiSparse publications were made or dropped since the last look.
+    pub fn has_publication_changes(&self) -> bool {
+        self.coordinator
+            .hisparse()
+            .is_some_and(HiSparseCoordinator::has_publication_changes)
+    }
+
+    /// One group's `allocate_new_blocks`, as vLLM code may call a single-type
+    /// manager directly (the request's tables are created if absent): the new ids.
+    pub fn group_allocate_new_blocks(
+        &mut self,
+        g: usize,
+        request_id: &str,
+        num_tokens: usize,
+        num_tokens_main_model: usize,
+    ) -> Result<Vec<BlockId>> {
+        self.guard()?;
+        if g >= self.num_kv_cache_groups() {
+            return Err(Error::InvalidArgument(format!("no KV-cache group {g}")));
+        }
+        self.check_tokens("num_tokens", num_tokens)?;
+        let mut out = Vec::new();
+        let r = self.coordinator.group_allocate_new_blocks(
+            g,
+            request_id,
+            num_tokens,
+            num_tokens_main_model,
+            &mut out,
+        );
+        self.applied(r)?;
+        Ok(out)
+    }
+
+    /// One group's `get_num_blocks_to_allocate` (vLLM code may call a single-type
+    /// manager directly).
+    pub fn group_num_blocks_to_allocate(
+        &mut self,
+        g: usize,
+        q: &single_type::NumBlocksQuery<'_>,
+    ) -> Result<i64> {
+        self.guard()?;
+        if g >= self.num_kv_cache_groups() {
+            return Err(Error::InvalidArgument(format!("no KV-cache group {g}")));
+        }
+        self.coordinator
+            .pool_of(g)
+            .validate_touch(q.new_computed_blocks)?;
+        self.coordinator.group_num_blocks_to_allocate(g, q)
+    }
+
+    /// HiSparse's host pool, on a HiSparse layout.
+    pub fn host_pool(&self) -> Option<&BlockPool> {
+        self.host_group().map(|g| self.coordinator.pool_of(g))
+    }
+
+    /// HiSparse's source group (whose blocks are host pool blocks).
+    pub fn host_group(&self) -> Option<usize> {
+        self.coordinator.hisparse().map(|h| h.layout().host_group)
+    }
+
+    /// The pool of group `g`'s blocks (HiSparse's host pool for its source group).
+    #[inline]
+    pub fn pool_of(&self, g: usize) -> &BlockPool {
+        self.coordinator.pool_of(g)
     }
 
     /// Drops one reference per listed block, first = evicted first (deferred frees
@@ -810,6 +999,28 @@ impl KVCacheManager {
         self.coordinator
             .block_pool_mut()
             .free_blocks(ordered_blocks)
+    }
+
+    /// vLLM's `free_blocks` over blocks of both HiSparse pools: the device pool's
+    /// first, then the host pool's (each in the given order).
+    pub fn free_blocks_mixed(&mut self, device: &[BlockId], host: &[BlockId]) -> Result<()> {
+        self.guard()?;
+        if !host.is_empty() {
+            let Some(g) = self.coordinator.hisparse().map(|h| h.layout().host_group) else {
+                return Err(Error::InvalidArgument("no HiSparse host pool".into()));
+            };
+            // Validate both before changing either.
+            let hp = self.coordinator.pool_of(g);
+            for &b in host {
+                hp.check_block_id(i64::from(b))?;
+            }
+        }
+        self.coordinator.block_pool_mut().free_blocks(device)?;
+        if host.is_empty() {
+            return Ok(());
+        }
+        let r = self.host_pool_call(|pool| pool.free_blocks(host));
+        self.applied(r)
     }
 
     // ---- tables, estimates, hand-offs ------------------------------------------------
@@ -839,13 +1050,13 @@ impl KVCacheManager {
     /// the smallest of each group's longest cached prefix among the request's
     /// blocks.
     pub fn estimate_cached_tokens(&self, request_id: &str) -> usize {
-        let pool = self.block_pool();
         let mut estimate: Option<usize> = None;
         for (g, m) in self.coordinator.managers().iter().enumerate() {
             let spec = &m.base().spec;
             if !spec.prefix_cacheable || spec.is_cross_or_encoder_only {
                 continue;
             }
+            let pool = self.coordinator.pool_of(g);
             let group = self
                 .get_blocks(request_id, g)
                 .iter()
@@ -969,8 +1180,10 @@ impl KVCacheManager {
         prefill_end: usize,
     ) -> Result<i64> {
         self.guard()?;
-        for &b in hits.ids {
-            self.block_pool().check_block_id(i64::from(b))?;
+        for g in 0..hits.ends.len() {
+            for &b in hits.group(g) {
+                self.coordinator.pool_of(g).check_block_id(i64::from(b))?;
+            }
         }
         self.coordinator.get_num_blocks_to_allocate(
             request_id,
@@ -989,8 +1202,12 @@ impl KVCacheManager {
     /// a manager's `_pending_cow_copies`).
     pub fn push_cow_copy(&mut self, g: usize, pair: (BlockId, BlockId)) -> Result<()> {
         self.guard()?;
-        self.block_pool().check_block_id(i64::from(pair.0))?;
-        self.block_pool().check_block_id(i64::from(pair.1))?;
+        self.coordinator
+            .pool_of(g)
+            .check_block_id(i64::from(pair.0))?;
+        self.coordinator
+            .pool_of(g)
+            .check_block_id(i64::from(pair.1))?;
         self.coordinator.push_cow_copy(g, pair);
         Ok(())
     }

@@ -23,6 +23,7 @@
 
 use smallvec::SmallVec;
 
+use super::hisparse::{HiSparseHotManager, HiSparseResidentManager, HiSparseSourceManager};
 use super::spec::{GroupSpec, ManagerKind};
 use super::{
     chunked_local::ChunkedLocalAttentionManager, circular_buffer::CircularBufferManager,
@@ -173,6 +174,7 @@ pub struct HitQuery<'a> {
 /// `get_num_blocks_to_allocate`'s arguments.
 #[derive(Clone, Copy)]
 pub struct NumBlocksQuery<'a> {
+    pub request_id: &'a str,
     pub num_tokens: usize,
     pub new_computed_blocks: &'a [BlockId],
     pub total_computed_tokens: usize,
@@ -242,6 +244,7 @@ pub trait SingleTypeManager: std::fmt::Debug + Send + Sync {
     fn add_local_computed_blocks(
         &mut self,
         pool: &mut BlockPool,
+        _request_id: &str,
         req: &mut GroupBlocks,
         hits: &[BlockId],
         num_local: usize,
@@ -254,6 +257,7 @@ pub trait SingleTypeManager: std::fmt::Debug + Send + Sync {
     fn allocate_external_computed_blocks(
         &mut self,
         pool: &mut BlockPool,
+        _request_id: &str,
         req: &mut GroupBlocks,
         num_local: usize,
         num_external: usize,
@@ -350,10 +354,58 @@ pub trait SingleTypeManager: std::fmt::Debug + Send + Sync {
     fn mamba(&self) -> Option<&super::mamba::MambaManager> {
         None
     }
+
+    /// The blocks `pop_blocks_for_free` hands back for this group (allocation
+    /// order, leading nulls trimmed), appended to `out`: the table by default.
+    fn blocks_for_free(&self, _request_id: &str, req: &GroupBlocks, out: &mut Vec<BlockId>) {
+        out.extend_from_slice(&req.blocks[null_head_len(&req.blocks)..]);
+    }
+
+    /// vLLM's `retains_longer_hit`: the group keeps its own (longer) hit instead of
+    /// the reconciled one, until the facade trims it to the local and external
+    /// tokens (HiSparse's source group).
+    fn retains_longer_hit(&self) -> bool {
+        false
+    }
+
+    /// The pool this group's blocks come from when it is not the device pool
+    /// (HiSparse's source group: the host pool).
+    fn host_pool(&self) -> Option<&BlockPool> {
+        None
+    }
+
+    /// HiSparse's source group, for its coordinator.
+    fn hisparse_source_mut(&mut self) -> Option<&mut HiSparseSourceManager> {
+        None
+    }
+
+    /// A HiSparse resident group, for its coordinator and the Python views.
+    fn hisparse_resident(&self) -> Option<&HiSparseResidentManager> {
+        None
+    }
+
+    /// A HiSparse resident group, mutable.
+    fn hisparse_resident_mut(&mut self) -> Option<&mut HiSparseResidentManager> {
+        None
+    }
+
+    /// A HiSparse hot group, for its coordinator and the Python views.
+    fn hisparse_hot(&self) -> Option<&HiSparseHotManager> {
+        None
+    }
+
+    /// A HiSparse hot group, mutable.
+    fn hisparse_hot_mut(&mut self) -> Option<&mut HiSparseHotManager> {
+        None
+    }
 }
 
-/// The manager of `spec` (vLLM's `get_manager_for_kv_cache_spec` + registry).
-pub fn new_manager(base: ManagerBase) -> Result<Box<dyn SingleTypeManager>> {
+/// The manager of `spec` (vLLM's `get_manager_for_kv_cache_spec` + registry);
+/// `enable_kv_cache_events` is the device pool's (HiSparse's host pool follows it).
+pub fn new_manager(
+    base: ManagerBase,
+    enable_kv_cache_events: bool,
+) -> Result<Box<dyn SingleTypeManager>> {
     Ok(match base.spec.kind.clone() {
         ManagerKind::FullAttention => Box::new(FullAttentionManager::new(base)),
         ManagerKind::SinkFullAttention { sink_len } => {
@@ -377,6 +429,15 @@ pub fn new_manager(base: ManagerBase) -> Result<Box<dyn SingleTypeManager>> {
         )),
         ManagerKind::Mamba(params) => Box::new(MambaManager::new(base, params)?),
         ManagerKind::CrossAttention => Box::new(CrossAttentionManager::new(base)),
+        ManagerKind::HiSparseSource { host_num_blocks } => Box::new(HiSparseSourceManager::new(
+            base,
+            host_num_blocks,
+            enable_kv_cache_events,
+        )?),
+        ManagerKind::HiSparseResident => Box::new(HiSparseResidentManager::new(base)),
+        ManagerKind::HiSparseHot { blocks_per_request } => {
+            Box::new(HiSparseHotManager::new(base, blocks_per_request))
+        }
     })
 }
 

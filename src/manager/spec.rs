@@ -30,6 +30,16 @@ pub enum ManagerKind {
     Mamba(MambaParams),
     /// `CrossAttentionManager` (encoder–decoder models).
     CrossAttention,
+    /// `HiSparseSourceManager` (group role `hisparse_source`): full attention on
+    /// HiSparse's private host pool; publishes its hashes once host copies are
+    /// durable. `host_num_blocks`: `kv_cache_config.hisparse_host_num_blocks`.
+    HiSparseSource { host_num_blocks: u32 },
+    /// `HiSparseResidentManager` (`HiSparseResidentSpec`): GPU-resident pages of
+    /// otherwise host-backed KV.
+    HiSparseResident,
+    /// `HiSparseHotManager` (`HiSparseHotSpec`): a fixed per-request hot region,
+    /// allocated once the request reads host-backed history.
+    HiSparseHot { blocks_per_request: usize },
 }
 
 /// vLLM's `mamba_cache_mode`.
@@ -132,6 +142,17 @@ impl GroupSpec {
         self.is_attention_spec && self.kind != ManagerKind::CircularBuffer
     }
 
+    /// Whether this group is one of HiSparse's (source, resident or hot).
+    #[inline]
+    pub fn is_hisparse(&self) -> bool {
+        matches!(
+            self.kind,
+            ManagerKind::HiSparseSource { .. }
+                | ManagerKind::HiSparseResident
+                | ManagerKind::HiSparseHot { .. }
+        )
+    }
+
     /// Whether this is a Mamba group (`isinstance(spec, MambaSpec)`).
     #[inline]
     pub fn is_mamba(&self) -> bool {
@@ -156,6 +177,7 @@ impl GroupSpec {
                 | ManagerKind::SinkFullAttention { .. }
                 | ManagerKind::Rswa { .. }
                 | ManagerKind::Mamba(_)
+                | ManagerKind::HiSparseSource { .. }
         )
     }
 

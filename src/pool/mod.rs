@@ -19,17 +19,22 @@
 //!   callers free tables in reverse.
 //! - Every method validates first and mutates after: an `Err` changes nothing.
 //!
-//! Not implemented: reuse watchers (`unpin_blocks`, used only by HiSparse, which the
-//! adapter leaves to vLLM) and blocks of several pools in one call (hscache's
-//! managers own one pool).
+//! - Reuse watchers (`watchers.rs`, vLLM's `unpin_blocks`): HiSparse releases GPU
+//!   pages it keeps reading; the pool records when it hands one out again.
+//!
+//! Not implemented here: blocks of several pools in one call (vLLM's `free_blocks`
+//! routes another pool's blocks by `block.pool`); the HiSparse coordinator, which
+//! owns the second (host) pool, routes them (`src/manager/hisparse/`).
 
 pub mod caching;
+mod watchers;
 
 use crate::error::{Error, Result};
 use crate::events::{KVCacheEvent, MetricsOp};
 use crate::free_queue::FreeKVCacheBlockQueue;
 use crate::hash_index::BlockHashToBlockMap;
 use crate::types::{BlockHash, BlockHashWithGroupId, BlockId, NULL_BLOCK_ID};
+use watchers::ReuseWatchers;
 
 /// The block pool (see module docs).
 #[derive(Clone, Debug)]
@@ -49,6 +54,7 @@ pub struct BlockPool {
     scratch_first: Vec<BlockId>,
     scratch_last: Vec<BlockId>,
     scratch_zeroed: Vec<bool>,
+    watchers: ReuseWatchers,
 }
 
 impl BlockPool {
@@ -88,6 +94,7 @@ impl BlockPool {
             scratch_first: Vec::new(),
             scratch_last: Vec::new(),
             scratch_zeroed: Vec::new(),
+            watchers: ReuseWatchers::new(n),
         })
     }
 
@@ -228,6 +235,9 @@ impl BlockPool {
     pub fn get_new_blocks(&mut self, n: usize, out: &mut Vec<BlockId>) -> Result<()> {
         let start = out.len();
         self.free_block_queue.popleft_n(n, out)?;
+        if self.watchers.any() {
+            self.watchers.notify_popped(&out[start..]);
+        }
         for &id in &out[start..] {
             if self.enable_caching {
                 Self::evict_cached(
@@ -411,6 +421,9 @@ impl BlockPool {
         if num_used != 1 {
             return false;
         }
+        if self.watchers.any() {
+            self.watchers.notify_all();
+        }
         self.cached_block_hash_to_block.clear();
         if let Some(m) = self.metrics.as_mut() {
             m.push(MetricsOp::Reset);
@@ -427,6 +440,24 @@ impl BlockPool {
         if self.enable_kv_cache_events {
             self.events.push(event);
         }
+    }
+
+    /// Moves `host`'s recorded events to the end of this pool's queue, each wrapped
+    /// as a host event (HiSparse's host pool shares the device pool's queue);
+    /// stored ranges cover `publication`'s request (None: the call's request).
+    pub fn absorb_host_events(&mut self, host: &mut BlockPool, publication: Option<u64>) {
+        if host.events.is_empty() {
+            return;
+        }
+        let events = std::mem::take(&mut host.events);
+        if !self.enable_kv_cache_events {
+            return;
+        }
+        self.events
+            .extend(events.into_iter().map(|event| KVCacheEvent::Host {
+                event: Box::new(event),
+                publication,
+            }));
     }
 
     /// Drains the recorded events.

@@ -2,7 +2,9 @@
 //!
 //! vLLM's Scheduler stores block objects (deferred frees) and hands them back;
 //! connectors read `block_id`, `block_hash`, `ref_cnt`, `is_null`. The handle holds
-//! only its id and its pool; every field is read from the core on access.
+//! only its id and its pool; every field is read from the core on access. A
+//! HiSparse layout has a second pool (the host pool of its source group): its
+//! blocks are other handles (`is_host`), identity-stable per host block id.
 
 use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
@@ -10,12 +12,29 @@ use pyo3::types::PyBytes;
 use pyo3::PyTraverseError;
 
 use super::manager::PyKVCacheCore;
+use crate::pool::BlockPool;
 use crate::types::{BlockId, NULL_BLOCK_ID};
 
 #[pyclass(name = "KVCacheBlock", module = "hscache._core", frozen)]
 pub struct PyKVCacheBlock {
     pub(crate) block_id: BlockId,
     pub(crate) core: Py<PyKVCacheCore>,
+    /// A block of HiSparse's host pool.
+    pub(crate) host: bool,
+}
+
+impl PyKVCacheBlock {
+    fn with_pool<T>(&self, py: Python<'_>, f: impl FnOnce(&BlockPool) -> T) -> PyResult<T> {
+        let core = self.core.bind(py).try_borrow()?;
+        let pool = if self.host {
+            core.core.host_pool().ok_or_else(|| {
+                pyo3::exceptions::PyRuntimeError::new_err("the core has no host pool")
+            })?
+        } else {
+            core.core.block_pool()
+        };
+        Ok(f(pool))
+    }
 }
 
 #[pymethods]
@@ -35,41 +54,41 @@ impl PyKVCacheBlock {
     /// Current reference count (0 for free blocks and the null block).
     #[getter]
     fn ref_cnt(&self, py: Python<'_>) -> PyResult<u32> {
-        let core = self.core.bind(py).try_borrow()?;
-        Ok(core.core.block_pool().ref_cnt(self.block_id))
+        self.with_pool(py, |p| p.ref_cnt(self.block_id))
+    }
+
+    /// Whether this block belongs to HiSparse's host pool.
+    #[getter]
+    fn is_host(&self) -> bool {
+        self.host
     }
 
     /// vLLM's `BlockHashWithGroupId` bytes (hash + 4-byte big-endian group id), or
     /// None when the block is not cached.
     #[getter]
     fn block_hash<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        let core = self.core.bind(py).try_borrow()?;
-        Ok(core
-            .core
-            .block_pool()
-            .block_hash(self.block_id)
-            .map(|k| PyBytes::new(py, &k.to_vllm_bytes())))
+        let key = self.with_pool(py, |p| p.block_hash(self.block_id).copied())?;
+        Ok(key.map(|k| PyBytes::new(py, &k.to_vllm_bytes())))
     }
 
     /// Prefix length (tokens) the block's hash covers, or None.
     #[getter]
     fn block_hash_num_tokens(&self, py: Python<'_>) -> PyResult<Option<u32>> {
-        let core = self.core.bind(py).try_borrow()?;
-        Ok(core.core.block_pool().block_hash_num_tokens(self.block_id))
+        self.with_pool(py, |p| p.block_hash_num_tokens(self.block_id))
     }
 
     /// The next block in the free queue (vLLM's intrusive link): a block, the
     /// queue's tail sentinel at the end, or None when this block is not free.
     #[getter]
     fn next_free_block(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
-        PyKVCacheCore::free_list_neighbor(self.core.bind(py), self.block_id, false)
+        PyKVCacheCore::free_list_neighbor(self.core.bind(py), self.block_id, self.host, false)
     }
 
     /// The previous block in the free queue: a block, the head sentinel at the
     /// start, or None when this block is not free.
     #[getter]
     fn prev_free_block(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
-        PyKVCacheCore::free_list_neighbor(self.core.bind(py), self.block_id, true)
+        PyKVCacheCore::free_list_neighbor(self.core.bind(py), self.block_id, self.host, true)
     }
 
     /// The core this block belongs to.
@@ -80,10 +99,7 @@ impl PyKVCacheBlock {
 
     fn __repr__(&self, py: Python<'_>) -> String {
         let ref_cnt = self
-            .core
-            .bind(py)
-            .try_borrow()
-            .map(|c| c.core.block_pool().ref_cnt(self.block_id))
+            .with_pool(py, |p| p.ref_cnt(self.block_id))
             .unwrap_or(0);
         format!(
             "KVCacheBlock(block_id={}, ref_cnt={ref_cnt}, is_null={})",

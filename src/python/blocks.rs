@@ -100,7 +100,7 @@ impl PyKVCacheBlocks {
             groups.push(if self.singleton {
                 PyTuple::empty(py).into_any()
             } else {
-                PyKVCacheCore::handles_for(core, self.group(g))?.into_any()
+                PyKVCacheCore::handles_for(core, g, self.group(g))?.into_any()
             });
         }
         let tuple = PyTuple::new(py, groups)?.unbind();
@@ -148,7 +148,7 @@ impl PyKVCacheBlocks {
             ));
         }
         let core = self.core.bind(py).try_borrow()?;
-        let pool = core.core.block_pool();
+        let pool = core.core.pool_of(0);
         Ok(self
             .group(0)
             .iter()
@@ -160,9 +160,9 @@ impl PyKVCacheBlocks {
     /// Per group, ids of unhashed blocks, null blocks dropped.
     fn get_unhashed_block_ids_all_groups(&self, py: Python<'_>) -> PyResult<Vec<Vec<BlockId>>> {
         let core = self.core.bind(py).try_borrow()?;
-        let pool = core.core.block_pool();
         Ok((0..self.num_groups())
             .map(|g| {
+                let pool = core.core.pool_of(g);
                 self.group(g)
                     .iter()
                     .copied()

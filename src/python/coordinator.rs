@@ -116,7 +116,8 @@ impl PyKVCacheCore {
             return Ok(None);
         }
         let ids = this.core.get_blocks(request_id, g).to_vec();
-        Self::handles_list(slf, &mut this, &ids).map(Some)
+        let host = this.core.host_group() == Some(g);
+        Self::pool_handles_list(slf, &mut this, &ids, host).map(Some)
     }
 
     /// The request's `num_cached_block` in group `g` (None if it has none).
@@ -150,8 +151,9 @@ impl PyKVCacheCore {
         };
         let d = PyDict::new(py);
         let mut this = slf.try_borrow_mut()?;
+        let host = this.core.host_group() == Some(g);
         for (rid, idx, b) in entries {
-            d.set_item(rid, (idx, Self::handle(slf, &mut this, b)?))?;
+            d.set_item(rid, (idx, Self::pool_handle(slf, &mut this, b, host)?))?;
         }
         Ok(d)
     }
@@ -243,8 +245,9 @@ impl PyKVCacheCore {
     ) -> PyResult<i64> {
         let mut ids = Vec::new();
         let mut ends: SmallVec<[usize; 4]> = SmallVec::new();
-        for group in new_computed_blocks.try_iter()? {
-            super::convert::blocks::ids_of(slf, &group?, &mut ids)?;
+        let host_group = slf.try_borrow()?.core.host_group();
+        for (g, group) in new_computed_blocks.try_iter()?.enumerate() {
+            super::convert::blocks::ids_in(slf, &group?, host_group == Some(g), &mut ids)?;
             ends.push(ids.len());
         }
         let hits = GroupedBlocks {
@@ -279,9 +282,11 @@ impl PyKVCacheCore {
         let (hit, uncached) =
             this.coordinator()
                 .find_longest_cache_hit(&hashes, max_len, &mut groups)?;
+        let host_group = this.core.host_group();
         let lists = groups
             .iter()
-            .map(|g| Self::handles_list(slf, &mut this, g))
+            .enumerate()
+            .map(|(g, ids)| Self::pool_handles_list(slf, &mut this, ids, host_group == Some(g)))
             .collect::<PyResult<Vec<_>>>()?;
         Ok((PyTuple::new(slf.py(), lists)?, hit, uncached))
     }
@@ -305,9 +310,11 @@ impl PyKVCacheCore {
             &mut groups,
             &mut lengths,
         )?;
+        let host_group = this.core.host_group();
         let lists = groups
             .iter()
-            .map(|g| Self::handles_list(slf, &mut this, g))
+            .enumerate()
+            .map(|(g, ids)| Self::pool_handles_list(slf, &mut this, ids, host_group == Some(g)))
             .collect::<PyResult<Vec<_>>>()?;
         Ok((PyTuple::new(slf.py(), lists)?, lengths))
     }

@@ -829,13 +829,16 @@ impl PyEventBuilder {
                 }
             }
             KVCacheEvent::AllBlocksCleared => self.all_blocks_cleared.bind(py).call0(),
+            // The caller picks the host pool's builder; this one builds it as its own.
+            KVCacheEvent::Host { event, .. } => self.build(py, *event, request),
         }
     }
 }
 
 /// The core's event records as tuples (a bare core without a builder):
 /// `("stored", group, start, end, block_size)`, `("partial", group, num_tokens)`,
-/// `("removed", hash bytes, group)`, `("cleared",)`.
+/// `("removed", hash bytes, group)`, `("cleared",)`; a host pool's record as
+/// `("host", record, publication id or None)`.
 pub(crate) fn records_to_py(
     py: Python<'_>,
     events: Vec<KVCacheEvent>,
@@ -867,6 +870,10 @@ pub(crate) fn records_to_py(
                 .into_pyobject(py)?
                 .into_any(),
             KVCacheEvent::AllBlocksCleared => PyTuple::new(py, ["cleared"])?.into_any(),
+            KVCacheEvent::Host { event, publication } => {
+                let inner = records_to_py(py, vec![*event])?.get_item(0)?;
+                ("host", inner, publication).into_pyobject(py)?.into_any()
+            }
         };
         list.append(item)?;
     }

@@ -43,6 +43,12 @@ pub struct PyKVCacheCore {
     pub(crate) core: KVCacheManager,
     /// Lazily created, then reused, block handles (identity per block id).
     handles: Vec<Option<Py<PyKVCacheBlock>>>,
+    /// The same for HiSparse's host pool.
+    host_handles: Vec<Option<Py<PyKVCacheBlock>>>,
+    /// The requests of HiSparse's pending publications, by publication id: the core
+    /// names a publication's request by id (it publishes later, in another call),
+    /// and its KV events are built from the request object (`hisparse.rs`).
+    pub(crate) publications: rustc_hash::FxHashMap<u64, Py<PyAny>>,
     pub(crate) scratch: Vec<BlockId>,
     scratch_ends: SmallVec<[usize; 4]>,
     /// vLLM objects the vLLM-shaped methods return, compare with or call; set once
@@ -59,6 +65,8 @@ struct VllmBindings {
     /// The list to which a call that recorded events appends vLLM's event structs,
     /// built by the builder with the call's request (events on only).
     event_sink: Option<(Py<PyList>, Py<PyEventBuilder>)>,
+    /// The builder of HiSparse's host pool events (medium CPU).
+    host_event_builder: Option<Py<PyEventBuilder>>,
     /// The user's `KVCacheMetricsCollector` (`--kv-cache-metrics`).
     metrics_collector: Option<Py<PyAny>>,
     /// The free queue's head and tail sentinels (Python objects of the
@@ -72,8 +80,23 @@ impl PyKVCacheCore {
         this: &mut Self,
         id: BlockId,
     ) -> PyResult<Py<PyKVCacheBlock>> {
+        Self::pool_handle(slf, this, id, false)
+    }
+
+    /// The handle of block `id` of the device pool, or (`host`) of the host pool.
+    pub(crate) fn pool_handle(
+        slf: &Bound<'_, Self>,
+        this: &mut Self,
+        id: BlockId,
+        host: bool,
+    ) -> PyResult<Py<PyKVCacheBlock>> {
         let py = slf.py();
-        let slot = this.handles.get_mut(id as usize).ok_or_else(|| {
+        let handles = if host {
+            &mut this.host_handles
+        } else {
+            &mut this.handles
+        };
+        let slot = handles.get_mut(id as usize).ok_or_else(|| {
             InvalidArgumentError::new_err(format!("block id {id} is out of range"))
         })?;
         if let Some(h) = slot {
@@ -84,10 +107,25 @@ impl PyKVCacheCore {
             PyKVCacheBlock {
                 block_id: id,
                 core: slf.clone().unbind(),
+                host,
             },
         )?;
         *slot = Some(h.clone_ref(py));
         Ok(h)
+    }
+
+    /// Handles of `ids` of one pool, as a list.
+    pub(crate) fn pool_handles_list<'py>(
+        slf: &Bound<'py, Self>,
+        this: &mut Self,
+        ids: &[BlockId],
+        host: bool,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(slf.py());
+        for &id in ids {
+            list.append(Self::pool_handle(slf, this, id, host)?)?;
+        }
+        Ok(list)
     }
 
     pub(crate) fn handles_list<'py>(
@@ -103,13 +141,15 @@ impl PyKVCacheCore {
         Ok(list)
     }
 
-    /// Block handles of `ids` as a list (for `KVCacheBlocks.blocks`).
+    /// Block handles of group `g`'s `ids` as a list (for `KVCacheBlocks.blocks`).
     pub(crate) fn handles_for<'py>(
         slf: &Bound<'py, Self>,
+        g: usize,
         ids: &[BlockId],
     ) -> PyResult<Bound<'py, PyList>> {
         let mut this = slf.try_borrow_mut()?;
-        Self::handles_list(slf, &mut this, ids)
+        let host = this.core.host_group() == Some(g);
+        Self::pool_handles_list(slf, &mut this, ids, host)
     }
 
     fn bindings(&self) -> PyResult<&VllmBindings> {
@@ -162,13 +202,25 @@ impl PyKVCacheCore {
 
     /// Builds the events the core recorded (vLLM's structs, with `request` for
     /// stored ranges, as vLLM's `BlockPool` builds them inside the call) and
-    /// replays the recorded block-metrics calls on the collector.
+    /// replays the recorded block-metrics calls on the collector. HiSparse
+    /// publications the call made belong to `request`; events of the host pool are
+    /// built by the host builder, from their publication's request.
     pub(crate) fn flush(slf: &Bound<'_, Self>, request: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let py = slf.py();
-        let (sink, records, collector, ops) = {
+        type Record = (crate::events::KVCacheEvent, Option<Py<PyAny>>, bool);
+        let (sink, host_builder, records, collector, ops, released) = {
             let mut this = slf.try_borrow_mut()?;
+            let (made, released) = this.core.take_publication_changes().unwrap_or_default();
+            if let Some(req) = request {
+                for id in made {
+                    this.publications.insert(id, req.clone().unbind());
+                }
+            }
             let pool = this.core.block_pool();
             if !pool.has_events() && !pool.has_metrics_ops() {
+                for id in released {
+                    this.publications.remove(&id);
+                }
                 return Ok(());
             }
             let Some(vllm) = this.vllm.as_ref() else {
@@ -179,26 +231,47 @@ impl PyKVCacheCore {
                 .event_sink
                 .as_ref()
                 .map(|(s, b)| (s.clone_ref(py), b.clone_ref(py)));
+            let host_builder = vllm.host_event_builder.as_ref().map(|b| b.clone_ref(py));
             let collector = vllm.metrics_collector.as_ref().map(|c| c.clone_ref(py));
-            let records = if sink.is_some() {
-                this.core.take_events()
-            } else {
-                Vec::new()
-            };
+            let mut records: Vec<Record> = Vec::new();
+            if sink.is_some() {
+                for e in this.core.take_events() {
+                    records.push(match e {
+                        crate::events::KVCacheEvent::Host { event, publication } => {
+                            let req = publication
+                                .and_then(|id| this.publications.get(&id))
+                                .map(|r| r.clone_ref(py));
+                            (*event, req, true)
+                        }
+                        other => (other, None, false),
+                    });
+                }
+            }
             let ops = if collector.is_some() {
                 this.core.take_metrics_ops()
             } else {
                 Vec::new()
             };
-            (sink, records, collector, ops)
+            (sink, host_builder, records, collector, ops, released)
         };
         if let Some(collector) = collector {
             Self::replay_metrics(slf, collector.bind(py), ops)?;
         }
         if let Some((sink, builder)) = sink {
-            let (sink, builder) = (sink.bind(py), builder.get());
-            for record in records {
-                sink.append(builder.build(py, record, request)?)?;
+            let sink = sink.bind(py);
+            for (record, req, host) in records {
+                let builder = match (&host_builder, host) {
+                    (Some(b), true) => b.get(),
+                    _ => builder.get(),
+                };
+                let req = req.as_ref().map(|r| r.bind(py).clone());
+                sink.append(builder.build(py, record, req.as_ref().or(request))?)?;
+            }
+        }
+        if !released.is_empty() {
+            let mut this = slf.try_borrow_mut()?;
+            for id in released {
+                this.publications.remove(&id);
             }
         }
         Ok(())
@@ -343,9 +416,14 @@ impl PyKVCacheCore {
             watermark_blocks: count("watermark_blocks", watermark_blocks)?,
             enable_mamba_shared_prefix_checkpoint,
         })?;
+        let num_host_blocks = core
+            .host_pool()
+            .map_or(0, super::super::pool::BlockPool::num_gpu_blocks);
         Ok(Self {
             core,
             handles: (0..num_blocks).map(|_| None).collect(),
+            host_handles: (0..num_host_blocks).map(|_| None).collect(),
+            publications: rustc_hash::FxHashMap::default(),
             scratch: Vec::new(),
             scratch_ends: SmallVec::new(),
             vllm: None,
@@ -354,14 +432,17 @@ impl PyKVCacheCore {
 
     /// Hands the core the vLLM objects its drop-in methods compare with and call.
     /// `event_sink`: `(list, EventBuilder)` with events on: each call's events are
-    /// built and appended to the list before it returns.
-    #[pyo3(signature = (waiting, preempted, event_sink=None, metrics_collector=None))]
+    /// built and appended to the list before it returns; `host_event_builder`
+    /// builds the events of HiSparse's host pool.
+    #[pyo3(signature = (waiting, preempted, event_sink=None, metrics_collector=None,
+        host_event_builder=None))]
     fn _bind_vllm(
         slf: &Bound<'_, Self>,
         waiting: Bound<'_, PyAny>,
         preempted: Bound<'_, PyAny>,
         event_sink: Option<(Bound<'_, PyList>, Bound<'_, PyEventBuilder>)>,
         metrics_collector: Option<Bound<'_, PyAny>>,
+        host_event_builder: Option<Bound<'_, PyEventBuilder>>,
     ) -> PyResult<()> {
         let n = slf.try_borrow()?.core.num_kv_cache_groups();
         let empty = Py::new(
@@ -372,6 +453,7 @@ impl PyKVCacheCore {
             empty_kv_cache_blocks: empty,
             statuses: [waiting.unbind(), preempted.unbind()],
             event_sink: event_sink.map(|(s, b)| (s.unbind(), b.unbind())),
+            host_event_builder: host_event_builder.map(Bound::unbind),
             metrics_collector: metrics_collector.map(Bound::unbind),
             free_list_sentinels: None,
         });
@@ -523,7 +605,8 @@ impl PyKVCacheCore {
                 .allocate_slots(&req, &args, &mut ids, &mut ends)
                 .map_err(|e| req.error(e));
             let pool = this.core.block_pool();
-            let flush = pool.has_events() || pool.has_metrics_ops();
+            let flush =
+                pool.has_events() || pool.has_metrics_ops() || this.core.has_publication_changes();
             (result, ids, ends, flush)
         };
         let out = match result {
@@ -566,13 +649,19 @@ impl PyKVCacheCore {
     fn free(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
         let _timer = stats::Timer::start(Op::Free);
         let rid = request_id(request)?;
-        slf.try_borrow_mut()?.core.free(rid.to_str()?)?;
-        Self::flush(slf, None)
+        Self::core_free(slf, rid.to_str()?)
     }
 
     /// vLLM's `coordinator.free(request_id)`.
     fn core_free(slf: &Bound<'_, Self>, request_id: &str) -> PyResult<()> {
-        slf.try_borrow_mut()?.core.free(request_id)?;
+        {
+            let mut this = slf.try_borrow_mut()?;
+            let this = &mut *this;
+            let oracle = super::hisparse::Publications::new(slf.py(), &this.publications);
+            this.core
+                .free_with(request_id, &oracle)
+                .map_err(|e| oracle.error(e))?;
+        }
         Self::flush(slf, None)
     }
 
@@ -584,15 +673,30 @@ impl PyKVCacheCore {
     ) -> PyResult<Bound<'py, PyList>> {
         let _timer = stats::Timer::start(Op::PopBlocksForFree);
         let rid = request_id(request)?;
-        let mut this = slf.try_borrow_mut()?;
-        let mut ids = std::mem::take(&mut this.scratch);
-        ids.clear();
-        let r = this.core.pop_blocks_for_free(rid.to_str()?, &mut ids);
-        let result = r
-            .map_err(PyErr::from)
-            .and_then(|()| Self::handles_list(slf, &mut this, &ids));
-        this.scratch = ids;
-        result
+        let list = {
+            let mut this = slf.try_borrow_mut()?;
+            let mut ids = std::mem::take(&mut this.scratch);
+            ids.clear();
+            let r = {
+                let this = &mut *this;
+                let oracle = super::hisparse::Publications::new(slf.py(), &this.publications);
+                this.core
+                    .pop_blocks_for_free_with(rid.to_str()?, &mut ids, &oracle)
+                    .map_err(|e| oracle.error(e))
+            };
+            let result = r.and_then(|host| {
+                let host = host.unwrap_or(0..0);
+                let list = PyList::empty(slf.py());
+                for (i, &id) in ids.iter().enumerate() {
+                    list.append(Self::pool_handle(slf, &mut this, id, host.contains(&i))?)?;
+                }
+                Ok(list)
+            });
+            this.scratch = ids;
+            result?
+        };
+        Self::flush(slf, None)?;
+        Ok(list)
     }
 
     /// vLLM's `get_blocks`: the request's tables as `KVCacheBlocks`.
@@ -799,8 +903,11 @@ impl PyKVCacheCore {
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        for h in self.handles.iter().flatten() {
+        for h in self.handles.iter().chain(&self.host_handles).flatten() {
             visit.call(h)?;
+        }
+        for r in self.publications.values() {
+            visit.call(r)?;
         }
         if let Some(v) = &self.vllm {
             visit.call(&v.empty_kv_cache_blocks)?;
@@ -812,6 +919,7 @@ impl PyKVCacheCore {
                 visit.call(builder)?;
             }
             visit.call(&v.metrics_collector)?;
+            visit.call(&v.host_event_builder)?;
             if let Some(s) = &v.free_list_sentinels {
                 visit.call(&s[0])?;
                 visit.call(&s[1])?;
@@ -822,6 +930,8 @@ impl PyKVCacheCore {
 
     fn __clear__(&mut self) {
         self.handles.iter_mut().for_each(|h| *h = None);
+        self.host_handles.iter_mut().for_each(|h| *h = None);
+        self.publications.clear();
         self.vllm = None;
     }
 }
@@ -831,16 +941,30 @@ impl PyKVCacheCore {
     pub(crate) fn free_list_neighbor(
         slf: &Bound<'_, Self>,
         block_id: BlockId,
+        host: bool,
         prev: bool,
     ) -> PyResult<Option<Py<PyAny>>> {
-        let neighbors = slf
-            .try_borrow()?
-            .core
-            .block_pool()
-            .free_block_queue()
-            .neighbors(block_id);
+        let neighbors = {
+            let this = slf.try_borrow()?;
+            let pool = if host {
+                this.core.host_pool()
+            } else {
+                Some(this.core.block_pool())
+            };
+            pool.and_then(|p| p.free_block_queue().neighbors(block_id))
+        };
         match neighbors {
             None => Ok(None),
+            Some((p, n)) if host => {
+                // The host pool's queue ends have no sentinel objects.
+                let Some(id) = (if prev { p } else { n }) else {
+                    return Ok(None);
+                };
+                let mut this = slf.try_borrow_mut()?;
+                Ok(Some(
+                    Self::pool_handle(slf, &mut this, id, true)?.into_any(),
+                ))
+            }
             Some((p, n)) => Self::link_target(slf, if prev { p } else { n }, !prev),
         }
     }

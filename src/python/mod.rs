@@ -20,6 +20,8 @@ mod encoder_decoder;
 mod errors;
 mod events;
 mod hasher;
+mod hisparse;
+mod hisparse_groups;
 mod manager;
 mod pool;
 mod prefill_skip;

@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
 use super::block::PyKVCacheBlock;
-use super::convert::blocks::{id_of, ids_of};
+use super::convert::blocks::{id_of, ids_of, split_pooled_ids};
 use super::convert::count;
 use super::convert::hashes::{hash_from_bytes, key_from_bytes, PyListHashes};
 use super::convert::request::{request_id, PyRequest};
@@ -61,9 +61,17 @@ impl PyKVCacheCore {
     fn core_free_blocks(slf: &Bound<'_, Self>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
         let _timer = stats::Timer::start(Op::FreeBlocks);
         let mut ids = Vec::new();
-        ids_of(slf, blocks, &mut ids)?;
-        slf.try_borrow_mut()?.core.free_blocks(&ids)?;
-        Ok(())
+        let has_host = slf.try_borrow()?.core.host_group().is_some();
+        if !has_host {
+            ids_of(slf, blocks, &mut ids)?;
+            slf.try_borrow_mut()?.core.free_blocks(&ids)?;
+            return Ok(());
+        }
+        // vLLM routes another pool's blocks to that pool, after its own.
+        let mut host = Vec::new();
+        split_pooled_ids(slf, blocks, &mut ids, &mut host)?;
+        slf.try_borrow_mut()?.core.free_blocks_mixed(&ids, &host)?;
+        Self::flush(slf, None)
     }
 
     /// Takes a reference on each block (removing free ones from the free queue).
@@ -84,7 +92,7 @@ impl PyKVCacheCore {
             let mut this = slf.try_borrow_mut()?;
             // No capacity up front: `n` is checked against the free blocks by the pool.
             let mut ids = Vec::new();
-            this.core.block_pool_mut()?.get_new_blocks(n, &mut ids)?;
+            this.core.get_new_blocks(n, &mut ids)?;
             Self::handles_list(slf, &mut this, &ids)?
         };
         Self::flush(slf, None)?;
@@ -111,8 +119,17 @@ impl PyKVCacheCore {
         Self::flush(slf, None)
     }
 
-    /// Forgets every cached hash; False while any block is in use.
+    /// Forgets every cached hash of the device pool; False while any block is in
+    /// use (the pool's own `reset_prefix_cache`).
     fn core_reset_prefix_cache(slf: &Bound<'_, Self>) -> PyResult<bool> {
+        let ok = slf.try_borrow_mut()?.core.reset_device_prefix_cache()?;
+        Self::flush(slf, None)?;
+        Ok(ok)
+    }
+
+    /// The manager's `reset_prefix_cache`: every pool of the layout (HiSparse's host
+    /// pool too), each once.
+    fn core_reset_all_prefix_caches(slf: &Bound<'_, Self>) -> PyResult<bool> {
         let ok = slf.try_borrow_mut()?.core.reset_prefix_cache()?;
         Self::flush(slf, None)?;
         Ok(ok)

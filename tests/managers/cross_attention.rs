@@ -65,15 +65,15 @@ fn cross_attention_never_takes_part_in_prefix_caching() {
     assert_eq!(err.kind(), ErrorKind::Unsupported);
     let mut req = GroupBlocks::default();
     let err = cross
-        .add_local_computed_blocks(&mut pool, &mut req, &[1], 4, 0)
+        .add_local_computed_blocks(&mut pool, "r0", &mut req, &[1], 4, 0)
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::InvalidArgument);
     // No hits, no external blocks: nothing happens.
     cross
-        .add_local_computed_blocks(&mut pool, &mut req, &[], 0, 0)
+        .add_local_computed_blocks(&mut pool, "r0", &mut req, &[], 0, 0)
         .unwrap();
     cross
-        .allocate_external_computed_blocks(&mut pool, &mut req, 0, 8, true)
+        .allocate_external_computed_blocks(&mut pool, "r0", &mut req, 0, 8, true)
         .unwrap();
     assert!(req.blocks.is_empty());
     let q = CacheQuery {

@@ -34,7 +34,10 @@ from vllm.v1.kv_cache_interface import (
     CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
+    HiSparseHotSpec,
+    HiSparseResidentSpec,
     KVCacheConfig,
+    KVCacheGroupRole,
     KVCacheGroupSpec,
     KVCacheSpec,
     MambaSpec,
@@ -54,6 +57,9 @@ __all__ = [
     "full_attention",
     "full_attention_config",
     "group",
+    "hisparse_config",
+    "hisparse_hot",
+    "hisparse_resident",
     "kv_cache_config",
     "mamba",
     "mla",
@@ -172,6 +178,73 @@ def sink(block_size: int, sink_len: int) -> SinkFullAttentionSpec:
         head_size=1,
         dtype=torch.float32,
         sink_len=sink_len,
+    )
+
+
+def hisparse_resident(
+    block_size: int = 16, *, page_size: int | None = None
+) -> HiSparseResidentSpec:
+    """HiSparse's GPU-resident pages of host-backed KV."""
+    return HiSparseResidentSpec(block_size=block_size, page_size=page_size or 4 * block_size)
+
+
+def hisparse_hot(
+    block_size: int = 16, blocks_per_request: int = 2, *, page_size: int | None = None
+) -> HiSparseHotSpec:
+    """HiSparse's per-request hot region of ``blocks_per_request`` blocks."""
+    return HiSparseHotSpec(
+        block_size=block_size,
+        page_size=page_size or 4 * block_size,
+        blocks_per_request=blocks_per_request,
+    )
+
+
+def hisparse_config(
+    num_blocks: int,
+    host_num_blocks: int,
+    *,
+    block_size: int = 16,
+    blocks_per_request: int = 2,
+    num_resident_groups: int = 1,
+    transfer_device_cache: bool = False,
+) -> KVCacheConfig:
+    """vLLM's HiSparse layout, as its engine builds it for a sparse MLA model: a source
+    group (role ``hisparse_source``, on a host pool of ``host_num_blocks`` blocks), an
+    indexer group (role ``hisparse_indexer``, full attention on the device pool), then
+    ``num_resident_groups`` pairs of a resident and a hot group."""
+    source = full_attention(block_size)
+    groups = [
+        KVCacheGroupSpec(
+            ["source"], source, role=KVCacheGroupRole.HISPARSE_SOURCE, host_resident=True
+        ),
+        KVCacheGroupSpec(
+            ["indexer"],
+            source,
+            enable_kv_transfer=transfer_device_cache,
+            role=KVCacheGroupRole.HISPARSE_INDEXER,
+        ),
+    ]
+    for i in range(num_resident_groups):
+        suffix = f"_{i}" if i else ""
+        groups.append(
+            KVCacheGroupSpec(
+                [f"resident{suffix}"],
+                hisparse_resident(block_size),
+                enable_kv_transfer=transfer_device_cache,
+            )
+        )
+        groups.append(
+            KVCacheGroupSpec(
+                [f"hot{suffix}"],
+                hisparse_hot(block_size, blocks_per_request),
+                enable_kv_transfer=False,
+            )
+        )
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        hisparse_host_num_blocks=host_num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=groups,
     )
 
 

@@ -85,5 +85,12 @@ def manager_kwargs(
 
 def build_manager(cls: type, kv_cache_config: KVCacheConfig, **kwargs: Any) -> Any:
     """``cls(**manager_kwargs(kv_cache_config, **kwargs))``: a manager built as the Scheduler
-    builds one (``cls`` is vLLM's ``KVCacheManager`` or a drop-in replacement)."""
-    return cls(**manager_kwargs(kv_cache_config, **kwargs))
+    builds one (``cls`` is vLLM's ``KVCacheManager`` or a drop-in replacement). A HiSparse
+    layout is bound to its connector-side coordinator at once, as vLLM's HiSparse connector
+    does before the first admission (``get_hisparse_coordinator``)."""
+    manager = cls(**manager_kwargs(kv_cache_config, **kwargs))
+    if kv_cache_config.hisparse_host_num_blocks is not None:
+        from vllm.v1.hisparse.coordinator import get_hisparse_coordinator
+
+        get_hisparse_coordinator(manager)
+    return manager

@@ -16,11 +16,16 @@ How caching maps: ``allocate_slots`` caches every block fully covered by
 call; ``delay_cache_blocks=True`` (async KV-connector loads) skips that and the
 Scheduler calls ``cache_blocks`` when the load lands, as in vLLM.
 
+HiSparse layouts (a source group on a private host pool, resident and hot groups)
+are served too: the core builds HiSparse's coordinator with the manager, and
+``get_hisparse_coordinator(manager)`` returns its view (``hscache.vllm.hisparse``).
+
 What is not implemented in the core (the constructor then returns vLLM's own
 ``KVCacheManager`` and logs one line naming the reason; with ``HSCACHE_STRICT=1`` it
-raises ``hscache.exceptions.UnsupportedConfigError`` instead): HiSparse host-tier
-groups (their managers are driven by vLLM's ``HiSparseCoordinator``, a connector-side
-host pool), specs registered by out-of-tree plugins, and ``HSCACHE_DISABLE=1``.
+raises ``hscache.exceptions.UnsupportedConfigError`` instead): specs registered by
+out-of-tree plugins, a HiSparse source group whose block size differs from the hash
+block size (partial host entries), HiSparse layouts vLLM's coordinator refuses to
+bind (so that vLLM raises, at the same call), and ``HSCACHE_DISABLE=1``.
 
 ``HSCACHE_PARITY=1`` returns a ``ParityKVCacheManager`` instead, which runs vLLM's
 manager beside this one and raises on the first divergence (``hscache.vllm.parity``).
@@ -33,7 +38,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-from vllm.distributed.kv_events import BlockStored
+from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
 from vllm.logger import init_logger
 from vllm.v1.core import kv_cache_manager as _vllm_kv_cache_manager
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -49,7 +54,9 @@ from vllm.v1.request import Request, RequestStatus
 
 from hscache._core import KVCacheBlock, KVCacheCore
 from hscache.exceptions import InvalidArgumentError, UnsupportedConfigError
+from hscache.vllm import events
 from hscache.vllm.block_pool import BlockPool
+from hscache.vllm.hisparse import HostBlockPool
 from hscache.vllm.parity import ParityKVCacheManager
 from hscache.vllm.specs import env_flag, group_specs, unsupported_reason
 from hscache.vllm.version import require
@@ -97,7 +104,7 @@ class KVCacheManager(KVCacheCore):
         bound = _SIGNATURE.bind(None, *args, **kwargs)
         bound.apply_defaults()
         params = bound.arguments
-        reason = unsupported_reason(params["kv_cache_config"])
+        reason = unsupported_reason(params["kv_cache_config"], params["hash_block_size"])
         if reason is not None:
             if env_flag("HSCACHE_STRICT"):
                 raise UnsupportedConfigError(f"hscache cannot serve this KV cache: {reason}")
@@ -191,7 +198,12 @@ class KVCacheManager(KVCacheCore):
         self.metrics_collector = metrics_collector
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
         self.kv_cache_config = kv_cache_config
-        self.retained_hit_group_ids: tuple[int, ...] = ()
+        hisparse_layout = self.core_hisparse_layout()
+        # Groups that keep their longer hit until the facade trims it (vLLM's
+        # `retains_longer_hit`: HiSparse's source group).
+        self.retained_hit_group_ids: tuple[int, ...] = (
+            (hisparse_layout["host_group"],) if hisparse_layout is not None else ()
+        )
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self.kv_cache_event_metadata = tuple(
             (
@@ -217,7 +229,15 @@ class KVCacheManager(KVCacheCore):
             if enable_kv_cache_events
             else None,
             metrics_collector,
+            events.make_event_builder(num_hash_lookahead_tokens, MEDIUM_CPU)
+            if enable_kv_cache_events and hisparse_layout is not None
+            else None,
         )
+        if hisparse_layout is not None:
+            source = kv_cache_config.kv_cache_groups[hisparse_layout["host_group"]]
+            self.host_block_pool = HostBlockPool(
+                self, enable_caching and bool(source.kv_cache_spec.prefix_cacheable)
+            )
         queue = self.block_pool.free_block_queue
         self._bind_free_list_sentinels(queue.fake_free_list_head, queue.fake_free_list_tail)
         self.coordinator = coordinator_view(self)
@@ -258,7 +278,8 @@ class KVCacheManager(KVCacheCore):
         self.block_pool.evict_blocks(block_ids)
 
     def reset_prefix_cache(self) -> bool:
-        if not self.block_pool.reset_prefix_cache():
+        # Every pool once (HiSparse's host pool too), as vLLM's coordinator does.
+        if not self.core_reset_all_prefix_caches():
             logger.warning(
                 "Failed to reset prefix cache because some blocks (%d) are not freed yet",
                 self.num_gpu_blocks - self.num_free_blocks - 1,

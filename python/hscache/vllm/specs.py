@@ -20,8 +20,8 @@ from vllm.v1.kv_cache_interface import (
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
+    HiSparseResidentSpec,
     KVCacheConfig,
-    KVCacheGroupRole,
     SlidingWindowSpec,
 )
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
@@ -46,6 +46,9 @@ _KINDS: dict[type, str] = {
     stm.ChunkedLocalAttentionManager: "chunked_local",
     stm.MambaManager: "mamba",
     stm.CrossAttentionManager: "cross_attention",
+    stm.HiSparseSourceManager: "hisparse_source",
+    stm.HiSparseResidentManager: "hisparse_resident",
+    stm.HiSparseHotManager: "hisparse_hot",
 }
 
 
@@ -61,8 +64,11 @@ def manager_class(group: Any) -> Any:
         return None
 
 
-def unsupported_reason(config: KVCacheConfig) -> str | None:
-    """Why the core cannot serve this configuration, or None if it can."""
+def unsupported_reason(config: KVCacheConfig, hash_block_size: int | None = None) -> str | None:
+    """Why the core cannot serve this configuration, or None if it can.
+
+    ``hash_block_size``: the manager's (checked against a HiSparse source group).
+    """
     if env_flag("HSCACHE_DISABLE"):
         return "HSCACHE_DISABLE is set"
     if _PROFILE.null_block_ref_counted:
@@ -74,17 +80,52 @@ def unsupported_reason(config: KVCacheConfig) -> str | None:
             if kind not in _NO_NULL_BLOCK_KINDS:
                 name = type(group.kv_cache_spec).__name__
                 return f"group {i}: vLLM 0.32 counts references on the null block ({name})"
+    classes = []
     for i, group in enumerate(config.kv_cache_groups):
         spec = group.kv_cache_spec
-        if group.role != KVCacheGroupRole.DEFAULT or group.host_resident:
-            return f"group {i}: HiSparse host-tier groups ({group.role})"
         cls = manager_class(group)
         if cls is None:
             return f"group {i}: no manager registered for {type(spec).__name__}"
         if cls not in _KINDS:
             return f"group {i}: {type(spec).__name__} needs {getattr(cls, '__name__', cls)}"
-    if config.hisparse_host_num_blocks is not None:
-        return "HiSparse host-tier pool"
+        classes.append(cls)
+    return _hisparse_reason(config, classes, hash_block_size)
+
+
+def _hisparse_reason(
+    config: KVCacheConfig, classes: list[Any], hash_block_size: int | None
+) -> str | None:
+    """Why a HiSparse layout cannot be served: the layouts vLLM's
+    ``HiSparseCoordinator`` refuses when the connector binds it (the manager then
+    stays vLLM's, so the refusal comes from vLLM, at the same call), and what the
+    core does not implement."""
+    groups = config.kv_cache_groups
+    sources = [i for i, c in enumerate(classes) if c is stm.HiSparseSourceManager]
+    residents = [i for i, c in enumerate(classes) if c is stm.HiSparseResidentManager]
+    hots = [i for i, c in enumerate(classes) if c is stm.HiSparseHotManager]
+    if not sources:
+        if residents or hots:
+            return "HiSparse resident or hot groups without a HiSparse source group"
+        return None
+    if len(sources) > 1:
+        return "several HiSparse source groups (vLLM's HiSparseCoordinator refuses them)"
+    if config.hisparse_host_num_blocks is None:
+        return "a HiSparse source group without hisparse_host_num_blocks"
+    host = sources[0]
+    if any(groups[i].host_resident for i in residents + hots):
+        return "a host-resident HiSparse resident or hot group (vLLM asserts against it)"
+    if residents:
+        if host > min(residents):
+            return "HiSparse host group after a resident group (vLLM refuses it)"
+        sizes = {groups[i].kv_cache_spec.block_size for i in residents}
+        if len(sizes) != 1 or groups[host].kv_cache_spec.block_size not in sizes:
+            return "HiSparse host and resident block sizes differ (vLLM refuses it)"
+    bs = groups[host].kv_cache_spec.block_size
+    if hash_block_size is not None and bs != hash_block_size:
+        return (
+            f"a HiSparse source group of block size {bs} over hash blocks of "
+            f"{hash_block_size} tokens (partial host entries are not implemented)"
+        )
     return None
 
 
@@ -121,7 +162,7 @@ def group_specs(
             "spec_class": key,
             "max_admission_blocks_per_request": None,
         }
-        if isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
+        if isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec | HiSparseResidentSpec):
             d["max_admission_blocks_per_request"] = spec.max_admission_blocks_per_request(
                 max_in_flight_tokens=max_in_flight_tokens, max_model_len=max_model_len
             )
@@ -140,5 +181,9 @@ def group_specs(
             d["num_speculative_blocks"] = spec.num_speculative_blocks
             d["num_prefill_checkpoint_blocks"] = spec.num_prefill_checkpoint_blocks
             d["prefill_checkpoint_alignment"] = spec.prefill_checkpoint_alignment
+        elif kind == "hisparse_source":
+            d["host_num_blocks"] = config.hisparse_host_num_blocks
+        elif kind == "hisparse_hot":
+            d["blocks_per_request"] = spec.blocks_per_request
         out.append(d)
     return out

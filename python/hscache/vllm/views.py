@@ -217,6 +217,15 @@ class CoordinatorView:
         self.single_type_managers = tuple(
             manager_view(manager, g) for g in range(len(manager.kv_cache_config.kv_cache_groups))
         )
+        if manager.core_hisparse_layout() is not None:
+            # vLLM's HiSparseCoordinator binds itself to its managers; the connector
+            # finds it there (`get_hisparse_coordinator`).
+            from hscache.vllm import hisparse
+
+            hs = hisparse.coordinator_view(manager, self.single_type_managers)
+            for view in self.single_type_managers:
+                if isinstance(view, hisparse.SourceView | hisparse.ResidentView | hisparse.HotView):
+                    view.coordinator = hs
         self.group_block_sizes = tuple(m.block_size for m in self.single_type_managers)
         groups = self.kv_cache_config.kv_cache_groups
         if info["kind"] == "Unitary":
@@ -305,7 +314,8 @@ class CoordinatorView:
         )
 
     def reset_prefix_cache(self) -> bool:
-        return bool(self.block_pool.reset_prefix_cache())
+        """Each pool once (HiSparse's host pool too), as vLLM's coordinator does."""
+        return bool(self._manager.core_reset_all_prefix_caches())
 
     def new_step_starts(self) -> None:
         self._manager.new_step_starts()
@@ -317,6 +327,29 @@ _COORDINATORS = {
     "Hybrid": kcc.HybridKVCacheCoordinator,
 }
 _VIEW_CLASSES: dict[tuple[type, type], type] = {}
+_MIXED: dict[type, type] = {}
+
+
+def _manager_view_base(cls: Any) -> type:
+    """The view base of vLLM manager class ``cls``: HiSparse's managers add their own
+    methods (``hscache.vllm.hisparse``) to :class:`SingleTypeManagerView`."""
+    from vllm.v1.core import single_type_kv_cache_manager as stm
+
+    from hscache.vllm import hisparse
+
+    mixins = {
+        stm.HiSparseSourceManager: hisparse.SourceView,
+        stm.HiSparseResidentManager: hisparse.ResidentView,
+        stm.HiSparseHotManager: hisparse.HotView,
+    }
+    mixin = mixins.get(cls)
+    if mixin is None:
+        return SingleTypeManagerView
+    if mixin not in _MIXED:
+        _MIXED[mixin] = type(
+            mixin.__name__, (mixin, SingleTypeManagerView), {"__module__": __name__}
+        )
+    return _MIXED[mixin]
 
 
 def _view_class(view: type, vllm_cls: type) -> type:
@@ -337,9 +370,15 @@ def manager_view(manager: KVCacheManager, group_id: int) -> SingleTypeManagerVie
     from hscache.vllm.specs import manager_class
 
     cls = manager_class(manager.kv_cache_config.kv_cache_groups[group_id])
-    view_cls = _view_class(SingleTypeManagerView, cls) if cls else SingleTypeManagerView
+    base = _manager_view_base(cls)
+    view_cls = _view_class(base, cls) if cls else SingleTypeManagerView
     view: SingleTypeManagerView = object.__new__(view_cls)
     SingleTypeManagerView.__init__(view, manager, group_id)
+    host_pool = getattr(manager, "host_block_pool", None)
+    layout = manager.core_hisparse_layout()
+    if host_pool is not None and layout is not None and layout["host_group"] == group_id:
+        view.block_pool = host_pool
+        view._null_block = host_pool.null_block
     return view
 
 

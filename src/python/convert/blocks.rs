@@ -17,9 +17,13 @@ use crate::python::errors::InvalidArgumentError;
 use crate::python::manager::PyKVCacheCore;
 use crate::types::BlockId;
 
-/// The id of a `KVCacheBlock` handle of `core`.
+/// The id of a `KVCacheBlock` handle of `core` and whether it is a block of
+/// HiSparse's host pool.
 #[inline]
-pub(crate) fn id_of(core: &Bound<'_, PyKVCacheCore>, item: &Bound<'_, PyAny>) -> PyResult<BlockId> {
+pub(crate) fn pooled_id_of(
+    core: &Bound<'_, PyKVCacheCore>,
+    item: &Bound<'_, PyAny>,
+) -> PyResult<(BlockId, bool)> {
     let block = item
         .cast::<PyKVCacheBlock>()
         .map_err(|_| InvalidArgumentError::new_err("expected hscache KVCacheBlock objects"))?
@@ -30,7 +34,66 @@ pub(crate) fn id_of(core: &Bound<'_, PyKVCacheCore>, item: &Bound<'_, PyAny>) ->
             block.block_id
         )));
     }
-    Ok(block.block_id)
+    Ok((block.block_id, block.host))
+}
+
+/// The id of a `KVCacheBlock` handle of `core`'s device pool (`host`: of its
+/// HiSparse host pool instead).
+#[inline]
+pub(crate) fn id_in(
+    core: &Bound<'_, PyKVCacheCore>,
+    item: &Bound<'_, PyAny>,
+    host: bool,
+) -> PyResult<BlockId> {
+    let (id, is_host) = pooled_id_of(core, item)?;
+    if is_host != host {
+        let (is, want) = if is_host {
+            ("host", "device")
+        } else {
+            ("device", "host")
+        };
+        return Err(InvalidArgumentError::new_err(format!(
+            "block {id} belongs to the {is} pool; expected a block of the {want} pool"
+        )));
+    }
+    Ok(id)
+}
+
+/// The id of a `KVCacheBlock` handle of `core`'s device pool.
+#[inline]
+pub(crate) fn id_of(core: &Bound<'_, PyKVCacheCore>, item: &Bound<'_, PyAny>) -> PyResult<BlockId> {
+    id_in(core, item, false)
+}
+
+/// The ids of an iterable of handles of one pool of `core`, appended to `out`.
+pub(crate) fn ids_in(
+    core: &Bound<'_, PyKVCacheCore>,
+    blocks: &Bound<'_, PyAny>,
+    host: bool,
+    out: &mut Vec<BlockId>,
+) -> PyResult<()> {
+    for item in blocks.try_iter()? {
+        out.push(id_in(core, &item?, host)?);
+    }
+    Ok(())
+}
+
+/// The ids of an iterable of handles of either pool, split by pool, each in order.
+pub(crate) fn split_pooled_ids(
+    core: &Bound<'_, PyKVCacheCore>,
+    blocks: &Bound<'_, PyAny>,
+    device: &mut Vec<BlockId>,
+    host: &mut Vec<BlockId>,
+) -> PyResult<()> {
+    for item in blocks.try_iter()? {
+        let (id, is_host) = pooled_id_of(core, &item?)?;
+        if is_host {
+            host.push(id);
+        } else {
+            device.push(id);
+        }
+    }
+    Ok(())
 }
 
 /// The ids of an iterable of `KVCacheBlock` handles of `core`, appended to `out`.
@@ -84,8 +147,9 @@ pub(crate) fn hit_ids(
         return Ok(true);
     }
     let groups = blocks.getattr(intern!(py, "blocks"))?;
-    for group in groups.try_iter()? {
-        ids_of(core, &group?, ids)?;
+    let host_group = core.try_borrow()?.core.host_group();
+    for (g, group) in groups.try_iter()?.enumerate() {
+        ids_in(core, &group?, host_group == Some(g), ids)?;
         ends.push(ids.len());
     }
     Ok(true)
@@ -110,8 +174,9 @@ pub(crate) fn grouped_ids(
         return Ok(());
     }
     let groups = blocks.getattr(intern!(core.py(), "blocks"))?;
-    for group in groups.try_iter()? {
-        ids_of(core, &group?, ids)?;
+    let host_group = core.try_borrow()?.core.host_group();
+    for (g, group) in groups.try_iter()?.enumerate() {
+        ids_in(core, &group?, host_group == Some(g), ids)?;
         ends.push(ids.len());
     }
     Ok(())

@@ -69,6 +69,15 @@ pub(crate) fn group_spec(d: &Bound<'_, PyDict>) -> PyResult<GroupSpec> {
             })
         }
         "cross_attention" => ManagerKind::CrossAttention,
+        "hisparse_source" => ManagerKind::HiSparseSource {
+            host_num_blocks: u32::try_from(usize_of(d, "host_num_blocks")?).map_err(|_| {
+                InvalidArgumentError::new_err("hisparse_host_num_blocks is too large")
+            })?,
+        },
+        "hisparse_resident" => ManagerKind::HiSparseResident,
+        "hisparse_hot" => ManagerKind::HiSparseHot {
+            blocks_per_request: usize_of(d, "blocks_per_request")?,
+        },
         other => {
             return Err(InvalidArgumentError::new_err(format!(
                 "unknown KV-cache group kind {other:?}"

@@ -1,0 +1,588 @@
+//! `KVCacheCore`'s HiSparse coordinator methods, for the Python view of vLLM's
+//! `HiSparseCoordinator` (`python/hscache/vllm/hisparse.py`); the managers' and the
+//! host pool's are in `hisparse_groups.rs`.
+//!
+//! Conversion only: request ids, counts and block handles in, a core call, ids and
+//! tuples out; the views build vLLM's objects (`SparseKVPageTransfer`, ...). The
+//! core names a HiSparse publication's request by id; [`Publications`] answers its
+//! questions about those requests (and the interpreter's `hash()` of request ids,
+//! which orders what vLLM iterates as a `set`) from the request objects this
+//! binding keeps, by publication id, in `PyKVCacheCore::publications`.
+
+use std::cell::RefCell;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyString};
+use rustc_hash::FxHashMap;
+
+use super::convert::count;
+use super::manager::PyKVCacheCore;
+use crate::error::{Error, Result};
+use crate::manager::hisparse::{HiSparseRequestState, PublicationRequests};
+use crate::types::BlockId;
+
+/// [`PublicationRequests`] over the publications' request objects.
+pub(crate) struct Publications<'a, 'py> {
+    py: Python<'py>,
+    requests: &'a FxHashMap<u64, Py<PyAny>>,
+    err: RefCell<Option<PyErr>>,
+}
+
+impl<'a, 'py> Publications<'a, 'py> {
+    pub(crate) fn new(py: Python<'py>, requests: &'a FxHashMap<u64, Py<PyAny>>) -> Self {
+        Self {
+            py,
+            requests,
+            err: RefCell::new(None),
+        }
+    }
+
+    fn stash(&self, e: PyErr) -> Error {
+        let msg = e.to_string();
+        *self.err.borrow_mut() = Some(e);
+        Error::InvalidArgument(msg)
+    }
+
+    /// The error to raise for a failed call: the Python error behind it, if any.
+    pub(crate) fn error(&self, e: Error) -> PyErr {
+        self.err.borrow_mut().take().unwrap_or_else(|| e.into())
+    }
+}
+
+impl PublicationRequests for Publications<'_, '_> {
+    fn is_finished(&self, publication: u64) -> Result<bool> {
+        let Some(request) = self.requests.get(&publication) else {
+            return Err(Error::Internal(format!(
+                "HiSparse publication {publication} has no request"
+            )));
+        };
+        request
+            .bind(self.py)
+            .call_method0("is_finished")
+            .and_then(|v| v.is_truthy())
+            .map_err(|e| self.stash(e))
+    }
+
+    fn request_hash(&self, request_id: &str) -> Result<u64> {
+        PyString::new(self.py, request_id)
+            .hash()
+            .map(|h| h as u64)
+            .map_err(|e| self.stash(e))
+    }
+}
+
+fn rid_counts(items: &Bound<'_, PyAny>) -> PyResult<Vec<(Box<str>, usize)>> {
+    items
+        .try_iter()?
+        .map(|item| {
+            let (rid, n): (String, i64) = item?.extract()?;
+            Ok((rid.into(), count("num_tokens", n)?))
+        })
+        .collect()
+}
+
+fn rid_ranges(items: &Bound<'_, PyAny>) -> PyResult<Vec<(Box<str>, usize, usize)>> {
+    items
+        .try_iter()?
+        .map(|item| {
+            let (rid, a, b): (String, i64, i64) = item?.extract()?;
+            Ok((
+                rid.into(),
+                count("num_computed_tokens", a)?,
+                count("num_scheduled_tokens", b)?,
+            ))
+        })
+        .collect()
+}
+
+fn id_counts(d: &Bound<'_, PyAny>) -> PyResult<Vec<(u64, u64)>> {
+    let dict = d.cast::<PyDict>()?;
+    dict.iter()
+        .map(|(k, v)| Ok((k.extract::<u64>()?, v.extract::<u64>()?)))
+        .collect()
+}
+
+fn state_dict<'py>(py: Python<'py>, s: &HiSparseRequestState) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item(
+        "valid_pages",
+        s.valid_pages.iter().copied().collect::<Vec<_>>(),
+    )?;
+    d.set_item("ready_prefix_pages", s.ready_prefix_pages)?;
+    d.set_item(
+        "pending_pages",
+        s.pending_pages
+            .iter()
+            .map(|(&p, &i)| (p, i))
+            .collect::<Vec<_>>(),
+    )?;
+    d.set_item("copies_recorded_blocks", s.copies_recorded_blocks)?;
+    d.set_item(
+        "pinned_clean",
+        s.pinned_clean.iter().copied().collect::<Vec<_>>(),
+    )?;
+    d.set_item(
+        "unpinned_pages",
+        s.unpinned_pages.iter().copied().collect::<Vec<_>>(),
+    )?;
+    d.set_item("pages_to_adopt", s.pages_to_adopt)?;
+    d.set_item("synced_pages", s.synced_pages)?;
+    d.set_item(
+        "stale_pages",
+        s.stale_pages.iter().copied().collect::<Vec<_>>(),
+    )?;
+    match &s.publication {
+        Some(p) => {
+            let pd = PyDict::new(py);
+            pd.set_item("id", p.id)?;
+            pd.set_item("num_computed_tokens", p.num_computed_tokens)?;
+            pd.set_item("num_pages", p.num_pages)?;
+            pd.set_item("retention_interval", p.retention_interval)?;
+            pd.set_item("replay_boundaries", p.replay_boundaries.to_vec())?;
+            pd.set_item("detached_blocks", p.detached_blocks.clone())?;
+            pd.set_item("num_cached_blocks", p.num_cached_blocks)?;
+            d.set_item("publication", pd)?;
+        }
+        None => d.set_item("publication", py.None())?,
+    }
+    Ok(d)
+}
+
+#[pymethods]
+impl PyKVCacheCore {
+    // ---- layout ---------------------------------------------------------------------
+
+    /// The HiSparse layout (None without one): `host_group`, `resident_groups`,
+    /// `hot_groups`, `block_size`, `max_spill_pages`, `transition_watermark`,
+    /// `num_reprefillable_tokens`, `host_num_blocks`.
+    fn core_hisparse_layout<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(h) = self.core.coordinator().hisparse() else {
+            return Ok(None);
+        };
+        let l = h.layout();
+        let d = PyDict::new(py);
+        d.set_item("host_group", l.host_group)?;
+        d.set_item("resident_groups", l.resident_groups.to_vec())?;
+        d.set_item("hot_groups", l.hot_groups.to_vec())?;
+        d.set_item("block_size", l.block_size)?;
+        d.set_item("max_spill_pages", l.max_spill_pages)?;
+        d.set_item("transition_watermark", l.transition_watermark)?;
+        d.set_item("num_reprefillable_tokens", l.num_reprefillable_tokens)?;
+        d.set_item(
+            "host_num_blocks",
+            self.core
+                .host_pool()
+                .map_or(0, super::super::pool::BlockPool::num_gpu_blocks),
+        )?;
+        Ok(Some(d))
+    }
+
+    /// Sets `max_spill_pages` or `transition_watermark` (vLLM code assigns them).
+    fn core_hisparse_set(&mut self, name: &str, value: i64) -> PyResult<()> {
+        let n = count(name, value)?;
+        let which = name.to_owned();
+        self.core.hisparse_call(|h, _| {
+            match which.as_str() {
+                "max_spill_pages" => h.set_max_spill_pages(n),
+                "transition_watermark" => h.set_transition_watermark(n),
+                other => {
+                    return Err(Error::InvalidArgument(format!(
+                        "no settable HiSparse attribute {other:?}"
+                    )))
+                }
+            }
+            Ok(())
+        })?;
+        Ok(())
+    }
+
+    // ---- the connector's calls ---------------------------------------------------------
+
+    /// vLLM's `advance_scheduled(pairs of (request_id, num_tokens))`.
+    fn core_hisparse_advance_scheduled(
+        slf: &Bound<'_, Self>,
+        requests: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let requests = rid_counts(requests)?;
+        slf.try_borrow_mut()?
+            .core
+            .hisparse_call(|h, ctx| h.advance_scheduled(ctx, &requests))?;
+        Self::flush(slf, None)
+    }
+
+    /// vLLM's `plan_prefix_materialization`.
+    fn core_hisparse_plan_prefix_materialization(
+        slf: &Bound<'_, Self>,
+        request_id: &str,
+        num_computed_tokens: i64,
+    ) -> PyResult<()> {
+        let n = count("num_computed_tokens", num_computed_tokens)?;
+        slf.try_borrow_mut()?
+            .core
+            .hisparse_call(|h, ctx| h.plan_prefix_materialization(ctx, request_id, n))?;
+        Self::flush(slf, None)
+    }
+
+    /// vLLM's `update_residency`.
+    fn core_hisparse_update_residency(slf: &Bound<'_, Self>, request_id: &str) -> PyResult<()> {
+        slf.try_borrow_mut()?
+            .core
+            .hisparse_call(|h, ctx| h.update_residency(ctx, request_id))?;
+        Self::flush(slf, None)
+    }
+
+    /// vLLM's `commit_computed_blocks`.
+    fn core_hisparse_commit_computed_blocks(
+        &mut self,
+        request_id: &str,
+        num_host_pages: i64,
+    ) -> PyResult<()> {
+        let n = count("num_host_pages", num_host_pages)?;
+        Ok(self
+            .core
+            .hisparse_call(|h, ctx| h.commit_computed_blocks(ctx, request_id, n))?)
+    }
+
+    /// vLLM's `record_pending_host_import`.
+    fn core_hisparse_record_pending_host_import(
+        &mut self,
+        request_id: &str,
+        num_tokens: i64,
+    ) -> PyResult<()> {
+        let n = count("num_tokens", num_tokens)?;
+        Ok(self.core.hisparse_call(|h, _| {
+            h.record_pending_host_import(request_id, n);
+            Ok(())
+        })?)
+    }
+
+    /// vLLM's `finish_host_import`.
+    fn core_hisparse_finish_host_import(
+        slf: &Bound<'_, Self>,
+        request_id: &str,
+        failed: bool,
+    ) -> PyResult<()> {
+        slf.try_borrow_mut()?
+            .core
+            .hisparse_call(|h, ctx| h.finish_host_import(ctx, request_id, failed))?;
+        Self::flush(slf, None)
+    }
+
+    /// vLLM's `complete_host_import`.
+    fn core_hisparse_complete_host_import(
+        slf: &Bound<'_, Self>,
+        request_id: &str,
+        num_computed_tokens: i64,
+    ) -> PyResult<()> {
+        let n = count("num_computed_tokens", num_computed_tokens)?;
+        slf.try_borrow_mut()?
+            .core
+            .hisparse_call(|h, ctx| h.complete_host_import(ctx, request_id, n))?;
+        Self::flush(slf, None)
+    }
+
+    /// vLLM's `build_offload_command`: None without resident groups, else the
+    /// planned transfers `(transfer_id, host_block_id, resident_block_ids,
+    /// after_forward, restore)`, drained.
+    #[allow(clippy::type_complexity)]
+    fn core_hisparse_build_offload_command(
+        &mut self,
+    ) -> PyResult<Option<Vec<(u64, BlockId, Vec<BlockId>, bool, bool)>>> {
+        let cmd = self
+            .core
+            .hisparse_call(|h, _| Ok(h.build_offload_command()))?;
+        Ok(cmd.map(|ts| {
+            ts.into_iter()
+                .map(|t| {
+                    (
+                        t.transfer_id,
+                        t.host_block_id,
+                        t.resident_block_ids.to_vec(),
+                        t.after_forward,
+                        t.restore,
+                    )
+                })
+                .collect()
+        }))
+    }
+
+    /// vLLM's `take_host_block_copies`: `(source, copy)` host block ids.
+    fn core_hisparse_take_host_block_copies(&mut self) -> PyResult<Vec<(BlockId, BlockId)>> {
+        Ok(self.core.hisparse_call(
+            super::super::manager::hisparse::HiSparseCoordinator::take_host_block_copies,
+        )?)
+    }
+
+    /// vLLM's `release_completed_host_copies`.
+    fn core_hisparse_release_completed_host_copies(
+        slf: &Bound<'_, Self>,
+        dst_block_ids: Vec<BlockId>,
+    ) -> PyResult<()> {
+        slf.try_borrow_mut()?
+            .core
+            .hisparse_call(|h, ctx| h.release_completed_host_copies(ctx, &dst_block_ids))?;
+        Self::flush(slf, None)
+    }
+
+    /// vLLM's `build_row_mirrors`: `(source_starts, destination_start, num_rows)`.
+    #[allow(clippy::type_complexity)]
+    fn core_hisparse_build_row_mirrors(
+        &mut self,
+        requests: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<(Vec<usize>, usize, usize)>> {
+        let requests = rid_ranges(requests)?;
+        let mirrors = self
+            .core
+            .hisparse_call(|h, ctx| h.build_row_mirrors(ctx, &requests))?;
+        Ok(mirrors
+            .into_iter()
+            .map(|m| (m.source_starts.to_vec(), m.destination_start, m.num_rows))
+            .collect())
+    }
+
+    /// vLLM's `all_context_pages_resident`.
+    fn core_hisparse_all_context_pages_resident(
+        &mut self,
+        requests: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let requests = rid_ranges(requests)?;
+        Ok(self
+            .core
+            .hisparse_call(|h, ctx| h.all_context_pages_resident(ctx, &requests))?)
+    }
+
+    /// vLLM's `take_residency_updates`: `(request_id, pages, block_ids per resident
+    /// group)` for the requests that have one.
+    #[allow(clippy::type_complexity)]
+    fn core_hisparse_take_residency_updates(
+        &mut self,
+        request_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<(String, Vec<usize>, Vec<Vec<BlockId>>)>> {
+        let ids = request_ids
+            .try_iter()?
+            .map(|r| Ok(r?.extract::<String>()?.into_boxed_str()))
+            .collect::<PyResult<Vec<_>>>()?;
+        let updates = self
+            .core
+            .hisparse_call(|h, ctx| h.take_residency_updates(ctx, &ids))?;
+        Ok(updates
+            .into_iter()
+            .map(|(rid, u)| (rid.into(), u.pages, u.block_ids))
+            .collect())
+    }
+
+    /// vLLM's `has_pending_reclamation`.
+    fn core_hisparse_has_pending_reclamation(&mut self) -> PyResult<bool> {
+        Ok(self
+            .core
+            .hisparse_call(|h, ctx| h.has_pending_reclamation(ctx))?)
+    }
+
+    /// vLLM's `has_pending_work`.
+    fn core_hisparse_has_pending_work(&self) -> bool {
+        self.core
+            .coordinator()
+            .hisparse()
+            .is_some_and(super::super::manager::hisparse::HiSparseCoordinator::has_pending_work)
+    }
+
+    /// vLLM's `update_spills(enqueued_counts, completed_counts)` (dicts).
+    fn core_hisparse_update_spills(
+        slf: &Bound<'_, Self>,
+        enqueued_counts: &Bound<'_, PyAny>,
+        completed_counts: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let enqueued = id_counts(enqueued_counts)?;
+        let completed = id_counts(completed_counts)?;
+        {
+            let mut this = slf.try_borrow_mut()?;
+            let this = &mut *this;
+            let oracle = Publications::new(slf.py(), &this.publications);
+            this.core
+                .hisparse_call(|h, ctx| h.update_spills(ctx, &enqueued, &completed, &oracle))
+                .map_err(|e| oracle.error(e))?;
+        }
+        Self::flush(slf, None)
+    }
+
+    /// vLLM's `HiSparseCoordinator.free(request_id)` alone.
+    fn core_hisparse_free(slf: &Bound<'_, Self>, request_id: &str) -> PyResult<()> {
+        {
+            let mut this = slf.try_borrow_mut()?;
+            let this = &mut *this;
+            let oracle = Publications::new(slf.py(), &this.publications);
+            this.core
+                .hisparse_call(|h, ctx| h.free(ctx, request_id, &oracle))
+                .map_err(|e| oracle.error(e))?;
+        }
+        Self::flush(slf, None)
+    }
+
+    // ---- state, for the views ----------------------------------------------------------
+
+    /// The request ids of `request_states`.
+    fn core_hisparse_request_ids(&self) -> Vec<String> {
+        self.core
+            .coordinator()
+            .hisparse()
+            .map(|h| h.request_states().map(|(rid, _)| rid.to_owned()).collect())
+            .unwrap_or_default()
+    }
+
+    /// `request_states[request_id]` as a dict (None if absent); `state_id` names
+    /// the state object (pending spills refer to it).
+    fn core_hisparse_request_state<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: &str,
+    ) -> PyResult<Option<(u32, Bound<'py, PyDict>)>> {
+        let Some(h) = self.core.coordinator().hisparse() else {
+            return Ok(None);
+        };
+        let Some(id) = h.request_state_id(request_id) else {
+            return Ok(None);
+        };
+        match h.state(id) {
+            Some(s) => Ok(Some((id, state_dict(py, s)?))),
+            None => Ok(None),
+        }
+    }
+
+    /// The state of slab entry `state_id` as a dict (None if gone).
+    fn core_hisparse_state<'py>(
+        &self,
+        py: Python<'py>,
+        state_id: u32,
+    ) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(s) = self
+            .core
+            .coordinator()
+            .hisparse()
+            .and_then(|h| h.state(state_id))
+        else {
+            return Ok(None);
+        };
+        Ok(Some(state_dict(py, s)?))
+    }
+
+    /// `pending_spills` in order: `(transfer_id, request_id, page, state_id,
+    /// host_block, resident_blocks, restore, expected_worker_completions,
+    /// worker_completions, enqueue_applied)`.
+    #[allow(clippy::type_complexity)]
+    fn core_hisparse_pending_spills(
+        &self,
+    ) -> Vec<(
+        u64,
+        String,
+        usize,
+        u32,
+        BlockId,
+        Vec<BlockId>,
+        bool,
+        u64,
+        u64,
+        bool,
+    )> {
+        self.core
+            .coordinator()
+            .hisparse()
+            .map(|h| {
+                h.pending_spills()
+                    .map(|p| {
+                        (
+                            p.transfer_id,
+                            p.request_id.to_string(),
+                            p.page,
+                            p.state,
+                            p.host_block,
+                            p.resident_blocks.to_vec(),
+                            p.restore,
+                            p.expected_worker_completions,
+                            p.worker_completions,
+                            p.enqueue_applied,
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// `spills_to_send` (not drained), as `build_offload_command`'s tuples.
+    #[allow(clippy::type_complexity)]
+    fn core_hisparse_spills_to_send(&self) -> Vec<(u64, BlockId, Vec<BlockId>, bool, bool)> {
+        self.core
+            .coordinator()
+            .hisparse()
+            .map(|h| {
+                h.spills_to_send()
+                    .iter()
+                    .map(|t| {
+                        (
+                            t.transfer_id,
+                            t.host_block_id,
+                            t.resident_block_ids.to_vec(),
+                            t.after_forward,
+                            t.restore,
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// The request of HiSparse publication `publication` (None if gone).
+    fn core_hisparse_publication_request(
+        &self,
+        py: Python<'_>,
+        publication: u64,
+    ) -> Option<Py<PyAny>> {
+        self.publications.get(&publication).map(|r| r.clone_ref(py))
+    }
+
+    /// The rest of the coordinator's state: `copies` `[(key bytes, [block ids])]`,
+    /// `copy_by_block` `[(block, key bytes)]`, `owners` `[(block, [(request, page)])]`,
+    /// `retained_copies` `[(dst, src, dst)]`, `pending_imports` `[(request, tokens)]`,
+    /// `resident_requests`, `next_spill_id`.
+    fn core_hisparse_tables<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        let Some(h) = self.core.coordinator().hisparse() else {
+            return Ok(d);
+        };
+        let copies = PyList::empty(py);
+        for (k, blocks) in h.copies() {
+            copies.append((PyBytes::new(py, &k.to_vllm_bytes()), blocks.to_vec()))?;
+        }
+        d.set_item("copies", copies)?;
+        let by_block = PyList::empty(py);
+        for (b, k) in h.copy_by_block() {
+            by_block.append((b, PyBytes::new(py, &k.to_vllm_bytes())))?;
+        }
+        d.set_item("copy_by_block", by_block)?;
+        let owners = PyList::empty(py);
+        for (b, set) in h.owners() {
+            let mut pairs: Vec<(String, usize)> =
+                set.iter().map(|(r, p)| (r.to_string(), *p)).collect();
+            pairs.sort_unstable();
+            owners.append((b, pairs))?;
+        }
+        d.set_item("owners", owners)?;
+        d.set_item(
+            "retained_copies",
+            h.retained_copies()
+                .map(|(&dst, &(src, cow))| (dst, src, cow))
+                .collect::<Vec<_>>(),
+        )?;
+        d.set_item(
+            "pending_imports",
+            h.pending_imports()
+                .map(|(r, &n)| (r.to_owned(), n))
+                .collect::<Vec<_>>(),
+        )?;
+        d.set_item(
+            "resident_requests",
+            h.resident_requests().map(str::to_owned).collect::<Vec<_>>(),
+        )?;
+        d.set_item("next_spill_id", h.next_spill_id())?;
+        Ok(d)
+    }
+}
