@@ -64,6 +64,11 @@ pub enum Error {
     /// core's back). The manager that hit it is poisoned.
     #[error("internal error: {0}")]
     Internal(String),
+    /// A structural invariant is broken (`check_invariants`, or the check after
+    /// every operation with `HSCACHE_CHECK_INVARIANTS=1`); names the first
+    /// inconsistency found.
+    #[error("invariant violated: {0}")]
+    Invariant(String),
     /// An earlier internal error left this manager in an unknown state; every call
     /// refuses to run.
     #[error("this KV-cache manager is poisoned by an earlier internal error: {0}")]
@@ -89,6 +94,7 @@ pub enum ErrorKind {
     UnknownEncoderEntry,
     Unsupported,
     Internal,
+    Invariant,
     OutOfMemory,
 }
 
@@ -108,6 +114,7 @@ impl Error {
             Error::UnknownEncoderEntry { .. } => ErrorKind::UnknownEncoderEntry,
             Error::Unsupported(_) => ErrorKind::Unsupported,
             Error::Internal(_) | Error::Poisoned(_) => ErrorKind::Internal,
+            Error::Invariant(_) => ErrorKind::Invariant,
             Error::OutOfMemory { .. } => ErrorKind::OutOfMemory,
         }
     }

@@ -235,6 +235,76 @@ impl FreeKVCacheBlockQueue {
         let last = self.prev[self.tail as usize];
         (last != self.head).then_some(last)
     }
+
+    /// Checks the links (tests, debugging and `HSCACHE_CHECK_INVARIANTS`): a walk
+    /// from the head reaches the tail through `num_free_blocks` blocks with
+    /// symmetric `prev`/`next` links and no cycle, and exactly the walked blocks
+    /// are linked. `Err` names the first inconsistency.
+    pub fn check_links(&self) -> std::result::Result<(), String> {
+        let n = self.num_blocks();
+        let (head, tail) = (self.head as usize, self.tail as usize);
+        if self.prev[head] != UNLINKED || self.next[tail] != UNLINKED {
+            return Err("free queue: a sentinel has an outer link".into());
+        }
+        let mut cur = self.head;
+        let mut walked = 0usize;
+        loop {
+            let nxt = self.next[cur as usize];
+            if nxt == UNLINKED || nxt as usize > n + 1 || nxt == self.head {
+                return Err(format!(
+                    "free queue: block {cur} has a broken next link ({nxt})"
+                ));
+            }
+            if self.prev[nxt as usize] != cur {
+                return Err(format!(
+                    "free queue: next({cur}) = {nxt} but prev({nxt}) = {}",
+                    self.prev[nxt as usize]
+                ));
+            }
+            if nxt == self.tail {
+                break;
+            }
+            walked += 1;
+            if walked > n {
+                return Err("free queue: the links form a cycle".into());
+            }
+            cur = nxt;
+        }
+        if walked != self.num_free_blocks {
+            return Err(format!(
+                "free queue: {walked} blocks linked from head to tail but \
+                 num_free_blocks = {}",
+                self.num_free_blocks
+            ));
+        }
+        let linked = self.prev[..n].iter().filter(|&&p| p != UNLINKED).count();
+        if linked != walked {
+            return Err(format!(
+                "free queue: {linked} blocks have a prev link but {walked} are reachable"
+            ));
+        }
+        if let Some(id) = (0..n).find(|&i| (self.prev[i] == UNLINKED) != (self.next[i] == UNLINKED))
+        {
+            return Err(format!("free queue: block {id} is half linked"));
+        }
+        Ok(())
+    }
+
+    /// Test-only corruption (invariant mutants, `src/mutants.rs`): overwrites the
+    /// `next` link of `block_id` (the head sentinel for `None`) and the free count.
+    #[doc(hidden)]
+    pub fn corrupt_for_tests(
+        &mut self,
+        block_id: Option<BlockId>,
+        next: Option<u32>,
+        count_delta: isize,
+    ) {
+        let at = block_id.map_or(self.head as usize, |b| b as usize);
+        if let (Some(v), Some(slot)) = (next, self.next.get_mut(at)) {
+            *slot = v;
+        }
+        self.num_free_blocks = self.num_free_blocks.saturating_add_signed(count_delta);
+    }
 }
 
 #[cfg(test)]

@@ -450,6 +450,15 @@ impl BlockHashToBlockMap {
         self.detached.clear();
     }
 
+    /// Test-only corruption (invariant mutants): overwrites block `block_id`'s
+    /// primary key in place, leaving its chain where it was (a stale entry).
+    #[doc(hidden)]
+    pub fn corrupt_key_for_tests(&mut self, block_id: BlockId, key: BlockHashWithGroupId) {
+        if let Some(slot) = self.keys.get_mut(block_id as usize) {
+            *slot = Some(key);
+        }
+    }
+
     /// Total number of (key, block) pairs (diagnostics and invariant checks).
     pub fn num_entries(&self) -> usize {
         self.num_entries

@@ -3,7 +3,10 @@
 Every one except ``InternalError`` is raised before any state changes: after catching
 it, the manager is exactly as it was before the call. ``InternalError`` means a broken
 invariant (a bug, or state changed behind the manager's back); the manager that raised
-it is poisoned and refuses every later call, saying why.
+it is poisoned and refuses every later call, saying why. ``InvariantError`` (an
+``InternalError`` and an ``AssertionError``) is what ``check_invariants()`` raises, and
+what any mutating call raises when ``HSCACHE_CHECK_INVARIANTS=1`` finds a broken
+invariant after it ran (the manager is then poisoned too).
 """
 
 from hscache._core import (
@@ -14,6 +17,7 @@ from hscache._core import (
     FreeQueueError,
     InternalError,
     InvalidArgumentError,
+    InvariantError,
     OutOfBlocksError,
     UnknownEncoderEntryError,
     UnknownRequestError,
@@ -28,6 +32,7 @@ __all__ = [
     "FreeQueueError",
     "InternalError",
     "InvalidArgumentError",
+    "InvariantError",
     "OutOfBlocksError",
     "UnknownEncoderEntryError",
     "UnknownRequestError",
@@ -60,4 +65,9 @@ UnknownEncoderEntryError.__doc__ = (
 UnsupportedError.__doc__ = "NotImplementedError: valid input the core does not implement yet."
 InternalError.__doc__ = (
     "RuntimeError: a broken internal invariant; the manager is poisoned (see module docs)."
+)
+InvariantError.__doc__ = (
+    "RuntimeError and AssertionError: a structural invariant is broken; the message names "
+    "the first inconsistency (``check_invariants()``, or the check after every call that "
+    "``HSCACHE_CHECK_INVARIANTS=1`` turns on, which also poisons the manager)."
 )

@@ -1333,6 +1333,17 @@ impl KVCacheCoordinator {
     /// request holds is referenced at least as often as tables hold it, no table
     /// holds a free block, and hit bookkeeping is in range.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.check_invariants_with(None)
+    }
+
+    /// [`Self::check_invariants`]; with `external` (the references the manager
+    /// handed out beside the tables: the `BlockPool` view's `get_new_blocks` and
+    /// `touch`, `pop_blocks_for_free`), every device block's ref count must equal
+    /// the number of table slots holding it plus its external references.
+    pub fn check_invariants_with(
+        &self,
+        external: Option<&[i32]>,
+    ) -> std::result::Result<(), String> {
         self.pool.check_invariants()?;
         let host_group = self.managers.iter().position(|m| m.host_pool().is_some());
         if let Some(g) = host_group {
@@ -1368,9 +1379,33 @@ impl KVCacheCoordinator {
                 }
             }
         }
+        // A queued copy-on-write pair holds one reference to each endpoint until
+        // the Scheduler takes it (then the manager counts it as external).
+        for m in self.managers.iter().filter(|m| m.host_pool().is_none()) {
+            for &(src, cow) in &m.base().pending_cow_copies {
+                for b in [src, cow] {
+                    if let Some(c) = held.get_mut(b as usize) {
+                        *c += 1;
+                    }
+                }
+            }
+        }
         for (b, &h) in held.iter().enumerate() {
             let rc = self.pool.ref_cnt(b as BlockId);
-            if h > rc {
+            if let Some(ext) = external {
+                let e = ext.get(b).copied().unwrap_or(0);
+                if b != NULL_BLOCK_ID as usize && i64::from(h) + i64::from(e) != i64::from(rc) {
+                    let queued = if self.pool.free_block_queue().contains(b as BlockId) {
+                        " (and it is in the free queue)"
+                    } else {
+                        ""
+                    };
+                    return Err(format!(
+                        "block {b} has ref_cnt {rc} but {h} table slots or queued copies \
+                         and {e} external references hold it{queued}"
+                    ));
+                }
+            } else if h > rc {
                 return Err(format!("block {b} is held {h} times but has ref_cnt {rc}"));
             }
         }

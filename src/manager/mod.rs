@@ -39,9 +39,11 @@ pub mod chunked_local;
 pub mod circular_buffer;
 pub mod coordinator;
 pub mod cross_attention;
+mod digest;
 pub mod full_attention;
 pub mod hisparse;
 pub mod mamba;
+pub mod mutants;
 pub mod request;
 pub mod rswa;
 pub mod single_type;
@@ -189,6 +191,37 @@ pub struct KVCacheManager {
     free_scratch: Vec<BlockId>,
     /// Counter of checked batches (duplicate detection in the batched calls).
     batch_epoch: u64,
+    /// Check every invariant after each mutating call (`HSCACHE_CHECK_INVARIANTS=1`,
+    /// and always in debug builds); a violation poisons the manager.
+    check_after_ops: bool,
+    /// Device-pool references handed out beside the request tables, by block: the
+    /// `BlockPool` view's `get_new_blocks` / `touch` and `pop_blocks_for_free`
+    /// (given back by `free_blocks`). Lets `check_invariants` demand ref count ==
+    /// owners exactly.
+    external_refs: Vec<i32>,
+}
+
+/// One more external reference to each non-null block of `ids`.
+fn add_refs(external_refs: &mut [i32], ids: &[BlockId]) {
+    for &b in ids {
+        if b != NULL_BLOCK_ID {
+            if let Some(e) = external_refs.get_mut(b as usize) {
+                *e += 1;
+            }
+        }
+    }
+}
+
+/// Whether `HSCACHE_CHECK_INVARIANTS` asks for a check after every operation
+/// (any value but empty, `0`, `false`, `no`, `off`), or this is a debug build.
+pub fn check_invariants_from_env() -> bool {
+    cfg!(debug_assertions)
+        || std::env::var("HSCACHE_CHECK_INVARIANTS").is_ok_and(|v| {
+            !matches!(
+                v.trim().to_ascii_lowercase().as_str(),
+                "" | "0" | "false" | "no" | "off"
+            )
+        })
 }
 
 impl KVCacheManager {
@@ -235,6 +268,15 @@ impl KVCacheManager {
         if mamba_shared_prefix_checkpoint {
             coordinator.set_mamba_shared_prefix_checkpoint();
         }
+        let n = c.num_blocks as usize;
+        let mut external_refs = Vec::new();
+        external_refs
+            .try_reserve_exact(n)
+            .map_err(|_| Error::OutOfMemory {
+                bytes: (n as u128) * 4,
+                what: "the manager's external reference counts",
+            })?;
+        external_refs.resize(n, 0);
         Ok(Self {
             config,
             coordinator,
@@ -243,6 +285,8 @@ impl KVCacheManager {
             hash_buffer: Vec::new(),
             free_scratch: Vec::new(),
             batch_epoch: 0,
+            check_after_ops: check_invariants_from_env(),
+            external_refs,
         })
     }
 
@@ -314,6 +358,56 @@ impl KVCacheManager {
         match r {
             Ok(v) => Ok(v),
             Err(e) => Err(self.poison(e)),
+        }
+    }
+
+    /// Turns the after-every-operation invariant check on or off (tests; the
+    /// default comes from [`check_invariants_from_env`]).
+    pub fn set_check_invariants(&mut self, on: bool) {
+        self.check_after_ops = on;
+    }
+
+    /// Whether every mutating call checks the invariants after it ran.
+    pub fn checks_invariants(&self) -> bool {
+        self.check_after_ops
+    }
+
+    /// The end of every mutating call: with the check on, a broken invariant
+    /// poisons the manager and replaces the result with [`Error::Invariant`].
+    /// Off, this is one predictable branch.
+    #[inline(always)]
+    fn after<T>(&mut self, op: &'static str, r: Result<T>) -> Result<T> {
+        if self.check_after_ops {
+            return self.after_checked(op, r);
+        }
+        r
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn after_checked<T>(&mut self, op: &'static str, r: Result<T>) -> Result<T> {
+        if self.poisoned.is_some() {
+            return r;
+        }
+        let checked = if self.coordinator.hisparse().is_some() {
+            // Between a HiSparse step's calls its tables may name pages it
+            // released (and lost to reuse) until the next step: check the pools'
+            // own structures only.
+            self.block_pool()
+                .check_invariants()
+                .and_then(|()| self.host_pool().map_or(Ok(()), BlockPool::check_invariants))
+        } else {
+            self.check_invariants()
+        };
+        match checked {
+            Ok(()) => r,
+            Err(msg) => {
+                let msg = format!("after {op}: {msg}");
+                self.poisoned = Some(msg.clone());
+                Err(Error::Invariant(format!(
+                    "{msg} (the KV-cache manager is now poisoned)"
+                )))
+            }
         }
     }
 
@@ -451,6 +545,17 @@ impl KVCacheManager {
     /// `out`, group after group; `ends[g]` is pushed as the end of group `g`.
     /// `Ok(false)`: the allocation does not fit (vLLM returns `None`).
     pub fn allocate_slots<R: RequestLike>(
+        &mut self,
+        request: &R,
+        args: &AllocateSlots<'_>,
+        out: &mut Vec<BlockId>,
+        ends: &mut SmallVec<[usize; 4]>,
+    ) -> Result<bool> {
+        let r = self.allocate_slots_unchecked(request, args, out, ends);
+        self.after("allocate_slots", r)
+    }
+
+    fn allocate_slots_unchecked<R: RequestLike>(
         &mut self,
         request: &R,
         args: &AllocateSlots<'_>,
@@ -766,6 +871,15 @@ impl KVCacheManager {
         request: &R,
         num_computed_tokens: usize,
     ) -> Result<()> {
+        let r = self.cache_blocks_unchecked(request, num_computed_tokens);
+        self.after("cache_blocks", r)
+    }
+
+    fn cache_blocks_unchecked<R: RequestLike>(
+        &mut self,
+        request: &R,
+        num_computed_tokens: usize,
+    ) -> Result<()> {
         self.guard()?;
         if !self.enable_caching() {
             return Ok(());
@@ -813,10 +927,12 @@ impl KVCacheManager {
         let mut scratch = std::mem::take(&mut self.free_scratch);
         let r = self.coordinator.free(request_id, &mut scratch, pubs);
         self.free_scratch = scratch;
-        if self.coordinator.hisparse().is_some() {
-            return self.applied(r);
-        }
-        r
+        let r = if self.coordinator.hisparse().is_some() {
+            self.applied(r)
+        } else {
+            r
+        };
+        self.after("free", r)
     }
 
     /// vLLM's `pop_blocks_for_free`: the request's blocks (allocation order, group
@@ -836,8 +952,18 @@ impl KVCacheManager {
         pubs: &dyn PublicationRequests,
     ) -> Result<Option<std::ops::Range<usize>>> {
         self.guard()?;
+        let start = out.len();
         let r = self.coordinator.pop_blocks_for_free(request_id, out, pubs);
-        self.applied(r)
+        let r = self.applied(r);
+        if let Ok(host) = &r {
+            let host = host.clone().unwrap_or(0..0);
+            for (i, &b) in out.iter().enumerate().skip(start) {
+                if !host.contains(&i) {
+                    add_refs(&mut self.external_refs, &[b]);
+                }
+            }
+        }
+        self.after("pop_blocks_for_free", r)
     }
 
     /// vLLM's `remove_skipped_blocks` (connectors call it when a request finishes).
@@ -853,20 +979,23 @@ impl KVCacheManager {
             processed_computed_tokens,
             num_prompt_tokens,
         );
-        self.applied(r)
+        let r = self.applied(r);
+        self.after("remove_skipped_blocks", r)
     }
 
     /// Drops blocks from the prefix cache (connector load failures).
     pub fn evict_blocks(&mut self, block_ids: &[i64]) -> Result<()> {
         self.guard()?;
-        self.coordinator.block_pool_mut().evict_blocks(block_ids)
+        let r = self.coordinator.block_pool_mut().evict_blocks(block_ids);
+        self.after("evict_blocks", r)
     }
 
     /// Resets the prefix cache of every pool; false while any block is in use.
     pub fn reset_prefix_cache(&mut self) -> Result<bool> {
         self.guard()?;
         let r = self.coordinator.reset_prefix_cache();
-        self.applied(r)
+        let r = self.applied(r);
+        self.after("reset_prefix_cache", r)
     }
 
     /// The device pool's `reset_prefix_cache` alone (vLLM's
@@ -874,15 +1003,28 @@ impl KVCacheManager {
     pub fn reset_device_prefix_cache(&mut self) -> Result<bool> {
         self.guard()?;
         let r = self.coordinator.reset_device_prefix_cache();
-        self.applied(r)
+        let r = self.applied(r);
+        self.after("reset_prefix_cache", r)
     }
 
     /// The device pool's `get_new_blocks` (then HiSparse's reuse callbacks).
     pub fn get_new_blocks(&mut self, n: usize, out: &mut Vec<BlockId>) -> Result<()> {
         self.guard()?;
+        let start = out.len();
         self.coordinator.block_pool_mut().get_new_blocks(n, out)?;
+        add_refs(&mut self.external_refs, &out[start..]);
         let r = self.coordinator.process_reused();
-        self.applied(r)
+        let r = self.applied(r);
+        self.after("get_new_blocks", r)
+    }
+
+    /// The device pool's `touch` (the `BlockPool` view): the caller now holds one
+    /// more reference to each block.
+    pub fn touch(&mut self, block_ids: &[BlockId]) -> Result<()> {
+        self.guard()?;
+        self.coordinator.block_pool_mut().touch(block_ids)?;
+        self.add_external(block_ids);
+        self.after("touch", Ok(()))
     }
 
     /// Runs `f` on HiSparse's coordinator (`Err` on other layouts); a failure midway
@@ -898,7 +1040,8 @@ impl KVCacheManager {
             ));
         }
         let r = self.coordinator.with_hisparse(f);
-        self.applied(r)
+        let r = self.applied(r);
+        self.after("a HiSparse call", r)
     }
 
     /// Runs `f` on HiSparse's host pool and moves its events to the device pool's
@@ -955,7 +1098,8 @@ impl KVCacheManager {
             num_tokens_main_model,
             &mut out,
         );
-        self.applied(r)?;
+        let r = self.applied(r);
+        self.after("allocate_new_blocks", r)?;
         Ok(out)
     }
 
@@ -996,9 +1140,14 @@ impl KVCacheManager {
     /// through vLLM's `block_pool.free_blocks`).
     pub fn free_blocks(&mut self, ordered_blocks: &[BlockId]) -> Result<()> {
         self.guard()?;
-        self.coordinator
+        let r = self
+            .coordinator
             .block_pool_mut()
-            .free_blocks(ordered_blocks)
+            .free_blocks(ordered_blocks);
+        if r.is_ok() {
+            self.drop_external(ordered_blocks);
+        }
+        self.after("free_blocks", r)
     }
 
     /// vLLM's `free_blocks` over blocks of both HiSparse pools: the device pool's
@@ -1016,11 +1165,13 @@ impl KVCacheManager {
             }
         }
         self.coordinator.block_pool_mut().free_blocks(device)?;
+        self.drop_external(device);
         if host.is_empty() {
-            return Ok(());
+            return self.after("free_blocks", Ok(()));
         }
         let r = self.host_pool_call(|pool| pool.free_blocks(host));
-        self.applied(r)
+        let r = self.applied(r);
+        self.after("free_blocks", r)
     }
 
     // ---- tables, estimates, hand-offs ------------------------------------------------
@@ -1139,7 +1290,11 @@ impl KVCacheManager {
     /// vLLM's `take_kv_cache_block_copies`: the queued copy-on-write pairs; both
     /// endpoints hold a reference the caller frees once the copy ran.
     pub fn take_kv_cache_block_copies(&mut self) -> Vec<(BlockId, BlockId)> {
-        self.coordinator.take_pending_cow_copies()
+        let copies = self.coordinator.take_pending_cow_copies();
+        for &(src, cow) in &copies {
+            self.add_external(&[src, cow]);
+        }
+        copies
     }
 
     /// vLLM's `take_boundary_state_offloads` (Mamba "align" only).
@@ -1209,7 +1364,18 @@ impl KVCacheManager {
             .pool_of(g)
             .check_block_id(i64::from(pair.1))?;
         self.coordinator.push_cow_copy(g, pair);
-        Ok(())
+        if self.coordinator.pool_of(g).num_gpu_blocks() == self.block_pool().num_gpu_blocks()
+            && self.host_group() != Some(g)
+        {
+            // The pair took no reference (vLLM code appended it by hand), but the
+            // invariant check counts a queued pair as holding one of each endpoint.
+            for b in [pair.0, pair.1] {
+                if let Some(e) = self.external_refs.get_mut(b as usize) {
+                    *e -= 1;
+                }
+            }
+        }
+        self.after("push_cow_copy", Ok(()))
     }
 
     /// vLLM code sets `coordinator.retention_interval` after construction.
@@ -1235,6 +1401,47 @@ impl KVCacheManager {
 
     /// Every structural invariant of the pool and the request tables.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
-        self.coordinator.check_invariants()
+        if self.coordinator.hisparse().is_some() {
+            // HiSparse pins pages outside the tables (reuse watchers, publications):
+            // ref counts are checked as an upper bound there.
+            return self.coordinator.check_invariants();
+        }
+        self.coordinator
+            .check_invariants_with(Some(&self.external_refs))
+    }
+
+    /// The external references (see the field), for the state digest and tests.
+    pub fn external_refs(&self) -> &[i32] {
+        &self.external_refs
+    }
+
+    /// Test-only: the external reference counts, mutable (invariant mutants).
+    #[doc(hidden)]
+    pub fn corrupt_external_refs_for_tests(&mut self) -> &mut Vec<i32> {
+        &mut self.external_refs
+    }
+
+    /// Test-only: the device pool, mutable, past the poison guard (invariant
+    /// mutants).
+    #[doc(hidden)]
+    pub fn corrupt_pool_for_tests(&mut self) -> &mut BlockPool {
+        self.coordinator.block_pool_mut()
+    }
+
+    fn add_external(&mut self, ids: &[BlockId]) {
+        add_refs(&mut self.external_refs, ids);
+    }
+
+    /// A reference given back through `free_blocks`: one the caller held (a free
+    /// of a block with none is a table's reference freed behind the manager's
+    /// back, which the check must see, so the count stays).
+    fn drop_external(&mut self, ids: &[BlockId]) {
+        for &b in ids {
+            if let Some(e) = self.external_refs.get_mut(b as usize) {
+                if *e > 0 {
+                    *e -= 1;
+                }
+            }
+        }
     }
 }

@@ -488,6 +488,13 @@ impl BlockPool {
     /// Checks every structural invariant (tests and debugging); `Err` names the
     /// first violation.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.free_block_queue.check_links()?;
+        if self.ref_cnt[NULL_BLOCK_ID as usize] != 0 {
+            return Err(format!(
+                "the null block has ref_cnt {}",
+                self.ref_cnt[NULL_BLOCK_ID as usize]
+            ));
+        }
         let mut free = 0usize;
         for id in 1..self.num_gpu_blocks {
             let queued = self.free_block_queue.contains(id);
@@ -510,6 +517,35 @@ impl BlockPool {
             return Err("the null block has a hash".into());
         }
         self.cached_block_hash_to_block.check_invariants()
+    }
+
+    /// Test-only corruption for the invariant mutants (`src/mutants.rs`).
+    #[doc(hidden)]
+    pub fn corrupt_for_tests(&mut self) -> CorruptPool<'_> {
+        CorruptPool(self)
+    }
+}
+
+/// Raw, unchecked access to a pool's structures (invariant mutants only).
+#[doc(hidden)]
+pub struct CorruptPool<'a>(&'a mut BlockPool);
+
+impl CorruptPool<'_> {
+    /// Sets a block's ref count without touching the free queue.
+    pub fn set_ref_cnt(&mut self, block_id: BlockId, rc: u32) {
+        if let Some(slot) = self.0.ref_cnt.get_mut(block_id as usize) {
+            *slot = rc;
+        }
+    }
+
+    /// The free queue, mutable, without the pool's bookkeeping.
+    pub fn free_queue(&mut self) -> &mut FreeKVCacheBlockQueue {
+        &mut self.0.free_block_queue
+    }
+
+    /// The prefix-cache index, mutable, without the pool's bookkeeping.
+    pub fn index(&mut self) -> &mut BlockHashToBlockMap {
+        &mut self.0.cached_block_hash_to_block
     }
 }
 

@@ -24,6 +24,7 @@ create_exception!(hscache._core, UnsupportedError, PyNotImplementedError);
 create_exception!(hscache._core, EncoderCacheFullError, PyValueError);
 create_exception!(hscache._core, UnknownEncoderEntryError, PyKeyError);
 create_exception!(hscache._core, InternalError, PyRuntimeError);
+create_exception!(hscache._core, InvariantError, InternalError);
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -56,6 +57,18 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         py.get_type::<UnknownEncoderEntryError>(),
     )?;
     m.add("InternalError", py.get_type::<InternalError>())?;
+    // A broken invariant is also an AssertionError: what a test's `assert` on the
+    // structure would raise.
+    let invariant = py.get_type::<InvariantError>();
+    let bases = pyo3::types::PyTuple::new(
+        py,
+        [
+            py.get_type::<InternalError>(),
+            py.get_type::<pyo3::exceptions::PyAssertionError>(),
+        ],
+    )?;
+    invariant.setattr("__bases__", bases)?;
+    m.add("InvariantError", invariant)?;
     Ok(())
 }
 
@@ -76,6 +89,7 @@ impl From<Error> for PyErr {
             ErrorKind::UnknownEncoderEntry => UnknownEncoderEntryError::new_err(msg),
             ErrorKind::Unsupported => UnsupportedError::new_err(msg),
             ErrorKind::Internal => InternalError::new_err(msg),
+            ErrorKind::Invariant => InvariantError::new_err(msg),
             ErrorKind::OutOfMemory => PyMemoryError::new_err(msg),
         }
     }

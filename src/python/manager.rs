@@ -895,11 +895,50 @@ impl PyKVCacheCore {
         Self::flush(slf, None)
     }
 
-    /// Raises RuntimeError if a structural invariant is broken (tests).
+    /// Raises `InvariantError` (a RuntimeError and AssertionError) naming the first
+    /// broken structural invariant.
     fn check_invariants(&self) -> PyResult<()> {
         self.core
             .check_invariants()
-            .map_err(pyo3::exceptions::PyRuntimeError::new_err)
+            .map_err(|msg| crate::error::Error::Invariant(msg).into())
+    }
+
+    /// A 64-bit hash of the pool(s), free queue order, prefix-cache index and
+    /// request tables: equal before and after a call that raised.
+    fn state_digest(&self) -> u64 {
+        self.core.state_digest()
+    }
+
+    /// Whether every mutating call checks the invariants after it ran
+    /// (`HSCACHE_CHECK_INVARIANTS=1`, or a debug build); settable.
+    #[getter]
+    fn get_check_invariants_after_ops(&self) -> bool {
+        self.core.checks_invariants()
+    }
+
+    #[setter]
+    fn set_check_invariants_after_ops(&mut self, on: bool) {
+        self.core.set_check_invariants(on);
+    }
+
+    /// Test only: breaks one invariant (`hscache.testing` names them); the
+    /// manager must then be thrown away.
+    fn _break_invariant(&mut self, name: &str) -> PyResult<()> {
+        let mutant = crate::manager::mutants::Mutant::from_name(name).ok_or_else(|| {
+            InvalidArgumentError::new_err(format!("no invariant mutant {name:?}"))
+        })?;
+        self.core
+            .break_invariant_for_tests(mutant)
+            .map_err(InvalidArgumentError::new_err)
+    }
+
+    /// The names `_break_invariant` accepts.
+    #[staticmethod]
+    fn _invariant_mutants() -> Vec<&'static str> {
+        crate::manager::mutants::Mutant::ALL
+            .iter()
+            .map(|m| m.name())
+            .collect()
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {

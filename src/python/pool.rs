@@ -78,7 +78,7 @@ impl PyKVCacheCore {
     fn core_touch(slf: &Bound<'_, Self>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
         let mut ids = Vec::new();
         ids_of(slf, blocks, &mut ids)?;
-        slf.try_borrow_mut()?.core.block_pool_mut()?.touch(&ids)?;
+        slf.try_borrow_mut()?.core.touch(&ids)?;
         Self::flush(slf, None)
     }
 

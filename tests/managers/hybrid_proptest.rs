@@ -260,7 +260,12 @@ impl Driver {
             .map(|g| g.block_size);
         let encoder = groups.iter().any(|g| g.kind == ManagerKind::CrossAttention);
         Self {
-            m: KVCacheManager::new(c).expect("valid layout"),
+            m: {
+                let mut m = KVCacheManager::new(c).expect("valid layout");
+                // A broken invariant fails at the operation that broke it.
+                m.set_check_invariants(true);
+                m
+            },
             layout_groups: groups,
             scheduler_block: sched,
             hash_block: hash,

@@ -144,6 +144,10 @@ class Side:
             # A constructor fall-back to vLLM's manager would compare vLLM with itself.
             if type(self.mgr) is ReferenceKVCacheManager:
                 raise RuntimeError(f"the candidate fell back to vLLM's manager for {cfg}")
+            # hscache checks every invariant after every call (HSCACHE_CHECK_INVARIANTS):
+            # a broken one raises InvariantError at the call that broke it.
+            if hasattr(self.mgr, "check_invariants_after_ops"):
+                self.mgr.check_invariants_after_ops = True
         factory = hasher_factory or get_request_block_hasher
         lookahead = (cfg.hash_lookahead,) if HAS_HASH_LOOKAHEAD else ()
         self.hasher = factory(cfg.hash_block, get_hash_fn_by_name(cfg.hash_fn), *lookahead)

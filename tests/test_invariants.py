@@ -1,0 +1,100 @@
+"""``check_invariants()`` from Python: every invariant mutant is caught as
+``InvariantError``, ``HSCACHE_CHECK_INVARIANTS`` turns the after-every-call check on
+(it poisons the manager), the ``BlockPool`` view's references keep ref count == owners
+exact, and ``state_digest()`` moves with the state and only with it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
+from hscache import exceptions
+from hscache._core import KVCacheCore
+from hscache.testing.kv_cache import full_attention_config
+from hscache.testing.manager import manager_kwargs
+from hscache.testing.requests import make_request
+from hscache.vllm import KVCacheManager
+
+
+def _admit(m: KVCacheManager, rid: str, tokens: list[int]) -> None:
+    req = make_request(rid, tokens)
+    blocks, hit, _ = m.get_computed_blocks(req)
+    assert m.allocate_slots(req, req.num_tokens - hit, hit, blocks) is not None
+
+
+def _busy(check: bool = False) -> KVCacheManager:
+    """Two requests sharing a cached prefix and one freed (cached free blocks)."""
+    m = KVCacheManager(**manager_kwargs(full_attention_config(32)))
+    m.check_invariants_after_ops = check
+    _admit(m, "a", list(range(70)))
+    _admit(m, "b", list(range(64)) + [999] * 6)
+    _admit(m, "c", list(range(1000, 1040)))
+    m.free(make_request("c", list(range(1000, 1040))))
+    m.check_invariants()
+    return m
+
+
+@pytest.mark.parametrize("mutant", KVCacheCore._invariant_mutants())
+def test_every_mutant_is_caught(mutant: str) -> None:
+    m = _busy()
+    m._break_invariant(mutant)
+    with pytest.raises(exceptions.InvariantError):
+        m.check_invariants()
+
+
+def test_invariant_error_is_internal_and_assertion() -> None:
+    assert issubclass(exceptions.InvariantError, exceptions.InternalError)
+    assert issubclass(exceptions.InvariantError, RuntimeError)
+    assert issubclass(exceptions.InvariantError, AssertionError)
+
+
+def test_check_after_each_call_poisons() -> None:
+    m = _busy(check=True)
+    m._break_invariant("missing_decrement")
+    with pytest.raises(exceptions.InvariantError, match="after free"):
+        m.free(make_request("a", list(range(70))))
+    with pytest.raises(exceptions.InternalError, match="poisoned"):
+        m.free(make_request("b", list(range(70))))
+
+
+def test_block_pool_view_references_are_owners() -> None:
+    m = _busy(check=True)
+    pool = m.block_pool
+    blocks = pool.get_new_blocks(2)
+    pool.touch(blocks[:1])
+    m.check_invariants()
+    pool.free_blocks(blocks + blocks[:1])
+    m.check_invariants()
+    held = m.get_blocks("a").blocks[0][-1]
+    with pytest.raises(exceptions.InvariantError, match="ref_cnt"):
+        pool.free_blocks([held])  # a table's reference freed behind its back
+
+
+def test_state_digest() -> None:
+    m = _busy()
+    d0 = m.state_digest()
+    assert d0 == _busy().state_digest()
+    with pytest.raises(exceptions.BlockIdError):
+        m.block_pool.evict_blocks({-1})
+    assert m.state_digest() == d0
+    m.free(make_request("b", list(range(70))))
+    assert m.state_digest() != d0
+
+
+def test_env_variable_turns_the_check_on() -> None:
+    code = (
+        "from hscache.testing.kv_cache import full_attention_config\n"
+        "from hscache.testing.manager import manager_kwargs\n"
+        "from hscache.vllm import KVCacheManager\n"
+        "print(KVCacheManager(**manager_kwargs(full_attention_config(8)))"
+        ".check_invariants_after_ops)\n"
+    )
+    for value, expected in (("1", "True"), ("0", "False")):
+        env = dict(os.environ, HSCACHE_CHECK_INVARIANTS=value)
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        assert out.stdout.strip() == expected
