@@ -27,10 +27,13 @@ pub struct PyEncoderCacheCore {
 
 /// `request.request_id` as a Python str.
 pub(super) fn request_id<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
-    request
-        .getattr(intern!(request.py(), "request_id"))?
-        .cast_into::<PyString>()
-        .map_err(|_| InvalidArgumentError::new_err("request.request_id must be a str"))
+    super::convert::expect_attr(
+        request,
+        intern!(request.py(), "request_id"),
+        "a vLLM Request",
+    )?
+    .cast_into::<PyString>()
+    .map_err(|_| InvalidArgumentError::new_err("request.request_id must be a str"))
 }
 
 /// `request.mm_features[input_id].identifier` as a Python str.
@@ -39,7 +42,8 @@ pub(super) fn identifier<'py>(
     input_id: i64,
 ) -> PyResult<Bound<'py, PyString>> {
     let py = request.py();
-    let features = request.getattr(intern!(py, "mm_features"))?;
+    let features =
+        super::convert::expect_attr(request, intern!(py, "mm_features"), "a vLLM Request")?;
     let feature = match (features.cast::<PyList>(), usize::try_from(input_id)) {
         (Ok(list), Ok(i)) => list.get_item(i)?,
         _ => features.get_item(input_id)?,

@@ -187,8 +187,11 @@ def get_request_block_hasher(
     kcu = _kcu
 
     def request_block_hasher(request: Request) -> list[Any]:
-        block_hashes = request.block_hashes
-        token_ids = request._all_token_ids
+        try:
+            block_hashes = request.block_hashes
+            token_ids = request._all_token_ids
+        except AttributeError as e:  # a typed error for the wrong kind of object
+            raise TypeError(f"expected a vLLM Request, got {type(request).__name__}") from e
         start = len(block_hashes) * size
         num_tokens = len(token_ids)
         if start + window > num_tokens:

@@ -81,8 +81,12 @@ class BatchAllocation(NamedTuple):
 
 
 def _int64_arg(values: Sequence[int] | np.ndarray) -> list[int] | bytes:
-    """A list as is (read item by item in Rust), an array as native int64 bytes."""
+    """A list as is (read item by item in Rust), an integer array as native int64 bytes
+    (any layout: non-contiguous arrays are copied). A float or other non-integer array is
+    a ``TypeError``: casting would silently truncate token counts."""
     if isinstance(values, np.ndarray):
+        if values.dtype.kind not in "iu":
+            raise TypeError(f"expected an integer array, got dtype {values.dtype}")
         return np.ascontiguousarray(values, dtype=np.int64).tobytes()
     if isinstance(values, list):
         return values

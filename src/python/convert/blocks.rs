@@ -146,7 +146,7 @@ pub(crate) fn hit_ids(
         ends.extend_from_slice(&ours.ends);
         return Ok(true);
     }
-    let groups = blocks.getattr(intern!(py, "blocks"))?;
+    let groups = super::expect_attr(blocks, intern!(py, "blocks"), "KVCacheBlocks")?;
     let host_group = core.try_borrow()?.core.host_group();
     for (g, group) in groups.try_iter()?.enumerate() {
         ids_in(core, &group?, host_group == Some(g), ids)?;
@@ -173,7 +173,7 @@ pub(crate) fn grouped_ids(
         ends.extend_from_slice(&ours.ends);
         return Ok(());
     }
-    let groups = blocks.getattr(intern!(core.py(), "blocks"))?;
+    let groups = super::expect_attr(blocks, intern!(core.py(), "blocks"), "KVCacheBlocks")?;
     let host_group = core.try_borrow()?.core.host_group();
     for (g, group) in groups.try_iter()?.enumerate() {
         ids_in(core, &group?, host_group == Some(g), ids)?;

@@ -13,3 +13,30 @@ pub mod request;
 pub mod spec;
 
 pub(crate) use crate::python::errors::count;
+
+use pyo3::exceptions::{PyAttributeError, PyTypeError};
+use pyo3::prelude::*;
+use pyo3::types::PyString;
+
+/// `obj.<name>`, where a missing attribute means the caller passed the wrong kind
+/// of object: `TypeError` naming what was expected and what came, instead of a
+/// bare `AttributeError` (the "untyped errors"). Costs nothing on success.
+pub(crate) fn expect_attr<'py>(
+    obj: &Bound<'py, PyAny>,
+    name: &Bound<'py, PyString>,
+    expected: &str,
+) -> PyResult<Bound<'py, PyAny>> {
+    obj.getattr(name).map_err(|e| {
+        if e.is_instance_of::<PyAttributeError>(obj.py()) {
+            let got = obj
+                .get_type()
+                .name()
+                .map_or_else(|_| "?".to_owned(), |n| n.to_string());
+            PyTypeError::new_err(format!(
+                "expected {expected} (an object with `.{name}`), got {got}"
+            ))
+        } else {
+            e
+        }
+    })
+}

@@ -39,10 +39,13 @@ pub(crate) struct PyRequest<'a, 'py> {
 
 /// `request.request_id` as a `str`.
 pub(crate) fn request_id<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
-    let id = request
-        .getattr(intern!(request.py(), "request_id"))?
-        .cast_into::<PyString>()
-        .map_err(|_| InvalidArgumentError::new_err("request.request_id must be a str"))?;
+    let id = super::expect_attr(
+        request,
+        intern!(request.py(), "request_id"),
+        "a vLLM Request",
+    )?
+    .cast_into::<PyString>()
+    .map_err(|_| InvalidArgumentError::new_err("request.request_id must be a str"))?;
     id.to_str()?;
     Ok(id)
 }
