@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
@@ -98,3 +99,52 @@ def test_env_variable_turns_the_check_on() -> None:
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
         )
         assert out.stdout.strip() == expected
+
+
+def _stale_cases(m: KVCacheManager) -> dict[str, Any]:
+    pool = m.block_pool
+    a_blocks = list(m.get_blocks("a").blocks[0])
+    return {
+        "null block": (54, 16, m.create_kv_cache_blocks(([pool.null_block],))),
+        "one block three times": (22, 48, m.create_kv_cache_blocks(([a_blocks[0]] * 3,))),
+        "over-claimed tokens": (6, 64, m.create_kv_cache_blocks((a_blocks[:2],))),
+    }
+
+
+@pytest.mark.parametrize("case", ["null block", "one block three times", "over-claimed tokens"])
+def test_checked_mode_rejects_malformed_hits(case: str) -> None:
+    m = _busy(check=True)
+    new, computed, hit = _stale_cases(m)[case]
+    before = m.state_digest()
+    with pytest.raises(exceptions.InvalidArgumentError):
+        m.allocate_slots(make_request("z", list(range(70))), new, computed, hit)
+    assert m.state_digest() == before
+    m.check_invariants()
+
+
+def test_checked_mode_rejects_a_hit_evicted_since_the_lookup() -> None:
+    m = _busy(check=True)
+    req = make_request("z", list(range(1000, 1040)))
+    hit, num_hit, _ = m.get_computed_blocks(req)
+    assert num_hit == 32
+    m.evict_blocks({b.block_id for b in hit.blocks[0]})
+    before = m.state_digest()
+    with pytest.raises(exceptions.InvalidArgumentError, match="no longer cached"):
+        m.allocate_slots(req, 40 - num_hit, num_hit, hit)
+    assert m.state_digest() == before
+
+
+def test_inputs_vllm_accepts() -> None:
+    """``block_hashes`` as a tuple, ``copy.copy()`` of ``KVCacheBlocks``, a truthy
+    non-bool ``enable_caching``; a second ``__init__`` is a typed error."""
+    import copy
+
+    m = KVCacheManager(**{**manager_kwargs(full_attention_config(32)), "enable_caching": 1})
+    req = make_request("a", list(range(70)))
+    req.block_hashes = tuple(req.block_hashes)  # type: ignore[assignment]
+    blocks, hit, _ = m.get_computed_blocks(req)
+    assert m.allocate_slots(req, 70 - hit, hit, blocks) is not None
+    mine = m.get_blocks("a")
+    assert copy.copy(mine).get_block_ids() == mine.get_block_ids()
+    with pytest.raises(exceptions.UnsupportedError):
+        m.__init__(**manager_kwargs(full_attention_config(16)))  # type: ignore[misc]

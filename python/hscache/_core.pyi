@@ -49,6 +49,7 @@ class KVCacheBlock:
 class KVCacheBlocks:
     """vLLM's ``KVCacheBlocks`` (duck-typed), block ids held in Rust."""
 
+    def __copy__(self) -> KVCacheBlocks: ...
     @property
     def blocks(self) -> tuple[Sequence[KVCacheBlock], ...]: ...
     @overload

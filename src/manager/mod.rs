@@ -614,6 +614,9 @@ impl KVCacheManager {
             .is_some_and(|s| s.groups.iter().any(|g| g.num_cached_block.is_some()));
         if adopt {
             self.check_hits(rid, hits, running)?;
+            if self.check_after_ops {
+                self.check_hits_strictly(hits, args.num_new_computed_tokens)?;
+            }
         }
         let max_len = self.config.max_model_len;
         let num_local = request.num_computed_tokens() + args.num_new_computed_tokens;
@@ -776,6 +779,60 @@ impl KVCacheManager {
                         "request {rid:?} already has blocks and cannot adopt prefix hits"
                     )));
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// The stale or malformed hits vLLM accepts, rejected in the checked mode
+    /// (`HSCACHE_CHECK_INVARIANTS=1`): in a full-attention group every hit block
+    /// must be a cached block (not the null block, not evicted, reset or reassigned
+    /// since the lookup: it still carries a hash), appear once, and the hit must
+    /// cover `num_new_computed_tokens`. Off by default: vLLM's own tests hand
+    /// `allocate_slots` hand-made hits.
+    #[cold]
+    #[inline(never)]
+    fn check_hits_strictly(
+        &self,
+        hits: GroupedBlocks<'_>,
+        num_new_computed_tokens: usize,
+    ) -> Result<()> {
+        if self.coordinator.hisparse().is_some() || hits.ends.is_empty() {
+            return Ok(());
+        }
+        let pool = self.block_pool();
+        for (g, m) in self.coordinator.managers().iter().enumerate() {
+            if !matches!(m.base().spec.kind, ManagerKind::FullAttention) {
+                continue;
+            }
+            let group = hits.group(g);
+            let mut seen: Vec<BlockId> = group.to_vec();
+            seen.sort_unstable();
+            if let Some(w) = seen.windows(2).find(|w| w[0] == w[1]) {
+                return Err(Error::InvalidArgument(format!(
+                    "new_computed_blocks group {g} holds block {} more than once",
+                    w[0]
+                )));
+            }
+            for &b in group {
+                if b == NULL_BLOCK_ID {
+                    return Err(Error::InvalidArgument(format!(
+                        "new_computed_blocks group {g} holds the null block"
+                    )));
+                }
+                if pool.block_hash(b).is_none() {
+                    return Err(Error::InvalidArgument(format!(
+                        "new_computed_blocks group {g}: block {b} is no longer cached \
+                         (evicted, reset or reassigned since the lookup)"
+                    )));
+                }
+            }
+            let covered = group.len().saturating_mul(m.base().block_size);
+            if num_new_computed_tokens > covered {
+                return Err(Error::InvalidArgument(format!(
+                    "num_new_computed_tokens = {num_new_computed_tokens} but the hit of \
+                     group {g} covers {covered} tokens"
+                )));
             }
         }
         Ok(())

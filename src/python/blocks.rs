@@ -88,6 +88,12 @@ impl PyKVCacheBlocks {
 
 #[pymethods]
 impl PyKVCacheBlocks {
+    /// `copy.copy()`: the object is immutable, so the copy is itself (vLLM's
+    /// dataclass copies; both name the same blocks).
+    fn __copy__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
     /// `blocks[g][j]`: the j-th block of group g.
     #[getter]
     fn blocks(&self, py: Python<'_>) -> PyResult<Py<PyTuple>> {

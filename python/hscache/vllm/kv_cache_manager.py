@@ -53,7 +53,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
 from hscache._core import KVCacheBlock, KVCacheCore
-from hscache.exceptions import InvalidArgumentError, UnsupportedConfigError
+from hscache.exceptions import InvalidArgumentError, UnsupportedConfigError, UnsupportedError
 from hscache.vllm import events
 from hscache.vllm.block_pool import BlockPool
 from hscache.vllm.hisparse import HostBlockPool
@@ -189,7 +189,9 @@ class KVCacheManager(KVCacheCore):
         if getattr(self, "_hscache_initialized", False):
             # The core keeps the configuration it was built with: re-running
             # __init__ would change the Python attributes only.
-            raise RuntimeError("hscache KVCacheManager.__init__ was already called")
+            raise UnsupportedError(
+                "hscache KVCacheManager.__init__ was already called: build a new manager"
+            )
         self._hscache_initialized = True
         self.max_model_len = max_model_len
         self.max_in_flight_tokens = (

@@ -14,8 +14,14 @@ pub(crate) struct PyListHashes<'py> {
 }
 
 impl<'py> PyListHashes<'py> {
-    /// Wraps `obj`, which must be a list (vLLM's contract for `block_hashes`).
+    /// Wraps `obj`, a list (vLLM's contract for `block_hashes`) or a tuple (copied
+    /// into a list: vLLM's hasher only indexes and measures it, so it takes one).
     pub(crate) fn new(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
+        if let Ok(t) = obj.cast::<pyo3::types::PyTuple>() {
+            return Ok(Self {
+                list: PyList::new(obj.py(), t.iter())?,
+            });
+        }
         let list = obj.cast::<PyList>().map_err(|_| {
             BlockHashError::new_err(format!(
                 "request.block_hashes must be a list of bytes, got {}",
