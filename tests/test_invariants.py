@@ -148,3 +148,30 @@ def test_inputs_vllm_accepts() -> None:
     assert copy.copy(mine).get_block_ids() == mine.get_block_ids()
     with pytest.raises(exceptions.UnsupportedError):
         m.__init__(**manager_kwargs(full_attention_config(16)))  # type: ignore[misc]
+
+
+def _events_manager() -> KVCacheManager:
+    kwargs = {**manager_kwargs(full_attention_config(32)), "enable_kv_cache_events": True}
+    return KVCacheManager(**kwargs)
+
+
+def test_events_on_a_request_events_cannot_describe_raises_before_allocating() -> None:
+    """A LoRA request without ``adapter_id`` or malformed multimodal features: the
+    ``BlockStored`` event would fail after the blocks were cached; now the call
+    raises first and nothing changes (a retry after fixing the request works)."""
+    from types import SimpleNamespace
+
+    from hscache.testing.requests import lora
+
+    m = _events_manager()
+    req = make_request("a", list(range(40)), lora_request=lora("x", 1, "/p"))
+    good = req.lora_request
+    req.lora_request = SimpleNamespace(lora_name="x", lora_path="/p", lora_int_id=1, name="x")
+    before = m.state_digest()
+    with pytest.raises(exceptions.InvalidArgumentError, match="nothing was allocated"):
+        m.allocate_slots(req, 40)
+    assert m.state_digest() == before
+    assert m.take_events() == []
+    req.lora_request = good
+    assert m.allocate_slots(req, 40) is not None
+    assert m.take_events()

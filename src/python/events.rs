@@ -656,6 +656,21 @@ impl PyEventBuilder {
 }
 
 impl PyEventBuilder {
+    /// Builds (and drops) the `BlockStored` of group 0 for blocks `start..end`:
+    /// raises exactly where the real event would (the check-before-mutate of
+    /// `allocate_slots` with events on).
+    pub(crate) fn dry_run<'py>(
+        &self,
+        request: &Bound<'py, PyAny>,
+        start: &Bound<'py, PyAny>,
+        end: &Bound<'py, PyAny>,
+        block_size: &Bound<'py, PyAny>,
+    ) -> PyResult<()> {
+        let group = 0usize.into_pyobject(request.py())?.into_any();
+        self.block_stored(request, start, end, block_size, &group)
+            .map(drop)
+    }
+
     /// The struct for `fields`, or the fallback's event when they are
     /// `UnsupportedError`.
     fn stored_struct<'py>(

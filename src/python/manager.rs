@@ -278,6 +278,55 @@ impl PyKVCacheCore {
     }
 
     /// Calls the collector's `on_block_*` methods in the order the pool made them.
+    /// With KV events on, a request the manager does not hold yet gets its
+    /// `BlockStored` event built once over its hashed blocks *before* anything is
+    /// allocated: a request the event builder cannot describe (malformed
+    /// multimodal features, a LoRA request without `adapter_id`) then raises with
+    /// the manager unchanged, instead of after its blocks were cached (check before
+    /// mutate). Once per request, events on only.
+    fn precheck_events(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = slf.py();
+        let (builder, hash_block_size) = {
+            let this = slf.try_borrow()?;
+            let Some((_, builder)) = this.vllm.as_ref().and_then(|v| v.event_sink.as_ref()) else {
+                return Ok(());
+            };
+            if !this.core.enable_caching() {
+                return Ok(());
+            }
+            let id = request_id(request)?;
+            if this.core.coordinator().request(id.to_str()?).is_some() {
+                return Ok(());
+            }
+            (
+                builder.clone_ref(py),
+                this.core.coordinator().hash_block_size(),
+            )
+        };
+        let hashes = request.getattr(pyo3::intern!(py, "block_hashes"))?;
+        let n = hashes.len()?;
+        if n == 0 {
+            return Ok(());
+        }
+        let zero = 0usize.into_pyobject(py)?.into_any();
+        builder
+            .get()
+            .dry_run(
+                request,
+                &zero,
+                &n.into_pyobject(py)?.into_any(),
+                &hash_block_size.into_pyobject(py)?.into_any(),
+            )
+            .map_err(|e| {
+                let typed = InvalidArgumentError::new_err(format!(
+                    "KV events cannot describe this request's blocks (nothing was \
+                     allocated): {e}"
+                ));
+                typed.set_cause(py, Some(e));
+                typed
+            })
+    }
+
     fn replay_metrics(
         slf: &Bound<'_, Self>,
         collector: &Bound<'_, PyAny>,
@@ -586,6 +635,7 @@ impl PyKVCacheCore {
             has_scheduled_reqs,
             skip_zeroing_group_ids: &skip_zeroing,
         };
+        Self::precheck_events(slf, request)?;
         let (result, ids, ends, flush) = {
             let mut this = slf.try_borrow_mut()?;
             let id = request_id(request)?;
