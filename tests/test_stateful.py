@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -41,6 +41,7 @@ from hypothesis.stateful import (
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import vllm_diff as diff
+from vllm_diff import mutants
 
 pytestmark = pytest.mark.vllm
 
@@ -77,6 +78,7 @@ class ManagerPair(RuleBasedStateMachine):
     hash_fn = "sha256"
     num_blocks = 24
     mamba = False
+    candidate: type | None = None  # None: hscache's manager (vllm_diff.load_candidate)
 
     def __init__(self) -> None:
         super().__init__()
@@ -91,7 +93,7 @@ class ManagerPair(RuleBasedStateMachine):
             deep_every=3,
         )
         self.cfg = cfg
-        self.p = diff.Pair(cfg, diff.load_candidate(), seed="hypothesis")
+        self.p = diff.Pair(cfg, self.candidate or diff.load_candidate(), seed="hypothesis")
         self.sbs = cfg.sched_block
         self.next_id = 0
         self.waiting: list[str] = []
@@ -275,19 +277,22 @@ class ManagerPair(RuleBasedStateMachine):
         self.p.call(what, rid=rid)
 
     # -- after every rule -------------------------------------------------------------
+    def _check(self) -> None:
+        self.p.check_state(deep=True)
+        check = getattr(self.p.cand.mgr, "check_invariants", None)  # mutants: vLLM's, none
+        if self.candidate is None or check is not None:
+            self.p.cand.mgr.check_invariants()
+        self._count()
+
     @invariant()
     def same_state_and_invariants(self) -> None:
-        self.p.check_state(deep=True)
-        self.p.cand.mgr.check_invariants()
-        self._count()
+        self._check()
 
     def teardown(self) -> None:
         for rid in list(self.running):
             self.running.remove(rid)
             self._release(rid, "FINISHED_ABORTED")
-        self.p.check_state(deep=True)
-        self.p.cand.mgr.check_invariants()
-        self._count()
+        self._check()
 
 
 @pytest.mark.parametrize(("layout", "hash_fn", "num_blocks", "examples"), LAYOUTS)
@@ -319,3 +324,32 @@ def test_stateful_pair(layout: str, hash_fn: str, num_blocks: int, examples: int
     print(f"\n{layout} [{hash_fn}]: {ops} ops in {time.perf_counter() - t0:.1f} s")
     _report()
     assert ops > 0
+
+
+@pytest.mark.parametrize(
+    "mutant",
+    [
+        mutants.FreeForwardOrder,
+        mutants.HitOneBlockShort,
+        mutants.DropRemovedEvents,
+        mutants.EvictIsNoop,
+        mutants.StatsIgnorePreemption,
+    ],
+    ids=lambda m: m.__name__,
+)
+def test_stateful_machine_catches_mutants(mutant: type) -> None:
+    """The machine notices a deliberately wrong manager (vLLM's, with one bug)."""
+    machine = type("ManagerPair_" + mutant.__name__, (ManagerPair,), {"candidate": mutant})
+    with pytest.raises(diff.Divergence):
+        run_state_machine_as_test(
+            machine,
+            settings=settings(
+                max_examples=200,
+                stateful_step_count=STEPS,
+                deadline=None,
+                suppress_health_check=list(HealthCheck),
+                database=None,
+                derandomize=True,
+                phases=[Phase.generate],
+            ),
+        )
