@@ -419,9 +419,7 @@ impl BlockPool {
                 .and_then(|()| self.free_block_queue.append_n(&last));
             if let Some(r) = self.retention.as_mut() {
                 let now = r.now_ms();
-                for &id in &last {
-                    r.on_free(id, now);
-                }
+                r.on_free_all(&last, now);
             }
             start = end;
         }

@@ -3,6 +3,7 @@
 //! test clock and its counters. `hscache.vllm.retention` is the glue that reads
 //! the hints from `sampling_params.extra_args`.
 
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -22,9 +23,10 @@ fn millis(name: &str, seconds: f64) -> PyResult<u64> {
 #[pymethods]
 impl PyKVCacheCore {
     /// Selects the retention policy (`lru|priority|pin|ttl|slru`) before any block
-    /// is used; unset settings keep their defaults.
+    /// is used; unset settings keep their defaults. `manual_clock`: time moves only
+    /// by `retention_advance_clock` (simulated traces, tests).
     #[pyo3(signature = (policy, *, default_priority=None, ttl_s=None,
-        max_pinned_blocks=None, slru_protected_blocks=None))]
+        max_pinned_blocks=None, slru_protected_blocks=None, manual_clock=false))]
     fn core_set_retention(
         &mut self,
         policy: &str,
@@ -32,6 +34,7 @@ impl PyKVCacheCore {
         ttl_s: Option<f64>,
         max_pinned_blocks: Option<i64>,
         slru_protected_blocks: Option<i64>,
+        manual_clock: bool,
     ) -> PyResult<()> {
         let kind = RetentionKind::parse(policy)?;
         let pool = self.core.block_pool_mut()?;
@@ -48,6 +51,7 @@ impl PyKVCacheCore {
         if let Some(s) = slru_protected_blocks {
             config.slru_protected_blocks = super::convert::count("slru_protected_blocks", s)?;
         }
+        config.manual_clock = manual_clock;
         Ok(pool.set_retention(kind, config)?)
     }
 
@@ -74,6 +78,31 @@ impl PyKVCacheCore {
         };
         self.core.block_pool_mut()?.set_retention_hint(hint);
         Ok(())
+    }
+
+    /// `free` under a retention policy: reads the request's hints
+    /// (`sampling_params.extra_args`: `hscache_priority`, `hscache_retention_s`,
+    /// `hscache_pin`), frees with them, and clears them, in one call.
+    fn core_free_retained(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = slf.py();
+        let rid = request.getattr(intern!(py, "request_id"))?;
+        let hint = hint_of(request)?;
+        if hint == RetentionHint::default() {
+            return slf
+                .call_method1(intern!(py, "core_free"), (rid,))
+                .map(|_| ());
+        }
+        slf.try_borrow_mut()?
+            .core
+            .block_pool_mut()?
+            .set_retention_hint(hint);
+        let r = slf.call_method1(intern!(py, "core_free"), (rid,));
+        if let Ok(mut this) = slf.try_borrow_mut() {
+            if let Ok(pool) = this.core.block_pool_mut() {
+                pool.clear_retention_hint();
+            }
+        }
+        r.map(|_| ())
     }
 
     /// Clears the free hint.
@@ -127,4 +156,35 @@ fn parse_priority(p: i64) -> PyResult<u8> {
         .ok()
         .filter(|&p| p <= crate::pool::retention::priority::MAX_PRIORITY)
         .ok_or_else(|| InvalidArgumentError::new_err(format!("priority must be 0-100, got {p}")))
+}
+
+/// The retention hint in a request's `sampling_params.extra_args` (none: default).
+fn hint_of(request: &Bound<'_, PyAny>) -> PyResult<RetentionHint> {
+    let py = request.py();
+    let params = request.getattr(intern!(py, "sampling_params"))?;
+    if params.is_none() {
+        return Ok(RetentionHint::default());
+    }
+    let extra = params.getattr(intern!(py, "extra_args"))?;
+    let Ok(extra) = extra.cast::<PyDict>() else {
+        return Ok(RetentionHint::default());
+    };
+    if extra.is_empty() {
+        return Ok(RetentionHint::default());
+    }
+    let mut hint = RetentionHint::default();
+    if let Some(p) = extra.get_item(intern!(py, "hscache_priority"))? {
+        if !p.is_none() {
+            hint.priority = Some(parse_priority(p.extract::<i64>()?)?);
+        }
+    }
+    if let Some(d) = extra.get_item(intern!(py, "hscache_retention_s"))? {
+        if !d.is_none() {
+            hint.duration_ms = Some(millis("hscache_retention_s", d.extract::<f64>()?)?);
+        }
+    }
+    if let Some(p) = extra.get_item(intern!(py, "hscache_pin"))? {
+        hint.pin = p.is_truthy()?;
+    }
+    Ok(hint)
 }

@@ -369,18 +369,10 @@ class KVCacheManager(KVCacheCore):
 class RetentionKVCacheManager(KVCacheManager):
     """``KVCacheManager`` under a non-LRU retention policy (``hscache.vllm.retention``).
 
-    Only ``free`` differs: it hands the core the request's retention hints
-    (``sampling_params.extra_args``) for the blocks it frees. The LRU default never
-    builds this class, so its ``free`` stays the core's.
+    Only ``free`` differs: the core reads the request's retention hints
+    (``sampling_params.extra_args``) and applies them to the blocks it frees. The
+    LRU default never builds this class, so its ``free`` stays the core's.
     """
 
-    def free(self, request: Request) -> None:
-        hint = retention.hint_of(request)
-        if hint is None:
-            super().free(request)
-            return
-        self.core_retention_hint(*hint)
-        try:
-            super().free(request)
-        finally:
-            self.core_clear_retention_hint()
+    # The core reads the hints from ``extra_args`` and frees with them, in one call.
+    free = KVCacheCore.core_free_retained

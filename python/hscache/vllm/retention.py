@@ -6,11 +6,12 @@ and hands the core each request's hints when the request is freed. See
 
 Selection: the ``retention=`` keyword of ``KVCacheManager`` (a policy name, or a
 dict ``{"policy": name, "default_priority": .., "ttl_s": .., "max_pinned_blocks":
-.., "slru_protected_blocks": ..}``), else ``HSCACHE_RETENTION`` (with
+.., "slru_protected_blocks": .., "manual_clock": ..}``), else ``HSCACHE_RETENTION`` (with
 ``HSCACHE_RETENTION_TTL_S`` / ``HSCACHE_RETENTION_MAX_PINNED``), else ``lru``
 (vLLM's, bit-identical; the manager is then the plain class and pays nothing).
 
-Per-request hints, from ``request.sampling_params.extra_args``:
+Per-request hints, read by the core (``core_free_retained``) from
+``request.sampling_params.extra_args`` when the request is freed:
 ``hscache_priority`` (int 0-100), ``hscache_retention_s`` (seconds the priority,
 or the TTL, holds) and ``hscache_pin`` (bool).
 """
@@ -24,7 +25,13 @@ from hscache.exceptions import InvalidArgumentError
 
 POLICIES = ("lru", "priority", "pin", "ttl", "slru")
 HINT_KEYS = ("hscache_priority", "hscache_retention_s", "hscache_pin")
-_SETTINGS = ("default_priority", "ttl_s", "max_pinned_blocks", "slru_protected_blocks")
+_SETTINGS = (
+    "default_priority",
+    "ttl_s",
+    "max_pinned_blocks",
+    "slru_protected_blocks",
+    "manual_clock",
+)
 
 
 def select(retention: str | dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
@@ -49,24 +56,6 @@ def select(retention: str | dict[str, Any] | None) -> tuple[str, dict[str, Any]]
             f"unknown retention policy {name!r}: expected one of {', '.join(POLICIES)}"
         )
     return name, settings
-
-
-def hint_of(request: Any) -> tuple[int | None, float | None, bool] | None:
-    """``(priority, duration_s, pin)`` from the request's extra args, or None."""
-    params = getattr(request, "sampling_params", None)
-    extra = getattr(params, "extra_args", None) if params is not None else None
-    if not extra:
-        return None
-    priority = extra.get("hscache_priority")
-    duration = extra.get("hscache_retention_s")
-    pin = bool(extra.get("hscache_pin", False))
-    if priority is None and duration is None and not pin:
-        return None
-    return (
-        None if priority is None else int(priority),
-        None if duration is None else float(duration),
-        pin,
-    )
 
 
 def install(manager: Any, name: str, settings: dict[str, Any]) -> None:

@@ -4,8 +4,8 @@
 //! (`crate::free_queue`): freed hashed blocks go to the tail in the order the
 //! caller frees them, eviction pops the head. With `lru` the pool holds no
 //! `Retention` at all, so its decisions are vLLM's bit for bit and the hot path
-//! pays nothing. Inside an attached policy, "LRU within a class" is the eviction
-//! index's sequence number (`index.rs`).
+//! pays nothing. Inside an attached policy, "LRU within a class" is one intrusive
+//! list per class in the eviction index (`index.rs`).
 
 use super::Placement;
 

@@ -3,14 +3,14 @@
 //! The default policy, `lru`, is the pool's own free queue (vLLM's order, see
 //! [`lru`]); no [`Retention`] exists then and the pool's hot path is unchanged.
 //! Selecting another policy attaches a [`Retention`] to the pool: an eviction index
-//! ordered by `(class, seq)` over the free *cached* blocks (lower class evicted
-//! first, LRU within a class), a deadline set for classes that expire, and the pin
+//! over the free *cached* blocks, one LRU list per class (lower class evicted
+//! first, LRU within a class), deadlines for classes that expire, and the pin
 //! bookkeeping. Free blocks without a hash are still reused first, from the head of
 //! the free queue, as in vLLM.
 //!
 //! Each policy lives in its own file and only decides a block's [`Placement`] when
 //! it is freed (and, for SLRU, how hits promote and the protected segment demotes):
-//! [`priority`], [`pin`], [`ttl`], [`slru`]. Every operation is O(log n).
+//! [`priority`], [`pin`], [`ttl`], [`slru`]. Free, hit and evict are O(1); a deadline costs O(log n).
 //!
 //! Per-request hints ([`RetentionHint`]) are set by the caller just before it frees
 //! a request's blocks (the Python glue reads `sampling_params.extra_args`).
@@ -84,6 +84,8 @@ pub struct RetentionConfig {
     pub max_pinned_blocks: usize,
     /// `slru`: at most this many free blocks in the protected segment.
     pub slru_protected_blocks: usize,
+    /// The clock moves only by [`Retention::advance_clock`] (simulated traces).
+    pub manual_clock: bool,
 }
 
 impl RetentionConfig {
@@ -96,6 +98,7 @@ impl RetentionConfig {
             ttl_ms: 60_000,
             max_pinned_blocks: n / 2,
             slru_protected_blocks: n * 4 / 5,
+            manual_clock: false,
         }
     }
 }
@@ -201,8 +204,12 @@ impl Retention {
         &self.stats
     }
 
-    /// Milliseconds since the policy was attached, plus any test offset.
+    /// Milliseconds since the policy was attached, plus any test offset (only the
+    /// offset with `manual_clock`).
     pub fn now_ms(&self) -> u64 {
+        if self.config.manual_clock {
+            return self.clock_offset_ms;
+        }
         let elapsed = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
         elapsed.saturating_add(self.clock_offset_ms)
     }
@@ -254,15 +261,28 @@ impl Retention {
         &self.index
     }
 
+    /// Freed cached blocks enter the policy, in free order (a request's chain tail
+    /// first). A pinning hint pins prefix first, so the cap keeps the prefix.
+    pub fn on_free_all(&mut self, blocks: &[BlockId], now_ms: u64) {
+        if self.kind == RetentionKind::Pin && self.hint.pin {
+            for &b in blocks.iter().rev() {
+                self.pin_block(b, false);
+            }
+        }
+        for &b in blocks {
+            self.on_free(b, now_ms);
+        }
+    }
+
     /// A freed cached block enters the policy.
-    pub fn on_free(&mut self, block: BlockId, now_ms: u64) {
+    fn on_free(&mut self, block: BlockId, now_ms: u64) {
         let hint = self.hint;
         let placement = match self.kind {
             RetentionKind::Lru => lru::place(),
             RetentionKind::Priority => priority::place(&self.config, &hint, now_ms),
             RetentionKind::Ttl => ttl::place(&self.config, &hint, now_ms),
             RetentionKind::Slru => slru::place(self.hits[block as usize]),
-            RetentionKind::Pin => pin::place(self, block, &hint),
+            RetentionKind::Pin => pin::place(self, block),
         };
         match placement {
             Placement::Pinned => {

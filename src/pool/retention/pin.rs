@@ -7,13 +7,14 @@
 //! `max_pinned_blocks` blocks are pinned; pins past the cap are refused (counted)
 //! and those blocks are ordinary LRU. Unpinned blocks: LRU (class 0).
 
-use super::{Placement, Retention, RetentionHint};
+use super::{Placement, Retention};
 use crate::types::BlockId;
 
-/// Where a freed block goes (pins it if asked and the cap allows).
+/// Where a freed block goes. A pinning hint has already pinned the request's
+/// blocks, prefix first, as far as the cap allows (`Retention::on_free_all`).
 #[inline]
-pub fn place(retention: &mut Retention, block: BlockId, hint: &RetentionHint) -> Placement {
-    if retention.is_pinned(block) || (hint.pin && retention.pin_block(block, false)) {
+pub fn place(retention: &Retention, block: BlockId) -> Placement {
+    if retention.is_pinned(block) {
         return Placement::Pinned;
     }
     Placement::Evictable {

@@ -4,7 +4,7 @@
 //! `default_priority` = 35). Free blocks of a lower priority are evicted before any
 //! of a higher one; within a priority, least recently freed first. With a duration
 //! (`hscache_retention_s`) the priority holds that long after the free, then the
-//! block falls back to the default priority (keeping its LRU position).
+//! block falls back to the default priority (joining its most recent end).
 
 use super::{Placement, RetentionConfig, RetentionHint};
 

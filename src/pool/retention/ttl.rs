@@ -4,7 +4,7 @@
 //! (`HSCACHE_RETENTION_TTL_S`, or the request's `hscache_retention_s`; 0 = no
 //! protection); protected blocks are evicted only when no unprotected cached block
 //! is free. When the TTL passes the block becomes an ordinary LRU candidate
-//! (class 0) at its original LRU position. Expired blocks are not dropped eagerly:
+//! (class 0), joining that class's most recent end in expiry order. Expired blocks are not dropped eagerly:
 //! a cached block costs nothing until its memory is needed.
 
 use super::{Placement, RetentionConfig, RetentionHint};
