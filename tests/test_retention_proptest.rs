@@ -17,6 +17,7 @@ use hscache::pool::retention::{RetentionConfig, RetentionHint, RetentionKind};
 use hscache::pool::BlockPool;
 use hscache::types::{BlockHash, BlockId};
 use proptest::prelude::*;
+use proptest::test_runner::FileFailurePersistence;
 
 const STEP_MS: u64 = 10_000;
 
@@ -209,8 +210,20 @@ fn run(kind: RetentionKind, num_blocks: u32, ops: &[Op]) {
     }
 }
 
+/// 200 cases; failures persist in the committed `proptest-regressions/` file, as in
+/// `test_pool_proptest.rs`.
+fn config() -> ProptestConfig {
+    ProptestConfig {
+        failure_persistence: Some(Box::new(FileFailurePersistence::Direct(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/proptest-regressions/test_retention_proptest.txt"
+        )))),
+        ..ProptestConfig::with_cases(200)
+    }
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(200))]
+    #![proptest_config(config())]
 
     #[test]
     fn every_policy_keeps_its_order_and_the_pool_invariants(
