@@ -2,7 +2,9 @@
 
 ``bench`` runs the side-by-side benchmark of vLLM's KVCacheManager and hscache's (see
 :mod:`hscache.bench`); ``bench --hidden-states [options]`` the hidden-state cache against bare
-torch index ops (see :mod:`hscache.bench_hidden_states`, whose options follow); ``info``
+torch index ops (see :mod:`hscache.bench_hidden_states`, whose options follow);
+``bench --retention [options]`` the retention policies on a multi-tenant trace (see
+:mod:`hscache.bench.retention`); ``info``
 prints the installed version and the build profile of the compiled core, tolerating a missing
 or older core.
 """
@@ -80,6 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hscache.bench_hidden_states import main as bench_hidden_states
 
         return bench_hidden_states([a for a in args_in[1:] if a != "--hidden-states"])
+    if args_in[:1] == ["bench"] and "--retention" in args_in:
+        from hscache.bench.retention import main as bench_retention
+
+        return bench_retention([a for a in args_in[1:] if a != "--retention"])
 
     from hscache.bench.runner import add_arguments, run
 
