@@ -2,9 +2,7 @@
 
 ``bench`` runs the side-by-side benchmark of vLLM's KVCacheManager and hscache's (see
 :mod:`hscache.bench`); ``bench --hidden-states [options]`` the hidden-state cache against bare
-torch index ops (see :mod:`hscache.bench_hidden_states`, whose options follow);
-``bench --retention [options]`` the retention policies on a multi-tenant trace (see
-:mod:`hscache.bench.retention`); ``info``
+torch index ops (see :mod:`hscache.bench_hidden_states`, whose options follow); ``info``
 prints the installed version and the build profile of the compiled core, tolerating a missing
 or older core.
 """
@@ -83,6 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return bench_hidden_states([a for a in args_in[1:] if a != "--hidden-states"])
     if args_in[:1] == ["bench"] and "--retention" in args_in:
+        # The retention policies on a multi-tenant trace (hscache.bench.retention).
         from hscache.bench.retention import main as bench_retention
 
         return bench_retention([a for a in args_in[1:] if a != "--retention"])
