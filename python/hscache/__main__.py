@@ -104,6 +104,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hscache.bench_hidden_states import main as bench_hidden_states
 
         return bench_hidden_states([a for a in args_in[1:] if a != "--hidden-states"])
+    if args_in[:1] == ["bench"] and "--retention" in args_in:
+        # The retention policies on a multi-tenant trace (hscache.bench.retention).
+        from hscache.bench.retention import main as bench_retention
+
+        return bench_retention([a for a in args_in[1:] if a != "--retention"])
 
     from hscache.bench.runner import add_arguments, run
 
