@@ -510,13 +510,3 @@ def _transfer(t: tuple[int, int, list[int], bool, bool]) -> SparseKVPageTransfer
         after_forward=after_forward,
         restore=restore,
     )
-
-
-def coordinator_view(manager: KVCacheManager, managers: tuple[Any, ...]) -> Any:
-    """The HiSparse coordinator view, an instance of vLLM's ``HiSparseCoordinator``."""
-    from hscache.vllm.views import _view_class
-
-    cls = _view_class(HiSparseCoordinatorView, _vllm_hisparse.HiSparseCoordinator)
-    view: HiSparseCoordinatorView = object.__new__(cls)
-    HiSparseCoordinatorView.__init__(view, manager, managers)
-    return view
