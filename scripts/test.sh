@@ -5,8 +5,9 @@
 # mode), then runs every check in turn and keeps going after a failure, so that one run
 # shows everything that is wrong:
 #   rustfmt, the MSRV check (scripts/msrv.py), clippy (with and without the `python`
-#   feature), cargo test, ruff check + ruff format --check, mypy (strict, configured in
-#   pyproject.toml), pytest tests/ (hscache's own Python tests; collecting none fails),
+#   feature), cargo test (and the panic-safety test under the `fault-injection` feature),
+#   ruff check + ruff format --check, mypy (strict, configured in pyproject.toml),
+#   pytest tests/ (hscache's own Python tests; collecting none fails),
 #   vLLM 0.33.0's own unit tests (tests/v1/core and the KV connector tests) with hscache's
 #   KVCacheManager swapped in (tests/vllm_upstream/run.sh --swap; failures listed in
 #   known_failures.txt, which fail without the swap too, are expected; a fallback to vLLM's
@@ -83,6 +84,8 @@ step msrv python scripts/msrv.py
 step clippy cargo clippy --all-targets --quiet -- -D warnings
 step clippy-python cargo clippy --all-targets --features python --quiet -- -D warnings
 step cargo-test timeout 1800 cargo test --quiet
+# internal panics injected at points inside the core (src/fault.rs): the manager is poisoned
+step panic-safety timeout 900 cargo test --quiet --features fault-injection --test test_panic_safety
 step ruff-check ruff check python tests benches examples scripts
 step ruff-format ruff format --check python tests benches examples scripts
 step import-cycles python scripts/import_cycles.py

@@ -33,6 +33,7 @@ pub mod encoder_cache;
 pub mod error;
 pub mod events;
 pub mod extra_keys;
+pub mod fault;
 pub mod free_queue;
 pub mod hash;
 pub mod hash_index;

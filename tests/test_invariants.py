@@ -166,7 +166,7 @@ def test_events_on_a_request_events_cannot_describe_raises_before_allocating() -
     m = _events_manager()
     req = make_request("a", list(range(40)), lora_request=lora("x", 1, "/p"))
     good = req.lora_request
-    req.lora_request = SimpleNamespace(lora_name="x", lora_path="/p", lora_int_id=1, name="x")
+    req.lora_request = SimpleNamespace(lora_name="x", lora_path="/p", lora_int_id=1, name="x")  # type: ignore[assignment]
     before = m.state_digest()
     with pytest.raises(exceptions.InvalidArgumentError, match="nothing was allocated"):
         m.allocate_slots(req, 40)

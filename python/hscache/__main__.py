@@ -1,8 +1,10 @@
-"""``python -m hscache``: the command line (sub-commands ``bench`` and ``info``).
+"""``python -m hscache``: the command line (sub-commands ``bench``, ``soak`` and ``info``).
 
 ``bench`` runs the side-by-side benchmark of vLLM's KVCacheManager and hscache's (see
 :mod:`hscache.bench`); ``bench --hidden-states [options]`` the hidden-state cache against bare
 torch index ops (see :mod:`hscache.bench_hidden_states`, whose options follow); ``info``
+``soak`` runs millions of scheduler-like operations on one manager, watching RSS, Python
+objects and invariants (see :mod:`hscache.soak`); ``info``
 prints the installed version and the build profile of the compiled core, tolerating a missing
 or older core.
 """
@@ -74,12 +76,39 @@ def bench_scheduler_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def soak_main(args: argparse.Namespace) -> int:
+    """Run the soak test (see :mod:`hscache.soak`); 1 if a bound was exceeded."""
+    from hscache.soak import plot, run_soak
+
+    res = run_soak(
+        args.ops,
+        check_every=args.check_every,
+        seed=args.seed,
+        max_rss_growth_mib=args.max_rss_growth_mib,
+        max_object_growth=args.max_object_growth,
+        tracemalloc=args.tracemalloc,
+        progress=args.progress,
+    )
+    print(res.summary())
+    if args.plot:
+        plot(res, args.plot)
+    failures = res.failures()
+    for f in failures:
+        print(f"FAIL: {f}")
+    return 1 if failures else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in[:1] == ["bench"] and "--hidden-states" in args_in:
         from hscache.bench_hidden_states import main as bench_hidden_states
 
         return bench_hidden_states([a for a in args_in[1:] if a != "--hidden-states"])
+    if args_in[:1] == ["bench"] and "--retention" in args_in:
+        # The retention policies on a multi-tenant trace (hscache.bench.retention).
+        from hscache.bench.retention import main as bench_retention
+
+        return bench_retention([a for a in args_in[1:] if a != "--retention"])
 
     from hscache.bench.runner import add_arguments, run
 
@@ -114,12 +143,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="full",
         help="full, full+swa, full+mamba, full+chunked, or all",
     )
+    soak = sub.add_parser(
+        "soak",
+        help="millions of scheduler-like operations on one manager: RSS, objects, invariants",
+    )
+    soak.add_argument("--ops", type=int, default=10_000_000, help="manager calls to make")
+    soak.add_argument(
+        "--check-every", type=int, default=100_000, help="check_invariants() every N ops"
+    )
+    soak.add_argument("--seed", type=int, default=0)
+    soak.add_argument(
+        "--max-rss-growth-mib",
+        type=float,
+        default=32.0,
+        help="fail if RSS grows more than this after the warm-up (first tenth)",
+    )
+    soak.add_argument(
+        "--max-object-growth",
+        type=int,
+        default=5_000,
+        help="fail if live Python objects grow more than this after the warm-up",
+    )
+    soak.add_argument("--tracemalloc", action="store_true", help="also trace Python allocations")
+    soak.add_argument("--progress", action="store_true", help="print every RSS sample")
+    soak.add_argument(
+        "--plot", metavar="PNG", help="save the RSS / object curve (needs matplotlib)"
+    )
     sub.add_parser("info", help="print the version and build profile")
     args = parser.parse_args(args_in)
     if args.command == "info":
         return info()
     if args.command == "bench-scheduler":
         return bench_scheduler_main(args)
+    if args.command == "soak":
+        return soak_main(args)
     return run(args)
 
 

@@ -2,11 +2,12 @@
 
 Every one except ``InternalError`` is raised before any state changes: after catching
 it, the manager is exactly as it was before the call. ``InternalError`` means a broken
-invariant (a bug, or state changed behind the manager's back); the manager that raised
-it is poisoned and refuses every later call, saying why. ``InvariantError`` (an
-``InternalError`` and an ``AssertionError``) is what ``check_invariants()`` raises, and
-what any mutating call raises when ``HSCACHE_CHECK_INVARIANTS=1`` finds a broken
-invariant after it ran (the manager is then poisoned too).
+invariant (a bug, or state changed behind the manager's back) or a panic inside the core
+(caught at the boundary, never pyo3's ``PanicException``); the manager that raised it is
+poisoned and refuses every later call, saying why. ``InvariantError`` (an ``InternalError``
+and an ``AssertionError``) is what ``check_invariants()`` raises, and what any mutating call
+raises when ``HSCACHE_CHECK_INVARIANTS=1`` finds a broken invariant after it ran (the
+manager is then poisoned too).
 """
 
 from hscache._core import (
@@ -64,7 +65,8 @@ UnknownEncoderEntryError.__doc__ = (
 )
 UnsupportedError.__doc__ = "NotImplementedError: valid input the core does not implement yet."
 InternalError.__doc__ = (
-    "RuntimeError: a broken internal invariant; the manager is poisoned (see module docs)."
+    "RuntimeError: a broken internal invariant or an internal panic; the manager is "
+    "poisoned (see module docs)."
 )
 InvariantError.__doc__ = (
     "RuntimeError and AssertionError: a structural invariant is broken; the message names "

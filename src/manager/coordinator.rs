@@ -18,6 +18,11 @@
 //!   candidate length.
 //! - Groups in a hybrid model cache only up to the scheduler block (or, with
 //!   partial hash hits, any hash boundary), which is where a hit can land.
+//!
+//! Length: one struct whose methods are vLLM's coordinator call by call (plan, then
+//! apply over every group); the hit search, the allocation and the caching share the
+//! request table and the per-group plans, so splitting them would spread one call's
+//! order over files.
 
 use smallvec::SmallVec;
 

@@ -19,6 +19,9 @@
 //!
 //! Per-request state is keyed by the request's slot in the coordinator's table and
 //! dropped in `pop_request`.
+//!
+//! Length: `align` mode is one state machine over a request's running state, spec
+//! and checkpoint blocks; its steps read one another's per-request state.
 
 use rustc_hash::{FxHashMap, FxHashSet};
 use smallvec::SmallVec;

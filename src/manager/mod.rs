@@ -383,6 +383,23 @@ impl KVCacheManager {
         r
     }
 
+    /// Runs `op` (one call on the manager); a panic inside it is caught, poisons the
+    /// manager (its state may be half-updated: every later call fails with
+    /// [`Error::Poisoned`]) and comes back as [`Error::Internal`]. The Python bindings run
+    /// every mutating call through it, so that an internal panic surfaces as
+    /// `hscache.exceptions.InternalError` (a `RuntimeError`), never as pyo3's
+    /// `PanicException` with a corrupted manager left behind.
+    pub fn shielded<T>(
+        &mut self,
+        what: &str,
+        op: impl FnOnce(&mut Self) -> Result<T>,
+    ) -> Result<T> {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| op(self))) {
+            Ok(r) => r,
+            Err(payload) => Err(self.poison_after_panic(what, payload.as_ref())),
+        }
+    }
+
     #[cold]
     #[inline(never)]
     fn after_checked<T>(&mut self, op: &'static str, r: Result<T>) -> Result<T> {
@@ -409,6 +426,19 @@ impl KVCacheManager {
                 )))
             }
         }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn poison_after_panic(&mut self, what: &str, payload: &(dyn std::any::Any + Send)) -> Error {
+        let detail = payload
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a non-string panic payload".to_owned());
+        self.poison(Error::Internal(format!(
+            "internal panic in {what}: {detail}"
+        )))
     }
 
     #[cold]
@@ -709,6 +739,7 @@ impl KVCacheManager {
             );
             self.applied(r)?;
         }
+        crate::fault::point("allocate_slots.adopted");
         // ---- stage 3: new and lookahead slots, then caching ----
         let start = ends.len();
         let r = self.coordinator.allocate_new_blocks(
@@ -721,6 +752,7 @@ impl KVCacheManager {
         );
         self.applied(r)?;
         debug_assert_eq!(ends.len() - start, n_groups);
+        crate::fault::point("allocate_slots.cached");
         if let Some(plan) = cache {
             let r = self.coordinator.cache_blocks(
                 rid,
@@ -984,6 +1016,7 @@ impl KVCacheManager {
         let mut scratch = std::mem::take(&mut self.free_scratch);
         let r = self.coordinator.free(request_id, &mut scratch, pubs);
         self.free_scratch = scratch;
+        crate::fault::point("free");
         let r = if self.coordinator.hisparse().is_some() {
             self.applied(r)
         } else {

@@ -27,6 +27,8 @@
 //! owns the second (host) pool, routes them (`src/manager/hisparse/`).
 
 pub mod caching;
+pub mod retention;
+mod retention_ops;
 mod watchers;
 
 use crate::error::{Error, Result};
@@ -34,6 +36,7 @@ use crate::events::{KVCacheEvent, MetricsOp};
 use crate::free_queue::FreeKVCacheBlockQueue;
 use crate::hash_index::BlockHashToBlockMap;
 use crate::types::{BlockHash, BlockHashWithGroupId, BlockId, NULL_BLOCK_ID};
+use retention::Retention;
 use watchers::ReuseWatchers;
 
 /// The block pool (see module docs).
@@ -55,6 +58,8 @@ pub struct BlockPool {
     scratch_last: Vec<BlockId>,
     scratch_zeroed: Vec<bool>,
     watchers: ReuseWatchers,
+    /// A non-LRU retention policy (`retention/`); None = vLLM's LRU free queue.
+    retention: Option<Box<Retention>>,
 }
 
 impl BlockPool {
@@ -95,6 +100,7 @@ impl BlockPool {
             scratch_last: Vec::new(),
             scratch_zeroed: Vec::new(),
             watchers: ReuseWatchers::new(n),
+            retention: None,
         })
     }
 
@@ -174,10 +180,14 @@ impl BlockPool {
         &self.cached_block_hash_to_block
     }
 
-    /// Number of free blocks (evictable cached blocks included).
+    /// Number of free blocks (evictable cached blocks included; blocks a
+    /// retention policy pins are not).
     #[inline]
     pub fn get_num_free_blocks(&self) -> usize {
-        self.free_block_queue.num_free_blocks()
+        match &self.retention {
+            None => self.free_block_queue.num_free_blocks(),
+            Some(r) => self.free_block_queue.num_free_blocks() - r.num_reserved_free(),
+        }
     }
 
     /// KV-cache usage in `[0, 1]`, the null block excluded.
@@ -234,7 +244,11 @@ impl BlockPool {
     /// evicting the cached ones among them.
     pub fn get_new_blocks(&mut self, n: usize, out: &mut Vec<BlockId>) -> Result<()> {
         let start = out.len();
-        self.free_block_queue.popleft_n(n, out)?;
+        if self.retention.is_some() {
+            self.pop_with_retention(n, out)?;
+        } else {
+            self.free_block_queue.popleft_n(n, out)?;
+        }
         if self.watchers.any() {
             self.watchers.notify_popped(&out[start..]);
         }
@@ -282,6 +296,9 @@ impl BlockPool {
 
     /// Drops the block's keys from the index (vLLM's `_maybe_evict_cached_block`).
     pub(crate) fn maybe_evict_cached_block(&mut self, block_id: BlockId) -> bool {
+        if self.retention.is_some() {
+            self.retention_uncache(block_id);
+        }
         Self::evict_cached(
             &mut self.cached_block_hash_to_block,
             self.enable_kv_cache_events.then_some(&mut self.events),
@@ -315,6 +332,11 @@ impl BlockPool {
             }
             if self.ref_cnt[id as usize] == 0 {
                 self.free_block_queue.remove(id)?;
+                if let Some(r) = self.retention.as_mut() {
+                    r.on_take(id, self.cached_block_hash_to_block.key_of(id).is_some());
+                }
+            } else if let Some(r) = self.retention.as_mut() {
+                r.on_shared_hit(id);
             }
             self.ref_cnt[id as usize] += 1;
             if let Some(m) = self.metrics.as_mut() {
@@ -395,6 +417,10 @@ impl BlockPool {
             result = result
                 .and_then(|()| self.free_block_queue.prepend_n(&first))
                 .and_then(|()| self.free_block_queue.append_n(&last));
+            if let Some(r) = self.retention.as_mut() {
+                let now = r.now_ms();
+                r.on_free_all(&last, now);
+            }
             start = end;
         }
         self.scratch_first = first;
@@ -417,9 +443,12 @@ impl BlockPool {
     /// Forgets every cached hash; fails (returns false) while any non-null block
     /// is in use.
     pub fn reset_prefix_cache(&mut self) -> bool {
-        let num_used = self.num_gpu_blocks as usize - self.get_num_free_blocks();
+        let num_used = self.num_gpu_blocks as usize - self.free_block_queue.num_free_blocks();
         if num_used != 1 {
             return false;
+        }
+        if let Some(r) = self.retention.as_mut() {
+            r.clear();
         }
         if self.watchers.any() {
             self.watchers.notify_all();
@@ -507,15 +536,16 @@ impl BlockPool {
         if self.free_block_queue.contains(NULL_BLOCK_ID) {
             return Err("the null block is in the free queue".into());
         }
-        if free != self.get_num_free_blocks() {
+        if free != self.free_block_queue.num_free_blocks() {
             return Err(format!(
                 "free count {} != queued blocks {free}",
-                self.get_num_free_blocks()
+                self.free_block_queue.num_free_blocks()
             ));
         }
         if self.block_hash(NULL_BLOCK_ID).is_some() {
             return Err("the null block has a hash".into());
         }
+        self.check_retention_invariants()?;
         self.cached_block_hash_to_block.check_invariants()
     }
 

@@ -112,15 +112,17 @@ pub(crate) fn allocate_slots_batch<'py>(
     // events are built with that entry's request, and resumes.
     let mut start = 0;
     loop {
-        let progress = slf.try_borrow_mut()?.core.allocate_running_batch(
-            &batch,
-            start,
-            &may_cache,
-            &planned,
-            events,
-            &mut ids,
-            &mut offsets,
-        )?;
+        let progress = slf.try_borrow_mut()?.core.shielded("allocate_slots", |c| {
+            c.allocate_running_batch(
+                &batch,
+                start,
+                &may_cache,
+                &planned,
+                events,
+                &mut ids,
+                &mut offsets,
+            )
+        })?;
         start = progress.next;
         if progress.stop != BatchStop::Events {
             break;
@@ -140,5 +142,8 @@ pub(crate) fn free_batch(
     handles_obj: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
     let handles = handles("handles", handles_obj)?;
-    Ok(slf.try_borrow_mut()?.core.free_batch(&handles)?)
+    Ok(slf
+        .try_borrow_mut()?
+        .core
+        .shielded("free", |c| c.free_batch(&handles))?)
 }

@@ -379,15 +379,20 @@ impl PyKVCacheCore {
             let mut this = slf.try_borrow_mut()?;
             let mut groups = vec![Vec::new(); this.core.num_kv_cache_groups()];
             let r = if for_connector {
-                this.core.get_computed_blocks_for_connector(
-                    &req,
-                    max_len,
-                    &report_full,
-                    &mut groups,
-                )
+                this.core
+                    .shielded("get_computed_blocks_for_connector", |c| {
+                        c.get_computed_blocks_for_connector(
+                            &req,
+                            max_len,
+                            &report_full,
+                            &mut groups,
+                        )
+                    })
             } else {
                 this.core
-                    .get_computed_blocks(&req, max_len, &report_full, &mut groups)
+                    .shielded("get_computed_blocks", |c| {
+                        c.get_computed_blocks(&req, max_len, &report_full, &mut groups)
+                    })
                     .map(|(hit, spb)| (hit, spb, false))
             };
             (r, groups)
@@ -652,7 +657,9 @@ impl PyKVCacheCore {
             ends.clear();
             let result = this
                 .core
-                .allocate_slots(&req, &args, &mut ids, &mut ends)
+                .shielded("allocate_slots", |c| {
+                    c.allocate_slots(&req, &args, &mut ids, &mut ends)
+                })
                 .map_err(|e| req.error(e));
             let pool = this.core.block_pool();
             let flush =
@@ -688,7 +695,9 @@ impl PyKVCacheCore {
             let mut this = slf.try_borrow_mut()?;
             let id = request_id(request)?;
             let req = PyRequest::read(request, id.to_str()?, None)?;
-            this.core.cache_blocks(&req, n).map_err(|e| req.error(e))
+            this.core
+                .shielded("cache_blocks", |c| c.cache_blocks(&req, n))
+                .map_err(|e| req.error(e))
         };
         result?;
         Self::flush(slf, Some(request))
@@ -709,7 +718,7 @@ impl PyKVCacheCore {
             let this = &mut *this;
             let oracle = super::hisparse::Publications::new(slf.py(), &this.publications);
             this.core
-                .free_with(request_id, &oracle)
+                .shielded("free", |c| c.free_with(request_id, &oracle))
                 .map_err(|e| oracle.error(e))?;
         }
         Self::flush(slf, None)
@@ -730,8 +739,11 @@ impl PyKVCacheCore {
             let r = {
                 let this = &mut *this;
                 let oracle = super::hisparse::Publications::new(slf.py(), &this.publications);
+                let rid = rid.to_str()?;
                 this.core
-                    .pop_blocks_for_free_with(rid.to_str()?, &mut ids, &oracle)
+                    .shielded("pop_blocks_for_free", |c| {
+                        c.pop_blocks_for_free_with(rid, &mut ids, &oracle)
+                    })
                     .map_err(|e| oracle.error(e))
             };
             let result = r.and_then(|host| {

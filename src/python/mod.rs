@@ -25,6 +25,7 @@ mod hisparse_groups;
 mod manager;
 mod pool;
 mod prefill_skip;
+mod retention;
 mod slot_facts;
 mod slots;
 

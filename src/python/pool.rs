@@ -14,7 +14,7 @@ use super::convert::count;
 use super::convert::hashes::{hash_from_bytes, key_from_bytes, PyListHashes};
 use super::convert::request::{request_id, PyRequest};
 use super::manager::PyKVCacheCore;
-use crate::manager::RequestLike;
+use crate::manager::{KVCacheManager, RequestLike};
 use crate::stats::{self, Op};
 use crate::types::BlockId;
 
@@ -115,14 +115,19 @@ impl PyKVCacheCore {
 
     /// Drops the blocks from the prefix cache, in the given order.
     fn core_evict_blocks(slf: &Bound<'_, Self>, block_ids: Vec<i64>) -> PyResult<()> {
-        slf.try_borrow_mut()?.core.evict_blocks(&block_ids)?;
+        slf.try_borrow_mut()?
+            .core
+            .shielded("evict_blocks", |c| c.evict_blocks(&block_ids))?;
         Self::flush(slf, None)
     }
 
     /// Forgets every cached hash of the device pool; False while any block is in
     /// use (the pool's own `reset_prefix_cache`).
     fn core_reset_prefix_cache(slf: &Bound<'_, Self>) -> PyResult<bool> {
-        let ok = slf.try_borrow_mut()?.core.reset_device_prefix_cache()?;
+        let ok = slf.try_borrow_mut()?.core.shielded(
+            "reset_prefix_cache",
+            KVCacheManager::reset_device_prefix_cache,
+        )?;
         Self::flush(slf, None)?;
         Ok(ok)
     }
@@ -130,7 +135,10 @@ impl PyKVCacheCore {
     /// The manager's `reset_prefix_cache`: every pool of the layout (HiSparse's host
     /// pool too), each once.
     fn core_reset_all_prefix_caches(slf: &Bound<'_, Self>) -> PyResult<bool> {
-        let ok = slf.try_borrow_mut()?.core.reset_prefix_cache()?;
+        let ok = slf
+            .try_borrow_mut()?
+            .core
+            .shielded("reset_prefix_cache", KVCacheManager::reset_prefix_cache)?;
         Self::flush(slf, None)?;
         Ok(ok)
     }

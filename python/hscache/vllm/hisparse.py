@@ -145,11 +145,52 @@ class HostBlockPool:
 # ---- manager mixins -------------------------------------------------------------------
 
 
-class SourceView:
-    """What vLLM code calls on ``HiSparseSourceManager`` directly."""
+class _GroupView:
+    """One HiSparse group's allocation calls, shared by the source, resident and hot views."""
 
     _manager: KVCacheManager
     kv_cache_group_id: int
+
+    def _block(self, block_id: int) -> Any:
+        return self._manager.block(block_id)
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[Any],
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        return int(
+            self._manager.core_group_num_blocks_to_allocate(
+                self.kv_cache_group_id,
+                request_id,
+                num_tokens,
+                list(new_computed_blocks),
+                total_computed_tokens,
+                num_local_computed_tokens,
+                num_tokens_main_model,
+                apply_admission_cap,
+                prefill_end,
+            )
+        )
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int
+    ) -> list[Any]:
+        ids = self._manager.core_group_allocate_new_blocks(
+            self.kv_cache_group_id, request_id, num_tokens, num_tokens_main_model
+        )
+        return [self._block(i) for i in ids]
+
+
+class SourceView(_GroupView):
+    """What vLLM code calls on ``HiSparseSourceManager`` directly."""
+
     # The HiSparse coordinator view (vLLM's managers carry theirs here).
     coordinator: Any = None
 
@@ -160,80 +201,14 @@ class SourceView:
         """Host copies never reach the worker's generic block-copy path."""
         return []
 
-    def get_num_blocks_to_allocate(
-        self,
-        request_id: str,
-        num_tokens: int,
-        new_computed_blocks: Sequence[Any],
-        total_computed_tokens: int,
-        num_local_computed_tokens: int,
-        num_tokens_main_model: int,
-        apply_admission_cap: bool = False,
-        prefill_end: int = 0,
-    ) -> int:
-        return int(
-            self._manager.core_group_num_blocks_to_allocate(
-                self.kv_cache_group_id,
-                request_id,
-                num_tokens,
-                list(new_computed_blocks),
-                total_computed_tokens,
-                num_local_computed_tokens,
-                num_tokens_main_model,
-                apply_admission_cap,
-                prefill_end,
-            )
-        )
-
-    def allocate_new_blocks(
-        self, request_id: str, num_tokens: int, num_tokens_main_model: int
-    ) -> list[Any]:
-        ids = self._manager.core_group_allocate_new_blocks(
-            self.kv_cache_group_id, request_id, num_tokens, num_tokens_main_model
-        )
-        block = self._manager.core_host_block
-        return [block(i) for i in ids]
+    def _block(self, block_id: int) -> Any:
+        return self._manager.core_host_block(block_id)
 
 
-class _AuxiliaryView:
+class _AuxiliaryView(_GroupView):
     """Shared by the resident and hot views (vLLM's ``_HiSparseAuxiliaryManager``)."""
 
-    _manager: KVCacheManager
-    kv_cache_group_id: int
     coordinator: Any = None
-
-    def get_num_blocks_to_allocate(
-        self,
-        request_id: str,
-        num_tokens: int,
-        new_computed_blocks: Sequence[Any],
-        total_computed_tokens: int,
-        num_local_computed_tokens: int,
-        num_tokens_main_model: int,
-        apply_admission_cap: bool = False,
-        prefill_end: int = 0,
-    ) -> int:
-        return int(
-            self._manager.core_group_num_blocks_to_allocate(
-                self.kv_cache_group_id,
-                request_id,
-                num_tokens,
-                list(new_computed_blocks),
-                total_computed_tokens,
-                num_local_computed_tokens,
-                num_tokens_main_model,
-                apply_admission_cap,
-                prefill_end,
-            )
-        )
-
-    def allocate_new_blocks(
-        self, request_id: str, num_tokens: int, num_tokens_main_model: int
-    ) -> list[Any]:
-        ids = self._manager.core_group_allocate_new_blocks(
-            self.kv_cache_group_id, request_id, num_tokens, num_tokens_main_model
-        )
-        return [self._manager.block(i) for i in ids]
 
 
 class ResidentView(_AuxiliaryView):
@@ -535,13 +510,3 @@ def _transfer(t: tuple[int, int, list[int], bool, bool]) -> SparseKVPageTransfer
         after_forward=after_forward,
         restore=restore,
     )
-
-
-def coordinator_view(manager: KVCacheManager, managers: tuple[Any, ...]) -> Any:
-    """The HiSparse coordinator view, an instance of vLLM's ``HiSparseCoordinator``."""
-    from hscache.vllm.views import _view_class
-
-    cls = _view_class(HiSparseCoordinatorView, _vllm_hisparse.HiSparseCoordinator)
-    view: HiSparseCoordinatorView = object.__new__(cls)
-    HiSparseCoordinatorView.__init__(view, manager, managers)
-    return view

@@ -54,7 +54,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from hscache._core import KVCacheBlock, KVCacheCore
 from hscache.exceptions import InvalidArgumentError, UnsupportedConfigError, UnsupportedError
-from hscache.vllm import events
+from hscache.vllm import events, retention
 from hscache.vllm.block_pool import BlockPool
 from hscache.vllm.hisparse import HostBlockPool
 from hscache.vllm.parity import ParityKVCacheManager
@@ -105,6 +105,8 @@ class KVCacheManager(KVCacheCore):
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # hscache's own keyword (opt-in retention policies, hscache.vllm.retention).
+        policy, settings = retention.select(kwargs.pop("retention", None))
         bound = _SIGNATURE.bind(None, *args, **kwargs)
         bound.apply_defaults()
         params = bound.arguments
@@ -116,10 +118,16 @@ class KVCacheManager(KVCacheCore):
             return VllmKVCacheManager(*args, **kwargs)
         if env_flag("HSCACHE_PARITY"):
             logger.info("hscache: parity mode, vLLM's manager runs beside hscache's")
+            if policy != "lru":
+                logger.info("hscache: parity mode compares vLLM's LRU; %s is ignored", policy)
             return ParityKVCacheManager(
                 cls.build(*args, **kwargs), VllmKVCacheManager(*args, **kwargs)
             )
-        return cls._new_core(params)
+        if policy == "lru":
+            return cls._new_core(params)
+        manager = RetentionKVCacheManager._new_core(params)
+        retention.install(manager, policy, settings)
+        return manager
 
     @classmethod
     def build(cls, *args: Any, **kwargs: Any) -> KVCacheManager:
@@ -185,6 +193,7 @@ class KVCacheManager(KVCacheCore):
         metrics_collector: Any = None,
         watermark: float = 0.0,
         enable_mamba_shared_prefix_checkpoint: bool = False,
+        retention: str | dict[str, Any] | None = None,
     ) -> None:
         if getattr(self, "_hscache_initialized", False):
             # The core keeps the configuration it was built with: re-running
@@ -361,3 +370,15 @@ class KVCacheManager(KVCacheCore):
         pairs = self.core_take_kv_cache_block_copies()
         copies = [KVCacheBlockCopy(src.block_id, dst.block_id) for src, dst in pairs]
         return copies, [block for pair in pairs for block in pair]
+
+
+class RetentionKVCacheManager(KVCacheManager):
+    """``KVCacheManager`` under a non-LRU retention policy (``hscache.vllm.retention``).
+
+    Only ``free`` differs: the core reads the request's retention hints
+    (``sampling_params.extra_args``) and applies them to the blocks it frees. The
+    LRU default never builds this class, so its ``free`` stays the core's.
+    """
+
+    # The core reads the hints from ``extra_args`` and frees with them, in one call.
+    free = KVCacheCore.core_free_retained

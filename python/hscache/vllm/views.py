@@ -222,7 +222,7 @@ class CoordinatorView:
             # finds it there (`get_hisparse_coordinator`).
             from hscache.vllm import hisparse
 
-            hs = hisparse.coordinator_view(manager, self.single_type_managers)
+            hs = _hisparse_coordinator_view(manager, self.single_type_managers)
             for view in self.single_type_managers:
                 if isinstance(view, hisparse.SourceView | hisparse.ResidentView | hisparse.HotView):
                     view.coordinator = hs
@@ -387,4 +387,16 @@ def coordinator_view(manager: KVCacheManager) -> CoordinatorView:
     kind = manager.core_coordinator_info()["kind"]
     view: CoordinatorView = object.__new__(_view_class(CoordinatorView, _COORDINATORS[kind]))
     CoordinatorView.__init__(view, manager)
+    return view
+
+
+def _hisparse_coordinator_view(manager: Any, managers: tuple[Any, ...]) -> Any:
+    """The HiSparse coordinator view, an instance of vLLM's ``HiSparseCoordinator``."""
+    from vllm.v1.hisparse import coordinator as vllm_hisparse
+
+    from hscache.vllm.hisparse import HiSparseCoordinatorView
+
+    cls = _view_class(HiSparseCoordinatorView, vllm_hisparse.HiSparseCoordinator)
+    view: HiSparseCoordinatorView = object.__new__(cls)
+    HiSparseCoordinatorView.__init__(view, manager, managers)
     return view

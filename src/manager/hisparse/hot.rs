@@ -16,7 +16,8 @@
 
 use rustc_hash::FxHashSet;
 
-use crate::error::{Error, Result};
+use super::reject_prefix_hits;
+use crate::error::Result;
 use crate::manager::single_type::{
     CacheQuery, GroupBlocks, HitQuery, ManagerBase, NumBlocksQuery, SingleTypeManager,
 };
@@ -85,16 +86,6 @@ impl HiSparseHotManager {
     pub fn get_num_required_blocks(&self, table_len: usize) -> usize {
         self.blocks_per_request.saturating_sub(table_len)
     }
-
-    fn no_hits(hits: &[BlockId]) -> Result<()> {
-        if hits.is_empty() {
-            Ok(())
-        } else {
-            Err(Error::InvalidArgument(
-                "HiSparse hot groups take no prefix hits".into(),
-            ))
-        }
-    }
 }
 
 impl SingleTypeManager for HiSparseHotManager {
@@ -129,7 +120,7 @@ impl SingleTypeManager for HiSparseHotManager {
         req: Option<&GroupBlocks>,
         q: &NumBlocksQuery<'_>,
     ) -> Result<i64> {
-        Self::no_hits(q.new_computed_blocks)?;
+        reject_prefix_hits(q.new_computed_blocks, "hot")?;
         let host_import = q.total_computed_tokens > q.num_local_computed_tokens;
         let running = req.is_some_and(|r| r.num_cached_block.is_some());
         let resumes_host_prefix = q.num_local_computed_tokens > 0 && !running;
@@ -149,7 +140,7 @@ impl SingleTypeManager for HiSparseHotManager {
         num_local: usize,
         _num_external: usize,
     ) -> Result<()> {
-        Self::no_hits(hits)?;
+        reject_prefix_hits(hits, "hot")?;
         req.num_cached_block = Some(0);
         if num_local > 0 || !self.has_resident_groups {
             self.require_hot(request_id);

@@ -21,6 +21,7 @@
 use rustc_hash::FxHashMap;
 use std::collections::BTreeMap;
 
+use super::reject_prefix_hits;
 use crate::error::{Error, Result};
 use crate::manager::single_type::{
     null_head_len, GroupBlocks, HitQuery, ManagerBase, NumBlocksQuery, SingleTypeManager,
@@ -136,16 +137,6 @@ impl HiSparseResidentManager {
     pub fn requests_with_changes(&self) -> impl Iterator<Item = &str> {
         self.residency_changes.keys().map(|k| &**k)
     }
-
-    fn no_hits(hits: &[BlockId]) -> Result<()> {
-        if hits.is_empty() {
-            Ok(())
-        } else {
-            Err(Error::InvalidArgument(
-                "HiSparse resident groups take no prefix hits".into(),
-            ))
-        }
-    }
 }
 
 impl SingleTypeManager for HiSparseResidentManager {
@@ -180,7 +171,7 @@ impl SingleTypeManager for HiSparseResidentManager {
         req: Option<&GroupBlocks>,
         q: &NumBlocksQuery<'_>,
     ) -> Result<i64> {
-        Self::no_hits(q.new_computed_blocks)?;
+        reject_prefix_hits(q.new_computed_blocks, "resident")?;
         let bs = self.base.block_size;
         let table: &[BlockId] = req.map_or(&[], |r| r.blocks.as_slice());
         let existing = table.len();
@@ -211,7 +202,7 @@ impl SingleTypeManager for HiSparseResidentManager {
         num_local: usize,
         _num_external: usize,
     ) -> Result<()> {
-        Self::no_hits(hits)?;
+        reject_prefix_hits(hits, "resident")?;
         if !req.blocks.is_empty() {
             return Err(Error::InvalidArgument(
                 "a HiSparse resident table must be empty when the request adopts its hits".into(),
