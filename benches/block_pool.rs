@@ -29,7 +29,7 @@ fn free_queue(c: &mut Criterion) {
         let batch = 512usize.min(n as usize);
         g.throughput(Throughput::Elements(batch as u64));
         g.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, &n| {
-            let mut q = FreeKVCacheBlockQueue::new(n);
+            let mut q = FreeKVCacheBlockQueue::try_new(n).unwrap();
             let mut out = Vec::with_capacity(batch);
             b.iter(|| {
                 out.clear();

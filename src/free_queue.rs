@@ -13,6 +13,7 @@
 //! - A block is in the queue iff its `prev` link is set; operations on blocks in
 //!   the wrong state return an error and change nothing.
 
+use crate::alloc::filled_vec;
 use crate::error::{Error, Result};
 use crate::types::BlockId;
 
@@ -29,13 +30,14 @@ pub struct FreeKVCacheBlockQueue {
 }
 
 impl FreeKVCacheBlockQueue {
-    /// A queue holding blocks `0..num_blocks` in id order.
-    pub fn new(num_blocks: u32) -> Self {
+    /// A queue holding blocks `0..num_blocks` in id order ([`Error::OutOfMemory`] if
+    /// its links cannot be allocated).
+    pub fn try_new(num_blocks: u32) -> Result<Self> {
         let n = num_blocks as usize;
         let head = num_blocks;
         let tail = num_blocks + 1;
-        let mut prev = vec![UNLINKED; n + 2];
-        let mut next = vec![UNLINKED; n + 2];
+        let mut prev = filled_vec(n + 2, UNLINKED, "the free queue's links")?;
+        let mut next = filled_vec(n + 2, UNLINKED, "the free queue's links")?;
         // head -> 0 -> 1 -> ... -> n-1 -> tail
         let mut last = head;
         for id in 0..num_blocks {
@@ -45,13 +47,13 @@ impl FreeKVCacheBlockQueue {
         }
         next[last as usize] = tail;
         prev[tail as usize] = last;
-        Self {
+        Ok(Self {
             prev,
             next,
             head,
             tail,
             num_free_blocks: n,
-        }
+        })
     }
 
     /// Number of blocks in the queue.
@@ -313,14 +315,14 @@ mod tests {
 
     #[test]
     fn new_queue_is_in_id_order() {
-        let q = FreeKVCacheBlockQueue::new(5);
+        let q = FreeKVCacheBlockQueue::try_new(5).unwrap();
         assert_eq!(q.get_all_free_blocks(), vec![0, 1, 2, 3, 4]);
         assert_eq!(q.num_free_blocks(), 5);
     }
 
     #[test]
     fn popleft_n_then_prepend_and_append_keep_order() {
-        let mut q = FreeKVCacheBlockQueue::new(6);
+        let mut q = FreeKVCacheBlockQueue::try_new(6).unwrap();
         let mut out = vec![];
         q.popleft_n(3, &mut out).unwrap();
         assert_eq!(out, vec![0, 1, 2]);
@@ -336,7 +338,7 @@ mod tests {
 
     #[test]
     fn remove_from_middle_and_errors_leave_queue_unchanged() {
-        let mut q = FreeKVCacheBlockQueue::new(4);
+        let mut q = FreeKVCacheBlockQueue::try_new(4).unwrap();
         q.remove(2).unwrap();
         assert_eq!(q.get_all_free_blocks(), vec![0, 1, 3]);
         assert_eq!(q.remove(2), Err(Error::NotInFreeQueue(2)));
@@ -353,7 +355,7 @@ mod tests {
 
     #[test]
     fn popleft_on_empty_queue_errors() {
-        let mut q = FreeKVCacheBlockQueue::new(1);
+        let mut q = FreeKVCacheBlockQueue::try_new(1).unwrap();
         assert_eq!(q.popleft(), Ok(0));
         assert_eq!(q.popleft(), Err(Error::NoFreeBlocks));
         assert_eq!(q.first(), None);

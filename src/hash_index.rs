@@ -41,6 +41,8 @@ use rustc_hash::{FxHashMap, FxHasher};
 use smallvec::SmallVec;
 use std::hash::{Hash, Hasher};
 
+use crate::alloc::filled_vec;
+use crate::error::Result;
 use crate::types::{BlockHashWithGroupId, BlockId};
 
 /// An index entry: a block id for a primary key, `num_blocks + i` for secondary `i`.
@@ -101,18 +103,19 @@ pub struct BlockHashToBlockMap {
 }
 
 impl BlockHashToBlockMap {
-    /// An empty index for blocks `0..num_blocks`.
-    pub fn new(num_blocks: usize) -> Self {
-        Self {
+    /// An empty index for blocks `0..num_blocks` ([`crate::error::Error::OutOfMemory`] if its
+    /// per-block arrays cannot be allocated).
+    pub fn try_new(num_blocks: usize) -> Result<Self> {
+        Ok(Self {
             heads: HashTable::new(),
-            keys: vec![None; num_blocks],
-            next_primary: vec![NO_ENTRY; num_blocks],
+            keys: filled_vec(num_blocks, None, "the prefix-cache index's keys")?,
+            next_primary: filled_vec(num_blocks, NO_ENTRY, "the prefix-cache index's chains")?,
             secondary: Vec::new(),
             free_secondary: Vec::new(),
             secondary_by_block: FxHashMap::default(),
             num_entries: 0,
             detached: rustc_hash::FxHashSet::default(),
-        }
+        })
     }
 
     /// Number of keys (not blocks).
@@ -560,7 +563,7 @@ mod tests {
 
     #[test]
     fn duplicates_are_kept_and_first_inserted_wins() {
-        let mut m = BlockHashToBlockMap::new(16);
+        let mut m = BlockHashToBlockMap::try_new(16).unwrap();
         m.insert(key(1), 7);
         m.insert(key(1), 3);
         assert_eq!(m.len(), 1);
@@ -575,7 +578,7 @@ mod tests {
 
     #[test]
     fn pop_of_other_block_keeps_the_entry() {
-        let mut m = BlockHashToBlockMap::new(16);
+        let mut m = BlockHashToBlockMap::try_new(16).unwrap();
         m.insert(key(2), 5);
         assert!(!m.pop(&key(2), 6));
         assert_eq!(m.get_one_block(&key(2)), Some(5));
@@ -583,7 +586,7 @@ mod tests {
 
     #[test]
     fn secondary_keys_are_found_and_removed_with_the_block() {
-        let mut m = BlockHashToBlockMap::new(8);
+        let mut m = BlockHashToBlockMap::try_new(8).unwrap();
         assert!(m.insert(key(1), 2));
         assert!(m.insert(key(9), 2)); // partial entry beside the primary
         assert!(!m.insert(key(9), 2));
@@ -603,7 +606,7 @@ mod tests {
 
     #[test]
     fn detached_entries_keep_their_key_but_miss_and_are_evicted_silently() {
-        let mut m = BlockHashToBlockMap::new(8);
+        let mut m = BlockHashToBlockMap::try_new(8).unwrap();
         m.insert(key(1), 2);
         m.insert(key(1), 3);
         assert!(m.detach(&key(1), 2));
@@ -636,7 +639,7 @@ mod tests {
             rng % n
         };
         for _ in 0..200 {
-            let mut m = BlockHashToBlockMap::new(12);
+            let mut m = BlockHashToBlockMap::try_new(12).unwrap();
             let mut model: Vec<(u8, BlockId)> = Vec::new();
             for _ in 0..60 {
                 let k = next(3) as u8;

@@ -29,6 +29,7 @@
 //!   computed on the host.
 //! - `python` (feature `python`): the PyO3 bindings, conversion only.
 
+pub mod alloc;
 pub mod encoder_cache;
 pub mod error;
 pub mod events;

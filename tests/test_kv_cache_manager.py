@@ -4,6 +4,8 @@ fallback to vLLM for unsupported configurations, and the Scheduler hook."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -116,6 +118,28 @@ def _other_pool_blocks():
 def test_constructor_bounds_raise(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         _bare_core(**kwargs)
+
+
+def test_largest_pool_beyond_memory_raises_memory_error() -> None:
+    """The largest accepted pool (2**31 - 1 blocks) on a machine without the memory for its
+    per-block tables is MemoryError, not an abort ("memory allocation ... failed"): run in
+    a child process under an address-space limit set after the imports."""
+    code = (
+        "import resource\n"
+        "from hscache.vllm import KVCacheManager\n"
+        "from hscache.testing.kv_cache import full_attention_config\n"
+        "from hscache.testing.manager import manager_kwargs\n"
+        "kwargs = manager_kwargs(full_attention_config(2**31 - 1))\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_AS)\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (8 << 30, hard))\n"
+        "try:\n"
+        "    KVCacheManager(**kwargs)\n"
+        "except MemoryError as e:\n"
+        "    print('MemoryError:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("MemoryError: memory allocation of"), out.stdout
 
 
 def _bare_core(num_blocks: int = 16, block_size: int = 16, max_model_len: int = 256) -> Any:

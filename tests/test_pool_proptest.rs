@@ -66,7 +66,7 @@ proptest! {
     /// The intrusive queue matches a Vec model, op for op.
     #[test]
     fn free_queue_matches_vec_model(ops in proptest::collection::vec(queue_op(12), 1..80)) {
-        let mut q = FreeKVCacheBlockQueue::new(12);
+        let mut q = FreeKVCacheBlockQueue::try_new(12).unwrap();
         let mut model: Vec<u32> = (0..12).collect();
         for op in ops {
             match op {

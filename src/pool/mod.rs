@@ -31,6 +31,7 @@ pub mod retention;
 mod retention_ops;
 mod watchers;
 
+use crate::alloc::zeroed_vec;
 use crate::error::{Error, Result};
 use crate::events::{KVCacheEvent, MetricsOp};
 use crate::free_queue::FreeKVCacheBlockQueue;
@@ -82,7 +83,7 @@ impl BlockPool {
             return Err(Error::InvalidArgument("hash_block_size must be > 0".into()));
         }
         let n = num_gpu_blocks as usize;
-        let mut free_block_queue = FreeKVCacheBlockQueue::new(num_gpu_blocks);
+        let mut free_block_queue = FreeKVCacheBlockQueue::try_new(num_gpu_blocks)?;
         let null = free_block_queue.popleft()?;
         debug_assert_eq!(null, NULL_BLOCK_ID);
         Ok(Self {
@@ -90,16 +91,16 @@ impl BlockPool {
             enable_caching,
             hash_block_size,
             enable_kv_cache_events,
-            ref_cnt: vec![0; n],
-            block_hash_num_tokens: vec![0; n],
+            ref_cnt: zeroed_vec(n, "the pool's reference counts")?,
+            block_hash_num_tokens: zeroed_vec(n, "the pool's hashed token counts")?,
             free_block_queue,
-            cached_block_hash_to_block: BlockHashToBlockMap::new(n),
+            cached_block_hash_to_block: BlockHashToBlockMap::try_new(n)?,
             events: Vec::new(),
             metrics: collect_metrics.then(Vec::new),
             scratch_first: Vec::new(),
             scratch_last: Vec::new(),
             scratch_zeroed: Vec::new(),
-            watchers: ReuseWatchers::new(n),
+            watchers: ReuseWatchers::try_new(n)?,
             retention: None,
         })
     }

@@ -39,11 +39,11 @@ pub(super) struct ReuseWatchers {
 }
 
 impl ReuseWatchers {
-    pub(super) fn new(num_blocks: usize) -> Self {
-        Self {
-            watched: vec![false; num_blocks],
+    pub(super) fn try_new(num_blocks: usize) -> Result<Self> {
+        Ok(Self {
+            watched: crate::alloc::zeroed_vec(num_blocks, "the pool's reuse watchers")?,
             ..Self::default()
-        }
+        })
     }
 
     #[inline]

@@ -84,6 +84,7 @@ mod plan;
 #[cfg(test)]
 mod tests;
 
+use crate::alloc::zeroed_vec;
 use crate::error::{Error, Result};
 use crate::prefill_skip::PrefillSkip;
 use crate::request_table::{RequestHandle, RequestTable};
@@ -261,41 +262,10 @@ pub struct SlotMirror {
     faults: Faults,
 }
 
-/// Integer types whose all-zero bytes are a valid value.
-trait ZeroIsValid: Copy {}
-impl ZeroIsValid for u32 {}
-impl ZeroIsValid for u64 {}
-impl ZeroIsValid for [u32; 2] {}
-
 /// Index into [`SlotMirror`]'s per-block written counts: keys of every layer.
 const EVERY_LAYER: usize = 0;
 /// Index into [`SlotMirror`]'s per-block written counts: keys of the skip layers.
 const SKIP_LAYERS: usize = 1;
-
-/// A zeroed `Vec` of `n` values, or [`Error::OutOfMemory`]: the pages come from the
-/// allocator's zeroed memory (`calloc`), so a large mirror costs nothing until used,
-/// and a failed allocation is an error instead of an abort.
-fn zeroed_vec<T: ZeroIsValid>(n: usize, what: &'static str) -> Result<Vec<T>> {
-    let oom = || Error::OutOfMemory {
-        bytes: n as u128 * std::mem::size_of::<T>() as u128,
-        what,
-    };
-    let layout = std::alloc::Layout::array::<T>(n).map_err(|_| oom())?;
-    if layout.size() == 0 {
-        return Ok(Vec::new());
-    }
-    // SAFETY: `layout` has a non-zero size; `T` is an integer type (`ZeroIsValid`), so
-    // the zeroed memory holds `n` initialized values, and it was allocated by the
-    // global allocator with `T`'s layout for exactly `n` elements, as
-    // `Vec::from_raw_parts` requires.
-    unsafe {
-        let ptr = std::alloc::alloc_zeroed(layout).cast::<T>();
-        if ptr.is_null() {
-            return Err(oom());
-        }
-        Ok(Vec::from_raw_parts(ptr, n, n))
-    }
-}
 
 impl SlotMirror {
     /// A mirror of `num_blocks` blocks of `block_size` slots (block 0 is the null block).
