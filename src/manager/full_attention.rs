@@ -157,6 +157,58 @@ pub fn full_attention_extra_hash_reads(
     }
 }
 
+/// vLLM's `FullAttentionManager` hooks that its subclasses (sink, R-SWA) inherit
+/// unchanged: the prefix hit search, caching newly full blocks, and the hash reads
+/// caching needs. Expands inside an `impl SingleTypeManager` of a manager with a
+/// `base: ManagerBase` field, the way a vLLM subclass inherits these methods.
+macro_rules! full_attention_hooks {
+    () => {
+        fn find_longest_cache_hit(
+            &self,
+            pool: &$crate::pool::BlockPool,
+            q: &$crate::manager::single_type::HitQuery<'_>,
+            out: &mut [Vec<$crate::types::BlockId>],
+        ) -> $crate::error::Result<usize> {
+            $crate::manager::full_attention::find_full_attention_hit(
+                pool,
+                self.base.block_size,
+                q,
+                out,
+            )
+        }
+
+        fn cache_blocks(
+            &mut self,
+            pool: &mut $crate::pool::BlockPool,
+            _slot: u32,
+            req: &mut $crate::manager::single_type::GroupBlocks,
+            q: &$crate::manager::single_type::CacheQuery<'_>,
+        ) -> $crate::error::Result<()> {
+            $crate::manager::full_attention::cache_full_attention_blocks(self, pool, req, q)
+        }
+
+        fn extra_hash_reads(
+            &self,
+            _slot: u32,
+            num_prompt_tokens: usize,
+            num_hashes: usize,
+            num_tokens: usize,
+            _query_end: usize,
+            out: &mut smallvec::SmallVec<[usize; 4]>,
+        ) {
+            $crate::manager::full_attention::full_attention_extra_hash_reads(
+                &self.base,
+                self.base.hash_block_size,
+                num_prompt_tokens,
+                num_hashes,
+                num_tokens,
+                out,
+            );
+        }
+    };
+}
+pub(crate) use full_attention_hooks;
+
 impl SingleTypeManager for FullAttentionManager {
     fn base(&self) -> &ManagerBase {
         &self.base
@@ -165,41 +217,5 @@ impl SingleTypeManager for FullAttentionManager {
         &mut self.base
     }
 
-    fn find_longest_cache_hit(
-        &self,
-        pool: &BlockPool,
-        q: &HitQuery<'_>,
-        out: &mut [Vec<BlockId>],
-    ) -> Result<usize> {
-        find_full_attention_hit(pool, self.base.block_size, q, out)
-    }
-
-    fn cache_blocks(
-        &mut self,
-        pool: &mut BlockPool,
-        _slot: u32,
-        req: &mut GroupBlocks,
-        q: &CacheQuery<'_>,
-    ) -> Result<()> {
-        cache_full_attention_blocks(self, pool, req, q)
-    }
-
-    fn extra_hash_reads(
-        &self,
-        _slot: u32,
-        num_prompt_tokens: usize,
-        num_hashes: usize,
-        num_tokens: usize,
-        _query_end: usize,
-        out: &mut SmallVec<[usize; 4]>,
-    ) {
-        full_attention_extra_hash_reads(
-            &self.base,
-            self.base.hash_block_size,
-            num_prompt_tokens,
-            num_hashes,
-            num_tokens,
-            out,
-        );
-    }
+    super::full_attention::full_attention_hooks!();
 }

@@ -5,14 +5,12 @@
 //! the prompt's last block and the decode window, so a request holds its prompt
 //! plus one window instead of its whole sequence.
 
-use super::full_attention::{cache_full_attention_blocks, find_full_attention_hit};
 use super::single_type::{
-    base_remove_skipped_blocks, remove_blocks_in_range, CacheQuery, GroupBlocks, HitQuery,
-    ManagerBase, SingleTypeManager,
+    base_remove_skipped_blocks, remove_blocks_in_range, GroupBlocks, ManagerBase, SingleTypeManager,
 };
 use crate::error::Result;
 use crate::pool::BlockPool;
-use crate::types::{cdiv, BlockId};
+use crate::types::cdiv;
 
 /// R-SWA (see module docs).
 #[derive(Debug)]
@@ -35,43 +33,7 @@ impl SingleTypeManager for RswaManager {
         &mut self.base
     }
 
-    fn find_longest_cache_hit(
-        &self,
-        pool: &BlockPool,
-        q: &HitQuery<'_>,
-        out: &mut [Vec<BlockId>],
-    ) -> Result<usize> {
-        find_full_attention_hit(pool, self.base.block_size, q, out)
-    }
-
-    fn cache_blocks(
-        &mut self,
-        pool: &mut BlockPool,
-        _slot: u32,
-        req: &mut GroupBlocks,
-        q: &CacheQuery<'_>,
-    ) -> Result<()> {
-        cache_full_attention_blocks(self, pool, req, q)
-    }
-
-    fn extra_hash_reads(
-        &self,
-        _slot: u32,
-        num_prompt_tokens: usize,
-        num_hashes: usize,
-        num_tokens: usize,
-        _query_end: usize,
-        out: &mut smallvec::SmallVec<[usize; 4]>,
-    ) {
-        super::full_attention::full_attention_extra_hash_reads(
-            &self.base,
-            self.base.hash_block_size,
-            num_prompt_tokens,
-            num_hashes,
-            num_tokens,
-            out,
-        );
-    }
+    super::full_attention::full_attention_hooks!();
 
     /// Frees the blocks wholly inside `[cdiv(prompt, bs) * bs, max(prompt,
     /// processed - window))`; without the prompt length, the base rule (no-op).
