@@ -59,7 +59,7 @@ use crate::pool::BlockPool;
 pub use crate::request_table::{RequestHandle, RequestTable};
 use crate::types::{cdiv, BlockHash, BlockHashSource, BlockId, NULL_BLOCK_ID};
 pub use batch::{BatchProgress, BatchStop, RunningBatch};
-pub use coordinator::{CoordinatorConfig, CoordinatorKind, KVCacheCoordinator};
+pub use coordinator::{CoordinatorConfig, CoordinatorKind, KVCacheCoordinator, RequestState};
 pub use hisparse::{
     HiSparseCoordinator, HiSparseCtx, PlainPublicationRequests, PublicationRequests,
 };
@@ -620,8 +620,13 @@ impl KVCacheManager {
             )));
         }
         self.check_tokens("request.num_computed_tokens", request.num_computed_tokens())?;
-        let rid = request.request_id();
         let n_groups = self.num_kv_cache_groups();
+        if self.allocate_slots_in_place(request, args).is_some() {
+            let at = out.len();
+            ends.extend(std::iter::repeat_n(at, n_groups));
+            return Ok(true);
+        }
+        let rid = request.request_id();
         let no_hits = GroupedBlocks {
             ids: &[],
             ends: &[],
@@ -910,23 +915,9 @@ impl KVCacheManager {
         let needs = self.coordinator.needs();
         let rid = request.request_id();
         let coordinator = &self.coordinator;
-        let state = coordinator.request(rid);
         // Skip reading anything when no group can gain a full block (the common
         // decode step): `num_tokens` only lowers the cap.
-        let may_cache = needs.cache_every_call
-            || coordinator.managers().iter().enumerate().any(|(g, m)| {
-                let b = m.base();
-                let cached = match adopting {
-                    Some(local) => local / b.block_size,
-                    None => state
-                        .and_then(|s| s.groups.get(g))
-                        .and_then(|gb| gb.num_cached_block)
-                        .unwrap_or(0),
-                };
-                b.spec.prefix_cacheable
-                    && coordinator.get_num_cacheable_tokens(upper, g) / b.block_size > cached
-            });
-        if !may_cache {
+        if !self.may_cache(coordinator.request(rid), upper, adopting) {
             return Ok(None);
         }
         let num_tokens = if cap {
@@ -951,6 +942,72 @@ impl KVCacheManager {
             num_prompt_tokens: prompt,
             shared_prefix_boundary,
         }))
+    }
+
+    /// Whether caching `upper` tokens of the request whose state is `state` can
+    /// register anything: some group gains a full block beyond those it cached
+    /// (`adopting`: the local computed tokens of a request that adopts its hits),
+    /// or some group caches on every call.
+    #[inline]
+    fn may_cache(
+        &self,
+        state: Option<&RequestState>,
+        upper: usize,
+        adopting: Option<usize>,
+    ) -> bool {
+        let coordinator = &self.coordinator;
+        coordinator.needs().cache_every_call
+            || coordinator.managers().iter().enumerate().any(|(g, m)| {
+                let b = m.base();
+                let cached = match adopting {
+                    Some(local) => local / b.block_size,
+                    None => state
+                        .and_then(|s| s.groups.get(g))
+                        .and_then(|gb| gb.num_cached_block)
+                        .unwrap_or(0),
+                };
+                b.spec.prefix_cacheable
+                    && coordinator.get_num_cacheable_tokens(upper, g) / b.block_size > cached
+            })
+    }
+
+    /// The steady decode step, decided from the request's tables with one lookup:
+    /// on a layout of plain full-attention groups, a request that adopts nothing,
+    /// whose new and lookahead tokens fit in the blocks it holds and that has no
+    /// block to cache. vLLM's stages would count 0 blocks, allocate none and cache
+    /// none, so nothing changes and the call fits (unless the reservation exceeds
+    /// the free blocks, or the watermark may apply: the general path decides
+    /// those). `None`: take the general path.
+    #[inline]
+    fn allocate_slots_in_place<R: RequestLike>(
+        &self,
+        request: &R,
+        args: &AllocateSlots<'_>,
+    ) -> Option<()> {
+        let needs = self.coordinator.needs();
+        let plain = needs.steady_decode
+            && args.new_computed_blocks.is_none()
+            && args.num_new_computed_tokens == 0
+            && args.num_external_computed_tokens == 0
+            && !args.full_sequence_must_fit
+            && !(args.has_scheduled_reqs && self.config.watermark_blocks > 0)
+            && args.reserved_blocks <= self.block_pool().get_num_free_blocks() as i64;
+        if !plain {
+            return None;
+        }
+        let max_len = self.config.max_model_len;
+        let total = request.num_computed_tokens().min(max_len);
+        let main = total + args.num_new_tokens;
+        let need_slot = (main + args.num_lookahead_tokens).min(max_len);
+        let state = self.coordinator.request(request.request_id())?;
+        if !self.coordinator.holds_slots_for(state, need_slot) {
+            return None;
+        }
+        let caching = !args.delay_cache_blocks && self.enable_caching();
+        if caching && self.may_cache(Some(state), main, None) {
+            return None;
+        }
+        Some(())
     }
 
     /// vLLM's `cache_blocks`: caches the request's full blocks up to

@@ -284,7 +284,11 @@ impl PyKVCacheCore {
     /// multimodal features, a LoRA request without `adapter_id`) then raises with
     /// the manager unchanged, instead of after its blocks were cached (check before
     /// mutate). Once per request, events on only.
-    fn precheck_events(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn precheck_events(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+        request_id: &str,
+    ) -> PyResult<()> {
         let py = slf.py();
         let (builder, hash_block_size) = {
             let this = slf.try_borrow()?;
@@ -294,8 +298,7 @@ impl PyKVCacheCore {
             if !this.core.enable_caching() {
                 return Ok(());
             }
-            let id = request_id(request)?;
-            if this.core.coordinator().request(id.to_str()?).is_some() {
+            if this.core.coordinator().request(request_id).is_some() {
                 return Ok(());
             }
             (
@@ -640,13 +643,14 @@ impl PyKVCacheCore {
             has_scheduled_reqs,
             skip_zeroing_group_ids: &skip_zeroing,
         };
-        Self::precheck_events(slf, request)?;
+        let id = request_id(request)?;
+        let id = id.to_str()?;
+        Self::precheck_events(slf, request, id)?;
         let (result, ids, ends, flush) = {
             let mut this = slf.try_borrow_mut()?;
-            let id = request_id(request)?;
             let req = PyRequest::read(
                 request,
-                id.to_str()?,
+                id,
                 statuses
                     .as_ref()
                     .map(|[waiting, preempted]| StatusObjects { waiting, preempted }),
