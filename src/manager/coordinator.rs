@@ -104,9 +104,10 @@ pub struct FieldNeeds {
     /// Some group's caching has effects beyond new full blocks (partial entries,
     /// Mamba checkpoints), so it runs on every call.
     pub cache_every_call: bool,
-    /// Every group is plain full attention (no HiSparse): a call that adds no block
-    /// and caches none changes nothing, so `allocate_slots` can decide the steady
-    /// decode step from the request's tables alone (see [`KVCacheCoordinator::holds_slots_for`]).
+    /// No HiSparse and no group that caches on every call: a call that changes no
+    /// group's table and caches no block changes nothing, so `allocate_slots` can
+    /// decide the steady decode step from the request's tables alone (see
+    /// [`KVCacheCoordinator::is_steady`]).
     pub steady_decode: bool,
 }
 
@@ -422,12 +423,7 @@ impl KVCacheCoordinator {
             needs.prompt_for_cache = true;
             needs.shared_prefix_for_cache = true;
         }
-        needs.steady_decode = self.hisparse.is_none()
-            && !needs.cache_every_call
-            && self
-                .managers
-                .iter()
-                .all(|m| m.base().spec.kind == ManagerKind::FullAttention);
+        needs.steady_decode = self.hisparse.is_none() && !needs.cache_every_call;
         needs
     }
 
@@ -547,16 +543,24 @@ impl KVCacheCoordinator {
         self.requests.get(request_id)
     }
 
-    /// Whether `state` holds a slot for each of `num_tokens` tokens in every group,
-    /// with no copy-on-write pending: a full-attention group's
-    /// `get_num_blocks_to_allocate` counts 0 (no hits) and `allocate_new_blocks`
-    /// adds nothing. Meaningful only where `needs().steady_decode`.
+    /// Whether a call for the running request whose state is `state` (no hits
+    /// adopted), needing `num_tokens` slots with `processed_computed_tokens`
+    /// processed, leaves every group's table as it is
+    /// ([`SingleTypeManager::is_steady`]). Meaningful only where
+    /// `needs().steady_decode`.
     #[inline]
-    pub fn holds_slots_for(&self, state: &RequestState, num_tokens: usize) -> bool {
+    pub fn is_steady(
+        &self,
+        state: &RequestState,
+        num_tokens: usize,
+        processed_computed_tokens: usize,
+    ) -> bool {
         state.groups.len() == self.managers.len()
-            && self.managers.iter().zip(&state.groups).all(|(m, gb)| {
-                gb.partial_hit.is_none() && cdiv(num_tokens, m.base().block_size) <= gb.blocks.len()
-            })
+            && self
+                .managers
+                .iter()
+                .zip(&state.groups)
+                .all(|(m, gb)| m.is_steady(gb, num_tokens, processed_computed_tokens))
     }
 
     /// The table of `request_id` in group `g` (empty if unknown).

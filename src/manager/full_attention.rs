@@ -218,4 +218,8 @@ impl SingleTypeManager for FullAttentionManager {
     }
 
     super::full_attention::full_attention_hooks!();
+
+    fn is_steady(&self, req: &GroupBlocks, num_tokens: usize, processed: usize) -> bool {
+        super::single_type::base_is_steady(self, req, num_tokens, processed)
+    }
 }

@@ -971,12 +971,13 @@ impl KVCacheManager {
             })
     }
 
-    /// The steady decode step, decided from the request's tables with one lookup:
-    /// on a layout of plain full-attention groups, a request that adopts nothing,
-    /// whose new and lookahead tokens fit in the blocks it holds and that has no
-    /// block to cache. vLLM's stages would count 0 blocks, allocate none and cache
-    /// none, so nothing changes and the call fits (unless the reservation exceeds
-    /// the free blocks, or the watermark may apply: the general path decides
+    /// The steady decode step, decided from the request's tables with one lookup: a
+    /// request that adopts nothing, whose new and lookahead tokens fit in the
+    /// blocks it holds, with no skipped block left to free and no block to cache,
+    /// on groups whose calls have no other effect (full attention, sliding window,
+    /// chunked local). vLLM's stages would free none, count 0 blocks, allocate none
+    /// and cache none, so nothing changes and the call fits (unless the reservation
+    /// exceeds the free blocks, or the watermark may apply: the general path decides
     /// those). `None`: take the general path.
     #[inline]
     fn allocate_slots_in_place<R: RequestLike>(
@@ -999,8 +1000,13 @@ impl KVCacheManager {
         let total = request.num_computed_tokens().min(max_len);
         let main = total + args.num_new_tokens;
         let need_slot = (main + args.num_lookahead_tokens).min(max_len);
+        let processed = if needs.in_flight_for_skip {
+            total.saturating_sub(request.num_in_flight_tokens().ok()?)
+        } else {
+            0
+        };
         let state = self.coordinator.request(request.request_id())?;
-        if !self.coordinator.holds_slots_for(state, need_slot) {
+        if !self.coordinator.is_steady(state, need_slot, processed) {
             return None;
         }
         let caching = !args.delay_cache_blocks && self.enable_caching();

@@ -231,6 +231,20 @@ pub trait SingleTypeManager: std::fmt::Debug + Send + Sync {
         out: &mut [Vec<BlockId>],
     ) -> Result<usize>;
 
+    /// Whether a call for a running request (no hits adopted) that needs
+    /// `num_tokens` slots, with `processed_computed_tokens` processed, leaves this
+    /// group as it is: no skipped block to free, none to allocate, no copy-on-write
+    /// pending (caching is decided apart, by the new full blocks). Types whose calls
+    /// have other effects keep the default, `false`: the general path.
+    fn is_steady(
+        &self,
+        _req: &GroupBlocks,
+        _num_tokens: usize,
+        _processed_computed_tokens: usize,
+    ) -> bool {
+        false
+    }
+
     /// Blocks this group takes from the free queue for the call (Mamba "align" may
     /// report a negative count, which offsets the other groups, as in vLLM).
     fn get_num_blocks_to_allocate(
@@ -671,6 +685,29 @@ pub fn remove_blocks_in_range(
         return Ok(());
     }
     pool.free_blocks(&freed)
+}
+
+/// [`SingleTypeManager::is_steady`] for the types that use the base
+/// `get_num_blocks_to_allocate`, `allocate_new_blocks` and `remove_skipped_blocks`:
+/// the table already covers `num_tokens`, and the last block the skip rule would
+/// free is already the null block (freeing stops at the first null block from the
+/// end, see [`remove_blocks_in_range`]).
+#[inline]
+pub fn base_is_steady<M: SingleTypeManager + ?Sized>(
+    m: &M,
+    req: &GroupBlocks,
+    num_tokens: usize,
+    processed_computed_tokens: usize,
+) -> bool {
+    let bs = m.base().block_size;
+    if req.partial_hit.is_some() || cdiv(num_tokens, bs) > req.blocks.len() {
+        return false;
+    }
+    let skipped = m.get_num_skipped_tokens(processed_computed_tokens) / bs;
+    match skipped.min(req.blocks.len()) {
+        0 => true,
+        n => req.blocks[n - 1] == NULL_BLOCK_ID,
+    }
 }
 
 /// vLLM's base `remove_skipped_blocks`.

@@ -17,7 +17,7 @@
 //!   hit at some aligned boundary are worth a hash, and a retention interval thins
 //!   them further.
 
-use super::single_type::{HitQuery, ManagerBase, MaskQuery, SingleTypeManager};
+use super::single_type::{GroupBlocks, HitQuery, ManagerBase, MaskQuery, SingleTypeManager};
 use crate::error::{Error, Result};
 use crate::pool::BlockPool;
 use crate::types::{cdiv, BlockHashSource, BlockId, HashView, NULL_BLOCK_ID};
@@ -57,6 +57,10 @@ impl SingleTypeManager for SlidingWindowManager {
     /// `max(0, n - sliding_window + 1 - extra_retained_tokens)`.
     fn get_num_skipped_tokens(&self, num_computed_tokens: usize) -> usize {
         (num_computed_tokens + 1).saturating_sub(self.sliding_window + self.extra_retained_tokens)
+    }
+
+    fn is_steady(&self, req: &GroupBlocks, num_tokens: usize, processed: usize) -> bool {
+        super::single_type::base_is_steady(self, req, num_tokens, processed)
     }
 
     fn find_longest_cache_hit(
