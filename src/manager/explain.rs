@@ -361,13 +361,16 @@ impl KVCacheManager {
             return;
         }
         let hbs = self.coordinator.hash_block_size().max(1);
-        let Ok(Some(facts)) = request.explain_facts(hbs, start, end) else {
-            return;
-        };
-        let blocks = block_facts(&facts, hbs, start, end, parent);
+        let facts = request.explain_facts(hbs, start, end);
         let Some(e) = self.explain.as_deref_mut() else {
             return;
         };
+        let Ok(Some(facts)) = facts else {
+            // The request cannot tell its tokens: do not look at these blocks again.
+            e.request_mut(rid).recorded = end;
+            return;
+        };
+        let blocks = block_facts(&facts, hbs, start, end, parent);
         for (h, f) in keyed.iter().zip(&blocks) {
             e.record_cached(*h, f);
         }
