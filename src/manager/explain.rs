@@ -381,3 +381,62 @@ impl KVCacheManager {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::explain::{Detail, Reason};
+    use crate::testing::{admit, full_attention_manager, lookup, prompt_hashes, request};
+
+    fn detail<'a>(r: &'a crate::explain::LookupRecord, key: &str) -> Option<&'a Detail> {
+        r.detail.iter().find(|(k, _)| *k == key).map(|(_, v)| v)
+    }
+
+    #[test]
+    fn reasons_from_the_core_alone() {
+        // 4 usable blocks of 16 tokens.
+        let mut m = full_attention_manager(5, 16, 1 << 16, true, false, false);
+        m.set_explain(true, Some(16))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let a = request("a", 0, 3 * 16 + 1, &prompt_hashes(1, 3, 0, 0));
+        lookup(&mut m, &a);
+        assert_eq!(
+            m.explain("a").map(|r| r.reason).ok(),
+            Some(Reason::NeverCached)
+        );
+        admit(&mut m, &a);
+        m.free("a").unwrap_or_else(|e| panic!("{e}"));
+        // The same prompt, a multiple of the block size: capped at num_tokens - 1.
+        let capped = request("c", 0, 3 * 16, &prompt_hashes(1, 3, 0, 0));
+        lookup(&mut m, &capped);
+        let r = m.explain("c").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((r.reason, r.hit_blocks), (Reason::HitCapped, 2));
+        // Another 4-block prompt evicts a's blocks under LRU.
+        let b = request("b", 0, 3 * 16 + 1, &prompt_hashes(2, 3, 0, 0));
+        admit(&mut m, &b);
+        m.free("b").unwrap_or_else(|e| panic!("{e}"));
+        let again = request("a2", 0, 3 * 16 + 1, &prompt_hashes(1, 3, 0, 0));
+        lookup(&mut m, &again);
+        let r = m.explain("a2").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(r.reason, Reason::Evicted);
+        assert_eq!(detail(r, "policy"), Some(&Detail::Str("lru".into())));
+        // The history stays within its capacity.
+        let h = m
+            .block_pool()
+            .eviction_history()
+            .map(|h| (h.len(), h.capacity()));
+        assert!(h.is_some_and(|(len, cap)| len <= cap && cap == 16));
+        assert!(m.explain("unknown").is_err());
+    }
+
+    #[test]
+    fn off_is_an_error_and_records_nothing() {
+        let mut m = full_attention_manager(8, 16, 1 << 16, true, false, false);
+        let a = request("a", 0, 20, &prompt_hashes(1, 1, 0, 0));
+        lookup(&mut m, &a);
+        assert!(matches!(
+            m.explain("a"),
+            Err(crate::error::Error::Unsupported(_))
+        ));
+        assert!(m.explainer().is_none() && m.block_pool().eviction_history().is_none());
+    }
+}
