@@ -33,6 +33,7 @@ pub mod alloc;
 pub mod encoder_cache;
 pub mod error;
 pub mod events;
+pub mod explain;
 pub mod extra_keys;
 pub mod fault;
 pub mod free_queue;

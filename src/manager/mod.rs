@@ -40,6 +40,7 @@ pub mod circular_buffer;
 pub mod coordinator;
 pub mod cross_attention;
 mod digest;
+mod explain;
 pub mod full_attention;
 pub mod hisparse;
 pub mod mamba;
@@ -199,6 +200,8 @@ pub struct KVCacheManager {
     /// (given back by `free_blocks`). Lets `check_invariants` demand ref count ==
     /// owners exactly.
     external_refs: Vec<i32>,
+    /// Explain mode (`crate::explain`, `explain.rs`); None = off.
+    explain: Option<Box<crate::explain::Explainer>>,
 }
 
 /// One more external reference to each non-null block of `ids`.
@@ -287,6 +290,7 @@ impl KVCacheManager {
             batch_epoch: 0,
             check_after_ops: check_invariants_from_env(),
             external_refs,
+            explain: None,
         })
     }
 
@@ -500,6 +504,9 @@ impl KVCacheManager {
             return Err(Error::InvalidArgument("one output list per group".into()));
         }
         if !self.prefix_cache_lookup_enabled(request)? {
+            if self.explain.is_some() {
+                self.explain_skipped(request);
+            }
             return Ok((0, 0));
         }
         let max_len = self.max_hit_length(request, max_cache_hit_length)?;
@@ -515,6 +522,9 @@ impl KVCacheManager {
             self.applied(r)?;
         }
         let shared_prefix_boundary = if uncached > 0 { hit + uncached } else { 0 };
+        if self.explain.is_some() {
+            self.explain_lookup(request, max_len, hit, None);
+        }
         Ok((hit, shared_prefix_boundary))
     }
 
@@ -543,6 +553,9 @@ impl KVCacheManager {
             return Ok((hit, spb, false));
         };
         if !self.prefix_cache_lookup_enabled(request)? {
+            if self.explain.is_some() {
+                self.explain_skipped(request);
+            }
             return Ok((0, 0, false));
         }
         let max_len = self.max_hit_length(request, max_cache_hit_length)?;
@@ -566,6 +579,9 @@ impl KVCacheManager {
             o.extend(f);
         }
         let diverged = lengths.iter().copied().min().unwrap_or(0) < num_local;
+        if self.explain.is_some() {
+            self.explain_lookup(request, max_len, num_local, Some(&lengths));
+        }
         Ok((num_local, 0, diverged))
     }
 
@@ -582,6 +598,9 @@ impl KVCacheManager {
         ends: &mut SmallVec<[usize; 4]>,
     ) -> Result<bool> {
         let r = self.allocate_slots_unchecked(request, args, out, ends);
+        if self.explain.is_some() && matches!(r, Ok(true)) {
+            self.explain_cached(request);
+        }
         self.after("allocate_slots", r)
     }
 
@@ -1024,6 +1043,9 @@ impl KVCacheManager {
         num_computed_tokens: usize,
     ) -> Result<()> {
         let r = self.cache_blocks_unchecked(request, num_computed_tokens);
+        if self.explain.is_some() && r.is_ok() {
+            self.explain_cached(request);
+        }
         self.after("cache_blocks", r)
     }
 

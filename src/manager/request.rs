@@ -38,6 +38,17 @@ pub trait RequestLike {
     /// `request.skip_reading_prefix_cache` (prompt logprobs, all-token pooling).
     fn skip_reading_prefix_cache(&self) -> Result<bool>;
     fn block_hashes(&self) -> Result<&Self::Hashes>;
+    /// Explain mode only (a cold path, `crate::explain`): the token ids of blocks
+    /// `[start, end)` of `block_size` tokens and the extra-key fields. `None` (the
+    /// default): this request cannot tell, and explanations skip the comparison.
+    fn explain_facts(
+        &self,
+        _block_size: usize,
+        _start: usize,
+        _end: usize,
+    ) -> Result<Option<crate::explain::RequestFacts>> {
+        Ok(None)
+    }
 }
 
 /// The request's counts a call needs, read once before anything changes.

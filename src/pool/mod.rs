@@ -27,6 +27,7 @@
 //! owns the second (host) pool, routes them (`src/manager/hisparse/`).
 
 pub mod caching;
+pub mod eviction_history;
 pub mod retention;
 mod retention_ops;
 mod watchers;
@@ -37,6 +38,7 @@ use crate::events::{KVCacheEvent, MetricsOp};
 use crate::free_queue::FreeKVCacheBlockQueue;
 use crate::hash_index::BlockHashToBlockMap;
 use crate::types::{BlockHash, BlockHashWithGroupId, BlockId, NULL_BLOCK_ID};
+use eviction_history::{EvictionCause, EvictionHistory};
 use retention::Retention;
 use watchers::ReuseWatchers;
 
@@ -61,6 +63,8 @@ pub struct BlockPool {
     watchers: ReuseWatchers,
     /// A non-LRU retention policy (`retention/`); None = vLLM's LRU free queue.
     retention: Option<Box<Retention>>,
+    /// Explain mode's bounded eviction history (`eviction_history.rs`); None = off.
+    eviction_history: Option<Box<EvictionHistory>>,
 }
 
 impl BlockPool {
@@ -102,6 +106,7 @@ impl BlockPool {
             scratch_zeroed: Vec::new(),
             watchers: ReuseWatchers::try_new(n)?,
             retention: None,
+            eviction_history: None,
         })
     }
 
@@ -259,6 +264,10 @@ impl BlockPool {
                     &mut self.cached_block_hash_to_block,
                     self.enable_kv_cache_events.then_some(&mut self.events),
                     self.metrics.as_mut(),
+                    self.eviction_history.as_deref_mut().map(|h| {
+                        let policy = self.retention.as_ref().map_or("lru", |r| r.kind().name());
+                        (h, policy, EvictionCause::Reuse)
+                    }),
                     id,
                 );
             }
@@ -276,6 +285,7 @@ impl BlockPool {
         index: &mut BlockHashToBlockMap,
         events: Option<&mut Vec<KVCacheEvent>>,
         metrics: Option<&mut Vec<MetricsOp>>,
+        history: Option<(&mut EvictionHistory, &'static str, EvictionCause)>,
         block_id: BlockId,
     ) -> bool {
         if let Some(m) = metrics {
@@ -284,6 +294,11 @@ impl BlockPool {
         let removed = index.remove_block_hashes(block_id);
         if removed.is_empty() {
             return false;
+        }
+        if let Some((history, policy, cause)) = history {
+            for key in &removed {
+                history.record(*key, policy, cause);
+            }
         }
         if let Some(events) = events {
             events.extend(
@@ -304,6 +319,10 @@ impl BlockPool {
             &mut self.cached_block_hash_to_block,
             self.enable_kv_cache_events.then_some(&mut self.events),
             self.metrics.as_mut(),
+            self.eviction_history.as_deref_mut().map(|h| {
+                let policy = self.retention.as_ref().map_or("lru", |r| r.kind().name());
+                (h, policy, EvictionCause::Explicit)
+            }),
             block_id,
         )
     }
@@ -455,6 +474,9 @@ impl BlockPool {
             self.watchers.notify_all();
         }
         self.cached_block_hash_to_block.clear();
+        if let Some(h) = self.eviction_history.as_mut() {
+            h.note_reset();
+        }
         if let Some(m) = self.metrics.as_mut() {
             m.push(MetricsOp::Reset);
         }

@@ -19,6 +19,7 @@ mod encoder_cache;
 mod encoder_decoder;
 mod errors;
 mod events;
+mod explain;
 mod hasher;
 mod hisparse;
 mod hisparse_groups;

@@ -29,6 +29,9 @@ bind (so that vLLM raises, at the same call), and ``HSCACHE_DISABLE=1``.
 
 ``HSCACHE_PARITY=1`` returns a ``ParityKVCacheManager`` instead, which runs vLLM's
 manager beside this one and raises on the first divergence (``hscache.vllm.parity``).
+
+``explain=True`` (or ``HSCACHE_EXPLAIN=1``) turns on hit-path explanations:
+``manager.explain(request_id)`` / ``hscache.explain(request_id)`` (``docs/explain.md``).
 """
 
 from __future__ import annotations
@@ -52,8 +55,10 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
+from hscache import explanations
 from hscache._core import KVCacheBlock, KVCacheCore
 from hscache.exceptions import InvalidArgumentError, UnsupportedConfigError, UnsupportedError
+from hscache.explanations import Explanation
 from hscache.vllm import events, retention
 from hscache.vllm.block_pool import BlockPool
 from hscache.vllm.hisparse import HostBlockPool
@@ -107,6 +112,8 @@ class KVCacheManager(KVCacheCore):
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # hscache's own keyword (opt-in retention policies, hscache.vllm.retention).
         policy, settings = retention.select(kwargs.pop("retention", None))
+        explain = kwargs.pop("explain", None)
+        explain_on = explanations.enabled_from_env() if explain is None else bool(explain)
         bound = _SIGNATURE.bind(None, *args, **kwargs)
         bound.apply_defaults()
         params = bound.arguments
@@ -124,9 +131,13 @@ class KVCacheManager(KVCacheCore):
                 cls.build(*args, **kwargs), VllmKVCacheManager(*args, **kwargs)
             )
         if policy == "lru":
-            return cls._new_core(params)
-        manager = RetentionKVCacheManager._new_core(params)
-        retention.install(manager, policy, settings)
+            manager = cls._new_core(params)
+        else:
+            manager = RetentionKVCacheManager._new_core(params)
+            retention.install(manager, policy, settings)
+        if explain_on:
+            manager.core_set_explain(True)
+            explanations.register(manager)
         return manager
 
     @classmethod
@@ -194,6 +205,7 @@ class KVCacheManager(KVCacheCore):
         watermark: float = 0.0,
         enable_mamba_shared_prefix_checkpoint: bool = False,
         retention: str | dict[str, Any] | None = None,
+        explain: bool | None = None,
     ) -> None:
         if getattr(self, "_hscache_initialized", False):
             # The core keeps the configuration it was built with: re-running
@@ -280,6 +292,13 @@ class KVCacheManager(KVCacheCore):
             num_hits=num_hits,
             preempted=request.num_preemptions > 0,
         )
+
+    def explain(self, request_id: str) -> Explanation:
+        """Why the request's last prefix-cache lookup stopped where it did
+        (``docs/explain.md``). ``RuntimeError`` unless explain mode is on
+        (``explain=True`` or ``HSCACHE_EXPLAIN=1``); ``KeyError`` for a request
+        without an explained lookup."""
+        return Explanation.from_core(request_id, self.core_explain(request_id))
 
     # -- lookup results ---------------------------------------------------------------
 

@@ -196,4 +196,13 @@ impl<'py> RequestLike for PyRequest<'_, 'py> {
             .map_err(|e| self.stash(e))?;
         Ok(self.block_hashes.get_or_init(|| hashes))
     }
+
+    fn explain_facts(
+        &self,
+        block_size: usize,
+        start: usize,
+        end: usize,
+    ) -> Result<Option<crate::explain::RequestFacts>> {
+        crate::python::explain::request_facts(&self.request, block_size, start, end)
+    }
 }
