@@ -42,6 +42,7 @@ pub mod cross_attention;
 mod digest;
 pub mod full_attention;
 pub mod hisparse;
+mod hit_check;
 pub mod mamba;
 pub mod mutants;
 pub mod request;
@@ -646,6 +647,7 @@ impl KVCacheManager {
             self.check_hits(rid, hits, running)?;
             if self.check_after_ops {
                 self.check_hits_strictly(hits, args.num_new_computed_tokens)?;
+                self.check_hits_are_the_requests(request, hits)?;
             }
         }
         let max_len = self.config.max_model_len;
