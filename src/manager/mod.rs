@@ -432,11 +432,7 @@ impl KVCacheManager {
     #[cold]
     #[inline(never)]
     fn poison_after_panic(&mut self, what: &str, payload: &(dyn std::any::Any + Send)) -> Error {
-        let detail = payload
-            .downcast_ref::<&str>()
-            .map(|s| (*s).to_owned())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "a non-string panic payload".to_owned());
+        let detail = crate::shield::panic_message(payload);
         self.poison(Error::Internal(format!(
             "internal panic in {what}: {detail}"
         )))
