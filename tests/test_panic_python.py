@@ -48,6 +48,8 @@ def test_the_manager_is_poisoned_and_others_work() -> None:
         lambda: m.free(req),
         lambda: m.get_blocks("a"),
         lambda: m.usage,
+        lambda: m.block_pool.get_num_free_blocks(),
+        lambda: m.block_pool.get_new_blocks(1),
     ):
         with pytest.raises(exceptions.InternalError, match="poisoned"):
             call()

@@ -1115,36 +1115,40 @@ impl KVCacheManager {
         self.after("touch", Ok(()))
     }
 
-    /// Runs `f` on HiSparse's coordinator (`Err` on other layouts); a failure midway
-    /// poisons the manager.
+    /// Runs `f` on HiSparse's coordinator (`Err` on other layouts); a failure or a
+    /// panic midway poisons the manager.
     pub fn hisparse_call<T>(
         &mut self,
         f: impl FnOnce(&mut HiSparseCoordinator, &mut HiSparseCtx<'_>) -> Result<T>,
     ) -> Result<T> {
-        self.guard()?;
-        if self.coordinator.hisparse().is_none() {
-            return Err(Error::InvalidArgument(
-                "this KV-cache layout has no HiSparse group".into(),
-            ));
-        }
-        let r = self.coordinator.with_hisparse(f);
-        let r = self.applied(r);
-        self.after("a HiSparse call", r)
+        self.shielded("a HiSparse call", |m| {
+            m.guard()?;
+            if m.coordinator.hisparse().is_none() {
+                return Err(Error::InvalidArgument(
+                    "this KV-cache layout has no HiSparse group".into(),
+                ));
+            }
+            let r = m.coordinator.with_hisparse(f);
+            let r = m.applied(r);
+            m.after("a HiSparse call", r)
+        })
     }
 
     /// Runs `f` on HiSparse's host pool and moves its events to the device pool's
     /// queue (`Err` on other layouts). Pool calls validate before they change
     /// anything, so an `Err` leaves everything as it was.
     pub fn host_pool_call<T>(&mut self, f: impl FnOnce(&mut BlockPool) -> Result<T>) -> Result<T> {
-        self.guard()?;
-        let host_group = self.coordinator.hisparse().map(|h| h.layout().host_group);
-        let Some(g) = host_group else {
-            return Err(Error::InvalidArgument(
-                "this KV-cache layout has no HiSparse host pool".into(),
-            ));
-        };
-        self.coordinator
-            .with_hisparse(|_, ctx| ctx.with_host(g, None, f))
+        self.shielded("a HiSparse host-pool call", |m| {
+            m.guard()?;
+            let host_group = m.coordinator.hisparse().map(|h| h.layout().host_group);
+            let Some(g) = host_group else {
+                return Err(Error::InvalidArgument(
+                    "this KV-cache layout has no HiSparse host pool".into(),
+                ));
+            };
+            m.coordinator
+                .with_hisparse(|_, ctx| ctx.with_host(g, None, f))
+        })
     }
 
     /// HiSparse publications made and dropped since the last call: `(made, dropped)`
