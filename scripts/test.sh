@@ -84,8 +84,13 @@ step msrv python scripts/msrv.py
 step clippy cargo clippy --all-targets --quiet -- -D warnings
 step clippy-python cargo clippy --all-targets --features python --quiet -- -D warnings
 step cargo-test timeout 1800 cargo test --quiet
-# internal panics injected at points inside the core (src/fault.rs): the manager is poisoned
-step panic-safety timeout 900 cargo test --quiet --features fault-injection --test test_panic_safety
+# internal panics injected at points inside the core (src/fault.rs): the manager is poisoned;
+# then from Python, against a fault-injection build of the extension (scripts/panic_python.sh)
+run_panic_safety() {
+    timeout 900 cargo test --quiet --features fault-injection --test test_panic_safety &&
+        timeout 900 bash scripts/panic_python.sh
+}
+step panic-safety run_panic_safety
 step ruff-check ruff check python tests benches examples scripts
 step ruff-format ruff format --check python tests benches examples scripts
 step import-cycles python scripts/import_cycles.py

@@ -73,6 +73,13 @@ pub enum Error {
     /// refuses to run.
     #[error("this KV-cache manager is poisoned by an earlier internal error: {0}")]
     Poisoned(String),
+    /// A panic inside an earlier call left this object (encoder cache, hasher, block
+    /// pool view, hidden-state mirror, ...) in an unknown state; every call refuses.
+    #[error("this {object} is poisoned by an earlier internal error: {reason}")]
+    ObjectPoisoned {
+        object: &'static str,
+        reason: String,
+    },
     /// An allocation the input asked for could not be made (the process keeps
     /// running; nothing changed).
     #[error("memory allocation of {bytes} bytes failed ({what})")]
@@ -113,7 +120,9 @@ impl Error {
             Error::EncoderCacheFull { .. } => ErrorKind::EncoderCacheFull,
             Error::UnknownEncoderEntry { .. } => ErrorKind::UnknownEncoderEntry,
             Error::Unsupported(_) => ErrorKind::Unsupported,
-            Error::Internal(_) | Error::Poisoned(_) => ErrorKind::Internal,
+            Error::Internal(_) | Error::Poisoned(_) | Error::ObjectPoisoned { .. } => {
+                ErrorKind::Internal
+            }
             Error::Invariant(_) => ErrorKind::Invariant,
             Error::OutOfMemory { .. } => ErrorKind::OutOfMemory,
         }

@@ -27,6 +27,7 @@
 //!   mappings, validated reads) behind the hidden-state cache.
 //! - [`prefill_skip`]: the reduced batch of KV-sharing layers (`--kv-sharing-fast-prefill`)
 //!   computed on the host.
+//! - [`shield`]: panic shields, an internal panic as a typed error and a poisoned object.
 //! - `python` (feature `python`): the PyO3 bindings, conversion only.
 
 pub mod alloc;
@@ -43,6 +44,7 @@ pub mod manager;
 pub mod pool;
 pub mod prefill_skip;
 pub mod request_table;
+pub mod shield;
 pub mod slots;
 pub mod stats;
 pub mod testing;

@@ -428,6 +428,9 @@ class EncoderCacheCore:
     def core_freed(self) -> list[str]: ...
     def core_clear_cached(self) -> None: ...
     def core_input_id_order(self, request_id: str) -> list[int]: ...
+    @property
+    def core_poisoned(self) -> str | None:
+        """Why the cache refuses every call, if a panic poisoned it."""
 
 class EncoderDecoderCacheCore:
     """The Rust encoder-decoder budget, with vLLM's ``EncoderDecoderCacheManager`` methods."""
@@ -534,6 +537,9 @@ class SlotMirror:
     def pending_step(self) -> int | None: ...
     @property
     def num_requests(self) -> int: ...
+    @property
+    def poisoned(self) -> str | None:
+        """Why the mirror refuses every call, if a panic poisoned it."""
     def plan_scheduler_output(
         self,
         scheduler_output: Any,

@@ -43,6 +43,7 @@ mod digest;
 mod explain;
 pub mod full_attention;
 pub mod hisparse;
+mod hit_check;
 pub mod mamba;
 pub mod mutants;
 pub mod request;
@@ -435,11 +436,7 @@ impl KVCacheManager {
     #[cold]
     #[inline(never)]
     fn poison_after_panic(&mut self, what: &str, payload: &(dyn std::any::Any + Send)) -> Error {
-        let detail = payload
-            .downcast_ref::<&str>()
-            .map(|s| (*s).to_owned())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "a non-string panic payload".to_owned());
+        let detail = crate::shield::panic_message(payload);
         self.poison(Error::Internal(format!(
             "internal panic in {what}: {detail}"
         )))
@@ -670,6 +667,7 @@ impl KVCacheManager {
             self.check_hits(rid, hits, running)?;
             if self.check_after_ops {
                 self.check_hits_strictly(hits, args.num_new_computed_tokens)?;
+                self.check_hits_are_the_requests(request, hits)?;
             }
         }
         let max_len = self.config.max_model_len;
@@ -1202,36 +1200,40 @@ impl KVCacheManager {
         self.after("touch", Ok(()))
     }
 
-    /// Runs `f` on HiSparse's coordinator (`Err` on other layouts); a failure midway
-    /// poisons the manager.
+    /// Runs `f` on HiSparse's coordinator (`Err` on other layouts); a failure or a
+    /// panic midway poisons the manager.
     pub fn hisparse_call<T>(
         &mut self,
         f: impl FnOnce(&mut HiSparseCoordinator, &mut HiSparseCtx<'_>) -> Result<T>,
     ) -> Result<T> {
-        self.guard()?;
-        if self.coordinator.hisparse().is_none() {
-            return Err(Error::InvalidArgument(
-                "this KV-cache layout has no HiSparse group".into(),
-            ));
-        }
-        let r = self.coordinator.with_hisparse(f);
-        let r = self.applied(r);
-        self.after("a HiSparse call", r)
+        self.shielded("a HiSparse call", |m| {
+            m.guard()?;
+            if m.coordinator.hisparse().is_none() {
+                return Err(Error::InvalidArgument(
+                    "this KV-cache layout has no HiSparse group".into(),
+                ));
+            }
+            let r = m.coordinator.with_hisparse(f);
+            let r = m.applied(r);
+            m.after("a HiSparse call", r)
+        })
     }
 
     /// Runs `f` on HiSparse's host pool and moves its events to the device pool's
     /// queue (`Err` on other layouts). Pool calls validate before they change
     /// anything, so an `Err` leaves everything as it was.
     pub fn host_pool_call<T>(&mut self, f: impl FnOnce(&mut BlockPool) -> Result<T>) -> Result<T> {
-        self.guard()?;
-        let host_group = self.coordinator.hisparse().map(|h| h.layout().host_group);
-        let Some(g) = host_group else {
-            return Err(Error::InvalidArgument(
-                "this KV-cache layout has no HiSparse host pool".into(),
-            ));
-        };
-        self.coordinator
-            .with_hisparse(|_, ctx| ctx.with_host(g, None, f))
+        self.shielded("a HiSparse host-pool call", |m| {
+            m.guard()?;
+            let host_group = m.coordinator.hisparse().map(|h| h.layout().host_group);
+            let Some(g) = host_group else {
+                return Err(Error::InvalidArgument(
+                    "this KV-cache layout has no HiSparse host pool".into(),
+                ));
+            };
+            m.coordinator
+                .with_hisparse(|_, ctx| ctx.with_host(g, None, f))
+        })
     }
 
     /// HiSparse publications made and dropped since the last call: `(made, dropped)`

@@ -19,11 +19,17 @@ use pyo3::types::{PyDict, PyList, PySet, PyString};
 use super::errors::InvalidArgumentError;
 use crate::encoder_cache::input_ids::check_input_id;
 use crate::encoder_cache::{compute_mm_encoder_budget, EncoderCacheManager, InputIdOp};
+use crate::shield::Shielded;
 
+/// Every call runs behind the core's panic shield (`src/shield.rs`): a panic is
+/// `InternalError`, and one inside a mutating call poisons this cache.
 #[pyclass(name = "EncoderCacheCore", module = "hscache._core", subclass)]
 pub struct PyEncoderCacheCore {
-    core: EncoderCacheManager,
+    core: Shielded<EncoderCacheManager>,
 }
+
+/// What the shield calls this object.
+const OBJECT: &str = "encoder cache";
 
 /// `request.request_id` as a Python str.
 pub(super) fn request_id<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
@@ -90,7 +96,7 @@ impl PyEncoderCacheCore {
     #[pyo3(signature = (cache_size))]
     fn new(cache_size: i64) -> PyResult<Self> {
         Ok(Self {
-            core: EncoderCacheManager::new(cache_size)?,
+            core: Shielded::new(EncoderCacheManager::new(cache_size)?, OBJECT),
         })
     }
 
@@ -98,40 +104,48 @@ impl PyEncoderCacheCore {
 
     /// Total capacity in encoder embeddings.
     #[getter]
-    fn cache_size(&self) -> i64 {
-        self.core.cache_size()
+    fn cache_size(&self) -> PyResult<i64> {
+        self.core.read("cache_size", |c| Ok(c.cache_size()))
     }
 
     /// Capacity held by no entry.
     #[getter]
-    fn num_free_slots(&self) -> i64 {
-        self.core.num_free_slots()
+    fn num_free_slots(&self) -> PyResult<i64> {
+        self.core.read("num_free_slots", |c| Ok(c.num_free_slots()))
     }
 
     /// Free capacity plus the capacity of unreferenced (evictable) entries.
     #[getter]
-    fn num_freeable_slots(&self) -> i64 {
-        self.core.num_freeable_slots()
+    fn num_freeable_slots(&self) -> PyResult<i64> {
+        self.core
+            .read("num_freeable_slots", |c| Ok(c.num_freeable_slots()))
     }
 
     #[setter]
     fn set_cache_size(&mut self, n: i64) -> PyResult<()> {
-        Ok(self.core.set_cache_size(n)?)
+        self.core
+            .write("set_cache_size", |c| Ok(c.set_cache_size(n)?))
     }
 
     #[setter]
     fn set_num_free_slots(&mut self, n: i64) -> PyResult<()> {
-        Ok(self.core.set_num_free_slots(n)?)
+        self.core
+            .write("set_num_free_slots", |c| Ok(c.set_num_free_slots(n)?))
     }
 
     #[setter]
     fn set_num_freeable_slots(&mut self, n: i64) -> PyResult<()> {
-        Ok(self.core.set_num_freeable_slots(n)?)
+        self.core.write("set_num_freeable_slots", |c| {
+            Ok(c.set_num_freeable_slots(n)?)
+        })
     }
 
     /// vLLM's `reset`: forget every entry and reference.
-    fn reset(&mut self) {
-        self.core.reset();
+    fn reset(&mut self) -> PyResult<()> {
+        self.core.write("reset", |c| {
+            c.reset();
+            Ok(())
+        })
     }
 
     /// vLLM's `check_and_update_cache`.
@@ -142,18 +156,21 @@ impl PyEncoderCacheCore {
     ) -> PyResult<bool> {
         let ident = identifier(request, input_id)?;
         // A miss (the common case for a new item) does not read the rest of the request.
-        let Some(entry) = slf.try_borrow()?.core.find_cached(ident.to_str()?) else {
+        let ident = ident.to_str()?;
+        let found = slf.try_borrow()?.core.read("check_and_update_cache", |c| {
+            Ok::<_, PyErr>(c.find_cached(ident))
+        })?;
+        let Some(entry) = found else {
             return Ok(false);
         };
         let rid = request_id(request)?;
         let input = input_index(input_id)?;
-        let hit = slf.try_borrow_mut()?.core.add_cached_reference(
-            entry,
-            ident.to_str()?,
-            rid.to_str()?,
-            input,
-        )?;
-        Ok(hit)
+        let rid = rid.to_str()?;
+        slf.try_borrow_mut()?
+            .core
+            .write("check_and_update_cache", |c| {
+                Ok(c.add_cached_reference(entry, ident, rid, input)?)
+            })
     }
 
     /// vLLM's `get_cached_num_encoder_embeds`.
@@ -163,11 +180,12 @@ impl PyEncoderCacheCore {
         input_id: i64,
     ) -> PyResult<Option<i64>> {
         let ident = identifier(request, input_id)?;
-        let n = slf
-            .try_borrow()?
+        let ident = ident.to_str()?;
+        slf.try_borrow()?
             .core
-            .get_cached_num_encoder_embeds(ident.to_str()?);
-        Ok(n)
+            .read("get_cached_num_encoder_embeds", |c| {
+                Ok(c.get_cached_num_encoder_embeds(ident))
+            })
     }
 
     /// vLLM's `can_allocate` (evicts unreferenced entries when that makes room).
@@ -179,12 +197,9 @@ impl PyEncoderCacheCore {
         num_embeds_to_schedule: i64,
     ) -> PyResult<bool> {
         let n = num_embeds(request, input_id)?;
-        let ok = slf.try_borrow_mut()?.core.can_allocate(
-            n,
-            encoder_compute_budget,
-            num_embeds_to_schedule,
-        )?;
-        Ok(ok)
+        slf.try_borrow_mut()?.core.write("can_allocate", |c| {
+            Ok(c.can_allocate(n, encoder_compute_budget, num_embeds_to_schedule)?)
+        })
     }
 
     /// vLLM's `allocate`.
@@ -193,10 +208,11 @@ impl PyEncoderCacheCore {
         let rid = request_id(request)?;
         let n = num_embeds(request, input_id)?;
         let input = input_index(input_id)?;
-        slf.try_borrow_mut()?
-            .core
-            .allocate(rid.to_str()?, input, ident.to_str()?, n)?;
-        Ok(())
+        let (rid, ident) = (rid.to_str()?, ident.to_str()?);
+        slf.try_borrow_mut()?.core.write("allocate", |c| {
+            crate::fault::point("encoder_cache.allocate");
+            Ok(c.allocate(rid, input, ident, n)?)
+        })
     }
 
     /// vLLM's `free_encoder_input`.
@@ -208,17 +224,19 @@ impl PyEncoderCacheCore {
         let ident = identifier(request, input_id)?;
         let rid = request_id(request)?;
         let input = input_index(input_id)?;
-        slf.try_borrow_mut()?
-            .core
-            .free_encoder_input(rid.to_str()?, input, ident.to_str()?)?;
-        Ok(())
+        let (rid, ident) = (rid.to_str()?, ident.to_str()?);
+        slf.try_borrow_mut()?.core.write("free_encoder_input", |c| {
+            Ok(c.free_encoder_input(rid, input, ident)?)
+        })
     }
 
     /// vLLM's `free`: every cached input of the request.
     fn free(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
         let rid = request_id(request)?;
-        slf.try_borrow_mut()?.core.free(rid.to_str()?)?;
-        Ok(())
+        let rid = rid.to_str()?;
+        slf.try_borrow_mut()?
+            .core
+            .write("free", |c| Ok(c.free(rid)?))
     }
 
     /// vLLM's `get_cached_input_ids`: a new set that iterates in vLLM's order (the
@@ -228,25 +246,33 @@ impl PyEncoderCacheCore {
         request: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PySet>> {
         let rid = request_id(request)?;
-        let this = slf.try_borrow()?;
-        replay_set(slf.py(), this.core.cached_input_ids_log(rid.to_str()?))
+        let rid = rid.to_str()?;
+        slf.try_borrow()?.core.read("get_cached_input_ids", |c| {
+            replay_set(slf.py(), c.cached_input_ids_log(rid))
+        })
     }
 
     /// vLLM's `get_freed_mm_hashes`: drains the evicted identifiers.
     fn get_freed_mm_hashes<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.core.get_freed_mm_hashes())
+        self.core.write("get_freed_mm_hashes", |c| {
+            PyList::new(py, c.get_freed_mm_hashes())
+        })
     }
 
     /// The request's cached input ids in the core's (CPython set) iteration order.
-    fn core_input_id_order(&self, request_id: &str) -> Vec<u32> {
-        self.core.get_cached_input_ids(request_id).collect()
+    fn core_input_id_order(&self, request_id: &str) -> PyResult<Vec<u32>> {
+        self.core.read("core_input_id_order", |c| {
+            Ok(c.get_cached_input_ids(request_id).collect())
+        })
     }
 
     // ---- views of vLLM's dicts (cold) --------------------------------------------
 
     /// The keys of vLLM's `cached`.
     fn core_cached_identifiers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.core.cached_identifiers())
+        self.core.read("core_cached_identifiers", |c| {
+            PyList::new(py, c.cached_identifiers())
+        })
     }
 
     /// `cached[identifier]` (a new set), or None if not cached.
@@ -255,46 +281,54 @@ impl PyEncoderCacheCore {
         py: Python<'py>,
         identifier: &str,
     ) -> PyResult<Option<Bound<'py, PySet>>> {
-        self.core
-            .cached_request_ids(identifier)
-            .map(|ids| PySet::new(py, ids))
-            .transpose()
+        self.core.read("core_cached_request_ids", |c| {
+            c.cached_request_ids(identifier)
+                .map(|ids| PySet::new(py, ids))
+                .transpose()
+        })
     }
 
     /// `freeable` as `[(identifier, num_embeds)]`, oldest first.
-    fn core_freeable_items(&self) -> Vec<(String, i64)> {
-        self.core
-            .freeable()
-            .map(|(k, n)| (k.to_owned(), n))
-            .collect()
+    fn core_freeable_items(&self) -> PyResult<Vec<(String, i64)>> {
+        self.core.read("core_freeable_items", |c| {
+            Ok(c.freeable().map(|(k, n)| (k.to_owned(), n)).collect())
+        })
     }
 
     /// `freeable.get(identifier)`.
-    fn core_freeable_get(&self, identifier: &str) -> Option<i64> {
-        self.core.freeable_get(identifier)
+    fn core_freeable_get(&self, identifier: &str) -> PyResult<Option<i64>> {
+        self.core
+            .read("core_freeable_get", |c| Ok(c.freeable_get(identifier)))
     }
 
     /// `len(freeable)`.
-    fn core_num_freeable_entries(&self) -> usize {
-        self.core.num_freeable_entries()
+    fn core_num_freeable_entries(&self) -> PyResult<usize> {
+        self.core.read(
+            "core_num_freeable_entries",
+            |c| Ok(c.num_freeable_entries()),
+        )
     }
 
     /// `num_embeds_by_hash` as `[(identifier, num_embeds)]`.
-    fn core_num_embeds_items(&self) -> Vec<(String, i64)> {
-        self.core
-            .num_embeds_by_hash()
-            .map(|(k, n)| (k.to_owned(), n))
-            .collect()
+    fn core_num_embeds_items(&self) -> PyResult<Vec<(String, i64)>> {
+        self.core.read("core_num_embeds_items", |c| {
+            Ok(c.num_embeds_by_hash()
+                .map(|(k, n)| (k.to_owned(), n))
+                .collect())
+        })
     }
 
     /// `num_embeds_by_hash.get(identifier)`.
-    fn core_num_embeds_get(&self, identifier: &str) -> Option<i64> {
-        self.core.get_cached_num_encoder_embeds(identifier)
+    fn core_num_embeds_get(&self, identifier: &str) -> PyResult<Option<i64>> {
+        self.core.read("core_num_embeds_get", |c| {
+            Ok(c.get_cached_num_encoder_embeds(identifier))
+        })
     }
 
     /// The keys of `request_cached_ids` (requests with cached inputs).
     fn core_request_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.core.request_ids())
+        self.core
+            .read("core_request_ids", |c| PyList::new(py, c.request_ids()))
     }
 
     /// `request_cached_ids[request_id]` (a new set), or None.
@@ -303,10 +337,12 @@ impl PyEncoderCacheCore {
         py: Python<'py>,
         request_id: &str,
     ) -> PyResult<Option<Bound<'py, PySet>>> {
-        if self.core.get_cached_input_ids(request_id).next().is_none() {
-            return Ok(None);
-        }
-        replay_set(py, self.core.cached_input_ids_log(request_id)).map(Some)
+        self.core.read("core_request_cached_ids", |c| {
+            if c.get_cached_input_ids(request_id).next().is_none() {
+                return Ok(None);
+            }
+            replay_set(py, c.cached_input_ids_log(request_id)).map(Some)
+        })
     }
 
     /// `request_hash_refs[request_id]` (a new dict), or None.
@@ -315,24 +351,35 @@ impl PyEncoderCacheCore {
         py: Python<'py>,
         request_id: &str,
     ) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let Some(refs) = self.core.request_hash_refs(request_id) else {
-            return Ok(None);
-        };
-        let dict = PyDict::new(py);
-        for (k, n) in refs {
-            dict.set_item(k, n)?;
-        }
-        Ok(Some(dict))
+        self.core.read("core_request_hash_refs", |c| {
+            let Some(refs) = c.request_hash_refs(request_id) else {
+                return Ok(None);
+            };
+            let dict = PyDict::new(py);
+            for (k, n) in refs {
+                dict.set_item(k, n)?;
+            }
+            Ok(Some(dict))
+        })
     }
 
     /// `freed` (not drained), in eviction order.
     fn core_freed<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.core.freed())
+        self.core.read("core_freed", |c| PyList::new(py, c.freed()))
     }
 
     /// `cached = {}`: empties `cached` only, as rebinding the dict does in vLLM.
-    fn core_clear_cached(&mut self) {
-        self.core.clear_cached();
+    fn core_clear_cached(&mut self) -> PyResult<()> {
+        self.core.write("core_clear_cached", |c| {
+            c.clear_cached();
+            Ok(())
+        })
+    }
+
+    /// Why the cache refuses every call, if a panic poisoned it.
+    #[getter]
+    fn core_poisoned(&self) -> Option<String> {
+        self.core.poisoned().map(str::to_owned)
     }
 }
 

@@ -14,10 +14,12 @@ use pyo3::types::{PyList, PySet};
 
 use super::encoder_cache::{identifier, num_embeds};
 use crate::encoder_cache::EncoderDecoderCacheManager;
+use crate::shield::Shielded;
 
+/// Every call runs behind the core's panic shield (`src/shield.rs`).
 #[pyclass(name = "EncoderDecoderCacheCore", module = "hscache._core", subclass)]
 pub struct PyEncoderDecoderCacheCore {
-    core: EncoderDecoderCacheManager,
+    core: Shielded<EncoderDecoderCacheManager>,
 }
 
 /// `len(request.mm_features)`.
@@ -31,45 +33,54 @@ impl PyEncoderDecoderCacheCore {
     #[pyo3(signature = (cache_size))]
     fn new(cache_size: i64) -> PyResult<Self> {
         Ok(Self {
-            core: EncoderDecoderCacheManager::new(cache_size)?,
+            core: Shielded::new(
+                EncoderDecoderCacheManager::new(cache_size)?,
+                "encoder-decoder cache",
+            ),
         })
     }
 
     #[getter]
-    fn cache_size(&self) -> i64 {
-        self.core.cache_size()
+    fn cache_size(&self) -> PyResult<i64> {
+        self.core.read("cache_size", |c| Ok(c.cache_size()))
     }
 
     #[setter]
     fn set_cache_size(&mut self, n: i64) -> PyResult<()> {
-        Ok(self.core.set_cache_size(n)?)
+        self.core
+            .write("set_cache_size", |c| Ok(c.set_cache_size(n)?))
     }
 
     #[getter]
-    fn num_free_slots(&self) -> i64 {
-        self.core.num_free_slots()
+    fn num_free_slots(&self) -> PyResult<i64> {
+        self.core.read("num_free_slots", |c| Ok(c.num_free_slots()))
     }
 
     #[setter]
     fn set_num_free_slots(&mut self, n: i64) -> PyResult<()> {
-        Ok(self.core.set_num_free_slots(n)?)
+        self.core
+            .write("set_num_free_slots", |c| Ok(c.set_num_free_slots(n)?))
     }
 
     /// vLLM's `allocated` (a copy): identifiers allocated in the current window.
     #[getter]
     fn allocated<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.core.allocated())
+        self.core
+            .read("allocated", |c| PyList::new(py, c.allocated()))
     }
 
     /// vLLM's `to_free` (a copy): what the next `get_freed_mm_hashes` returns.
     #[getter]
     fn to_free<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.core.to_free())
+        self.core.read("to_free", |c| PyList::new(py, c.to_free()))
     }
 
     /// vLLM's `reset`.
-    fn reset(&mut self) {
-        self.core.reset();
+    fn reset(&mut self) -> PyResult<()> {
+        self.core.write("reset", |c| {
+            c.reset();
+            Ok(())
+        })
     }
 
     /// Never a hit: encoder outputs are not shared between requests.
@@ -87,20 +98,19 @@ impl PyEncoderDecoderCacheCore {
         num_embeds_to_schedule: i64,
     ) -> PyResult<bool> {
         let n = num_embeds(request, input_id)?;
-        let ok = slf.try_borrow()?.core.can_allocate(
-            n,
-            encoder_compute_budget,
-            num_embeds_to_schedule,
-        )?;
-        Ok(ok)
+        slf.try_borrow()?.core.read("can_allocate", |c| {
+            Ok(c.can_allocate(n, encoder_compute_budget, num_embeds_to_schedule)?)
+        })
     }
 
     /// vLLM's `allocate`.
     fn allocate(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>, input_id: i64) -> PyResult<()> {
         let n = num_embeds(request, input_id)?;
         let ident = identifier(request, input_id)?;
-        slf.try_borrow_mut()?.core.allocate(ident.to_str()?, n)?;
-        Ok(())
+        let ident = ident.to_str()?;
+        slf.try_borrow_mut()?
+            .core
+            .write("allocate", |c| Ok(c.allocate(ident, n)?))
     }
 
     /// vLLM's `free_encoder_input`: the input's embeddings come back.
@@ -110,8 +120,9 @@ impl PyEncoderDecoderCacheCore {
         input_id: i64,
     ) -> PyResult<()> {
         let n = num_embeds(request, input_id)?;
-        slf.try_borrow_mut()?.core.free_encoder_input(n)?;
-        Ok(())
+        slf.try_borrow_mut()?
+            .core
+            .write("free_encoder_input", |c| Ok(c.free_encoder_input(n)?))
     }
 
     /// vLLM's `free`: every input of the request comes back.
@@ -119,8 +130,9 @@ impl PyEncoderDecoderCacheCore {
         let counts = (0..num_inputs(request)?)
             .map(|i| num_embeds(request, i as i64))
             .collect::<PyResult<Vec<i64>>>()?;
-        slf.try_borrow_mut()?.core.free(&counts)?;
-        Ok(())
+        slf.try_borrow_mut()?
+            .core
+            .write("free", |c| Ok(c.free(&counts)?))
     }
 
     /// vLLM's `get_cached_input_ids`: all of the request's input ids.
@@ -134,6 +146,8 @@ impl PyEncoderDecoderCacheCore {
 
     /// vLLM's `get_freed_mm_hashes`: the previous window's identifiers.
     fn get_freed_mm_hashes<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.core.get_freed_mm_hashes())
+        self.core.write("get_freed_mm_hashes", |c| {
+            PyList::new(py, c.get_freed_mm_hashes())
+        })
     }
 }

@@ -14,6 +14,10 @@
 //! reproduce (subclasses, `bool`, `float`, ints beyond `i128`, strings with lone
 //! surrogates, nesting deeper than 32) raise `UnsupportedError`; the Python adapter
 //! then falls back to vLLM's own function for that call.
+//!
+//! Every hashing call runs inside `crate::shield::catch`: a panic is `InternalError`.
+//! The hashers hold no mutable state (each call builds its core hasher), so there is
+//! nothing to poison and the next call starts afresh.
 
 use pyo3::ffi;
 use pyo3::intern;
@@ -468,101 +472,108 @@ impl PyRequestBlockHasher {
         cache_salt: Option<&Bound<'py, PyAny>>,
         prompt_embeds_digests: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let hashes = block_hashes.cast::<PyList>().map_err(|_| {
-            BlockHashError::new_err(format!(
-                "block_hashes must be a list of bytes, got {}",
-                type_name(block_hashes)
-            ))
-        })?;
-        let num_hashed = hashes.len();
-        let mut core = self.core()?;
-        let bs = self.hash_block_size;
-        let start = num_hashed.checked_mul(bs).ok_or_else(|| {
-            InvalidArgumentError::new_err("block_hashes is too long for hash_block_size")
-        })?;
-        let num_tokens = token_ids.len()?;
-        let n = core.num_new_blocks(num_tokens.saturating_sub(start));
-        if n == 0 {
-            return Ok(PyList::empty(py));
-        }
-        let last = if num_hashed > 0 {
-            Some(hashes.get_item(num_hashed - 1)?)
-        } else {
-            None
-        };
-        let parent = match &last {
-            Some(p) => Some(hash_bytes_of("block_hashes[-1]", p)?),
-            None => None,
-        };
-        let none_hash = hash_bytes_of("NONE_HASH", none_hash)?;
-
-        let mut tokens = Vec::new();
-        read_tokens(
-            token_ids,
-            start,
-            n * bs + self.num_lookahead_tokens,
-            &mut tokens,
-        )?;
-
-        let lora_pair = match lora.filter(|l| !l.is_none()) {
-            None => None,
-            Some(l) => {
-                let t = l
-                    .cast::<PyTuple>()
-                    .ok()
-                    .filter(|t| t.len() == 2)
-                    .ok_or_else(|| {
-                        InvalidArgumentError::new_err("lora must be a (lora_name, lora_path) tuple")
-                    })?;
-                Some((t.get_item(0)?, t.get_item(1)?))
+        crate::shield::catch("hash_new_blocks", || {
+            crate::fault::point("hasher.hash_new_blocks");
+            let hashes = block_hashes.cast::<PyList>().map_err(|_| {
+                BlockHashError::new_err(format!(
+                    "block_hashes must be a list of bytes, got {}",
+                    type_name(block_hashes)
+                ))
+            })?;
+            let num_hashed = hashes.len();
+            let mut core = self.core()?;
+            let bs = self.hash_block_size;
+            let start = num_hashed.checked_mul(bs).ok_or_else(|| {
+                InvalidArgumentError::new_err("block_hashes is too long for hash_block_size")
+            })?;
+            let num_tokens = token_ids.len()?;
+            let n = core.num_new_blocks(num_tokens.saturating_sub(start));
+            if n == 0 {
+                return Ok(PyList::empty(py));
             }
-        };
-        let lora_atoms = match &lora_pair {
-            Some((name, path)) => Some((atom_of("lora_name", name)?, atom_of("lora_path", path)?)),
-            None => None,
-        };
-        let salt = match cache_salt {
-            Some(s) => Some(atom_of("cache_salt", s)?),
-            None => None,
-        };
-        let digests = match prompt_embeds_digests.filter(|d| !d.is_none()) {
-            None => None,
-            Some(d) => {
-                let mut v: Vec<[u8; 32]> = Vec::with_capacity(n);
-                for item in d.try_iter()? {
-                    let item = item?;
-                    let arr = item
-                        .cast::<PyBytes>()
+            let last = if num_hashed > 0 {
+                Some(hashes.get_item(num_hashed - 1)?)
+            } else {
+                None
+            };
+            let parent = match &last {
+                Some(p) => Some(hash_bytes_of("block_hashes[-1]", p)?),
+                None => None,
+            };
+            let none_hash = hash_bytes_of("NONE_HASH", none_hash)?;
+
+            let mut tokens = Vec::new();
+            read_tokens(
+                token_ids,
+                start,
+                n * bs + self.num_lookahead_tokens,
+                &mut tokens,
+            )?;
+
+            let lora_pair = match lora.filter(|l| !l.is_none()) {
+                None => None,
+                Some(l) => {
+                    let t = l
+                        .cast::<PyTuple>()
                         .ok()
-                        .and_then(|b| <[u8; 32]>::try_from(b.as_bytes()).ok())
+                        .filter(|t| t.len() == 2)
                         .ok_or_else(|| {
                             InvalidArgumentError::new_err(
-                                "prompt_embeds_digests must be 32-byte SHA-256 digests",
+                                "lora must be a (lora_name, lora_path) tuple",
                             )
                         })?;
-                    v.push(arr);
+                    Some((t.get_item(0)?, t.get_item(1)?))
                 }
-                Some(v)
-            }
-        };
-        let mm = MmHolder::read(mm_features, start)?;
-        let features = mm.features()?;
+            };
+            let lora_atoms = match &lora_pair {
+                Some((name, path)) => {
+                    Some((atom_of("lora_name", name)?, atom_of("lora_path", path)?))
+                }
+                None => None,
+            };
+            let salt = match cache_salt {
+                Some(s) => Some(atom_of("cache_salt", s)?),
+                None => None,
+            };
+            let digests = match prompt_embeds_digests.filter(|d| !d.is_none()) {
+                None => None,
+                Some(d) => {
+                    let mut v: Vec<[u8; 32]> = Vec::with_capacity(n);
+                    for item in d.try_iter()? {
+                        let item = item?;
+                        let arr = item
+                            .cast::<PyBytes>()
+                            .ok()
+                            .and_then(|b| <[u8; 32]>::try_from(b.as_bytes()).ok())
+                            .ok_or_else(|| {
+                                InvalidArgumentError::new_err(
+                                    "prompt_embeds_digests must be 32-byte SHA-256 digests",
+                                )
+                            })?;
+                        v.push(arr);
+                    }
+                    Some(v)
+                }
+            };
+            let mm = MmHolder::read(mm_features, start)?;
+            let features = mm.features()?;
 
-        let input = RequestHashInput {
-            num_hashed_blocks: num_hashed,
-            parent,
-            none_hash,
-            tokens: &tokens,
-            keys: RequestExtraKeys {
-                lora: lora_atoms,
-                mm_features: &features,
-                cache_salt: salt,
-            },
-            prompt_embeds_digests: digests.as_deref(),
-        };
-        let mut out = Vec::with_capacity(n);
-        core.hash_new_blocks(&input, &mut out)?;
-        PyList::new(py, out.iter().map(|h| hash_to_py(py, h)))
+            let input = RequestHashInput {
+                num_hashed_blocks: num_hashed,
+                parent,
+                none_hash,
+                tokens: &tokens,
+                keys: RequestExtraKeys {
+                    lora: lora_atoms,
+                    mm_features: &features,
+                    cache_salt: salt,
+                },
+                prompt_embeds_digests: digests.as_deref(),
+            };
+            let mut out = Vec::with_capacity(n);
+            core.hash_new_blocks(&input, &mut out)?;
+            PyList::new(py, out.iter().map(|h| hash_to_py(py, h)))
+        })
     }
 }
 
@@ -577,16 +588,18 @@ pub fn hash_block_tokens<'py>(
     token_ids: &Bound<'py, PyAny>,
     extra_keys: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyBytes>> {
-    let algo = algo_from_name(algo)?;
-    let parent = hash_bytes_of("parent_block_hash", parent)?;
-    let mut tokens = Vec::new();
-    read_tokens(token_ids, 0, token_ids.len()?, &mut tokens)?;
-    let none = py.None().into_bound(py);
-    let extras = ValueHolder::new(extra_keys.unwrap_or(&none))?;
-    let extras_value = extras.value()?;
-    let mut h = BlockHasher::new(algo);
-    let digest = h.hash_block(parent, &tokens, &extras_value.root());
-    Ok(hash_to_py(py, &digest))
+    crate::shield::catch("hash_block_tokens", || {
+        let algo = algo_from_name(algo)?;
+        let parent = hash_bytes_of("parent_block_hash", parent)?;
+        let mut tokens = Vec::new();
+        read_tokens(token_ids, 0, token_ids.len()?, &mut tokens)?;
+        let none = py.None().into_bound(py);
+        let extras = ValueHolder::new(extra_keys.unwrap_or(&none))?;
+        let extras_value = extras.value()?;
+        let mut h = BlockHasher::new(algo);
+        let digest = h.hash_block(parent, &tokens, &extras_value.root());
+        Ok(hash_to_py(py, &digest))
+    })
 }
 
 /// The hash function `algo` applied to `obj` (vLLM's `hash_fn(obj)`; for `blake3` a
@@ -597,11 +610,13 @@ pub fn hash_object<'py>(
     algo: &str,
     obj: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyBytes>> {
-    let algo = algo_from_name(algo)?;
-    let holder = ValueHolder::new(obj)?;
-    let value = holder.value()?;
-    let digest = BlockHasher::new(algo).hash_value(&value)?;
-    Ok(hash_to_py(py, &digest))
+    crate::shield::catch("hash_object", || {
+        let algo = algo_from_name(algo)?;
+        let holder = ValueHolder::new(obj)?;
+        let value = holder.value()?;
+        let digest = BlockHasher::new(algo).hash_value(&value)?;
+        Ok(hash_to_py(py, &digest))
+    })
 }
 
 /// `obj` serialized as `pickle.dumps(obj, protocol=5)` (`"pickle"`) or
@@ -612,20 +627,22 @@ pub fn serialize<'py>(
     format: &str,
     obj: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyBytes>> {
-    let format = match format {
-        "pickle" => Serialization::Pickle,
-        "cbor" => Serialization::Cbor,
-        other => {
-            return Err(InvalidArgumentError::new_err(format!(
-                "unknown format {other:?}: expected \"pickle\" or \"cbor\""
-            )))
-        }
-    };
-    let holder = ValueHolder::new(obj)?;
-    let value = holder.value()?;
-    let mut h = BlockHasher::new(HashAlgo::Sha256);
-    let bytes = h.serialize(format, &value)?;
-    Ok(PyBytes::new(py, bytes))
+    crate::shield::catch("serialize", || {
+        let format = match format {
+            "pickle" => Serialization::Pickle,
+            "cbor" => Serialization::Cbor,
+            other => {
+                return Err(InvalidArgumentError::new_err(format!(
+                    "unknown format {other:?}: expected \"pickle\" or \"cbor\""
+                )))
+            }
+        };
+        let holder = ValueHolder::new(obj)?;
+        let value = holder.value()?;
+        let mut h = BlockHasher::new(HashAlgo::Sha256);
+        let bytes = h.serialize(format, &value)?;
+        Ok(PyBytes::new(py, bytes))
+    })
 }
 
 /// BLAKE3 of `data` (32 bytes).
@@ -645,9 +662,11 @@ pub fn blake3_block<'py>(
     token_ids: &Bound<'py, PyAny>,
     extras_cbor: Option<&[u8]>,
 ) -> PyResult<Bound<'py, PyBytes>> {
-    let parent = hash_bytes_of("parent_block_hash", parent)?;
-    let mut tokens = Vec::new();
-    read_tokens(token_ids, 0, token_ids.len()?, &mut tokens)?;
-    let h = blake3_block_hash(parent, &tokens, extras_cbor, &mut Vec::new());
-    Ok(hash_to_py(py, &h))
+    crate::shield::catch("blake3_block", || {
+        let parent = hash_bytes_of("parent_block_hash", parent)?;
+        let mut tokens = Vec::new();
+        read_tokens(token_ids, 0, token_ids.len()?, &mut tokens)?;
+        let h = blake3_block_hash(parent, &tokens, extras_cbor, &mut Vec::new());
+        Ok(hash_to_py(py, &h))
+    })
 }

@@ -536,8 +536,8 @@ impl PyKVCacheCore {
 
     /// KV-cache usage in [0, 1], null block excluded.
     #[getter]
-    fn usage(&self) -> f64 {
-        self.core.usage()
+    fn usage(&self) -> PyResult<f64> {
+        self.core.read("usage", |c| Ok(c.usage()))
     }
 
     /// Why the manager refuses every call, if an internal error poisoned it.
@@ -550,9 +550,10 @@ impl PyKVCacheCore {
     fn prefix_cache_lookup_enabled(&self, request: &Bound<'_, PyAny>) -> PyResult<bool> {
         let id = request_id(request)?;
         let req = PyRequest::read(request, id.to_str()?, None)?;
-        self.core
-            .prefix_cache_lookup_enabled(&req)
-            .map_err(|e| req.error(e))
+        self.core.read("prefix_cache_lookup_enabled", |c| {
+            c.prefix_cache_lookup_enabled(&req)
+                .map_err(|e| req.error(e))
+        })
     }
 
     /// vLLM's `get_computed_blocks`: `(KVCacheBlocks, num_hit_tokens,
@@ -770,13 +771,15 @@ impl PyKVCacheCore {
         let _timer = stats::Timer::start(Op::GetBlocks);
         let (ids, ends) = {
             let this = slf.try_borrow()?;
-            let mut ids = Vec::new();
-            let mut ends: SmallVec<[usize; 4]> = SmallVec::new();
-            for g in 0..this.core.num_kv_cache_groups() {
-                ids.extend_from_slice(this.core.get_blocks(request_id, g));
-                ends.push(ids.len());
-            }
-            (ids, ends)
+            this.core.read("get_blocks", |c| {
+                let mut ids = Vec::new();
+                let mut ends: SmallVec<[usize; 4]> = SmallVec::new();
+                for g in 0..c.num_kv_cache_groups() {
+                    ids.extend_from_slice(c.get_blocks(request_id, g));
+                    ends.push(ids.len());
+                }
+                Ok::<_, PyErr>((ids, ends))
+            })?
         };
         Self::kv_cache_blocks(slf, &ids, &ends)
     }
@@ -787,10 +790,12 @@ impl PyKVCacheCore {
         py: Python<'py>,
         request_id: &str,
     ) -> PyResult<Bound<'py, PyTuple>> {
-        let lists = (0..self.core.num_kv_cache_groups())
-            .map(|g| PyList::new(py, self.core.get_blocks(request_id, g)))
-            .collect::<PyResult<Vec<_>>>()?;
-        PyTuple::new(py, lists)
+        self.core.read("get_block_ids", |c| {
+            let lists = (0..c.num_kv_cache_groups())
+                .map(|g| PyList::new(py, c.get_blocks(request_id, g)))
+                .collect::<PyResult<Vec<_>>>()?;
+            PyTuple::new(py, lists)
+        })
     }
 
     /// vLLM's `get_block_ids_for_computed_tokens`.
@@ -801,21 +806,21 @@ impl PyKVCacheCore {
         num_computed_tokens: i64,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let n = count("num_computed_tokens", num_computed_tokens)?;
-        let lists = (0..self.core.num_kv_cache_groups())
-            .map(|g| {
-                PyList::new(
-                    py,
-                    self.core.block_ids_for_computed_tokens(request_id, g, n),
-                )
-            })
-            .collect::<PyResult<Vec<_>>>()?;
-        PyTuple::new(py, lists)
+        self.core.read("get_block_ids_for_computed_tokens", |c| {
+            let lists = (0..c.num_kv_cache_groups())
+                .map(|g| PyList::new(py, c.block_ids_for_computed_tokens(request_id, g, n)))
+                .collect::<PyResult<Vec<_>>>()?;
+            PyTuple::new(py, lists)
+        })
     }
 
     /// vLLM's `estimate_cached_tokens`.
     fn estimate_cached_tokens(&self, request: &Bound<'_, PyAny>) -> PyResult<usize> {
         let rid = request_id(request)?;
-        Ok(self.core.estimate_cached_tokens(rid.to_str()?))
+        let rid = rid.to_str()?;
+        self.core.read("estimate_cached_tokens", |c| {
+            Ok(c.estimate_cached_tokens(rid))
+        })
     }
 
     /// vLLM's `remove_skipped_blocks`.
@@ -832,7 +837,9 @@ impl PyKVCacheCore {
             .transpose()?;
         slf.try_borrow_mut()?
             .core
-            .remove_skipped_blocks(request_id, processed, prompt)?;
+            .shielded("remove_skipped_blocks", |c| {
+                c.remove_skipped_blocks(request_id, processed, prompt)
+            })?;
         Self::flush(slf, None)
     }
 
@@ -848,31 +855,39 @@ impl PyKVCacheCore {
         let mut ends: SmallVec<[usize; 4]> = SmallVec::new();
         grouped_ids(slf, blocks, &mut ids, &mut ends)?;
         let mut out = Vec::new();
-        slf.try_borrow()?.core.truncate_computed_blocks(
-            GroupedBlocks {
-                ids: &ids,
-                ends: &ends,
-            },
-            n,
-            &mut out,
-        )?;
+        let given = GroupedBlocks {
+            ids: &ids,
+            ends: &ends,
+        };
+        slf.try_borrow()?
+            .core
+            .read("truncate_computed_blocks", |c| {
+                c.truncate_computed_blocks(given, n, &mut out)
+            })?;
         Self::kv_cache_blocks_of(slf, &out)
     }
 
     /// vLLM's `new_step_starts`.
-    fn new_step_starts(&mut self) {
-        self.core.new_step_starts();
+    fn new_step_starts(&mut self) -> PyResult<()> {
+        Ok(self.core.shielded("new_step_starts", |c| {
+            c.new_step_starts();
+            Ok(())
+        })?)
     }
 
     /// vLLM's `take_new_block_ids`: block ids recorded for worker-side zeroing.
-    fn take_new_block_ids(&mut self) -> Vec<BlockId> {
-        self.core.take_new_block_ids()
+    fn take_new_block_ids(&mut self) -> PyResult<Vec<BlockId>> {
+        Ok(self
+            .core
+            .shielded("take_new_block_ids", |c| Ok(c.take_new_block_ids()))?)
     }
 
     /// vLLM's `record_blocks_for_zeroing`.
     fn record_blocks_for_zeroing(&mut self, request_id: &str, start_token: i64) -> PyResult<()> {
         let start = count("start_token", start_token)?;
-        Ok(self.core.record_blocks_for_zeroing(request_id, start)?)
+        Ok(self.core.shielded("record_blocks_for_zeroing", |c| {
+            c.record_blocks_for_zeroing(request_id, start)
+        })?)
     }
 
     /// The queued copy-on-write pairs as `(source, copy)` block handles, drained
@@ -881,7 +896,9 @@ impl PyKVCacheCore {
         slf: &Bound<'py, Self>,
     ) -> PyResult<Vec<(Py<PyKVCacheBlock>, Py<PyKVCacheBlock>)>> {
         let mut this = slf.try_borrow_mut()?;
-        let pairs = this.core.take_kv_cache_block_copies();
+        let pairs = this.core.shielded("take_kv_cache_block_copies", |c| {
+            Ok(c.take_kv_cache_block_copies())
+        })?;
         pairs
             .into_iter()
             .map(|(s, d)| {
@@ -900,7 +917,10 @@ impl PyKVCacheCore {
         py: Python<'py>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let out = PyDict::new(py);
-        for o in self.core.take_boundary_state_offloads() {
+        let offloads = self.core.shielded("take_boundary_state_offloads", |c| {
+            Ok(c.take_boundary_state_offloads())
+        })?;
+        for o in offloads {
             let entry = (o.group_id, o.block, o.num_tokens);
             match out.get_item(&*o.request_id)? {
                 Some(list) => list.cast::<PyList>()?.append(entry)?,
@@ -919,7 +939,9 @@ impl PyKVCacheCore {
         let req = PyRequest::read(request, id.to_str()?, None)?;
         let mut out = Vec::new();
         self.core
-            .finalize_partial_tail_offloads(&req, &mut out)
+            .shielded("finalize_partial_tail_offloads", |c| {
+                c.finalize_partial_tail_offloads(&req, &mut out)
+            })
             .map_err(|e| req.error(e))?;
         Ok(out)
     }

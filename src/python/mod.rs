@@ -73,6 +73,15 @@ fn reset_stats() {
     crate::stats::reset();
 }
 
+/// Test only (`fault-injection` builds): arms the fault point `site` (`src/fault.rs`);
+/// its `skip + 1`-th pass panics. Absent from release builds and from the stubs.
+#[cfg(feature = "fault-injection")]
+#[pyfunction]
+#[pyo3(signature = (site, skip=0))]
+fn _arm_fault(site: &str, skip: usize) {
+    crate::fault::arm(site, skip);
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -80,6 +89,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stats, m)?)?;
     m.add_function(wrap_pyfunction!(enable_stats, m)?)?;
     m.add_function(wrap_pyfunction!(reset_stats, m)?)?;
+    #[cfg(feature = "fault-injection")]
+    m.add_function(wrap_pyfunction!(_arm_fault, m)?)?;
     m.add_class::<block::PyKVCacheBlock>()?;
     m.add_class::<blocks::PyKVCacheBlocks>()?;
     m.add_class::<manager::PyKVCacheCore>()?;

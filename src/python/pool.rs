@@ -3,7 +3,10 @@
 //! tests call on `kv_cache_manager.block_pool`.
 //!
 //! Every name carries a `core_` prefix so that it never shadows a vLLM method of the
-//! manager. Conversion only: ids in, pool call, handles and bytes out.
+//! manager. Conversion only: ids in, pool call, handles and bytes out. Each pool call
+//! runs behind the manager's panic shield (`src/shield.rs`): mutating ones through
+//! `KVCacheManager::shielded` (a panic poisons the manager), reads through
+//! `KVCacheManager::read` (refused on a poisoned manager; a panic poisons nothing).
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
@@ -22,38 +25,47 @@ use crate::types::BlockId;
 impl PyKVCacheCore {
     /// Number of blocks, null block included.
     #[getter]
-    fn num_gpu_blocks(&self) -> u32 {
-        self.core.block_pool().num_gpu_blocks()
+    fn num_gpu_blocks(&self) -> PyResult<u32> {
+        self.core
+            .read("num_gpu_blocks", |c| Ok(c.block_pool().num_gpu_blocks()))
     }
 
     /// Number of KV-cache groups.
     #[getter]
-    fn num_kv_cache_groups(&self) -> usize {
-        self.core.num_kv_cache_groups()
+    fn num_kv_cache_groups(&self) -> PyResult<usize> {
+        self.core
+            .read("num_kv_cache_groups", |c| Ok(c.num_kv_cache_groups()))
     }
 
     /// Free blocks (evictable cached blocks included).
     #[getter]
-    fn num_free_blocks(&self) -> usize {
-        self.core.block_pool().get_num_free_blocks()
+    fn num_free_blocks(&self) -> PyResult<usize> {
+        self.core.read("num_free_blocks", |c| {
+            Ok(c.block_pool().get_num_free_blocks())
+        })
     }
 
     /// Number of keys in the prefix-cache index.
     #[getter]
-    fn num_cached_keys(&self) -> usize {
-        self.core.block_pool().cached_block_hash_to_block().len()
+    fn num_cached_keys(&self) -> PyResult<usize> {
+        self.core.read("num_cached_keys", |c| {
+            Ok(c.block_pool().cached_block_hash_to_block().len())
+        })
     }
 
     /// Whether events wait to be taken.
     #[getter]
-    fn has_events(&self) -> bool {
-        self.core.block_pool().has_events()
+    fn has_events(&self) -> PyResult<bool> {
+        self.core
+            .read("has_events", |c| Ok(c.block_pool().has_events()))
     }
 
     /// The handle of block `block_id`.
     fn block(slf: &Bound<'_, Self>, block_id: i64) -> PyResult<Py<PyKVCacheBlock>> {
         let mut this = slf.try_borrow_mut()?;
-        let id = this.core.block_pool().check_block_id(block_id)?;
+        let id = this
+            .core
+            .read("block", |c| c.block_pool().check_block_id(block_id))?;
         Self::handle(slf, &mut this, id)
     }
 
@@ -64,13 +76,17 @@ impl PyKVCacheCore {
         let has_host = slf.try_borrow()?.core.host_group().is_some();
         if !has_host {
             ids_of(slf, blocks, &mut ids)?;
-            slf.try_borrow_mut()?.core.free_blocks(&ids)?;
+            slf.try_borrow_mut()?
+                .core
+                .shielded("free_blocks", |c| c.free_blocks(&ids))?;
             return Ok(());
         }
         // vLLM routes another pool's blocks to that pool, after its own.
         let mut host = Vec::new();
         split_pooled_ids(slf, blocks, &mut ids, &mut host)?;
-        slf.try_borrow_mut()?.core.free_blocks_mixed(&ids, &host)?;
+        slf.try_borrow_mut()?
+            .core
+            .shielded("free_blocks", |c| c.free_blocks_mixed(&ids, &host))?;
         Self::flush(slf, None)
     }
 
@@ -78,7 +94,9 @@ impl PyKVCacheCore {
     fn core_touch(slf: &Bound<'_, Self>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
         let mut ids = Vec::new();
         ids_of(slf, blocks, &mut ids)?;
-        slf.try_borrow_mut()?.core.touch(&ids)?;
+        slf.try_borrow_mut()?
+            .core
+            .shielded("touch", |c| c.touch(&ids))?;
         Self::flush(slf, None)
     }
 
@@ -92,7 +110,8 @@ impl PyKVCacheCore {
             let mut this = slf.try_borrow_mut()?;
             // No capacity up front: `n` is checked against the free blocks by the pool.
             let mut ids = Vec::new();
-            this.core.get_new_blocks(n, &mut ids)?;
+            this.core
+                .shielded("get_new_blocks", |c| c.get_new_blocks(n, &mut ids))?;
             Self::handles_list(slf, &mut this, &ids)?
         };
         Self::flush(slf, None)?;
@@ -107,7 +126,10 @@ impl PyKVCacheCore {
     ) -> PyResult<Option<Py<PyKVCacheBlock>>> {
         let hash = hash_from_bytes(block_hash)?;
         let mut this = slf.try_borrow_mut()?;
-        match this.core.block_pool().get_cached_block(&hash, group_id) {
+        let found = this.core.read("get_cached_block", |c| {
+            Ok::<_, PyErr>(c.block_pool().get_cached_block(&hash, group_id))
+        })?;
+        match found {
             Some(id) => Ok(Some(Self::handle(slf, &mut this, id)?)),
             None => Ok(None),
         }
@@ -144,11 +166,10 @@ impl PyKVCacheCore {
     }
 
     /// Free block ids from head (next to reuse) to tail.
-    fn core_free_block_ids(&self) -> Vec<BlockId> {
-        self.core
-            .block_pool()
-            .free_block_queue()
-            .get_all_free_blocks()
+    fn core_free_block_ids(&self) -> PyResult<Vec<BlockId>> {
+        self.core.read("free_block_ids", |c| {
+            Ok(c.block_pool().free_block_queue().get_all_free_blocks())
+        })
     }
 
     /// The first (or, with `last`, the last) free block, or the opposite sentinel
@@ -157,12 +178,10 @@ impl PyKVCacheCore {
     fn core_free_list_end(slf: &Bound<'_, Self>, last: bool) -> PyResult<Option<Py<PyAny>>> {
         let end = {
             let this = slf.try_borrow()?;
-            let q = this.core.block_pool().free_block_queue();
-            if last {
-                q.last()
-            } else {
-                q.first()
-            }
+            this.core.read("free_list_end", |c| {
+                let q = c.block_pool().free_block_queue();
+                Ok::<_, PyErr>(if last { q.last() } else { q.first() })
+            })?
         };
         Self::link_target(slf, end, !last)
     }
@@ -170,7 +189,9 @@ impl PyKVCacheCore {
     /// Whether a block can be written by its sole owner (vLLM's `is_block_writable`).
     fn core_is_block_writable(slf: &Bound<'_, Self>, block: &Bound<'_, PyAny>) -> PyResult<bool> {
         let id = id_of(slf, block)?;
-        Ok(slf.try_borrow()?.core.block_pool().is_block_writable(id))
+        slf.try_borrow()?.core.read("is_block_writable", |c| {
+            Ok(c.block_pool().is_block_writable(id))
+        })
     }
 
     /// The secondary keys of a block (vLLM's `cached_block_hashes_by_block[id]`), as
@@ -179,36 +200,43 @@ impl PyKVCacheCore {
         &self,
         py: Python<'py>,
         block_id: BlockId,
-    ) -> Vec<Bound<'py, PyBytes>> {
-        self.core
-            .block_pool()
-            .cached_block_hash_to_block()
-            .secondary_keys(block_id)
-            .map(|k| PyBytes::new(py, &k.to_vllm_bytes()))
-            .collect()
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        self.core.read("secondary_keys", |c| {
+            Ok(c.block_pool()
+                .cached_block_hash_to_block()
+                .secondary_keys(block_id)
+                .map(|k| PyBytes::new(py, &k.to_vllm_bytes()))
+                .collect())
+        })
     }
 
     /// Blocks that have secondary keys.
-    fn core_blocks_with_secondary_keys(&self) -> Vec<BlockId> {
-        let mut ids: Vec<BlockId> = self
-            .core
-            .block_pool()
-            .cached_block_hash_to_block()
-            .blocks_with_secondary_keys()
-            .collect();
-        ids.sort_unstable();
-        ids
+    fn core_blocks_with_secondary_keys(&self) -> PyResult<Vec<BlockId>> {
+        self.core.read("blocks_with_secondary_keys", |c| {
+            let mut ids: Vec<BlockId> = c
+                .block_pool()
+                .cached_block_hash_to_block()
+                .blocks_with_secondary_keys()
+                .collect();
+            ids.sort_unstable();
+            Ok(ids)
+        })
     }
 
     /// Every `(key bytes, [block ids in insertion order])` of the index (vLLM's
     /// `BlockHashToBlockMap._cache`).
-    fn core_index_items<'py>(&self, py: Python<'py>) -> Vec<(Bound<'py, PyBytes>, Vec<BlockId>)> {
-        self.core
-            .block_pool()
-            .cached_block_hash_to_block()
-            .iter()
-            .map(|(k, blocks)| (PyBytes::new(py, &k.to_vllm_bytes()), blocks))
-            .collect()
+    #[allow(clippy::type_complexity)]
+    fn core_index_items<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Vec<(Bound<'py, PyBytes>, Vec<BlockId>)>> {
+        self.core.read("index_items", |c| {
+            Ok(c.block_pool()
+                .cached_block_hash_to_block()
+                .iter()
+                .map(|(k, blocks)| (PyBytes::new(py, &k.to_vllm_bytes()), blocks))
+                .collect())
+        })
     }
 
     /// vLLM's `BlockHashToBlockMap.pop(key, block_id)`: the map forgets the pair but
@@ -219,11 +247,9 @@ impl PyKVCacheCore {
         block_id: BlockId,
     ) -> PyResult<bool> {
         let key = key_from_bytes(key)?;
-        Ok(slf
-            .try_borrow_mut()?
-            .core
-            .block_pool_mut()?
-            .detach_entry(&key, block_id))
+        Ok(slf.try_borrow_mut()?.core.shielded("index_pop", |c| {
+            Ok(c.block_pool_mut()?.detach_entry(&key, block_id))
+        })?)
     }
 
     /// vLLM's `_cache.pop(key)`: every block of `key` detached; their ids.
@@ -232,13 +258,17 @@ impl PyKVCacheCore {
         key: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<BlockId>> {
         let key = key_from_bytes(key)?;
-        let mut this = slf.try_borrow_mut()?;
-        let pool = this.core.block_pool_mut()?;
-        let blocks = pool.cached_block_hash_to_block().get_all_blocks(&key);
-        for &b in &blocks {
-            pool.detach_entry(&key, b);
-        }
-        Ok(blocks)
+        Ok(slf
+            .try_borrow_mut()?
+            .core
+            .shielded("index_detach_key", |c| {
+                let pool = c.block_pool_mut()?;
+                let blocks = pool.cached_block_hash_to_block().get_all_blocks(&key);
+                for &b in &blocks {
+                    pool.detach_entry(&key, b);
+                }
+                Ok(blocks)
+            })?)
     }
 
     /// vLLM's `_cache[key] = ...` restoring detached entries of `key`, in order.
@@ -248,16 +278,18 @@ impl PyKVCacheCore {
         block_ids: Vec<BlockId>,
     ) -> PyResult<()> {
         let key = key_from_bytes(key)?;
-        let mut this = slf.try_borrow_mut()?;
-        let pool = this.core.block_pool_mut()?;
-        for b in block_ids {
-            if !pool.reattach_entry(&key, b) {
-                return Err(super::errors::UnsupportedError::new_err(format!(
-                    "_cache[key] = ... only restores entries popped from the map (block {b})"
-                )));
-            }
+        let refused = slf.try_borrow_mut()?.core.shielded("index_reattach", |c| {
+            let pool = c.block_pool_mut()?;
+            Ok(block_ids
+                .into_iter()
+                .find(|&b| !pool.reattach_entry(&key, b)))
+        })?;
+        match refused {
+            None => Ok(()),
+            Some(b) => Err(super::errors::UnsupportedError::new_err(format!(
+                "_cache[key] = ... only restores entries popped from the map (block {b})"
+            ))),
         }
-        Ok(())
     }
 
     /// vLLM's `cache_full_blocks(request, blocks, num_cached_blocks,
@@ -280,18 +312,22 @@ impl PyKVCacheCore {
         let id = request_id(request)?;
         let req = PyRequest::read(request, id.to_str()?, None)?;
         let hashes = req.block_hashes().map_err(|e| req.error(e))?;
+        let cached = count("num_cached_blocks", num_cached_blocks)?;
+        let full = count("num_full_blocks", num_full_blocks)?;
+        let block_size = count("block_size", block_size)?;
         slf.try_borrow_mut()?
             .core
-            .block_pool_mut()?
-            .cache_full_blocks(
-                hashes,
-                &ids,
-                count("num_cached_blocks", num_cached_blocks)?,
-                count("num_full_blocks", num_full_blocks)?,
-                count("block_size", block_size)?,
-                kv_cache_group_id,
-                block_mask.as_deref(),
-            )?;
+            .shielded("cache_full_blocks", |c| {
+                c.block_pool_mut()?.cache_full_blocks(
+                    hashes,
+                    &ids,
+                    cached,
+                    full,
+                    block_size,
+                    kv_cache_group_id,
+                    block_mask.as_deref(),
+                )
+            })?;
         Self::flush(slf, Some(request))
     }
 
@@ -313,18 +349,21 @@ impl PyKVCacheCore {
         let rid = request_id(request)?;
         let req = PyRequest::read(request, rid.to_str()?, None)?;
         let hashes = PyListHashes::new(&request.getattr("block_hashes")?)?;
+        let num_tokens = count("num_tokens", num_tokens)?;
+        let block_size = count("block_size", block_size)?;
         let key = slf
             .try_borrow_mut()?
             .core
-            .block_pool_mut()?
-            .cache_partial_block(
-                &hashes,
-                id,
-                count("num_tokens", num_tokens)?,
-                kv_cache_group_id,
-                count("block_size", block_size)?,
-                replace_existing_hashes,
-            )
+            .shielded("cache_partial_block", |c| {
+                c.block_pool_mut()?.cache_partial_block(
+                    &hashes,
+                    id,
+                    num_tokens,
+                    kv_cache_group_id,
+                    block_size,
+                    replace_existing_hashes,
+                )
+            })
             .map_err(|e| req.error(e))?;
         Self::flush(slf, Some(request))?;
         Ok(key.map(|k| PyBytes::new(slf.py(), &k.to_vllm_bytes())))
@@ -341,11 +380,14 @@ impl PyKVCacheCore {
         let key = key_from_bytes(key)?;
         let id = id_of(slf, block)?;
         let n = num_tokens.map(|n| count("num_tokens", n)).transpose()?;
-        slf.try_borrow_mut()?
+        Ok(slf
+            .try_borrow_mut()?
             .core
-            .block_pool_mut()?
-            .insert_block_hash(key, id, n.unwrap_or(0));
-        Ok(())
+            .shielded("insert_block_hash", |c| {
+                c.block_pool_mut()?
+                    .insert_block_hash(key, id, n.unwrap_or(0));
+                Ok(())
+            })?)
     }
 
     /// vLLM's `move_block_hashes(src, dst)`.
@@ -355,11 +397,12 @@ impl PyKVCacheCore {
         dst: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let (s, d) = (id_of(slf, src)?, id_of(slf, dst)?);
-        slf.try_borrow_mut()?
+        Ok(slf
+            .try_borrow_mut()?
             .core
-            .block_pool_mut()?
-            .move_block_hashes(s, d)?;
-        Ok(())
+            .shielded("move_block_hashes", |c| {
+                c.block_pool_mut()?.move_block_hashes(s, d)
+            })?)
     }
 
     /// Builds and queues the events recorded so far (pool-level calls pass no
@@ -371,6 +414,7 @@ impl PyKVCacheCore {
 
     /// Drains event records as tuples (a bare core without an event sink).
     fn core_take_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        super::events::records_to_py(py, self.core.take_events())
+        let records = self.core.shielded("take_events", |c| Ok(c.take_events()))?;
+        super::events::records_to_py(py, records)
     }
 }

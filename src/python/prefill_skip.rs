@@ -108,30 +108,33 @@ pub fn prefill_skip<'py>(
     num_logits_padded: usize,
     query_start_loc: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<SkipTuple<'py>> {
-    let sched = read_u32s("num_scheduled_tokens", num_scheduled_tokens)?;
-    let spec = match num_spec_tokens {
-        Some(obj) => read_u32s("num_spec_tokens", obj)?,
-        None => Vec::new(),
-    };
-    let samples = match samples {
-        Some(obj) => read_flags("samples", obj)?,
-        None => Vec::new(),
-    };
-    let mut qsl = Vec::new();
-    if let Some(obj) = query_start_loc {
-        read_i64s("query_start_loc", obj, &mut qsl)?;
-    }
-    let mut out = PrefillSkip::default();
-    plan_prefill_skip(
-        &PrefillSkipInput {
-            num_scheduled_tokens: &sched,
-            num_spec_tokens: &spec,
-            samples: &samples,
-            num_reqs_padded: num_reqs_padded.unwrap_or(sched.len()),
-            num_logits_padded,
-            query_start_loc: query_start_loc.map(|_| qsl.as_slice()),
-        },
-        &mut out,
-    )?;
-    skip_tuple(py, &out)
+    // Stateless: a panic is InternalError, with nothing to poison.
+    crate::shield::catch("prefill_skip", || {
+        let sched = read_u32s("num_scheduled_tokens", num_scheduled_tokens)?;
+        let spec = match num_spec_tokens {
+            Some(obj) => read_u32s("num_spec_tokens", obj)?,
+            None => Vec::new(),
+        };
+        let samples = match samples {
+            Some(obj) => read_flags("samples", obj)?,
+            None => Vec::new(),
+        };
+        let mut qsl = Vec::new();
+        if let Some(obj) = query_start_loc {
+            read_i64s("query_start_loc", obj, &mut qsl)?;
+        }
+        let mut out = PrefillSkip::default();
+        plan_prefill_skip(
+            &PrefillSkipInput {
+                num_scheduled_tokens: &sched,
+                num_spec_tokens: &spec,
+                samples: &samples,
+                num_reqs_padded: num_reqs_padded.unwrap_or(sched.len()),
+                num_logits_padded,
+                query_start_loc: query_start_loc.map(|_| qsl.as_slice()),
+            },
+            &mut out,
+        )?;
+        skip_tuple(py, &out)
+    })
 }

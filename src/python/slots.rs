@@ -17,6 +17,7 @@ use super::slot_facts::{
     block_id, block_id_vec, lookup, optional_dict, push_block_ids, read_scheduler_output,
     read_versions, Facts, Spec,
 };
+use crate::shield::Shielded;
 use crate::slots::{
     Assignment, PrefillSkipRequest, ScheduledRequest, SlotMirror, StepInput, StepReads, StepRef,
 };
@@ -42,148 +43,148 @@ struct SkipOptions {
     num_logits_padded: usize,
 }
 
+/// Every call runs behind the core's panic shield (`src/shield.rs`): a panic is
+/// `InternalError`, and one inside a mutating call poisons this mirror.
 #[pyclass(name = "SlotMirror", module = "hscache._core")]
 pub struct PySlotMirror {
-    core: SlotMirror,
+    core: Shielded<SlotMirror>,
     kv_cache_group: usize,
 }
 
-impl PySlotMirror {
-    fn run<'py>(
-        &mut self,
-        py: Python<'py>,
-        facts: Facts<'py>,
-        order: Option<Bound<'py, PyAny>>,
-        skip: SkipOptions,
-    ) -> PyResult<PlanTuple<'py>> {
-        let Facts {
-            req_ids,
-            specs,
-            arena,
-            finished,
-            fresh,
-            versions,
-        } = facts;
-        let ids: Vec<&str> = req_ids
-            .iter()
-            .map(|s| s.to_str())
-            .collect::<PyResult<_>>()?;
-        // Rows are laid out in `order` when given, else new requests first.
-        let (perm, req_list) = match order.filter(|o| !o.is_none()) {
-            None => (
-                (0..ids.len()).collect::<Vec<_>>(),
-                PyList::new(py, &req_ids)?,
-            ),
-            Some(order) => {
-                let pos: FxHashMap<&str, usize> =
-                    ids.iter().enumerate().map(|(i, s)| (*s, i)).collect();
-                let mut perm = Vec::with_capacity(ids.len());
-                let list = PyList::empty(py);
-                for item in order.try_iter()? {
-                    let item = item?.cast_into::<PyString>().map_err(|_| {
-                        InvalidArgumentError::new_err("order must be an iterable of request ids")
-                    })?;
-                    let i = *pos.get(item.to_str()?).ok_or_else(|| {
-                        InvalidArgumentError::new_err(format!(
-                            "order names {item} which is not scheduled in this step"
-                        ))
-                    })?;
-                    perm.push(i);
-                    list.append(item)?;
-                }
-                if perm.len() != ids.len() {
-                    return Err(InvalidArgumentError::new_err(format!(
-                        "order has {} request ids; {} are scheduled",
-                        perm.len(),
-                        ids.len()
-                    )));
-                }
-                (perm, list)
+/// One planned step over `core` (inside the shield).
+fn run<'py>(
+    core: &mut SlotMirror,
+    py: Python<'py>,
+    facts: Facts<'py>,
+    order: Option<Bound<'py, PyAny>>,
+    skip: SkipOptions,
+) -> PyResult<PlanTuple<'py>> {
+    let Facts {
+        req_ids,
+        specs,
+        arena,
+        finished,
+        fresh,
+        versions,
+    } = facts;
+    let ids: Vec<&str> = req_ids
+        .iter()
+        .map(|s| s.to_str())
+        .collect::<PyResult<_>>()?;
+    // Rows are laid out in `order` when given, else new requests first.
+    let (perm, req_list) = match order.filter(|o| !o.is_none()) {
+        None => (
+            (0..ids.len()).collect::<Vec<_>>(),
+            PyList::new(py, &req_ids)?,
+        ),
+        Some(order) => {
+            let pos: FxHashMap<&str, usize> =
+                ids.iter().enumerate().map(|(i, s)| (*s, i)).collect();
+            let mut perm = Vec::with_capacity(ids.len());
+            let list = PyList::empty(py);
+            for item in order.try_iter()? {
+                let item = item?.cast_into::<PyString>().map_err(|_| {
+                    InvalidArgumentError::new_err("order must be an iterable of request ids")
+                })?;
+                let i = *pos.get(item.to_str()?).ok_or_else(|| {
+                    InvalidArgumentError::new_err(format!(
+                        "order names {item} which is not scheduled in this step"
+                    ))
+                })?;
+                perm.push(i);
+                list.append(item)?;
             }
-        };
-        let finished: Vec<&str> = finished
+            if perm.len() != ids.len() {
+                return Err(InvalidArgumentError::new_err(format!(
+                    "order has {} request ids; {} are scheduled",
+                    perm.len(),
+                    ids.len()
+                )));
+            }
+            (perm, list)
+        }
+    };
+    let finished: Vec<&str> = finished
+        .iter()
+        .map(|s| s.to_str())
+        .collect::<PyResult<_>>()?;
+    let scheduled = perm
+        .iter()
+        .map(|&i| {
+            let s = &specs[i];
+            let blocks = &arena[s.blocks.clone()];
+            ScheduledRequest {
+                req_id: ids[i],
+                assignment: if s.start {
+                    Assignment::Start {
+                        block_ids: blocks,
+                        num_computed_tokens: s.num_computed_tokens.unwrap_or(0),
+                        num_external_tokens: s.num_external_tokens,
+                        num_prompt_tokens: s.num_prompt_tokens,
+                    }
+                } else {
+                    Assignment::Continue {
+                        new_block_ids: blocks,
+                        num_computed_tokens: s.num_computed_tokens,
+                    }
+                },
+                num_scheduled_tokens: s.num_scheduled_tokens,
+            }
+        })
+        .collect();
+    let spec_tokens: Vec<u32> = if skip.enabled && specs.iter().any(|s| s.num_spec_tokens > 0) {
+        perm.iter().map(|&i| specs[i].num_spec_tokens).collect()
+    } else {
+        Vec::new()
+    };
+    let step = core.plan_step(&StepInput {
+        finished_req_ids: finished,
+        scheduled,
+        fresh_block_ids: fresh.as_deref(),
+        connector_versions: &versions,
+        prefill_skip: skip.enabled.then_some(PrefillSkipRequest {
+            num_spec_tokens: &spec_tokens,
+            num_reqs_padded: skip.num_reqs_padded,
+            num_logits_padded: skip.num_logits_padded,
+        }),
+    })?;
+    let planned = core.planned();
+    let mut row = 0i64;
+    let query_start_loc = std::iter::once(0).chain(planned.iter().map(|p| {
+        row += (p.num_tokens - p.compute_start) as i64;
+        row
+    }));
+    let spans = i64_bytearray(
+        py,
+        4 * planned.len() + 1,
+        planned
             .iter()
-            .map(|s| s.to_str())
-            .collect::<PyResult<_>>()?;
-        let scheduled = perm
-            .iter()
-            .map(|&i| {
-                let s = &specs[i];
-                let blocks = &arena[s.blocks.clone()];
-                ScheduledRequest {
-                    req_id: ids[i],
-                    assignment: if s.start {
-                        Assignment::Start {
-                            block_ids: blocks,
-                            num_computed_tokens: s.num_computed_tokens.unwrap_or(0),
-                            num_external_tokens: s.num_external_tokens,
-                            num_prompt_tokens: s.num_prompt_tokens,
-                        }
-                    } else {
-                        Assignment::Continue {
-                            new_block_ids: blocks,
-                            num_computed_tokens: s.num_computed_tokens,
-                        }
-                    },
-                    num_scheduled_tokens: s.num_scheduled_tokens,
-                }
-            })
-            .collect();
-        let spec_tokens: Vec<u32> = if skip.enabled && specs.iter().any(|s| s.num_spec_tokens > 0) {
-            perm.iter().map(|&i| specs[i].num_spec_tokens).collect()
-        } else {
-            Vec::new()
-        };
-        let step = self.core.plan_step(&StepInput {
-            finished_req_ids: finished,
-            scheduled,
-            fresh_block_ids: fresh.as_deref(),
-            connector_versions: &versions,
-            prefill_skip: skip.enabled.then_some(PrefillSkipRequest {
-                num_spec_tokens: &spec_tokens,
-                num_reqs_padded: skip.num_reqs_padded,
-                num_logits_padded: skip.num_logits_padded,
-            }),
-        })?;
-        let planned = self.core.planned();
-        let mut row = 0i64;
-        let query_start_loc = std::iter::once(0).chain(planned.iter().map(|p| {
-            row += (p.num_tokens - p.compute_start) as i64;
-            row
-        }));
-        let spans = i64_bytearray(
-            py,
-            4 * planned.len() + 1,
-            planned
-                .iter()
-                .map(|p| p.compute_start as i64)
-                .chain(planned.iter().map(|p| p.num_tokens as i64))
-                .chain(query_start_loc)
-                .chain(planned.iter().map(|p| p.kept as i64)),
-        )?;
-        let num_rows = self.core.num_write_rows();
-        let slots = i64_bytearray(py, num_rows, self.core.write_slots())?;
-        let num_kept = self.core.num_kept_rows();
-        let kept_slots = if num_kept == num_rows {
-            None
-        } else {
-            Some(i64_bytearray(py, num_kept, self.core.kept_write_slots())?)
-        };
-        let skip = self
-            .core
-            .pending_prefill_skip()
-            .map(|s| skip_tuple(py, s))
-            .transpose()?;
-        Ok((
-            step.mirror_id,
-            step.step_id,
-            req_list,
-            spans,
-            slots,
-            kept_slots,
-            skip,
-        ))
-    }
+            .map(|p| p.compute_start as i64)
+            .chain(planned.iter().map(|p| p.num_tokens as i64))
+            .chain(query_start_loc)
+            .chain(planned.iter().map(|p| p.kept as i64)),
+    )?;
+    let num_rows = core.num_write_rows();
+    let slots = i64_bytearray(py, num_rows, core.write_slots())?;
+    let num_kept = core.num_kept_rows();
+    let kept_slots = if num_kept == num_rows {
+        None
+    } else {
+        Some(i64_bytearray(py, num_kept, core.kept_write_slots())?)
+    };
+    let skip = core
+        .pending_prefill_skip()
+        .map(|s| skip_tuple(py, s))
+        .transpose()?;
+    Ok((
+        step.mirror_id,
+        step.step_id,
+        req_list,
+        spans,
+        slots,
+        kept_slots,
+        skip,
+    ))
 }
 
 #[pymethods]
@@ -194,19 +195,22 @@ impl PySlotMirror {
         let num_blocks = u32::try_from(count("num_blocks", num_blocks)?)
             .map_err(|_| InvalidArgumentError::new_err("num_blocks must be below 2^32"))?;
         Ok(Self {
-            core: SlotMirror::new(num_blocks, count("block_size", block_size)?)?,
+            core: Shielded::new(
+                SlotMirror::new(num_blocks, count("block_size", block_size)?)?,
+                "hidden-state slot mirror",
+            ),
             kv_cache_group: count("kv_cache_group", kv_cache_group)?,
         })
     }
 
     #[getter]
-    fn num_blocks(&self) -> u32 {
-        self.core.num_blocks()
+    fn num_blocks(&self) -> PyResult<u32> {
+        self.core.read("num_blocks", |c| Ok(c.num_blocks()))
     }
 
     #[getter]
-    fn block_size(&self) -> usize {
-        self.core.block_size()
+    fn block_size(&self) -> PyResult<usize> {
+        self.core.read("block_size", |c| Ok(c.block_size()))
     }
 
     #[getter]
@@ -216,25 +220,32 @@ impl PySlotMirror {
 
     /// This mirror's id (plans carry it; other mirrors refuse them).
     #[getter]
-    fn mirror_id(&self) -> u64 {
-        self.core.id()
+    fn mirror_id(&self) -> PyResult<u64> {
+        self.core.read("mirror_id", |c| Ok(c.id()))
     }
 
     /// The id of the last planned step (0 before the first).
     #[getter]
-    fn step_id(&self) -> u64 {
-        self.core.step_id()
+    fn step_id(&self) -> PyResult<u64> {
+        self.core.read("step_id", |c| Ok(c.step_id()))
     }
 
     /// The planned step awaiting its commit, or None.
     #[getter]
-    fn pending_step(&self) -> Option<u64> {
-        self.core.pending_step().map(|s| s.step_id)
+    fn pending_step(&self) -> PyResult<Option<u64>> {
+        self.core
+            .read("pending_step", |c| Ok(c.pending_step().map(|s| s.step_id)))
+    }
+
+    /// Why the mirror refuses every call, if a panic poisoned it.
+    #[getter]
+    fn poisoned(&self) -> Option<String> {
+        self.core.poisoned().map(str::to_owned)
     }
 
     #[getter]
-    fn num_requests(&self) -> usize {
-        self.core.num_requests()
+    fn num_requests(&self) -> PyResult<usize> {
+        self.core.read("num_requests", |c| Ok(c.num_requests()))
     }
 
     /// Plans a step from vLLM's `SchedulerOutput` (see `crate::slots`).
@@ -260,16 +271,15 @@ impl PySlotMirror {
             fast_prefill,
         )?;
         facts.versions = read_versions(connector_versions.as_ref())?;
-        self.run(
-            py,
-            facts,
-            order,
-            SkipOptions {
-                enabled: fast_prefill,
-                num_reqs_padded,
-                num_logits_padded,
-            },
-        )
+        let skip = SkipOptions {
+            enabled: fast_prefill,
+            num_reqs_padded,
+            num_logits_padded,
+        };
+        self.core.write("plan", |core| {
+            crate::fault::point("slot_mirror.plan");
+            run(core, py, facts, order, skip)
+        })
     }
 
     /// Plans a step from plain ids: `new` (first schedules, resumed requests too) as
@@ -333,53 +343,62 @@ impl PySlotMirror {
         facts.finished = finished.unwrap_or_default();
         facts.fresh = fresh_block_ids.map(|f| block_id_vec(&f)).transpose()?;
         facts.versions = read_versions(connector_versions.as_ref())?;
-        self.run(
-            py,
-            facts,
-            order,
-            SkipOptions {
-                enabled: fast_prefill,
-                num_reqs_padded,
-                num_logits_padded,
-            },
-        )
+        let skip = SkipOptions {
+            enabled: fast_prefill,
+            num_reqs_padded,
+            num_logits_padded,
+        };
+        self.core.write("plan", |core| {
+            crate::fault::point("slot_mirror.plan");
+            run(core, py, facts, order, skip)
+        })
     }
 
     /// Counts the pending step's rows as written, then validates its reads. The step
     /// must be this mirror's (`mirror_id`) pending one.
     fn commit(&mut self, step_id: u64, mirror_id: u64) -> PyResult<PySlotReads> {
-        Ok(PySlotReads {
-            reads: self.core.commit(StepRef { mirror_id, step_id })?,
+        self.core.write("commit", |c| {
+            Ok(PySlotReads {
+                reads: c.commit(StepRef { mirror_id, step_id })?,
+            })
         })
     }
 
     /// Re-checks earlier reads; entries whose blocks were reassigned become misses.
     /// Returns how many did.
     fn revalidate(&mut self, mut reads: PyRefMut<'_, PySlotReads>) -> PyResult<usize> {
-        Ok(self.core.revalidate(&mut reads.reads)?)
+        self.core
+            .write("revalidate", |c| Ok(c.revalidate(&mut reads.reads)?))
     }
 
     /// `(version, leading rows written in it)` of a block (keys of every layer).
     fn block_state(&self, block_id: i64) -> PyResult<(u64, usize)> {
-        Ok(self.core.block_state(self::block_id(block_id)?)?)
+        let b = self::block_id(block_id)?;
+        self.core.read("block_state", |c| Ok(c.block_state(b)?))
     }
 
     /// Leading rows of the skip-layer keys written in the block's current version.
     fn block_skip_rows(&self, block_id: i64) -> PyResult<usize> {
-        Ok(self.core.block_skip_rows(self::block_id(block_id)?)?)
+        let b = self::block_id(block_id)?;
+        self.core
+            .read("block_skip_rows", |c| Ok(c.block_skip_rows(b)?))
     }
 
     fn block_table<'py>(&self, py: Python<'py>, req_id: &str) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.core.block_table(req_id)?)
+        self.core
+            .read("block_table", |c| PyList::new(py, c.block_table(req_id)?))
     }
 
     fn num_computed_tokens(&self, req_id: &str) -> PyResult<usize> {
-        Ok(self.core.num_computed_tokens(req_id)?)
+        self.core.read(
+            "num_computed_tokens",
+            |c| Ok(c.num_computed_tokens(req_id)?),
+        )
     }
 
     /// The mirror's counters as a dict.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.core.stats();
+        let s = self.core.read("stats", |c| Ok::<_, PyErr>(c.stats()))?;
         let d = PyDict::new(py);
         for (k, v) in [
             ("steps", s.steps),
