@@ -436,16 +436,18 @@ impl PyKVCacheCore {
         py: Python<'py>,
         request_id: &str,
     ) -> PyResult<Option<(u32, Bound<'py, PyDict>)>> {
-        let Some(h) = self.core.coordinator().hisparse() else {
-            return Ok(None);
-        };
-        let Some(id) = h.request_state_id(request_id) else {
-            return Ok(None);
-        };
-        match h.state(id) {
-            Some(s) => Ok(Some((id, state_dict(py, s)?))),
-            None => Ok(None),
-        }
+        self.core.read("hisparse_request_state", |c| {
+            let Some(h) = c.coordinator().hisparse() else {
+                return Ok(None);
+            };
+            let Some(id) = h.request_state_id(request_id) else {
+                return Ok(None);
+            };
+            match h.state(id) {
+                Some(s) => Ok(Some((id, state_dict(py, s)?))),
+                None => Ok(None),
+            }
+        })
     }
 
     /// The state of slab entry `state_id` as a dict (None if gone).
@@ -454,15 +456,12 @@ impl PyKVCacheCore {
         py: Python<'py>,
         state_id: u32,
     ) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let Some(s) = self
-            .core
-            .coordinator()
-            .hisparse()
-            .and_then(|h| h.state(state_id))
-        else {
-            return Ok(None);
-        };
-        Ok(Some(state_dict(py, s)?))
+        self.core.read("hisparse_state", |c| {
+            match c.coordinator().hisparse().and_then(|h| h.state(state_id)) {
+                Some(s) => Ok(Some(state_dict(py, s)?)),
+                None => Ok(None),
+            }
+        })
     }
 
     /// `pending_spills` in order: `(transfer_id, request_id, page, state_id,
@@ -544,45 +543,47 @@ impl PyKVCacheCore {
     /// `retained_copies` `[(dst, src, dst)]`, `pending_imports` `[(request, tokens)]`,
     /// `resident_requests`, `next_spill_id`.
     fn core_hisparse_tables<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        let Some(h) = self.core.coordinator().hisparse() else {
-            return Ok(d);
-        };
-        let copies = PyList::empty(py);
-        for (k, blocks) in h.copies() {
-            copies.append((PyBytes::new(py, &k.to_vllm_bytes()), blocks.to_vec()))?;
-        }
-        d.set_item("copies", copies)?;
-        let by_block = PyList::empty(py);
-        for (b, k) in h.copy_by_block() {
-            by_block.append((b, PyBytes::new(py, &k.to_vllm_bytes())))?;
-        }
-        d.set_item("copy_by_block", by_block)?;
-        let owners = PyList::empty(py);
-        for (b, set) in h.owners() {
-            let mut pairs: Vec<(String, usize)> =
-                set.iter().map(|(r, p)| (r.to_string(), *p)).collect();
-            pairs.sort_unstable();
-            owners.append((b, pairs))?;
-        }
-        d.set_item("owners", owners)?;
-        d.set_item(
-            "retained_copies",
-            h.retained_copies()
-                .map(|(&dst, &(src, cow))| (dst, src, cow))
-                .collect::<Vec<_>>(),
-        )?;
-        d.set_item(
-            "pending_imports",
-            h.pending_imports()
-                .map(|(r, &n)| (r.to_owned(), n))
-                .collect::<Vec<_>>(),
-        )?;
-        d.set_item(
-            "resident_requests",
-            h.resident_requests().map(str::to_owned).collect::<Vec<_>>(),
-        )?;
-        d.set_item("next_spill_id", h.next_spill_id())?;
-        Ok(d)
+        self.core.read("hisparse_tables", |c| {
+            let d = PyDict::new(py);
+            let Some(h) = c.coordinator().hisparse() else {
+                return Ok(d);
+            };
+            let copies = PyList::empty(py);
+            for (k, blocks) in h.copies() {
+                copies.append((PyBytes::new(py, &k.to_vllm_bytes()), blocks.to_vec()))?;
+            }
+            d.set_item("copies", copies)?;
+            let by_block = PyList::empty(py);
+            for (b, k) in h.copy_by_block() {
+                by_block.append((b, PyBytes::new(py, &k.to_vllm_bytes())))?;
+            }
+            d.set_item("copy_by_block", by_block)?;
+            let owners = PyList::empty(py);
+            for (b, set) in h.owners() {
+                let mut pairs: Vec<(String, usize)> =
+                    set.iter().map(|(r, p)| (r.to_string(), *p)).collect();
+                pairs.sort_unstable();
+                owners.append((b, pairs))?;
+            }
+            d.set_item("owners", owners)?;
+            d.set_item(
+                "retained_copies",
+                h.retained_copies()
+                    .map(|(&dst, &(src, cow))| (dst, src, cow))
+                    .collect::<Vec<_>>(),
+            )?;
+            d.set_item(
+                "pending_imports",
+                h.pending_imports()
+                    .map(|(r, &n)| (r.to_owned(), n))
+                    .collect::<Vec<_>>(),
+            )?;
+            d.set_item(
+                "resident_requests",
+                h.resident_requests().map(str::to_owned).collect::<Vec<_>>(),
+            )?;
+            d.set_item("next_spill_id", h.next_spill_id())?;
+            Ok(d)
+        })
     }
 }

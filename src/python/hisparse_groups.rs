@@ -27,23 +27,21 @@ impl PyKVCacheCore {
         page: i64,
     ) -> PyResult<Option<BlockId>> {
         let page = count("block_idx", page)?;
-        let m = resident(&self.core, g)?;
-        let table = self.core.get_blocks(request_id, g);
-        Ok(m.get_resident_page(request_id, table, page))
+        self.core.read("get_resident_page", |c| {
+            let m = resident(c, g)?;
+            Ok(m.get_resident_page(request_id, c.get_blocks(request_id, g), page))
+        })
     }
 
     /// vLLM's `get_residency_row(request_id, start)` of resident group `g` (ids).
     fn core_residency_row(&self, g: usize, request_id: &str, start: i64) -> PyResult<Vec<BlockId>> {
         let start = count("start", start)?;
-        let m = resident(&self.core, g)?;
-        let mut out = Vec::new();
-        m.residency_row(
-            request_id,
-            self.core.get_blocks(request_id, g),
-            start,
-            &mut out,
-        );
-        Ok(out)
+        self.core.read("get_residency_row", |c| {
+            let m = resident(c, g)?;
+            let mut out = Vec::new();
+            m.residency_row(request_id, c.get_blocks(request_id, g), start, &mut out);
+            Ok(out)
+        })
     }
 
     /// vLLM's `adopt_resident_page` of resident group `g`.
@@ -92,16 +90,18 @@ impl PyKVCacheCore {
     /// `residency_changes` of resident group `g`: `[(request, [(page, block)])]`.
     #[allow(clippy::type_complexity)]
     fn core_residency_changes(&self, g: usize) -> PyResult<Vec<(String, Vec<(usize, BlockId)>)>> {
-        let m = resident(&self.core, g)?;
-        Ok(m.requests_with_changes()
-            .map(|rid| {
-                let changes = m
-                    .residency_changes(rid)
-                    .map(|c| c.iter().map(|(&p, &b)| (p, b)).collect())
-                    .unwrap_or_default();
-                (rid.to_owned(), changes)
-            })
-            .collect())
+        self.core.read("residency_changes", |c| {
+            let m = resident(c, g)?;
+            Ok(m.requests_with_changes()
+                .map(|rid| {
+                    let changes = m
+                        .residency_changes(rid)
+                        .map(|c| c.iter().map(|(&p, &b)| (p, b)).collect())
+                        .unwrap_or_default();
+                    (rid.to_owned(), changes)
+                })
+                .collect())
+        })
     }
 
     /// vLLM's `require_hot` of hot group `g`.
@@ -117,14 +117,15 @@ impl PyKVCacheCore {
 
     /// `hot_required` of hot group `g`.
     fn core_hot_required(&self, g: usize) -> PyResult<Vec<String>> {
-        let m = self
-            .core
-            .coordinator()
-            .managers()
-            .get(g)
-            .and_then(|m| m.hisparse_hot())
-            .ok_or_else(|| InvalidArgumentError::new_err(format!("group {g} is not hot")))?;
-        Ok(m.hot_required().map(str::to_owned).collect())
+        self.core.read("hot_required", |c| {
+            let m = c
+                .coordinator()
+                .managers()
+                .get(g)
+                .and_then(|m| m.hisparse_hot())
+                .ok_or_else(|| InvalidArgumentError::new_err(format!("group {g} is not hot")))?;
+            Ok(m.hot_required().map(str::to_owned).collect())
+        })
     }
 
     /// One group's `allocate_new_blocks` (vLLM code may call a manager directly):
