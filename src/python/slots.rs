@@ -187,6 +187,22 @@ fn run<'py>(
     ))
 }
 
+impl PySlotMirror {
+    /// Plans one step from its facts, behind the shield (both `plan` entry points).
+    fn plan_step<'py>(
+        &mut self,
+        py: Python<'py>,
+        facts: Facts<'py>,
+        order: Option<Bound<'py, PyAny>>,
+        skip: SkipOptions,
+    ) -> PyResult<PlanTuple<'py>> {
+        self.core.write("plan", |core| {
+            crate::fault::point("slot_mirror.plan");
+            run(core, py, facts, order, skip)
+        })
+    }
+}
+
 #[pymethods]
 impl PySlotMirror {
     #[new]
@@ -276,10 +292,7 @@ impl PySlotMirror {
             num_reqs_padded,
             num_logits_padded,
         };
-        self.core.write("plan", |core| {
-            crate::fault::point("slot_mirror.plan");
-            run(core, py, facts, order, skip)
-        })
+        self.plan_step(py, facts, order, skip)
     }
 
     /// Plans a step from plain ids: `new` (first schedules, resumed requests too) as
@@ -348,10 +361,7 @@ impl PySlotMirror {
             num_reqs_padded,
             num_logits_padded,
         };
-        self.core.write("plan", |core| {
-            crate::fault::point("slot_mirror.plan");
-            run(core, py, facts, order, skip)
-        })
+        self.plan_step(py, facts, order, skip)
     }
 
     /// Counts the pending step's rows as written, then validates its reads. The step
