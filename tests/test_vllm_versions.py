@@ -181,6 +181,25 @@ def test_hybrid_null_block_count_equals_the_installed_vllms() -> None:
         assert trace[0][-1][1] != 0  # the rule was exercised
 
 
+def test_mamba_caching_outside_align_follows_the_profile() -> None:
+    """0.33 refuses prefix caching over a Mamba group outside align mode (an assert),
+    0.32 caches in every mode (``VllmProfile.mamba_caching_needs_align``). hscache
+    refuses on 0.33 like vLLM and leaves the layout to vLLM's own manager on 0.32."""
+    config = kc.kv_cache_config([kc.full_attention(16), kc.mamba(16, mode="none")], 40)
+    kw = manager_kwargs(40, kv_cache_config=config)
+    try:
+        VllmKVCacheManager(**kw)
+        vllm_accepts = True
+    except AssertionError:
+        vllm_accepts = False
+    assert vllm_accepts != PROFILE.mamba_caching_needs_align
+    if PROFILE.mamba_caching_needs_align:
+        with pytest.raises(ValueError, match="align"):
+            KVCacheManager(**kw)
+    else:
+        assert type(KVCacheManager(**kw)) is VllmKVCacheManager  # the logged fallback
+
+
 def _events(m: Any) -> list[bytes]:
     return [msgspec.msgpack.encode(e) for e in m.take_events()]
 
