@@ -10,8 +10,10 @@
 # tests/e2e/run.py then makes a tiny random Llama and a byte-level BPE tokenizer (nothing
 # downloaded), runs vLLM's offline LLM stock, with --scheduler-cls hscache.vllm.Scheduler,
 # with the HSCACHE=1 plugin and with HSCACHE_PARITY=1, and `vllm serve` on 127.0.0.1 stock
-# and with the scheduler class, compares tokens, cached tokens, prefix-cache metrics,
-# preemptions and KV events, checks that hscache really served, and prints the table.
+# and with the scheduler class, then a tiny random Gemma-3-style hybrid model (sliding
+# window + full attention, tests/e2e/hybrid.py) stock and with the scheduler class under
+# HSCACHE_STRICT=1, compares tokens, cached tokens, prefix-cache metrics, preemptions and
+# KV events, checks that hscache really served, and prints the tables.
 # Logs and JSON results: ${HSCACHE_E2E_WORK:-$HSCACHE_CACHE/e2e}.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -60,12 +60,12 @@ step_after() {
     step "$name" "$@"
 }
 
-# The version tests and the differential suite against vLLM 0.32 (hscache's other tests
-# are written against 0.33's interfaces).
+# The version tests, the differential suite and HiSparse's random traces against vLLM 0.32
+# (hscache's other tests are written against 0.33's interfaces).
 run_pytest032() {
     [[ -n "${HSCACHE_PY032:-}" ]] || source scripts/vllm032_env.sh || return 1
     timeout 1800 "$HSCACHE_PY032" -m pytest -q -p no:cacheprovider \
-        tests/test_vllm_versions.py tests/test_differential_vllm.py
+        tests/test_vllm_versions.py tests/test_differential_vllm.py tests/test_hisparse.py
 }
 
 # pytest exits 5 when it collected no test: a failure (a broken collection or a selection

@@ -345,9 +345,6 @@ def test_harness_detects_divergence(mutant):
     pytest.fail(f"{mutant.__name__} was not detected in 80 traces")
 
 
-@pytest.mark.skipif(
-    not diff.config.SERVES_HYBRIDS, reason="hscache serves no hybrid layout on this vLLM (0.32)"
-)
 @pytest.mark.parametrize("mutant", list(mutants.HYBRID), ids=lambda m: m.__name__)
 def test_harness_detects_hybrid_divergence(mutant):
     """Each mutant of one group type (or of the groups' interplay) is caught by the traces

@@ -123,23 +123,81 @@ def test_eagle_flagged_group_drops_like_the_installed_vllm(use_eagle: bool) -> N
 
 def test_null_block_references_follow_the_profile() -> None:
     """vLLM 0.32's ``touch`` / ``free_blocks`` count references on the null block, 0.33's
-    skip it. hscache keeps it at 0 on both (``VllmProfile.null_block_ref_counted``): the
-    counts, usage and queue stay equal; only the null block's own counter differs."""
+    skip it (``VllmProfile.null_block_ref_counted``). hscache reports the installed
+    vLLM's count; usage and the free queue never change."""
     ours = KVCacheManager(**manager_kwargs(8))
     theirs = VllmKVCacheManager(**manager_kwargs(8))
     for m in (ours, theirs):
         m.block_pool.touch([m.block_pool.null_block, m.block_pool.null_block])
     counted = theirs.block_pool.null_block.ref_cnt
     assert counted == (2 if PROFILE.null_block_ref_counted else 0)
-    assert ours.block_pool.null_block.ref_cnt == 0
+    assert ours.block_pool.null_block.ref_cnt == counted
     for m in (ours, theirs):
-        m.block_pool.free_blocks([m.block_pool.null_block])
+        m.block_pool.free_blocks([m.block_pool.null_block] * 3)
         assert m.block_pool.get_num_free_blocks() == 7 and m.usage == 0.0
+    assert ours.block_pool.null_block.ref_cnt == theirs.block_pool.null_block.ref_cnt
+    assert ours.block_pool.null_block.ref_cnt == (-1 if PROFILE.null_block_ref_counted else 0)
     queue = [
         [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()]
         for m in (ours, theirs)
     ]
     assert queue[0] == queue[1] == list(range(1, 8))
+
+
+def test_hybrid_null_block_count_equals_the_installed_vllms() -> None:
+    """Full attention + a sliding window: the window's skipped blocks become null blocks
+    in the table, a hit hands out null blocks, freeing and ``pop_blocks_for_free`` return
+    them. hscache serves the layout on both versions, and the null block's count, the
+    blocks handed back and the free queue equal vLLM's at every step."""
+    config = kc.kv_cache_config([kc.full_attention(16), kc.sliding_window(16, 32)], 40)
+    managers = []
+    for cls in (KVCacheManager, VllmKVCacheManager):
+        m = cls(**manager_kwargs(40, kv_cache_config=config))
+        assert type(m) is cls  # served by the core, no fallback
+        managers.append(m)
+    trace = []
+    for m in managers:
+        seen = []
+        tokens = list(range(100))
+        a = make_request("a", tokens)
+        assert m.allocate_slots(a, 100) is not None
+        a.num_computed_tokens = 100
+        m.remove_skipped_blocks("a", 100)
+        seen.append(("a", m.get_block_ids("a"), m.block_pool.null_block.ref_cnt))
+        m.free(a)
+        seen.append(("free a", m.block_pool.null_block.ref_cnt))
+        b = make_request("b", [*tokens, 5])
+        blocks, hit, _ = m.get_computed_blocks(b)
+        assert m.allocate_slots(b, 101 - hit, hit, blocks) is not None
+        seen.append(("b", hit, m.get_block_ids("b"), m.block_pool.null_block.ref_cnt))
+        popped = [blk.block_id for blk in m.pop_blocks_for_free(b)]
+        seen.append(("pop b", popped, m.block_pool.null_block.ref_cnt))
+        m.block_pool.free_blocks([m.block_pool.blocks[i] for i in reversed(popped)])
+        queue = [blk.block_id for blk in m.block_pool.free_block_queue.get_all_free_blocks()]
+        seen.append(("freed", m.block_pool.null_block.ref_cnt, m.usage, queue))
+        trace.append(seen)
+    assert trace[0] == trace[1]
+    if PROFILE.null_block_ref_counted:
+        assert trace[0][-1][1] != 0  # the rule was exercised
+
+
+def test_mamba_caching_outside_align_follows_the_profile() -> None:
+    """0.33 refuses prefix caching over a Mamba group outside align mode (an assert),
+    0.32 caches in every mode (``VllmProfile.mamba_caching_needs_align``). hscache
+    refuses on 0.33 like vLLM and leaves the layout to vLLM's own manager on 0.32."""
+    config = kc.kv_cache_config([kc.full_attention(16), kc.mamba(16, mode="none")], 40)
+    kw = manager_kwargs(40, kv_cache_config=config)
+    try:
+        VllmKVCacheManager(**kw)
+        vllm_accepts = True
+    except AssertionError:
+        vllm_accepts = False
+    assert vllm_accepts != PROFILE.mamba_caching_needs_align
+    if PROFILE.mamba_caching_needs_align:
+        with pytest.raises(ValueError, match="align"):
+            KVCacheManager(**kw)
+    else:
+        assert type(KVCacheManager(**kw)) is VllmKVCacheManager  # the logged fallback
 
 
 def _events(m: Any) -> list[bytes]:

@@ -97,6 +97,7 @@ class KVCacheCore:
         retention_interval: int | None = None,
         collect_metrics: bool = False,
         enable_mamba_shared_prefix_checkpoint: bool = False,
+        vllm_series: str = "0.33",
     ) -> KVCacheCore: ...
     def _bind_vllm(
         self,

@@ -1175,12 +1175,14 @@ impl KVCacheCoordinator {
         }
         scratch.clear();
         let mut ends: SmallVec<[usize; 8]> = SmallVec::new();
+        let keep_nulls = self.pool.vllm_rules().null_block_ref_counted;
         for &h in handles {
             let Some(state) = self.requests.get_by_handle(h) else {
                 return Err(Error::UnknownRequest(format!("handle {h:#x}")));
             };
             for g in &state.groups {
-                let head = null_head(&g.blocks);
+                // vLLM 0.32 frees the leading nulls too (the pool counts them).
+                let head = if keep_nulls { 0 } else { null_head(&g.blocks) };
                 scratch.extend(g.blocks[head..].iter().rev());
                 ends.push(scratch.len());
             }
@@ -1211,8 +1213,11 @@ impl KVCacheCoordinator {
         let Some(state) = self.requests.get(request_id) else {
             return Ok(None);
         };
+        let keep_nulls = self.pool.vllm_rules().null_block_ref_counted;
         for g in &state.groups {
-            out.extend_from_slice(&g.blocks[null_head(&g.blocks)..]);
+            // vLLM 0.32 hands back the leading nulls too.
+            let head = if keep_nulls { 0 } else { null_head(&g.blocks) };
+            out.extend_from_slice(&g.blocks[head..]);
         }
         self.pop_request_state(request_id);
         Ok(None)

@@ -1,7 +1,8 @@
 //! `state_digest()`: one 64-bit fingerprint of a manager's observable state.
 //!
-//! Covers the device pool (every block's ref count, hash key, hashed prefix
-//! length and secondary keys; the free queue in order; each key's lookup order),
+//! Covers the device pool (every block's ref count, the null block's counter of
+//! vLLM 0.32, hash key, hashed prefix length and secondary keys; the free queue in
+//! order; each key's lookup order),
 //! HiSparse's host pool the same way, the request tables of every group (blocks,
 //! cached count, partial hit), queued copy-on-write pairs, the external
 //! references and the poison flag. Tests take it before and after a call that must
@@ -22,6 +23,7 @@ fn hash_pool(pool: &BlockPool, h: &mut FxHasher) {
     let n = pool.num_gpu_blocks();
     n.hash(h);
     pool.get_num_free_blocks().hash(h);
+    pool.null_ref_cnt().hash(h); // vLLM 0.32's null-block count (0 on 0.33)
     let index = pool.cached_block_hash_to_block();
     for b in 0..n as BlockId {
         pool.ref_cnt(b).hash(h);

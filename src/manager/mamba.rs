@@ -478,7 +478,14 @@ impl MambaManager {
         let Some(&source) = req.blocks.get(block_idx) else {
             return Ok(None);
         };
-        if source == NULL_BLOCK_ID || pool.block_hash_num_tokens(source) == Some(n as u32) {
+        if source == NULL_BLOCK_ID {
+            return Ok(None);
+        }
+        // Already keyed here by a hit or an earlier step: vLLM 0.33 does not cache it
+        // again (that would defer every sibling hitting it); 0.32 does.
+        if pool.block_hash_num_tokens(source) == Some(n as u32)
+            && pool.vllm_rules().skip_keyed_mamba_checkpoint
+        {
             return Ok(None);
         }
         let key = pool.cache_partial_block(q.block_hashes, source, n, gid, bs, false)?;

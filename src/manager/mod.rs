@@ -52,6 +52,7 @@ pub mod single_type;
 pub mod sink;
 pub mod sliding_window;
 pub mod spec;
+mod vllm_rules;
 
 use smallvec::SmallVec;
 

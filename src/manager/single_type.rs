@@ -373,9 +373,21 @@ pub trait SingleTypeManager: std::fmt::Debug + Send + Sync {
     }
 
     /// The blocks `pop_blocks_for_free` hands back for this group (allocation
-    /// order, leading nulls trimmed), appended to `out`: the table by default.
-    fn blocks_for_free(&self, _request_id: &str, req: &GroupBlocks, out: &mut Vec<BlockId>) {
-        out.extend_from_slice(&req.blocks[null_head_len(&req.blocks)..]);
+    /// order, leading nulls trimmed unless `keep_null_head`: vLLM 0.32 keeps them),
+    /// appended to `out`: the table by default.
+    fn blocks_for_free(
+        &self,
+        _request_id: &str,
+        req: &GroupBlocks,
+        keep_null_head: bool,
+        out: &mut Vec<BlockId>,
+    ) {
+        let head = if keep_null_head {
+            0
+        } else {
+            null_head_len(&req.blocks)
+        };
+        out.extend_from_slice(&req.blocks[head..]);
     }
 
     /// vLLM's `retains_longer_hit`: the group keeps its own (longer) hit instead of
@@ -634,8 +646,9 @@ pub fn base_cache_blocks<M: SingleTypeManager + ?Sized>(
     if q.shared_prefix_boundary > 0 {
         let spb = q.shared_prefix_boundary as i64;
         reachable.push(spb);
-        if base.use_eagle {
-            // A sibling diverging right after the junction hits one block lower.
+        if base.use_eagle && pool.vllm_rules().eagle_junction_keeps_lower_block {
+            // A sibling diverging right after the junction hits one block lower
+            // (vLLM 0.33; 0.32 keeps the junction only).
             reachable.push(spb - base.block_size as i64);
         }
     }

@@ -7,8 +7,10 @@
 //!
 //! Key properties:
 //! - Block 0 is the null block: popped from the free queue at construction, never
-//!   hashed, never ref-counted, skipped by `touch` and `free_blocks`, excluded from
-//!   `usage`.
+//!   hashed, never queued, excluded from `usage`. `touch` and `free_blocks` skip it
+//!   (vLLM 0.33); under vLLM 0.32's rules ([`rules::VllmRules`]) they add / drop a
+//!   reference on it, kept apart in a signed counter (`null_ref_cnt`, which vLLM 0.32
+//!   lets go negative), and nothing else changes.
 //! - A non-null block is in the free queue iff its ref count is 0.
 //! - Eviction is lazy: a freed hashed block stays indexed while it waits in the free
 //!   queue and is evicted only when `get_new_blocks` hands it out again, by
@@ -30,6 +32,7 @@ pub mod caching;
 pub mod eviction_history;
 pub mod retention;
 mod retention_ops;
+pub mod rules;
 mod watchers;
 
 use crate::alloc::zeroed_vec;
@@ -40,6 +43,7 @@ use crate::hash_index::BlockHashToBlockMap;
 use crate::types::{BlockHash, BlockHashWithGroupId, BlockId, NULL_BLOCK_ID};
 use eviction_history::{EvictionCause, EvictionHistory};
 use retention::Retention;
+use rules::VllmRules;
 use watchers::ReuseWatchers;
 
 /// The block pool (see module docs).
@@ -65,6 +69,10 @@ pub struct BlockPool {
     retention: Option<Box<Retention>>,
     /// Explain mode's bounded eviction history (`eviction_history.rs`); None = off.
     eviction_history: Option<Box<EvictionHistory>>,
+    /// The installed vLLM's rules (`rules.rs`).
+    rules: VllmRules,
+    /// vLLM 0.32's `null_block.ref_cnt` (always 0 under 0.33's rules).
+    null_ref_cnt: i64,
 }
 
 impl BlockPool {
@@ -107,7 +115,27 @@ impl BlockPool {
             watchers: ReuseWatchers::try_new(n)?,
             retention: None,
             eviction_history: None,
+            rules: VllmRules::V033,
+            null_ref_cnt: 0,
         })
+    }
+
+    /// Sets the installed vLLM's rules (at construction, before any block is used).
+    pub fn set_vllm_rules(&mut self, rules: VllmRules) {
+        self.rules = rules;
+    }
+
+    /// The installed vLLM's rules.
+    #[inline]
+    pub fn vllm_rules(&self) -> VllmRules {
+        self.rules
+    }
+
+    /// vLLM's `null_block.ref_cnt`: 0 under 0.33's rules; under 0.32's, touches of
+    /// the null block minus its frees (may be negative).
+    #[inline]
+    pub fn null_ref_cnt(&self) -> i64 {
+        self.null_ref_cnt
     }
 
     /// Number of blocks, null block included.
@@ -151,6 +179,17 @@ impl BlockPool {
     #[inline]
     pub fn ref_cnt(&self, block_id: BlockId) -> u32 {
         self.ref_cnt[block_id as usize]
+    }
+
+    /// The reference count vLLM reports for a block (`block.ref_cnt`): the null
+    /// block's is [`Self::null_ref_cnt`].
+    #[inline]
+    pub fn vllm_ref_cnt(&self, block_id: BlockId) -> i64 {
+        if block_id == NULL_BLOCK_ID {
+            self.null_ref_cnt
+        } else {
+            i64::from(self.ref_cnt[block_id as usize])
+        }
     }
 
     /// The primary hash key of a block, if it is cached.
@@ -348,6 +387,14 @@ impl BlockPool {
         self.validate_touch(block_ids)?;
         for &id in block_ids {
             if id == NULL_BLOCK_ID {
+                // vLLM 0.32 counts it (never queued, so the queue is untouched) and
+                // reports the access to the metrics collector.
+                if self.rules.null_block_ref_counted {
+                    self.null_ref_cnt += 1;
+                    if let Some(m) = self.metrics.as_mut() {
+                        m.push(MetricsOp::Accessed(id));
+                    }
+                }
                 continue;
             }
             if self.ref_cnt[id as usize] == 0 {
@@ -389,6 +436,7 @@ impl BlockPool {
         let mut zeroed = std::mem::take(&mut self.scratch_zeroed);
         zeroed.clear();
         let mut failure = None;
+        let mut nulls = 0i64;
         for &id in ids {
             if let Err(e) = self.check_block_id(i64::from(id)) {
                 failure = Some(e);
@@ -396,6 +444,7 @@ impl BlockPool {
             }
             if id == NULL_BLOCK_ID {
                 zeroed.push(false);
+                nulls += 1;
                 continue;
             }
             let rc = &mut self.ref_cnt[id as usize];
@@ -414,6 +463,9 @@ impl BlockPool {
             }
             self.scratch_zeroed = zeroed;
             return Err(e);
+        }
+        if self.rules.null_block_ref_counted {
+            self.null_ref_cnt -= nulls;
         }
         // Apply: per segment, unhashed blocks to the head, hashed ones to the tail.
         let mut first = std::mem::take(&mut self.scratch_first);
@@ -558,6 +610,12 @@ impl BlockPool {
         }
         if self.free_block_queue.contains(NULL_BLOCK_ID) {
             return Err("the null block is in the free queue".into());
+        }
+        if !self.rules.null_block_ref_counted && self.null_ref_cnt != 0 {
+            return Err(format!(
+                "the null block counts {} references under vLLM 0.33's rules",
+                self.null_ref_cnt
+            ));
         }
         if free != self.free_block_queue.num_free_blocks() {
             return Err(format!(

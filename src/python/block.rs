@@ -51,10 +51,11 @@ impl PyKVCacheBlock {
         self.block_id == NULL_BLOCK_ID
     }
 
-    /// Current reference count (0 for free blocks and the null block).
+    /// Current reference count (0 for free blocks; the null block's is 0 on vLLM
+    /// 0.33 and counts touches minus frees on 0.32, possibly negative).
     #[getter]
-    fn ref_cnt(&self, py: Python<'_>) -> PyResult<u32> {
-        self.with_pool(py, |p| p.ref_cnt(self.block_id))
+    fn ref_cnt(&self, py: Python<'_>) -> PyResult<i64> {
+        self.with_pool(py, |p| p.vllm_ref_cnt(self.block_id))
     }
 
     /// Whether this block belongs to HiSparse's host pool.
@@ -99,7 +100,7 @@ impl PyKVCacheBlock {
 
     fn __repr__(&self, py: Python<'_>) -> String {
         let ref_cnt = self
-            .with_pool(py, |p| p.ref_cnt(self.block_id))
+            .with_pool(py, |p| p.vllm_ref_cnt(self.block_id))
             .unwrap_or(0);
         format!(
             "KVCacheBlock(block_id={}, ref_cnt={ref_cnt}, is_null={})",

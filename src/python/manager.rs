@@ -35,6 +35,7 @@ use crate::events::MetricsOp;
 use crate::manager::{
     AllocateSlots, CoordinatorConfig, GroupedBlocks, KVCacheManager, KVCacheManagerConfig,
 };
+use crate::pool::rules::VllmRules;
 use crate::stats::{self, Op};
 use crate::types::BlockId;
 
@@ -419,7 +420,7 @@ impl PyKVCacheCore {
         watermark_blocks=0, num_hash_lookahead_tokens=0, num_prefill_lookahead=0,
         dcp_world_size=1, pcp_world_size=1, needs_kv_cache_zeroing=false,
         retention_interval=None, collect_metrics=false,
-        enable_mamba_shared_prefix_checkpoint=false))]
+        enable_mamba_shared_prefix_checkpoint=false, vllm_series="0.33"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: i64,
@@ -439,6 +440,7 @@ impl PyKVCacheCore {
         retention_interval: Option<i64>,
         collect_metrics: bool,
         enable_mamba_shared_prefix_checkpoint: bool,
+        vllm_series: &str,
     ) -> PyResult<Self> {
         let num_blocks = u32::try_from(count("num_blocks", num_blocks)?)
             .map_err(|_| InvalidArgumentError::new_err("num_blocks is too large"))?;
@@ -446,7 +448,8 @@ impl PyKVCacheCore {
             .iter()
             .map(|g| group_spec(g.cast::<PyDict>()?))
             .collect::<PyResult<Vec<_>>>()?;
-        let core = KVCacheManager::new(KVCacheManagerConfig {
+        let rules = VllmRules::for_series(vllm_series)?;
+        let mut core = KVCacheManager::new(KVCacheManagerConfig {
             coordinator: CoordinatorConfig {
                 num_blocks,
                 groups,
@@ -473,6 +476,7 @@ impl PyKVCacheCore {
             watermark_blocks: count("watermark_blocks", watermark_blocks)?,
             enable_mamba_shared_prefix_checkpoint,
         })?;
+        core.set_vllm_rules(rules)?;
         let num_host_blocks = core
             .host_pool()
             .map_or(0, super::super::pool::BlockPool::num_gpu_blocks);

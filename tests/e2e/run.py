@@ -9,7 +9,9 @@ own process and time limit:
 - four offline arms (``offline.py``): stock vLLM; ``scheduler_cls="hscache.vllm.Scheduler"``;
   the ``HSCACHE=1`` plugin; the scheduler class with ``HSCACHE_PARITY=1`` (vLLM's manager
   beside hscache's on every call, raising on the first divergence);
-- two ``vllm serve`` arms (``serve.py``): stock and ``--scheduler-cls hscache.vllm.Scheduler``.
+- two ``vllm serve`` arms (``serve.py``): stock and ``--scheduler-cls hscache.vllm.Scheduler``;
+- two hybrid arms (``hybrid.py``): a tiny Gemma-3-style model (sliding-window + full
+  attention groups), stock and the scheduler class with ``HSCACHE_STRICT=1``.
 
 Every hscache arm must equal the stock arm in output tokens, per-request cached tokens,
 vLLM's prefix-cache and preemption counters and (offline) the KV events read back from
@@ -56,6 +58,7 @@ COLUMN = {
     "parity": "`HSCACHE_PARITY=1`",
 }
 ARM_TIMEOUT = 600
+HYBRID_ARMS = ("stock", "scheduler-cls")
 
 
 def run_arm(script: str, arm: str, work: Path, extra_env: dict[str, str], *args: str) -> Any:
@@ -167,6 +170,82 @@ def judge_offline(j: Judge, arms: dict[str, Any]) -> None:
     j.require(pressure["preemptions"] > 0, "pressure scenario: no preemption")
     j.require(pressure["removed"] > 0, "pressure scenario: no BlockRemoved event")
     j.require(prefix["stored"] > 0, "prefix scenario: no BlockStored event")
+
+
+def hybrid_summary(d: dict[str, Any]) -> dict[str, Any]:
+    rounds = d["rounds"]
+    queries = sum(r["counters"].get("vllm:prefix_cache_queries", 0) for r in rounds)
+    hits = sum(r["counters"].get("vllm:prefix_cache_hits", 0) for r in rounds)
+    return {
+        "requests": sum(len(r["requests"]) for r in rounds),
+        "output_tokens": sum(len(q["output"]) for r in rounds for q in r["requests"]),
+        "cached": sum(q["num_cached_tokens"] for r in rounds for q in r["requests"]),
+        "hit_rate": hits / queries if queries else 0.0,
+        "events": sum(len(r["events"]) for r in rounds),
+        "null_ref_cnt": rounds[-1]["null_block_ref_cnt"],
+        "wall_s": sum(r["wall_s"] for r in rounds),
+    }
+
+
+def judge_hybrid(j: Judge, arms: dict[str, Any]) -> None:
+    """Both arms built a hybrid KV-cache config (a sliding-window and a full-attention
+    group); hscache's core served it (its manager, its call counters, no fallback under
+    HSCACHE_STRICT=1) and made stock vLLM's decisions."""
+    stock, ours = arms["stock"], arms["scheduler-cls"]
+    for arm, d in arms.items():
+        groups = d["groups"]
+        j.require(
+            len(groups) >= 2 and {"SlidingWindowSpec", "FullAttentionSpec"} <= set(groups),
+            f"hybrid/{arm}: the engine built no sliding-window + full-attention config ({groups})",
+        )
+        expected = EXPECTED_MANAGER["stock" if arm == "stock" else "scheduler-cls"]
+        j.same(f"hybrid/{arm}: KV-cache manager", d["served"]["manager"], expected)
+    j.same("hybrid: KV-cache groups", ours["groups"], stock["groups"])
+    j.same("hybrid/scheduler-cls: block hasher", ours["served"]["block_hasher"], "sha256")
+    for i, (r, rr) in enumerate(zip(ours["rounds"], stock["rounds"], strict=True)):
+        where = f"hybrid/round {i + 1}"
+        for key in ("prompt", "output", "num_cached_tokens"):
+            j.same(
+                f"{where}: {key}",
+                [q[key] for q in r["requests"]],
+                [q[key] for q in rr["requests"]],
+            )
+        j.same(f"{where}: prefix-cache counters", r["counters"], rr["counters"])
+        j.same(f"{where}: KV events", r["events"], rr["events"])
+        j.same(f"{where}: null block ref_cnt", r["null_block_ref_cnt"], rr["null_block_ref_cnt"])
+    calls = ours.get("hscache_stats", {}).get("allocate_slots", 0)
+    j.require(calls > 0, "hybrid: hscache counted no allocate_slots call in the engine")
+    j.require(
+        sum(q["num_cached_tokens"] for q in stock["rounds"][1]["requests"]) > 0,
+        "hybrid: no prefix-cache hit in round 2",
+    )
+
+
+def hybrid_table(arms: dict[str, Any], vllm_version: str) -> str:
+    s = {a: hybrid_summary(arms[a]) for a in HYBRID_ARMS}
+    same = [q["output"] for r in arms["scheduler-cls"]["rounds"] for q in r["requests"]] == [
+        q["output"] for r in arms["stock"]["rounds"] for q in r["requests"]
+    ]
+    rows = [
+        f"| vLLM {vllm_version} on CPU, tiny hybrid model | stock vLLM | `--scheduler-cls` |",
+        "|---|---|---|",
+        f"| KV-cache groups | {' + '.join(arms['stock']['groups'])} | "
+        f"{' + '.join(arms['scheduler-cls']['groups'])} |",
+        f"| requests (2 rounds) | {s['stock']['requests']} | {s['scheduler-cls']['requests']} |",
+        f"| output tokens | {s['stock']['output_tokens']} | {'equal' if same else 'DIFFERENT'} |",
+        f"| cached tokens | {s['stock']['cached']} | {s['scheduler-cls']['cached']} |",
+        f"| prefix-cache hit rate | {100 * s['stock']['hit_rate']:.1f} % | "
+        f"{100 * s['scheduler-cls']['hit_rate']:.1f} % |",
+        f"| KV events | {s['stock']['events']} | {s['scheduler-cls']['events']} |",
+        f"| null block `ref_cnt` at the end | {s['stock']['null_ref_cnt']} | "
+        f"{s['scheduler-cls']['null_ref_cnt']} |",
+        f"| generate wall time | {s['stock']['wall_s']:.2f} s | "
+        f"{s['scheduler-cls']['wall_s']:.2f} s |",
+        f"| served by | vLLM's manager | hscache "
+        f"({arms['scheduler-cls'].get('hscache_stats', {}).get('allocate_slots', 0)} "
+        "`allocate_slots`, `HSCACHE_STRICT=1`) |",
+    ]
+    return "\n".join(rows)
 
 
 def serve_summary(d: dict[str, Any]) -> dict[str, Any]:
@@ -300,6 +379,11 @@ def main() -> int:
     offline: dict[str, Any] = {}
     for arm, env in OFFLINE_ARMS.items():
         offline[arm] = run_arm("offline.py", arm, args.work, env, "--model", model_dir)
+    hybrid_dir = args.work / "tiny-gemma3"
+    subprocess.run([sys.executable, str(HERE / "hybrid.py"), "--make", str(hybrid_dir)], check=True)
+    hybrid: dict[str, Any] = {}
+    for arm in HYBRID_ARMS:
+        hybrid[arm] = run_arm("hybrid.py", arm, args.work, {}, "--model", str(hybrid_dir))
     serve: dict[str, Any] | None = None
     if not args.skip_serve:
         serve = {}
@@ -309,6 +393,7 @@ def main() -> int:
                 "serve.py", arm, args.work, {}, "--model", model_dir, "--log", str(log)
             )
     failed = [a for a, d in offline.items() if d is None]
+    failed += [f"hybrid {a}" for a, d in hybrid.items() if d is None]
     failed += [f"serve {a}" for a, d in (serve or {}).items() if d is None]
     if failed:
         print(f"[e2e] FAILED: arms that did not complete: {', '.join(failed)}")
@@ -316,10 +401,13 @@ def main() -> int:
 
     j = Judge()
     judge_offline(j, offline)
+    judge_hybrid(j, hybrid)
     if serve is not None:
         judge_serve(j, serve)
     print()
     print(table(offline, serve, vllm.__version__))
+    print()
+    print(hybrid_table(hybrid, vllm.__version__))
     print()
     (args.work / "e2e-summary.json").write_text(
         json.dumps({"problems": j.problems, "seconds": time.monotonic() - t0})

@@ -22,7 +22,6 @@ from typing import Any
 
 from hscache.testing.kv_cache import block_sizes, kv_cache_config
 from hscache.testing.manager import manager_kwargs as scheduler_manager_kwargs
-from hscache.vllm.version import require
 from vllm.v1.core import kv_cache_manager as _vllm_kvm
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
@@ -191,21 +190,12 @@ FAMILIES = (
 )
 
 
-# Whether hscache serves hybrid layouts on the installed vLLM (not on 0.32, whose pool
-# counts references on the null block: hscache.vllm.specs.unsupported_reason), and the
-# families it serves there (tables without null blocks).
-SERVES_HYBRIDS = not require().null_block_ref_counted
-FAMILIES_VLLM032 = ("fa", "fa+cross")
-
-
 def config_for_seed(seed: int, num_ops: int = 500, **overrides) -> TraceConfig:
     """A deterministic configuration mix: the layout families of :data:`FAMILIES` in turn;
     for one full-attention group block sizes 1/4/16 in turn; tight and roomy pools,
     caching/events on and off, watermark, EAGLE, hash lookahead, spec/lookahead slots,
     retention intervals and block metrics for the hybrid layouts."""
     family = FAMILIES[seed % len(FAMILIES)]
-    if not SERVES_HYBRIDS and family not in FAMILIES_VLLM032:
-        family = "fa"  # vLLM 0.32: hscache serves full-attention-type layouts only
     if family == "fa":
         cfg = _full_attention_config(seed, num_ops)
     else:

@@ -426,13 +426,15 @@ def observe_manager(
         )
     if metrics is not None:
         probe("metrics collector (calls, sampled blocks, drained events)", metrics.observe)
+    # 0 on vLLM 0.33; vLLM 0.32's touch / free_blocks count references on it.
+    probe("block_pool.null_block.ref_cnt", lambda: pool.null_block.ref_cnt)
     if deep:
         probe(
             "block_pool.blocks[*].(ref_cnt, block_hash, hash_num_tokens, is_null)",
             lambda: [
                 (
                     b.block_id,
-                    b.ref_cnt if not b.is_null else None,
+                    b.ref_cnt,  # the null block's too (vLLM 0.32 counts it)
                     b.block_hash,
                     b.block_hash_num_tokens,
                     b.is_null,

@@ -117,7 +117,9 @@ class KVCacheManager(KVCacheCore):
         bound = _SIGNATURE.bind(None, *args, **kwargs)
         bound.apply_defaults()
         params = bound.arguments
-        reason = unsupported_reason(params["kv_cache_config"], params["hash_block_size"])
+        reason = unsupported_reason(
+            params["kv_cache_config"], params["hash_block_size"], bool(params["enable_caching"])
+        )
         if reason is not None:
             if env_flag("HSCACHE_STRICT"):
                 raise UnsupportedConfigError(f"hscache cannot serve this KV cache: {reason}")
@@ -184,6 +186,8 @@ class KVCacheManager(KVCacheCore):
             enable_mamba_shared_prefix_checkpoint=bool(
                 params["enable_mamba_shared_prefix_checkpoint"]
             ),
+            # The core's rules where the releases differ (null block, EAGLE, Mamba).
+            vllm_series=_PROFILE.series,
         )
 
     def __init__(

@@ -52,10 +52,6 @@ _KINDS: dict[type, str] = {
 }
 
 
-# Managers whose block tables never hold the null block (served on vLLM 0.32 too).
-_NO_NULL_BLOCK_KINDS = frozenset({"full_attention", "cross_attention"})
-
-
 def manager_class(group: Any) -> Any:
     """The vLLM manager class of a KV-cache group (None if none is registered)."""
     try:
@@ -64,22 +60,23 @@ def manager_class(group: Any) -> Any:
         return None
 
 
-def unsupported_reason(config: KVCacheConfig, hash_block_size: int | None = None) -> str | None:
+def unsupported_reason(
+    config: KVCacheConfig, hash_block_size: int | None = None, enable_caching: bool = True
+) -> str | None:
     """Why the core cannot serve this configuration, or None if it can.
 
-    ``hash_block_size``: the manager's (checked against a HiSparse source group).
+    ``hash_block_size``: the manager's (checked against a HiSparse source group);
+    ``enable_caching``: the manager's prefix caching.
     """
     if env_flag("HSCACHE_DISABLE"):
         return "HSCACHE_DISABLE is set"
-    if _PROFILE.null_block_ref_counted:
-        # vLLM 0.32's BlockPool counts references on the null block (0.33 skips it), and
-        # frees it with the tables that hold it: sliding-window, chunked-local, Mamba ...
-        # tables do. The core implements 0.33's rule, so vLLM 0.32 keeps serving those.
+    if enable_caching and not _PROFILE.mamba_caching_needs_align:
+        # vLLM 0.32 prefix-caches Mamba groups in every mode (0.33 asserts 'align'); the
+        # core implements align-mode caching only, so 0.32 keeps serving the others.
         for i, group in enumerate(config.kv_cache_groups):
-            kind = _KINDS.get(manager_class(group))
-            if kind not in _NO_NULL_BLOCK_KINDS:
-                name = type(group.kv_cache_spec).__name__
-                return f"group {i}: vLLM 0.32 counts references on the null block ({name})"
+            mode = getattr(group.kv_cache_spec, "mamba_cache_mode", "align")
+            if _KINDS.get(manager_class(group)) == "mamba" and mode != "align":
+                return f"group {i}: vLLM 0.32 prefix-caches Mamba in mamba_cache_mode={mode!r}"
     classes = []
     for i, group in enumerate(config.kv_cache_groups):
         spec = group.kv_cache_spec

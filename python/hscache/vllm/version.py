@@ -23,8 +23,19 @@ What differs, 0.32 relative to 0.33 (read from the two releases' sources):
   group (the coordinator's ``eagle_group_ids``), with or without ``use_eagle``; 0.33 drops
   only with ``use_eagle`` (``drop_eagle_group_ids``, cleared by lookahead hashing);
 - ``BlockPool.touch`` / ``free_blocks`` add / drop a reference on the null block (0.33
-  skips it). hscache keeps 0.33's rule in both: with one full-attention group the null
-  block never reaches these calls from vLLM's Scheduler (see ``null_block_ref_counted``);
+  skips it; neither queues it, so usage, free counts and events agree), ``touch`` reports
+  that access to the metrics collector, and ``pop_blocks_for_free`` hands back a table's
+  leading null blocks (0.33 trims them). The null block reaches these calls from the
+  tables of sliding-window, chunked-local, Mamba ... groups, so its ``ref_cnt`` drifts
+  (negative, typically). The core follows the installed release's rule
+  (``null_block_ref_counted``; ``src/pool/rules.rs``) and the block views report vLLM's
+  count;
+- with EAGLE, 0.33's ``cache_blocks`` also keeps the block below a shared-prefix junction
+  reachable under sparse retention; 0.32 keeps the junction only;
+- Mamba: 0.33 does not re-cache a prompt / junction checkpoint already keyed at that
+  length, 0.32 does; 0.32 prefix-caches Mamba groups outside ``mamba_cache_mode='align'``
+  (0.33 asserts align), which the core does not implement: such a layout stays on 0.32's
+  own manager, with a logged reason (``mamba_caching_needs_align``);
 - with async scheduling, 0.32's ``AsyncScheduler._update_request_with_output`` caches a
   running request's blocks after each output (``num_computed_tokens -
   num_output_placeholders``); 0.33 does it in ``Scheduler.update_from_output`` (also with
@@ -65,10 +76,14 @@ class VllmProfile:
     """The EAGLE last-block drop applies to a group the config flags ``is_eagle_group``
     even without ``use_eagle`` (0.32's ``eagle_group_ids``)."""
     null_block_ref_counted: bool
-    """``BlockPool.touch`` / ``free_blocks`` change the null block's ``ref_cnt`` (0.32).
-    Not mirrored: hscache's core never counts references on the null block, vLLM's
-    Scheduler never hands it one with a single full-attention group, and vLLM 0.32's
-    counter may go negative, which no caller reads."""
+    """vLLM 0.32's pool rules: ``BlockPool.touch`` / ``free_blocks`` change the null
+    block's ``ref_cnt`` (it may go negative; nothing reads it for a decision), and
+    ``pop_blocks_for_free`` keeps leading nulls; with it, 0.32's EAGLE junction and
+    Mamba re-caching rules. The core takes them as ``vllm_series`` (``series`` below,
+    ``VllmRules`` in ``src/pool/rules.rs``)."""
+    mamba_caching_needs_align: bool
+    """Prefix caching of a Mamba group requires ``mamba_cache_mode='align'`` (0.33
+    asserts it). 0.32 caches in every mode; hscache leaves those layouts to vLLM."""
     async_cache_blocks_in_scheduler: bool
     """Async scheduling caches blocks in ``Scheduler.update_from_output`` (0.33) rather
     than in ``AsyncScheduler._update_request_with_output`` (0.32)."""
@@ -86,6 +101,7 @@ _V033 = VllmProfile(
     max_cache_hit_length=True,
     eagle_drop_for_flagged_groups=False,
     null_block_ref_counted=False,
+    mamba_caching_needs_align=True,
     async_cache_blocks_in_scheduler=True,
 )
 _V032 = VllmProfile(
@@ -95,6 +111,7 @@ _V032 = VllmProfile(
     max_cache_hit_length=False,
     eagle_drop_for_flagged_groups=True,
     null_block_ref_counted=True,
+    mamba_caching_needs_align=False,
     async_cache_blocks_in_scheduler=False,
 )
 

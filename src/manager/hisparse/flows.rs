@@ -315,6 +315,8 @@ impl KVCacheCoordinator {
         }
         let mut host_range = None;
         let mut blocks = Vec::new();
+        // vLLM 0.32 hands back (and frees) the leading nulls too.
+        let keep_nulls = self.pool.vllm_rules().null_block_ref_counted;
         for g in 0..self.managers.len() {
             let is_host = self.managers[g].host_pool().is_some();
             if is_host {
@@ -324,7 +326,12 @@ impl KVCacheCoordinator {
             }
             blocks.clear();
             if let Some(state) = self.requests.get(request_id) {
-                self.managers[g].blocks_for_free(request_id, &state.groups[g], &mut blocks);
+                self.managers[g].blocks_for_free(
+                    request_id,
+                    &state.groups[g],
+                    keep_nulls,
+                    &mut blocks,
+                );
             }
             if let Some(out) = out.as_deref_mut() {
                 let start = out.len();

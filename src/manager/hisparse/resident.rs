@@ -270,11 +270,19 @@ impl SingleTypeManager for HiSparseResidentManager {
         Ok(())
     }
 
-    fn blocks_for_free(&self, request_id: &str, req: &GroupBlocks, out: &mut Vec<BlockId>) {
+    fn blocks_for_free(
+        &self,
+        request_id: &str,
+        req: &GroupBlocks,
+        keep_null_head: bool,
+        out: &mut Vec<BlockId>,
+    ) {
         let start = out.len();
         self.residency_row(request_id, &req.blocks, 0, out);
-        let head = null_head_len(&out[start..]);
-        out.drain(start..start + head);
+        if !keep_null_head {
+            let head = null_head_len(&out[start..]);
+            out.drain(start..start + head);
+        }
     }
 
     fn pop_request(&mut self, _slot: u32, request_id: &str) {
@@ -370,7 +378,7 @@ mod tests {
             ..GroupBlocks::default()
         };
         let mut freed = vec![];
-        m.blocks_for_free("r", &req, &mut freed);
+        m.blocks_for_free("r", &req, false, &mut freed);
         assert_eq!(freed, vec![9, 5, 0]);
         m.pop_request(0, "r");
         assert_eq!(m.get_resident_page("r", &table, 2), Some(6));
