@@ -36,7 +36,7 @@ import offline  # noqa: E402  (sets the CPU engine's environment defaults)
 ARMS = ("stock", "scheduler-cls")
 SLIDING_WINDOW = 64
 BLOCK_SIZE = offline.BLOCK_SIZE
-MAX_MODEL_LEN = 512
+MAX_MODEL_LEN = offline.MAX_MODEL_LEN
 
 
 def make(out: Path) -> Path:
@@ -97,26 +97,12 @@ def prompts_for(rnd: int, vocab: int, previous: list[dict[str, Any]]) -> list[li
 def run(arm: str, model_dir: str) -> dict[str, Any]:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
-    from vllm.config import KVEventsConfig
     from vllm.inputs import TokensPrompt
 
     vocab = len(AutoTokenizer.from_pretrained(model_dir))
     sub = offline.EventSubscriber()
     try:
-        kwargs: dict[str, Any] = dict(
-            model=model_dir,
-            enable_prefix_caching=True,
-            max_model_len=MAX_MODEL_LEN,
-            block_size=BLOCK_SIZE,
-            dtype="float32",
-            enforce_eager=True,
-            seed=0,
-            max_num_seqs=8,
-            disable_log_stats=False,
-            kv_events_config=KVEventsConfig(
-                enable_kv_cache_events=True, publisher="zmq", endpoint=sub.endpoint
-            ),
-        )
+        kwargs = offline.llm_kwargs(model_dir, sub.endpoint)
         if arm == "scheduler-cls":
             kwargs["scheduler_cls"] = "hscache.vllm.Scheduler"
         t0 = time.perf_counter()

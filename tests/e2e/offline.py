@@ -175,14 +175,12 @@ def served_by(llm: Any) -> dict[str, Any]:
     return info
 
 
-def run_engine(
-    arm: str, model: str, scenario: str, vocab: int, sub: EventSubscriber
-) -> dict[str, Any]:
-    from vllm import LLM, SamplingParams
+def llm_kwargs(model: str, endpoint: str) -> dict[str, Any]:
+    """``LLM(...)``'s keywords every arm shares: prefix caching, the CPU backend's block
+    size, a fixed seed, stats on and KV events published to ``endpoint``."""
     from vllm.config import KVEventsConfig
-    from vllm.inputs import TokensPrompt
 
-    kwargs: dict[str, Any] = dict(
+    return dict(
         model=model,
         enable_prefix_caching=True,
         max_model_len=MAX_MODEL_LEN,
@@ -193,9 +191,18 @@ def run_engine(
         max_num_seqs=8,
         disable_log_stats=False,
         kv_events_config=KVEventsConfig(
-            enable_kv_cache_events=True, publisher="zmq", endpoint=sub.endpoint
+            enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint
         ),
     )
+
+
+def run_engine(
+    arm: str, model: str, scenario: str, vocab: int, sub: EventSubscriber
+) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs = llm_kwargs(model, sub.endpoint)
     if scenario == "pressure":
         kwargs["num_gpu_blocks_override"] = PRESSURE_BLOCKS
     if arm in ("scheduler-cls", "parity"):
