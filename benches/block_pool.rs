@@ -14,7 +14,9 @@ use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criteri
 use hscache::free_queue::FreeKVCacheBlockQueue;
 use hscache::manager::{AllocateSlots, GroupSpec, KVCacheManager, MambaCacheMode, PlainRequest};
 use hscache::pool::BlockPool;
-use hscache::testing::{full_attention_manager, hybrid_manager, prompt_hashes, request};
+use hscache::testing::{
+    self, full_attention_manager, hybrid_manager, prompt_hashes, request, running_requests,
+};
 use hscache::types::BlockId;
 
 const POOL_SIZES: [u32; 2] = [1024, 65536];
@@ -176,31 +178,9 @@ fn decode_step(c: &mut Criterion) {
     for (name, groups) in layouts {
         g.bench_function(name, |b| {
             let mut m = hybrid_manager(200_000, groups.clone(), 1 << 16, false);
-            let hash_block = m.coordinator().hash_block_size();
-            let reqs: Vec<PlainRequest> = (0..RUNNING as u64)
-                .map(|i| {
-                    let hashes = prompt_hashes(i, (PROMPT / hash_block) as u64, 0, 0);
-                    let mut r = request(&i.to_string(), 0, PROMPT + 1, &hashes);
-                    prefill(&mut m, &r, &mut vec![]);
-                    r.num_computed_tokens = PROMPT;
-                    r
-                })
-                .collect();
-            let args = AllocateSlots {
-                num_new_tokens: 1,
-                ..Default::default()
-            };
+            let reqs = running_requests(&mut m, RUNNING, PROMPT);
             let (mut out, mut ends) = (Vec::new(), smallvec::SmallVec::new());
-            b.iter(|| {
-                for r in &reqs {
-                    out.clear();
-                    ends.clear();
-                    black_box(
-                        m.allocate_slots(r, &args, &mut out, &mut ends)
-                            .expect("fits"),
-                    );
-                }
-            });
+            b.iter(|| black_box(testing::decode_step(&mut m, &reqs, &mut out, &mut ends)));
         });
     }
     g.finish();

@@ -11,7 +11,9 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use hscache::manager::{AllocateSlots, KVCacheManager, PlainRequest};
-use hscache::testing::{full_attention_manager, prompt_hashes, request};
+use hscache::testing::{
+    decode_step, full_attention_manager, prompt_hashes, request, running_requests,
+};
 use hscache::types::BlockId;
 
 const MODES: [(&str, bool); 2] = [("off", false), ("on", true)];
@@ -69,27 +71,9 @@ fn decode(c: &mut Criterion) {
     for (mode, on) in MODES {
         g.bench_function(mode, |b| {
             let mut m = manager(on);
-            let reqs: Vec<PlainRequest> = (0..RUNNING as u64)
-                .map(|i| {
-                    let hashes = prompt_hashes(i, (PROMPT / 16) as u64, 0, 0);
-                    let mut r = request(&i.to_string(), 0, PROMPT + 1, &hashes);
-                    prefill(&mut m, &r);
-                    r.num_computed_tokens = PROMPT;
-                    r
-                })
-                .collect();
-            let args = AllocateSlots {
-                num_new_tokens: 1,
-                ..Default::default()
-            };
+            let reqs = running_requests(&mut m, RUNNING, PROMPT);
             let (mut out, mut ends) = (Vec::new(), smallvec::SmallVec::new());
-            b.iter(|| {
-                for r in &reqs {
-                    out.clear();
-                    ends.clear();
-                    black_box(m.allocate_slots(r, &args, &mut out, &mut ends).unwrap());
-                }
-            });
+            b.iter(|| black_box(decode_step(&mut m, &reqs, &mut out, &mut ends)));
         });
     }
     g.finish();

@@ -153,6 +153,49 @@ pub fn admit(m: &mut KVCacheManager, req: &PlainRequest) -> (usize, Vec<BlockId>
     (hit, m.get_blocks(&req.request_id, 0).to_vec())
 }
 
+/// `n` running requests with distinct prompts of `prompt` tokens (hashed at the
+/// manager's hash block size), each allocated and computed with no lookup, ready for
+/// a decode token: `allocate_slots(request, 1)` (see [`decode_step`]).
+pub fn running_requests(m: &mut KVCacheManager, n: usize, prompt: usize) -> Vec<PlainRequest> {
+    let hash_block = m.coordinator().hash_block_size();
+    (0..n as u64)
+        .map(|i| {
+            let hashes = prompt_hashes(i, (prompt / hash_block) as u64, 0, 0);
+            let mut r = request(&i.to_string(), 0, prompt + 1, &hashes);
+            let args = AllocateSlots {
+                num_new_tokens: r.num_tokens,
+                ..Default::default()
+            };
+            allocate(m, &r, None, args)
+                .expect("allocate")
+                .expect("fits");
+            r.num_computed_tokens = prompt;
+            r
+        })
+        .collect()
+}
+
+/// One decode step: `allocate_slots(request, 1)` for each of `reqs` (`out` and `ends`:
+/// reused buffers). Returns how many fit.
+pub fn decode_step(
+    m: &mut KVCacheManager,
+    reqs: &[PlainRequest],
+    out: &mut Vec<BlockId>,
+    ends: &mut smallvec::SmallVec<[usize; 4]>,
+) -> usize {
+    let args = AllocateSlots {
+        num_new_tokens: 1,
+        ..Default::default()
+    };
+    reqs.iter()
+        .filter(|r| {
+            out.clear();
+            ends.clear();
+            m.allocate_slots(*r, &args, out, ends).expect("decode")
+        })
+        .count()
+}
+
 /// vLLM's HiSparse layout: a source group on a host pool of `host_num_blocks` blocks,
 /// an indexer group, one resident group (admission window `max_model_len`) and one hot
 /// group of `blocks_per_request` blocks, all of `block_size` tokens.

@@ -227,6 +227,15 @@ impl Harness {
         self.waiting.push(r);
     }
 
+    /// One `allocate_slots` call (counted): whether it fit.
+    fn allocate_slots(&mut self, req: &PlainRequest, args: &AllocateSlots<'_>) -> bool {
+        let (mut out, mut group_ends) = (Vec::new(), smallvec::SmallVec::new());
+        self.ops += 1;
+        self.m
+            .allocate_slots(req, args, &mut out, &mut group_ends)
+            .unwrap()
+    }
+
     fn take_running(&mut self, idx: u8) -> Option<Req> {
         if self.running.is_empty() {
             return None;
@@ -282,13 +291,7 @@ impl Harness {
             has_scheduled_reqs: !self.running.is_empty(),
             ..AllocateSlots::default()
         };
-        let mut out = Vec::new();
-        let mut group_ends = smallvec::SmallVec::new();
-        let ok = self
-            .m
-            .allocate_slots(&req, &args, &mut out, &mut group_ends)
-            .unwrap();
-        self.ops += 1;
+        let ok = self.allocate_slots(&req, &args);
         if !ok {
             return;
         }
@@ -309,13 +312,7 @@ impl Harness {
             has_scheduled_reqs: !self.running.is_empty(),
             ..AllocateSlots::default()
         };
-        let mut out = Vec::new();
-        let mut group_ends = smallvec::SmallVec::new();
-        let ok = self
-            .m
-            .allocate_slots(&req, &args, &mut out, &mut group_ends)
-            .unwrap();
-        self.ops += 1;
+        let ok = self.allocate_slots(&req, &args);
         if !ok {
             self.preempt(r);
             return;
