@@ -207,6 +207,13 @@ impl<T: Default> RequestTable<T> {
         Some(&self.slots[s as usize].value)
     }
 
+    /// The request's slot number (stable while it lives) and state.
+    #[inline]
+    pub fn get_with_slot(&self, key: &str) -> Option<(u32, &T)> {
+        let s = self.find(key)?;
+        Some((s, &self.slots[s as usize].value))
+    }
+
     /// The request's state, mutably.
     #[inline]
     pub fn get_mut(&mut self, key: &str) -> Option<&mut T> {

@@ -10,7 +10,7 @@
 //!   E.g. chunk 8, block 4, max length 15 → `[null, null, b2?]`; max length 16 →
 //!   four nulls.
 
-use super::single_type::{GroupBlocks, HitQuery, ManagerBase, SingleTypeManager};
+use super::single_type::{GroupBlocks, HitQuery, ManagerBase, SingleTypeManager, SteadyQuery};
 use crate::error::{Error, Result};
 use crate::pool::BlockPool;
 use crate::types::{BlockHashSource, BlockId, HashView, NULL_BLOCK_ID};
@@ -44,8 +44,8 @@ impl SingleTypeManager for ChunkedLocalAttentionManager {
         num_computed_tokens / self.attention_chunk_size * self.attention_chunk_size
     }
 
-    fn is_steady(&self, req: &GroupBlocks, num_tokens: usize, processed: usize) -> bool {
-        super::single_type::base_is_steady(self, req, num_tokens, processed)
+    fn is_steady(&self, _slot: u32, req: &GroupBlocks, q: &SteadyQuery) -> bool {
+        super::single_type::base_is_steady(self, req, q.num_tokens, q.processed_computed_tokens)
     }
 
     fn find_longest_cache_hit(

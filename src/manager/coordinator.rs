@@ -30,6 +30,7 @@ use super::hisparse::{HiSparseCoordinator, PublicationRequests};
 use super::request::PlannedHashes;
 use super::single_type::{
     new_manager, CacheQuery, GroupBlocks, HitQuery, ManagerBase, NumBlocksQuery, SingleTypeManager,
+    SteadyQuery,
 };
 use super::spec::{GroupSpec, MambaCacheMode, ManagerKind};
 use crate::error::{Error, Result};
@@ -104,11 +105,15 @@ pub struct FieldNeeds {
     /// Some group's caching has effects beyond new full blocks (partial entries,
     /// Mamba checkpoints), so it runs on every call.
     pub cache_every_call: bool,
-    /// No HiSparse and no group that caches on every call: a call that changes no
-    /// group's table and caches no block changes nothing, so `allocate_slots` can
-    /// decide the steady decode step from the request's tables alone (see
-    /// [`KVCacheCoordinator::is_steady`]).
+    /// No HiSparse, and every group that caches on every call says itself when a
+    /// call would cache nothing beyond full blocks (Mamba "align"): a call that
+    /// changes no group's table and caches no block changes nothing, so
+    /// `allocate_slots` can decide the steady decode step from the request's tables
+    /// alone (see [`KVCacheCoordinator::is_steady`]).
     pub steady_decode: bool,
+    /// The steady check reads `num_prompt_tokens` and the tokens the call would
+    /// cache (Mamba "align" keys partial tails at the prompt's boundary).
+    pub steady_reads_prompt: bool,
 }
 
 /// The coordinator (see module docs).
@@ -387,6 +392,8 @@ impl KVCacheCoordinator {
     fn field_needs(&self) -> FieldNeeds {
         let mut needs = FieldNeeds::default();
         let retention = self.retention_interval.is_some();
+        // A group caching on every call whose steady check does not cover it.
+        let mut unsteady_caching = false;
         for m in &self.managers {
             let b = m.base();
             match &b.spec.kind {
@@ -403,18 +410,21 @@ impl KVCacheCoordinator {
                         needs.prompt_for_cache = true;
                         needs.shared_prefix_for_cache = true;
                         needs.cache_every_call = true;
+                        needs.steady_reads_prompt = true;
                         needs.prefill_end |= self.retention_interval == Some(0);
                     }
                 }
                 // HiSparse's source group replaces its publication on every call.
                 ManagerKind::HiSparseSource { .. } if b.enable_caching => {
                     needs.cache_every_call = true;
+                    unsteady_caching = true;
                 }
                 ManagerKind::FullAttention | ManagerKind::SinkFullAttention { .. }
                     if b.block_size != self.hash_block_size && b.enable_caching =>
                 {
                     needs.prompt_for_cache = true;
                     needs.cache_every_call = true;
+                    unsteady_caching = true;
                 }
                 _ => {}
             }
@@ -423,7 +433,7 @@ impl KVCacheCoordinator {
             needs.prompt_for_cache = true;
             needs.shared_prefix_for_cache = true;
         }
-        needs.steady_decode = self.hisparse.is_none() && !needs.cache_every_call;
+        needs.steady_decode = self.hisparse.is_none() && !unsteady_caching;
         needs
     }
 
@@ -543,24 +553,38 @@ impl KVCacheCoordinator {
         self.requests.get(request_id)
     }
 
-    /// Whether a call for the running request whose state is `state` (no hits
-    /// adopted), needing `num_tokens` slots with `processed_computed_tokens`
-    /// processed, leaves every group's table as it is
-    /// ([`SingleTypeManager::is_steady`]). Meaningful only where
-    /// `needs().steady_decode`.
+    /// Whether a call for the running request in `slot` whose state is `state`
+    /// (no hits adopted) leaves every group as it is
+    /// ([`SingleTypeManager::is_steady`]); `cache_tokens`: the tokens the call would
+    /// cache (`None`: it caches nothing), turned into each group's cacheable count.
+    /// Meaningful only where `needs().steady_decode`.
     #[inline]
     pub fn is_steady(
         &self,
+        slot: u32,
         state: &RequestState,
-        num_tokens: usize,
-        processed_computed_tokens: usize,
+        q: &SteadyQuery,
+        cache_tokens: Option<usize>,
     ) -> bool {
         state.groups.len() == self.managers.len()
             && self
                 .managers
                 .iter()
                 .zip(&state.groups)
-                .all(|(m, gb)| m.is_steady(gb, num_tokens, processed_computed_tokens))
+                .enumerate()
+                .all(|(g, (m, gb))| {
+                    let q = SteadyQuery {
+                        cacheable_tokens: cache_tokens.map(|n| self.get_num_cacheable_tokens(n, g)),
+                        ..*q
+                    };
+                    m.is_steady(slot, gb, &q)
+                })
+    }
+
+    /// The request's slot and state (None if it holds nothing).
+    #[inline]
+    pub fn request_with_slot(&self, request_id: &str) -> Option<(u32, &RequestState)> {
+        self.requests.get_with_slot(request_id)
     }
 
     /// The table of `request_id` in group `g` (empty if unknown).

@@ -4,7 +4,8 @@
 //! vLLM 0.32, hash key, hashed prefix length and secondary keys; the free queue in
 //! order; each key's lookup order),
 //! HiSparse's host pool the same way, the request tables of every group (blocks,
-//! cached count, partial hit), queued copy-on-write pairs, the external
+//! cached count, partial hit, and the per-request state a type keeps beside them:
+//! Mamba "align"'s), queued copy-on-write pairs, the external
 //! references and the poison flag. Tests take it before and after a call that must
 //! fail and assert it did not move ("check before mutate"); it is not a content
 //! hash for anything else (FxHash: deterministic, not collision resistant).
@@ -69,6 +70,9 @@ impl KVCacheManager {
                 gb.blocks.hash(&mut r);
                 gb.num_cached_block.hash(&mut r);
                 gb.partial_hit.hash(&mut r);
+                if let Some((slot, _)) = c.request_with_slot(rid) {
+                    c.managers()[g].request_state_digest(slot).hash(&mut r);
+                }
                 tables = tables.wrapping_add(r.finish());
                 num_requests += 1;
             }

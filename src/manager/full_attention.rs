@@ -17,6 +17,7 @@ use smallvec::SmallVec;
 
 use super::single_type::{
     base_cache_blocks, CacheQuery, GroupBlocks, HitQuery, ManagerBase, SingleTypeManager,
+    SteadyQuery,
 };
 use crate::error::Result;
 use crate::pool::BlockPool;
@@ -219,7 +220,7 @@ impl SingleTypeManager for FullAttentionManager {
 
     super::full_attention::full_attention_hooks!();
 
-    fn is_steady(&self, req: &GroupBlocks, num_tokens: usize, processed: usize) -> bool {
-        super::single_type::base_is_steady(self, req, num_tokens, processed)
+    fn is_steady(&self, _slot: u32, req: &GroupBlocks, q: &SteadyQuery) -> bool {
+        super::single_type::base_is_steady(self, req, q.num_tokens, q.processed_computed_tokens)
     }
 }

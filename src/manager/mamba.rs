@@ -28,8 +28,8 @@ use smallvec::SmallVec;
 
 use super::single_type::{
     apply_cow, base_allocate_new_blocks, base_cache_blocks, base_get_num_blocks_to_allocate,
-    BoundaryOffload, CacheQuery, GroupBlocks, HitQuery, ManagerBase, MaskQuery, NumBlocksQuery,
-    SingleTypeManager,
+    base_is_steady, BoundaryOffload, CacheQuery, GroupBlocks, HitQuery, ManagerBase, MaskQuery,
+    NumBlocksQuery, SingleTypeManager, SteadyQuery,
 };
 use super::spec::{MambaCacheMode, MambaParams};
 use crate::error::{Error, Result};
@@ -499,6 +499,82 @@ impl MambaManager {
         Ok(key)
     }
 
+    /// [`SingleTypeManager::is_steady`] in align mode: the call would retire no
+    /// state, allocate nothing, copy nothing, reserve or drop no checkpoint, and key
+    /// no partial tail. Each clause is the no-op case of one step of the general
+    /// path (`remove_skipped_blocks`, `align_num_blocks_to_allocate`,
+    /// `align_allocate_new_blocks`, `cache_partial_tail_block`); a clause that
+    /// cannot be decided without more of the request (a junction at
+    /// `shared_prefix_boundary`) answers `false`.
+    fn align_is_steady(&self, slot: u32, req: &GroupBlocks, q: &SteadyQuery) -> bool {
+        let bs = self.base.block_size;
+        // Copy-on-write, the first allocation's bookkeeping, or a checkpoint to drop.
+        if req.partial_hit.is_some()
+            || !self.allocated_block_reqs.contains(&slot)
+            || self.checkpoints.contains_key(&slot)
+        {
+            return false;
+        }
+        // Nothing to allocate: the running state and speculative blocks cover it.
+        if cdiv(q.num_tokens_main_model, bs) + self.nsb() > req.blocks.len() {
+            return false;
+        }
+        // No prefill checkpoint to reserve (the query cannot export one).
+        if self.has_prefill_checkpoint_blocks
+            && is_prefill_checkpoint_valid(
+                q.num_computed_tokens,
+                q.num_tokens_main_model,
+                prefill_checkpoint_position(
+                    q.num_tokens_main_model,
+                    self.base.cache_hit_alignment_tokens,
+                    self.drop_eagle_checkpoint_block,
+                    self.base.num_hash_lookahead_tokens,
+                ),
+                self.base.hash_block_size,
+                bs,
+                self.params.prefill_checkpoint_alignment,
+            )
+        {
+            return false;
+        }
+        // No skipped state to retire: the retired prefix already reaches the skip
+        // boundary, and the state block of two steps ago is gone or still needed.
+        let processed = q.processed_computed_tokens;
+        let skipped = processed.saturating_sub(1);
+        if skipped > 0 {
+            let n = (skipped / bs).min(req.blocks.len());
+            if self.num_retired_blocks.get(&slot).copied().unwrap_or(0) < n {
+                return false;
+            }
+        }
+        if let Some(&idx) = self.last_state_block_idx.get(&slot) {
+            let limit = cdiv(processed, bs) as i64 - 1;
+            if (idx as i64) < limit && req.blocks.get(idx).is_some_and(|&b| b != NULL_BLOCK_ID) {
+                return false;
+            }
+        }
+        // No partial tail to key: the cacheable tokens are off the hash grid, or
+        // neither the prompt's boundary nor a possible junction.
+        if let Some(n) = q.cacheable_tokens.filter(|_| self.base.enable_caching) {
+            let hbs = self.base.hash_block_size;
+            if n != 0 && n % hbs == 0 {
+                let prompt_boundary = prefill_checkpoint_position(
+                    q.num_prompt_tokens,
+                    hbs,
+                    self.drop_eagle_checkpoint_block,
+                    self.base.num_hash_lookahead_tokens,
+                );
+                let junction = self.base.shared_prefix_checkpoint
+                    && q.num_computed_tokens < n
+                    && n <= q.num_prompt_tokens;
+                if n == prompt_boundary || junction {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
     /// Whether the hit ends on a state another request cached in this step.
     fn hit_cached_this_step(&self, pool: &BlockPool, hits: &[BlockId]) -> bool {
         hits.last()
@@ -518,6 +594,22 @@ impl SingleTypeManager for MambaManager {
     /// Only the last computed token's state is needed: `n - 1` skipped.
     fn get_num_skipped_tokens(&self, num_computed_tokens: usize) -> usize {
         num_computed_tokens.saturating_sub(1)
+    }
+
+    /// Align mode: [`MambaManager::align_is_steady`]. Otherwise vLLM's base rules
+    /// over the tokens plus the speculative blocks' (caching is off there).
+    fn is_steady(&self, slot: u32, req: &GroupBlocks, q: &SteadyQuery) -> bool {
+        if self.align() {
+            return self.align_is_steady(slot, req, q);
+        }
+        let bs = self.base.block_size;
+        bs == self.base.spec.block_size
+            && base_is_steady(
+                self,
+                req,
+                q.num_tokens + self.nsb() * bs,
+                q.processed_computed_tokens,
+            )
     }
 
     fn find_longest_cache_hit(
@@ -791,6 +883,19 @@ impl SingleTypeManager for MambaManager {
             source,
             tokens,
         ))
+    }
+
+    /// Align mode's bookkeeping of the request: its allocated mark, last state
+    /// block, retired prefix, checkpoint and producer tail.
+    fn request_state_digest(&self, slot: u32) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = rustc_hash::FxHasher::default();
+        self.allocated_block_reqs.contains(&slot).hash(&mut h);
+        self.last_state_block_idx.get(&slot).hash(&mut h);
+        self.num_retired_blocks.get(&slot).hash(&mut h);
+        self.checkpoints.get(&slot).hash(&mut h);
+        self.producer_partial_tail_reqs.get(&slot).hash(&mut h);
+        h.finish()
     }
 
     fn mamba(&self) -> Option<&MambaManager> {

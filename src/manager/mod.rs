@@ -67,7 +67,7 @@ pub use hisparse::{
     HiSparseCoordinator, HiSparseCtx, PlainPublicationRequests, PublicationRequests,
 };
 pub use request::{PlainRequest, PlannedHashes, RequestLike, RequestStatus};
-pub use single_type::{BoundaryOffload, GroupBlocks};
+pub use single_type::{BoundaryOffload, GroupBlocks, SteadyQuery};
 pub use spec::{GroupSpec, MambaCacheMode, MambaParams, ManagerKind};
 
 /// Construction parameters (vLLM's `KVCacheManager` keywords, resolved).
@@ -204,6 +204,11 @@ pub struct KVCacheManager {
     external_refs: Vec<i32>,
     /// Explain mode (`crate::explain`, `explain.rs`); None = off.
     explain: Option<Box<crate::explain::Explainer>>,
+    /// `allocate_slots` may decide the steady decode step without vLLM's stages
+    /// (on; off only to check that both decide alike, see [`Self::set_steady_decode`]).
+    steady_decode: bool,
+    /// `allocate_slots` calls the steady decode step decided.
+    num_steady_steps: u64,
 }
 
 /// One more external reference to each non-null block of `ids`.
@@ -291,6 +296,8 @@ impl KVCacheManager {
             free_scratch: Vec::new(),
             batch_epoch: 0,
             check_after_ops: check_invariants_from_env(),
+            steady_decode: true,
+            num_steady_steps: 0,
             external_refs,
             explain: None,
         })
@@ -371,6 +378,18 @@ impl KVCacheManager {
     /// default comes from [`check_invariants_from_env`]).
     pub fn set_check_invariants(&mut self, on: bool) {
         self.check_after_ops = on;
+    }
+
+    /// Turns the steady decode step off (every `allocate_slots` call then runs vLLM's
+    /// stages) or on (the default). Both decide alike; the property tests run a
+    /// manager of each kind side by side to show it.
+    pub fn set_steady_decode(&mut self, on: bool) {
+        self.steady_decode = on;
+    }
+
+    /// How many `allocate_slots` calls the steady decode step decided.
+    pub fn num_steady_steps(&self) -> u64 {
+        self.num_steady_steps
     }
 
     /// Whether every mutating call checks the invariants after it ran.
@@ -639,6 +658,7 @@ impl KVCacheManager {
         self.check_tokens("request.num_computed_tokens", request.num_computed_tokens())?;
         let n_groups = self.num_kv_cache_groups();
         if self.allocate_slots_in_place(request, args).is_some() {
+            self.num_steady_steps += 1;
             let at = out.len();
             ends.extend(std::iter::repeat_n(at, n_groups));
             return Ok(true);
@@ -973,20 +993,32 @@ impl KVCacheManager {
         upper: usize,
         adopting: Option<usize>,
     ) -> bool {
+        self.coordinator.needs().cache_every_call
+            || self.may_cache_full_block(state, upper, adopting)
+    }
+
+    /// [`Self::may_cache`]'s full-block rule alone: some group gains a full block
+    /// beyond those it cached.
+    #[inline]
+    fn may_cache_full_block(
+        &self,
+        state: Option<&RequestState>,
+        upper: usize,
+        adopting: Option<usize>,
+    ) -> bool {
         let coordinator = &self.coordinator;
-        coordinator.needs().cache_every_call
-            || coordinator.managers().iter().enumerate().any(|(g, m)| {
-                let b = m.base();
-                let cached = match adopting {
-                    Some(local) => local / b.block_size,
-                    None => state
-                        .and_then(|s| s.groups.get(g))
-                        .and_then(|gb| gb.num_cached_block)
-                        .unwrap_or(0),
-                };
-                b.spec.prefix_cacheable
-                    && coordinator.get_num_cacheable_tokens(upper, g) / b.block_size > cached
-            })
+        coordinator.managers().iter().enumerate().any(|(g, m)| {
+            let b = m.base();
+            let cached = match adopting {
+                Some(local) => local / b.block_size,
+                None => state
+                    .and_then(|s| s.groups.get(g))
+                    .and_then(|gb| gb.num_cached_block)
+                    .unwrap_or(0),
+            };
+            b.spec.prefix_cacheable
+                && coordinator.get_num_cacheable_tokens(upper, g) / b.block_size > cached
+        })
     }
 
     /// The steady decode step, decided from the request's tables with one lookup: a
@@ -1005,6 +1037,7 @@ impl KVCacheManager {
     ) -> Option<()> {
         let needs = self.coordinator.needs();
         let plain = needs.steady_decode
+            && self.steady_decode
             && args.new_computed_blocks.is_none()
             && args.num_new_computed_tokens == 0
             && args.num_external_computed_tokens == 0
@@ -1015,7 +1048,8 @@ impl KVCacheManager {
             return None;
         }
         let max_len = self.config.max_model_len;
-        let total = request.num_computed_tokens().min(max_len);
+        let computed = request.num_computed_tokens();
+        let total = computed.min(max_len);
         let main = total + args.num_new_tokens;
         let need_slot = (main + args.num_lookahead_tokens).min(max_len);
         let processed = if needs.in_flight_for_skip {
@@ -1023,12 +1057,30 @@ impl KVCacheManager {
         } else {
             0
         };
-        let state = self.coordinator.request(request.request_id())?;
-        if !self.coordinator.is_steady(state, need_slot, processed) {
+        let caching = !args.delay_cache_blocks && self.enable_caching();
+        // What the groups that cache beyond full blocks need to know (the general
+        // path caps the cached tokens at `num_tokens`).
+        let (cache_tokens, num_prompt_tokens) = if caching && needs.steady_reads_prompt {
+            (
+                Some(main.min(request.num_tokens().ok()?)),
+                request.num_prompt_tokens().ok()?,
+            )
+        } else {
+            (caching.then_some(main), 0)
+        };
+        let (slot, state) = self.coordinator.request_with_slot(request.request_id())?;
+        let q = SteadyQuery {
+            num_tokens: need_slot,
+            num_tokens_main_model: main,
+            num_computed_tokens: computed,
+            processed_computed_tokens: processed,
+            cacheable_tokens: None,
+            num_prompt_tokens,
+        };
+        if !self.coordinator.is_steady(slot, state, &q, cache_tokens) {
             return None;
         }
-        let caching = !args.delay_cache_blocks && self.enable_caching();
-        if caching && self.may_cache(Some(state), main, None) {
+        if caching && self.may_cache_full_block(Some(state), main, None) {
             return None;
         }
         Some(())

@@ -202,6 +202,26 @@ pub struct CacheQuery<'a> {
     pub shared_prefix_boundary: usize,
 }
 
+/// What a steady-step check knows of an `allocate_slots` call for a running
+/// request that adopts nothing ([`SingleTypeManager::is_steady`]).
+#[derive(Clone, Copy, Debug)]
+pub struct SteadyQuery {
+    /// Slots the call needs (new and lookahead tokens included).
+    pub num_tokens: usize,
+    /// Tokens of the main model (no lookahead): Mamba "align" sizes by these.
+    pub num_tokens_main_model: usize,
+    /// `request.num_computed_tokens` (the query's start).
+    pub num_computed_tokens: usize,
+    /// Computed tokens the workers have processed (in-flight ones excluded).
+    pub processed_computed_tokens: usize,
+    /// Tokens this group would cache in the call (the coordinator's cacheable
+    /// count); `None` when the call caches nothing (caching off or delayed).
+    pub cacheable_tokens: Option<usize>,
+    /// `request.num_prompt_tokens`, read only where some group's caching needs
+    /// it on a steady call (`FieldNeeds::steady_reads_prompt`), else 0.
+    pub num_prompt_tokens: usize,
+}
+
 /// `reachable_block_mask`'s arguments.
 pub struct MaskQuery<'a> {
     pub start_block: usize,
@@ -231,18 +251,19 @@ pub trait SingleTypeManager: std::fmt::Debug + Send + Sync {
         out: &mut [Vec<BlockId>],
     ) -> Result<usize>;
 
-    /// Whether a call for a running request (no hits adopted) that needs
-    /// `num_tokens` slots, with `processed_computed_tokens` processed, leaves this
-    /// group as it is: no skipped block to free, none to allocate, no copy-on-write
-    /// pending (caching is decided apart, by the new full blocks). Types whose calls
-    /// have other effects keep the default, `false`: the general path.
-    fn is_steady(
-        &self,
-        _req: &GroupBlocks,
-        _num_tokens: usize,
-        _processed_computed_tokens: usize,
-    ) -> bool {
+    /// Whether a call for the running request in `slot` (no hits adopted) leaves
+    /// this group exactly as it is: no skipped block to free, none to allocate, no
+    /// copy-on-write pending, no per-request state to update, and nothing to cache
+    /// beyond new full blocks (those are decided apart, by the coordinator). Types
+    /// whose calls have other effects keep the default, `false`: the general path.
+    fn is_steady(&self, _slot: u32, _req: &GroupBlocks, _q: &SteadyQuery) -> bool {
         false
+    }
+
+    /// A fingerprint of the per-request state this type keeps beside the request's
+    /// table (for `state_digest`; 0 when it keeps none).
+    fn request_state_digest(&self, _slot: u32) -> u64 {
+        0
     }
 
     /// Blocks this group takes from the free queue for the call (Mamba "align" may

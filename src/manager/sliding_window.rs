@@ -17,7 +17,9 @@
 //!   hit at some aligned boundary are worth a hash, and a retention interval thins
 //!   them further.
 
-use super::single_type::{GroupBlocks, HitQuery, ManagerBase, MaskQuery, SingleTypeManager};
+use super::single_type::{
+    GroupBlocks, HitQuery, ManagerBase, MaskQuery, SingleTypeManager, SteadyQuery,
+};
 use crate::error::{Error, Result};
 use crate::pool::BlockPool;
 use crate::types::{cdiv, BlockHashSource, BlockId, HashView, NULL_BLOCK_ID};
@@ -59,8 +61,8 @@ impl SingleTypeManager for SlidingWindowManager {
         (num_computed_tokens + 1).saturating_sub(self.sliding_window + self.extra_retained_tokens)
     }
 
-    fn is_steady(&self, req: &GroupBlocks, num_tokens: usize, processed: usize) -> bool {
-        super::single_type::base_is_steady(self, req, num_tokens, processed)
+    fn is_steady(&self, _slot: u32, req: &GroupBlocks, q: &SteadyQuery) -> bool {
+        super::single_type::base_is_steady(self, req, q.num_tokens, q.processed_computed_tokens)
     }
 
     fn find_longest_cache_hit(

@@ -208,6 +208,15 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// [`op`] with running requests stepping (decoding) most of the time: long decodes
+/// cross state and window boundaries, where the steady decode step must give way.
+fn decode_heavy_op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => op(),
+        7 => (0u8..4, 1u8..2).prop_map(|(pick, chunk)| Op::Step { pick, chunk }),
+    ]
+}
+
 // ---- the driver and its model ---------------------------------------------------------
 
 struct Running {
@@ -279,6 +288,12 @@ impl Driver {
             encoder,
             stats: BTreeMap::new(),
         }
+    }
+
+    /// This driver's manager never takes the steady decode step.
+    fn without_steady_decode(mut self) -> Self {
+        self.m.set_steady_decode(false);
+        self
     }
 
     fn bump(&mut self, key: &'static str) {
@@ -427,11 +442,19 @@ impl Driver {
         } else {
             "decode"
         });
+        let steady_before = self.m.num_steady_steps();
         let r = &mut self.running[i];
         if allocate(&mut self.m, &r.req, n, None, AllocateSlots::default()).is_some() {
             r.req.r.num_computed_tokens += n;
             r.max_slots = r.max_slots.max(start + n);
             r.last_processed = start;
+            if self.m.num_steady_steps() > steady_before {
+                self.bump(if self.mamba_block.is_some() {
+                    "steady_with_mamba"
+                } else {
+                    "steady"
+                });
+            }
         } else {
             // Preempted (freed; this driver does not re-admit it).
             let r = self.running.remove(i);
@@ -768,6 +791,36 @@ proptest! {
         prop_assert_eq!(d.m.block_pool().get_num_free_blocks(), num_blocks as usize - 1);
     }
 
+    /// The steady decode step decides as vLLM's stages do: a manager that takes it
+    /// and one that never does, driven alike over prefix-cached or uncached layouts,
+    /// hold the same state after every operation (pool, free queue, index, tables and
+    /// Mamba "align"'s per-request bookkeeping: `state_digest`).
+    #[test]
+    fn the_steady_step_decides_as_vllms_stages(
+        layout in layout(),
+        uncached in uncached_layout(),
+        caching in any::<bool>(),
+        num_blocks in 6u32..48,
+        ops in proptest::collection::vec(decode_heavy_op(), 1..200),
+    ) {
+        let (groups, sched, hash) = if caching {
+            layout.groups()
+        } else {
+            let groups = uncached.groups();
+            let b = groups[0].block_size;
+            (groups, b, b)
+        };
+        let mut steady = Driver::new(groups.clone(), sched, hash, num_blocks, caching);
+        let mut general =
+            Driver::new(groups, sched, hash, num_blocks, caching).without_steady_decode();
+        for op in ops {
+            steady.run(op.clone())?;
+            general.run(op)?;
+            prop_assert_eq!(steady.m.state_digest(), general.m.state_digest());
+        }
+        prop_assert_eq!(general.m.num_steady_steps(), 0);
+    }
+
     /// Layouts without prefix caching (Mamba "none", cross attention, ...): ref counts
     /// and table shapes match the model after every operation.
     #[test]
@@ -843,6 +896,8 @@ fn the_random_operations_cover_the_features() {
         "copy_on_write",
         "prefill_chunk",
         "decode",
+        "steady",
+        "steady_with_mamba",
         "preempted",
         "finish",
         "finish_deferred",
