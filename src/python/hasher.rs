@@ -400,13 +400,15 @@ impl PyRequestBlockHasher {
 #[pymethods]
 impl PyRequestBlockHasher {
     #[new]
-    #[pyo3(signature = (algo, hash_block_size, num_hash_lookahead_tokens = 0))]
+    #[pyo3(signature = (algo, hash_block_size, num_hash_lookahead_tokens = super::convert::Int(0)))]
     fn new(
         py: Python<'_>,
         algo: &str,
-        hash_block_size: i64,
-        num_hash_lookahead_tokens: i64,
+        hash_block_size: super::convert::Int,
+        num_hash_lookahead_tokens: super::convert::Int,
     ) -> PyResult<Self> {
+        let (hash_block_size, num_hash_lookahead_tokens) =
+            (hash_block_size.0, num_hash_lookahead_tokens.0);
         let algo = algo_from_name(algo)?;
         let bs = usize::try_from(hash_block_size)
             .ok()
