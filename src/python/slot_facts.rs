@@ -205,19 +205,22 @@ pub(super) fn read_scheduler_output<'py>(
     };
 
     let mut facts = Facts::default();
+    let new_attr = |nr: &Bound<'py, PyAny>, name: &Bound<'py, PyString>| {
+        expect_attr(nr, name, "vLLM's NewRequestData")
+    };
     let new_reqs = attr(intern!(py, "scheduled_new_reqs"))?;
     for nr in new_reqs.try_iter()? {
         let nr = nr?;
-        let req_id = as_str(nr.getattr(intern!(py, "req_id"))?)?;
+        let req_id = as_str(new_attr(&nr, intern!(py, "req_id"))?)?;
         let blocks = push_group_ids(
             group,
             &mut facts.arena,
-            &nr.getattr(intern!(py, "block_ids"))?,
+            &new_attr(&nr, intern!(py, "block_ids"))?,
             &req_id,
         )?;
         let nc = count(
             "num_computed_tokens",
-            nr.getattr(intern!(py, "num_computed_tokens"))?.extract()?,
+            new_attr(&nr, intern!(py, "num_computed_tokens"))?.extract()?,
         )?;
         let num_external_tokens = match lookup("external_tokens", external.as_ref(), &req_id)? {
             Some(n) => n,
@@ -244,10 +247,12 @@ pub(super) fn read_scheduler_output<'py>(
         facts.req_ids.push(req_id);
     }
     let cached = attr(intern!(py, "scheduled_cached_reqs"))?;
-    let resumed = cached.getattr(intern!(py, "resumed_req_ids"))?;
+    let cached_attr =
+        |name: &Bound<'py, PyString>| expect_attr(&cached, name, "vLLM's CachedRequestData");
+    let resumed = cached_attr(intern!(py, "resumed_req_ids"))?;
     let any_resumed = resumed.len()? > 0;
     let list = |name: &Bound<'py, PyString>| -> PyResult<Bound<'py, PyList>> {
-        cached.getattr(name)?.cast_into::<PyList>().map_err(|_| {
+        cached_attr(name)?.cast_into::<PyList>().map_err(|_| {
             InvalidArgumentError::new_err(format!("scheduled_cached_reqs.{name} must be a list"))
         })
     };

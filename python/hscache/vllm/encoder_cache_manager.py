@@ -137,6 +137,11 @@ def compute_mm_encoder_budget(
     Both are at least the largest item: an item larger than the cache could never be
     scheduled. ``(0, 0)`` with vLLM's warning when no modality is enabled.
     """
+    if not isinstance(mm_max_toks_per_item, Mapping):
+        raise TypeError(
+            "mm_max_toks_per_item must map modality -> tokens, got "
+            f"{type(mm_max_toks_per_item).__name__}"
+        )
     if not mm_max_toks_per_item:
         logger.warning(
             "All non-text modalities supported by the model have been explicitly disabled "

@@ -314,6 +314,12 @@ class KVCacheManager(KVCacheCore):
         stats = self.prefix_cache_stats
         if stats is None:
             raise InvalidArgumentError("prefix_cache_stats was replaced by None")
+        # vLLM's PrefixCacheStats.record counts the request before it adds the hits:
+        # a hit count that is not an int would leave the stats half-updated.
+        if not isinstance(num_hits, int) or isinstance(num_hits, bool):
+            raise TypeError(f"num_hits must be an int, got {type(num_hits).__name__}")
+        if num_hits < 0:
+            raise InvalidArgumentError(f"num_hits must be non-negative, got {num_hits}")
         stats.record(
             num_tokens=request.num_tokens,
             num_hits=num_hits,

@@ -24,7 +24,7 @@ use crate::python::errors::{BlockIdError, InvalidArgumentError};
 /// for an int beyond 64 bits (`2**70`); this one raises `InvalidArgumentError` (a
 /// `ValueError`) naming the value, so that a huge count is the same typed error as a
 /// count past its range. Anything else (a `str`, a `float`) stays pyo3's `TypeError`.
-/// pyo3 adds the argument's name as a note ("while processing 'num_new_tokens'").
+/// pyo3 adds the argument's name as a note ("while processing 'block_size'").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Int(pub i64);
 
