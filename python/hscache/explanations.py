@@ -16,8 +16,6 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from hscache.exceptions import UnknownRequestError, UnsupportedError
-
 Reason = Literal[
     "lookup_skipped",
     "hit_capped",
@@ -139,13 +137,12 @@ class Explanation:
 def explain(request_id: str) -> Explanation:
     """The last lookup of ``request_id`` in any live manager built with explain mode on.
 
-    ``UnsupportedError`` (a ``RuntimeError``) if no such manager lives (turn it on with
-    ``explain=True`` or ``HSCACHE_EXPLAIN=1``); ``UnknownRequestError`` (a ``KeyError``)
-    if none of them explained a lookup of it.
+    ``RuntimeError`` if no such manager lives (turn it on with ``explain=True`` or
+    ``HSCACHE_EXPLAIN=1``); ``KeyError`` if none of them explained a lookup of it.
     """
     managers = [m for m in list(_LIVE) if m.explain_enabled]
     if not managers:
-        raise UnsupportedError(
+        raise RuntimeError(
             "no KV-cache manager with explain mode is alive: build it with "
             "KVCacheManager(..., explain=True) or set HSCACHE_EXPLAIN=1"
         )
@@ -158,5 +155,5 @@ def explain(request_id: str) -> Explanation:
         if best is None or found.lookup_seq > best.lookup_seq:
             best = found
     if best is None:
-        raise UnknownRequestError(f"no explained lookup of request {request_id!r}")
+        raise KeyError(f"no explained lookup of request {request_id!r}")
     return best

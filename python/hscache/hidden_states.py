@@ -84,9 +84,7 @@ def full_attention_group(kv_cache_config: Any) -> int:
 
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
     if groups is None:
-        raise TypeError(
-            f"expected vLLM's KVCacheConfig, got {type(kv_cache_config).__name__}"
-        )
+        raise TypeError(f"expected vLLM's KVCacheConfig, got {type(kv_cache_config).__name__}")
     for i, group in enumerate(groups):
         spec = group.kv_cache_spec
         if isinstance(spec, UniformTypeKVCacheSpecs):

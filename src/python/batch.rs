@@ -13,7 +13,6 @@ use pyo3::types::{PyByteArray, PyList, PyString};
 
 use super::convert::buffers::{read_i64s, u32_as_i32_bytearray};
 use super::convert::hashes::PyListHashes;
-use super::convert::{count_arg, Int};
 use super::errors::{count, InvalidArgumentError, UnknownRequestError};
 use super::manager::PyKVCacheCore;
 use crate::error::Error;
@@ -46,7 +45,7 @@ pub(crate) fn allocate_slots_batch<'py>(
     handles_obj: &Bound<'py, PyAny>,
     num_computed_tokens: &Bound<'py, PyAny>,
     num_new_tokens: &Bound<'py, PyAny>,
-    num_lookahead_tokens: Int,
+    num_lookahead_tokens: i64,
 ) -> PyResult<BatchResult<'py>> {
     let py = slf.py();
     let handles = handles("handles", handles_obj)?;
@@ -56,7 +55,7 @@ pub(crate) fn allocate_slots_batch<'py>(
         handles: &handles,
         num_computed_tokens: &computed,
         num_new_tokens: &new,
-        num_lookahead_tokens: count_arg("num_lookahead_tokens", num_lookahead_tokens)?,
+        num_lookahead_tokens: count("num_lookahead_tokens", num_lookahead_tokens)?,
     };
     // One request per entry: a longer list is as much a caller's mistake as a
     // shorter one (entry `i` is `requests[i]`).

@@ -401,15 +401,14 @@ impl PyRequestBlockHasher {
 #[pymethods]
 impl PyRequestBlockHasher {
     #[new]
-    #[pyo3(signature = (algo, hash_block_size, num_hash_lookahead_tokens = super::convert::Int(0)))]
+    #[pyo3(signature = (algo, hash_block_size, num_hash_lookahead_tokens = 0))]
     fn new(
         py: Python<'_>,
         algo: &str,
         hash_block_size: super::convert::Int,
-        num_hash_lookahead_tokens: super::convert::Int,
+        #[pyo3(from_py_with = super::convert::int64)] num_hash_lookahead_tokens: i64,
     ) -> PyResult<Self> {
-        let (hash_block_size, num_hash_lookahead_tokens) =
-            (hash_block_size.0, num_hash_lookahead_tokens.0);
+        let hash_block_size = hash_block_size.0;
         let algo = algo_from_name(algo)?;
         let bs = usize::try_from(hash_block_size)
             .ok()

@@ -28,7 +28,7 @@ use super::blocks::PyKVCacheBlocks;
 use super::convert::blocks::{grouped_ids, hit_ids};
 use super::convert::request::{request_id, PyRequest, StatusObjects};
 use super::convert::spec::group_spec;
-use super::convert::{count_arg, Int};
+use super::convert::{count, count_arg, int64, Int};
 use super::errors::InvalidArgumentError;
 use super::events::PyEventBuilder;
 use crate::events::MetricsOp;
@@ -417,8 +417,8 @@ impl PyKVCacheCore {
     #[new]
     #[pyo3(signature = (*, num_blocks, groups, max_model_len, scheduler_block_size,
         hash_block_size, enable_caching=true, enable_kv_cache_events=false, use_eagle=false,
-        watermark_blocks=Int(0), num_hash_lookahead_tokens=Int(0), num_prefill_lookahead=Int(0),
-        dcp_world_size=Int(1), pcp_world_size=Int(1), needs_kv_cache_zeroing=false,
+        watermark_blocks=0, num_hash_lookahead_tokens=0, num_prefill_lookahead=0,
+        dcp_world_size=1, pcp_world_size=1, needs_kv_cache_zeroing=false,
         retention_interval=None, collect_metrics=false,
         enable_mamba_shared_prefix_checkpoint=false, vllm_series="0.33"))]
     #[allow(clippy::too_many_arguments)]
@@ -431,11 +431,11 @@ impl PyKVCacheCore {
         enable_caching: bool,
         enable_kv_cache_events: bool,
         use_eagle: bool,
-        watermark_blocks: Int,
-        num_hash_lookahead_tokens: Int,
-        num_prefill_lookahead: Int,
-        dcp_world_size: Int,
-        pcp_world_size: Int,
+        #[pyo3(from_py_with = int64)] watermark_blocks: i64,
+        #[pyo3(from_py_with = int64)] num_hash_lookahead_tokens: i64,
+        #[pyo3(from_py_with = int64)] num_prefill_lookahead: i64,
+        #[pyo3(from_py_with = int64)] dcp_world_size: i64,
+        #[pyo3(from_py_with = int64)] pcp_world_size: i64,
         needs_kv_cache_zeroing: bool,
         retention_interval: Option<Int>,
         collect_metrics: bool,
@@ -456,16 +456,16 @@ impl PyKVCacheCore {
                 use_eagle,
                 enable_caching,
                 enable_kv_cache_events,
-                dcp_world_size: count_arg("dcp_world_size", dcp_world_size)?,
-                pcp_world_size: count_arg("pcp_world_size", pcp_world_size)?,
+                dcp_world_size: count("dcp_world_size", dcp_world_size)?,
+                pcp_world_size: count("pcp_world_size", pcp_world_size)?,
                 scheduler_block_size: count_arg("scheduler_block_size", scheduler_block_size)?,
                 hash_block_size: count_arg("hash_block_size", hash_block_size)?,
                 collect_metrics,
-                num_hash_lookahead_tokens: count_arg(
+                num_hash_lookahead_tokens: count(
                     "num_hash_lookahead_tokens",
                     num_hash_lookahead_tokens,
                 )?,
-                num_prefill_lookahead: count_arg("num_prefill_lookahead", num_prefill_lookahead)?,
+                num_prefill_lookahead: count("num_prefill_lookahead", num_prefill_lookahead)?,
                 retention_interval: retention_interval
                     .map(|r| count_arg("prefix_cache_retention_interval", r))
                     .transpose()?,
@@ -473,7 +473,7 @@ impl PyKVCacheCore {
                 allow_partial_hash_hits: true,
             },
             max_model_len: count_arg("max_model_len", max_model_len)?,
-            watermark_blocks: count_arg("watermark_blocks", watermark_blocks)?,
+            watermark_blocks: count("watermark_blocks", watermark_blocks)?,
             enable_mamba_shared_prefix_checkpoint,
         })?;
         core.set_vllm_rules(rules)?;
@@ -585,23 +585,23 @@ impl PyKVCacheCore {
 
     /// vLLM's `allocate_slots`: the newly allocated blocks as `KVCacheBlocks`, or
     /// None when they do not fit (hit blocks are then left untouched).
-    #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens=Int(0),
-        new_computed_blocks=None, num_lookahead_tokens=Int(0), num_external_computed_tokens=Int(0),
-        delay_cache_blocks=false, num_encoder_tokens=Int(0), full_sequence_must_fit=false,
-        reserved_blocks=Int(0), has_scheduled_reqs=true, skip_zeroing_group_ids=None))]
+    #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens=0,
+        new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0,
+        delay_cache_blocks=false, num_encoder_tokens=0, full_sequence_must_fit=false,
+        reserved_blocks=0, has_scheduled_reqs=true, skip_zeroing_group_ids=None))]
     #[allow(clippy::too_many_arguments)]
     fn allocate_slots<'py>(
         slf: &Bound<'py, Self>,
         request: &Bound<'py, PyAny>,
         num_new_tokens: Int,
-        num_new_computed_tokens: Int,
+        #[pyo3(from_py_with = int64)] num_new_computed_tokens: i64,
         new_computed_blocks: Option<&Bound<'py, PyAny>>,
-        num_lookahead_tokens: Int,
-        num_external_computed_tokens: Int,
+        #[pyo3(from_py_with = int64)] num_lookahead_tokens: i64,
+        #[pyo3(from_py_with = int64)] num_external_computed_tokens: i64,
         delay_cache_blocks: bool,
-        num_encoder_tokens: Int,
+        #[pyo3(from_py_with = int64)] num_encoder_tokens: i64,
         full_sequence_must_fit: bool,
-        reserved_blocks: Int,
+        #[pyo3(from_py_with = int64)] reserved_blocks: i64,
         has_scheduled_reqs: bool,
         skip_zeroing_group_ids: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
@@ -634,20 +634,20 @@ impl PyKVCacheCore {
         }
         let args = AllocateSlots {
             num_new_tokens: count_arg("num_new_tokens", num_new_tokens)?,
-            num_new_computed_tokens: count_arg("num_new_computed_tokens", num_new_computed_tokens)?,
+            num_new_computed_tokens: count("num_new_computed_tokens", num_new_computed_tokens)?,
             new_computed_blocks: adopt_hits.then_some(GroupedBlocks {
                 ids: &hit_ids_buf,
                 ends: &hit_ends,
             }),
-            num_lookahead_tokens: count_arg("num_lookahead_tokens", num_lookahead_tokens)?,
-            num_external_computed_tokens: count_arg(
+            num_lookahead_tokens: count("num_lookahead_tokens", num_lookahead_tokens)?,
+            num_external_computed_tokens: count(
                 "num_external_computed_tokens",
                 num_external_computed_tokens,
             )?,
             delay_cache_blocks,
-            num_encoder_tokens: count_arg("num_encoder_tokens", num_encoder_tokens)?,
+            num_encoder_tokens: count("num_encoder_tokens", num_encoder_tokens)?,
             full_sequence_must_fit,
-            reserved_blocks: reserved_blocks.0,
+            reserved_blocks,
             has_scheduled_reqs,
             skip_zeroing_group_ids: &skip_zeroing,
         };
@@ -966,14 +966,14 @@ impl PyKVCacheCore {
     /// `(num_allocated, new_block_ids, offsets)` as int32 bytearrays; entry
     /// `num_allocated`, if any, did not fit and was left untouched.
     #[pyo3(signature = (requests, handles, num_computed_tokens, num_new_tokens,
-        num_lookahead_tokens=Int(0)))]
+        num_lookahead_tokens=0))]
     fn core_allocate_slots_batch<'py>(
         slf: &Bound<'py, Self>,
         requests: &Bound<'py, PyList>,
         handles: &Bound<'py, PyAny>,
         num_computed_tokens: &Bound<'py, PyAny>,
         num_new_tokens: &Bound<'py, PyAny>,
-        num_lookahead_tokens: Int,
+        #[pyo3(from_py_with = int64)] num_lookahead_tokens: i64,
     ) -> PyResult<super::batch::BatchResult<'py>> {
         super::batch::allocate_slots_batch(
             slf,

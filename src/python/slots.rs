@@ -11,7 +11,7 @@ use pyo3::types::{PyByteArray, PyDict, PyList, PyString, PyTuple};
 use rustc_hash::FxHashMap;
 
 use super::buffers::i64_bytearray;
-use super::convert::{count_arg, u64_arg, BlockIdInt, Int};
+use super::convert::{count, count_arg, int64, u64_arg, BlockIdInt, Int};
 use super::errors::InvalidArgumentError;
 use super::prefill_skip::{skip_tuple, SkipTuple};
 use super::slot_facts::{
@@ -192,14 +192,14 @@ fn run<'py>(
 fn skip_options(
     enabled: bool,
     num_reqs_padded: Option<Int>,
-    num_logits_padded: Int,
+    num_logits_padded: i64,
 ) -> PyResult<SkipOptions> {
     Ok(SkipOptions {
         enabled,
         num_reqs_padded: num_reqs_padded
             .map(|n| count_arg("num_reqs_padded", n))
             .transpose()?,
-        num_logits_padded: count_arg("num_logits_padded", num_logits_padded)?,
+        num_logits_padded: count("num_logits_padded", num_logits_padded)?,
     })
 }
 
@@ -251,8 +251,12 @@ impl PySlotMirror {
 #[pymethods]
 impl PySlotMirror {
     #[new]
-    #[pyo3(signature = (*, num_blocks, block_size, kv_cache_group=Int(0)))]
-    fn new(num_blocks: Int, block_size: Int, kv_cache_group: Int) -> PyResult<Self> {
+    #[pyo3(signature = (*, num_blocks, block_size, kv_cache_group=0))]
+    fn new(
+        num_blocks: Int,
+        block_size: Int,
+        #[pyo3(from_py_with = int64)] kv_cache_group: i64,
+    ) -> PyResult<Self> {
         let num_blocks = u32::try_from(count_arg("num_blocks", num_blocks)?)
             .map_err(|_| InvalidArgumentError::new_err("num_blocks must be below 2^32"))?;
         Ok(Self {
@@ -260,7 +264,7 @@ impl PySlotMirror {
                 SlotMirror::new(num_blocks, count_arg("block_size", block_size)?)?,
                 "hidden-state slot mirror",
             ),
-            kv_cache_group: count_arg("kv_cache_group", kv_cache_group)?,
+            kv_cache_group: count("kv_cache_group", kv_cache_group)?,
         })
     }
 
@@ -311,7 +315,7 @@ impl PySlotMirror {
 
     /// Plans a step from vLLM's `SchedulerOutput` (see `crate::slots`).
     #[pyo3(signature = (scheduler_output, order=None, *, external_tokens=None,
-        connector_versions=None, fast_prefill=false, num_reqs_padded=None, num_logits_padded=Int(0)))]
+        connector_versions=None, fast_prefill=false, num_reqs_padded=None, num_logits_padded=0))]
     #[allow(clippy::too_many_arguments)]
     fn plan_scheduler_output<'py>(
         &mut self,
@@ -321,7 +325,7 @@ impl PySlotMirror {
         connector_versions: Option<Bound<'py, PyAny>>,
         fast_prefill: bool,
         num_reqs_padded: Option<Int>,
-        num_logits_padded: Int,
+        #[pyo3(from_py_with = int64)] num_logits_padded: i64,
     ) -> PyResult<PlanTuple<'py>> {
         let py = scheduler_output.py();
         let skip = skip_options(fast_prefill, num_reqs_padded, num_logits_padded)?;
@@ -342,7 +346,7 @@ impl PySlotMirror {
     /// then running, unless `order` lists the request ids.
     #[pyo3(signature = (*, new=None, running=None, finished=None, fresh_block_ids=None,
         order=None, external_tokens=None, connector_versions=None, num_prompt_tokens=None,
-        spec_tokens=None, fast_prefill=false, num_reqs_padded=None, num_logits_padded=Int(0)))]
+        spec_tokens=None, fast_prefill=false, num_reqs_padded=None, num_logits_padded=0))]
     #[allow(clippy::type_complexity, clippy::too_many_arguments)]
     fn plan<'py>(
         &mut self,
@@ -358,7 +362,7 @@ impl PySlotMirror {
         spec_tokens: Option<Bound<'py, PyAny>>,
         fast_prefill: bool,
         num_reqs_padded: Option<Int>,
-        num_logits_padded: Int,
+        #[pyo3(from_py_with = int64)] num_logits_padded: i64,
     ) -> PyResult<PlanTuple<'py>> {
         let skip = skip_options(fast_prefill, num_reqs_padded, num_logits_padded)?;
         let new = entries(

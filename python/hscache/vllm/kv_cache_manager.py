@@ -91,7 +91,9 @@ def _check_config(config: Any) -> None:
     """A ``TypeError`` for what is not a ``KVCacheConfig`` (instead of an
     ``AttributeError`` from deep inside the constructor)."""
     if not (hasattr(config, "kv_cache_groups") and hasattr(config, "num_blocks")):
-        raise TypeError(f"kv_cache_config must be a vLLM KVCacheConfig, got {type(config).__name__}")
+        raise TypeError(
+            f"kv_cache_config must be a vLLM KVCacheConfig, got {type(config).__name__}"
+        )
 
 
 def _int64_arg(values: Sequence[int] | np.ndarray) -> list[int] | bytes:

@@ -69,6 +69,12 @@ impl<'a, 'py> FromPyObject<'a, 'py> for BlockIdInt {
     }
 }
 
+/// [`Int`] for an argument with a default (`#[pyo3(from_py_with = int64)] x: i64`):
+/// the signature keeps its literal default (`x=0`), which stubs and `inspect` read.
+pub(crate) fn int64(obj: &Bound<'_, PyAny>) -> PyResult<i64> {
+    obj.extract::<Int>().map(|i| i.0)
+}
+
 /// A count argument ([`Int`]) that must be non-negative.
 pub(crate) fn count_arg(name: &str, value: Int) -> PyResult<usize> {
     count(name, value.0)
