@@ -91,3 +91,47 @@ fn state_digest_moves_with_state_and_only_with_it() {
     admit(&mut m, &request("d", 0, 20, &prompt_hashes(3, 1, 13, 0)));
     assert_ne!(m.state_digest(), d1);
 }
+
+#[test]
+fn a_poisoned_manager_refuses_every_shielded_call() {
+    // The per-step drains have no guard of their own (`new_step_starts`,
+    // `take_new_block_ids`, ...): `shielded`, which every binding goes through, refuses.
+    let mut m = busy_manager();
+    m.set_check_invariants(true);
+    m.break_invariant_for_tests(Mutant::MissingDecrement)
+        .unwrap();
+    m.free("a").unwrap_err();
+    let before = m.state_digest();
+    let e = m
+        .shielded("new_step_starts", |c| {
+            c.new_step_starts();
+            Ok(())
+        })
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Internal);
+    let e = m
+        .shielded("take_new_block_ids", |c| Ok(c.take_new_block_ids()))
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Internal);
+    assert_eq!(m.state_digest(), before);
+}
+
+#[test]
+fn the_null_block_never_gets_a_hash() {
+    let mut m = busy_manager();
+    let before = m.state_digest();
+    let pool = m.block_pool_mut().unwrap();
+    let e = pool.move_block_hashes(1, 0).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    let key = *pool.block_hash(1).unwrap();
+    let e = pool.insert_block_hash_checked(key, 0, 16).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    assert_eq!(
+        pool.insert_block_hash_checked(key, 99, 16)
+            .unwrap_err()
+            .kind(),
+        ErrorKind::BlockIdOutOfRange
+    );
+    assert_eq!(m.state_digest(), before);
+    m.check_invariants().unwrap();
+}

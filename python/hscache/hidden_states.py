@@ -82,7 +82,10 @@ def full_attention_group(kv_cache_config: Any) -> int:
     """
     from vllm.v1.kv_cache_interface import FullAttentionSpec, RSWASpec, UniformTypeKVCacheSpecs
 
-    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if groups is None:
+        raise TypeError(f"expected vLLM's KVCacheConfig, got {type(kv_cache_config).__name__}")
+    for i, group in enumerate(groups):
         spec = group.kv_cache_spec
         if isinstance(spec, UniformTypeKVCacheSpecs):
             spec = spec.first_spec
@@ -145,6 +148,10 @@ class HiddenStateCache:
         unknown = set(skip_layer_keys) - set(specs)
         if unknown:
             raise InvalidArgumentError(f"skip_layer_keys {sorted(unknown)} are not declared keys")
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as e:  # torch's own words for an unknown device
+            raise InvalidArgumentError(f"device {device!r}: {e}") from e
         self._mirror = SlotMirror(
             num_blocks=num_blocks, block_size=block_size, kv_cache_group=kv_cache_group
         )
@@ -229,8 +236,12 @@ class HiddenStateCache:
         return self._mirror
 
     def tensor(self, key: str) -> torch.Tensor:
-        """The ``(num_blocks * block_size, width)`` storage of ``key``."""
-        return self._tensors[key]
+        """The ``(num_blocks * block_size, width)`` storage of ``key`` (``KeyError`` for
+        an undeclared key)."""
+        t = self._tensors.get(key) if isinstance(key, str) else None
+        if t is None:
+            raise KeyError(f"{key!r} is not a declared key ({sorted(self._tensors)})")
+        return t
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of storage per key."""
@@ -353,10 +364,16 @@ class HiddenStateCache:
         cuda = self._cuda
         out: list[tuple[str, torch.Tensor, torch.Tensor, bool]] = []
         reduced: set[str] = set()
+        if not isinstance(outputs, Mapping):
+            raise TypeError(f"outputs must map key -> tensor, got {type(outputs).__name__}")
         for key, storage, width, dtype, skip in self._write_specs:
             t = outputs.get(key)
             if t is None:
                 raise InvalidArgumentError(f"outputs lack declared key {key!r}")
+            if not isinstance(t, torch.Tensor):
+                raise InvalidArgumentError(
+                    f"outputs[{key!r}] is a {type(t).__name__}; expected a torch.Tensor"
+                )
             shape = t.shape
             if shape == (n, width):
                 pass
@@ -391,6 +408,8 @@ class HiddenStateCache:
         return self._mirror.commit(plan.step_id, plan.mirror_id)
 
     def _check_plan(self, plan: StepPlan) -> None:
+        if not isinstance(plan, StepPlan):
+            raise TypeError(f"expected a StepPlan (plan_step's result), got {type(plan).__name__}")
         if plan.mirror_id != self._mirror_id:
             raise InvalidArgumentError(
                 f"step {plan.step_id} was planned by another HiddenStateCache; a cache "
@@ -454,6 +473,11 @@ class HiddenStateCache:
         delayed gather), the read becomes a miss. ``outputs`` (the step's rows) lets
         ``StepRows.rows`` also return the requests that read nothing.
         """
+        if not isinstance(plan, StepPlan) or not isinstance(reads, SlotReads):
+            raise TypeError(
+                f"expected (StepPlan, SlotReads), got ({type(plan).__name__}, "
+                f"{type(reads).__name__})"
+            )
         if reads.step_id != plan.step_id or reads.mirror_id != plan.mirror_id:
             raise InvalidArgumentError(f"reads of step {reads.step_id} with plan {plan.step_id}")
         self._mirror.revalidate(reads)

@@ -419,6 +419,10 @@ impl KVCacheManager {
         what: &str,
         op: impl FnOnce(&mut Self) -> Result<T>,
     ) -> Result<T> {
+        // A poisoned manager refuses every call, including those whose core method
+        // has no guard of its own (the per-step drains: `new_step_starts`,
+        // `take_new_block_ids`, ...).
+        self.guard()?;
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| op(self))) {
             Ok(r) => r,
             Err(payload) => Err(self.poison_after_panic(what, payload.as_ref())),

@@ -47,6 +47,26 @@ impl BlockPool {
         }
     }
 
+    /// vLLM's `_insert_block_hash` called from outside the pool (connectors, tests):
+    /// [`Self::insert_block_hash`] after checking the block id. The null block is
+    /// refused: it is a placeholder that never holds a hash (vLLM would index it and
+    /// hand it out as a prefix hit).
+    pub fn insert_block_hash_checked(
+        &mut self,
+        key: BlockHashWithGroupId,
+        block_id: BlockId,
+        num_tokens: usize,
+    ) -> Result<()> {
+        self.check_block_id(i64::from(block_id))?;
+        if block_id == NULL_BLOCK_ID {
+            return Err(Error::InvalidArgument(
+                "the null block cannot hold a block hash".into(),
+            ));
+        }
+        self.insert_block_hash(key, block_id, num_tokens);
+        Ok(())
+    }
+
     /// vLLM's `_remove_cached_block_hashes` + `_emit_block_removed_events`.
     fn remove_block_hashes_with_events(&mut self, block_id: BlockId) {
         let removed = self
@@ -216,6 +236,13 @@ impl BlockPool {
         if self.block_hash(dst).is_some() || src == dst {
             return Err(Error::InvalidArgument(format!(
                 "cannot move the keys of block {src} onto cached block {dst}"
+            )));
+        }
+        if dst == NULL_BLOCK_ID {
+            // vLLM asserts only that the target has no hash; the null block never
+            // has one, and must never get one (it would be served as a hit).
+            return Err(Error::InvalidArgument(format!(
+                "cannot move the keys of block {src} onto the null block"
             )));
         }
         let num_tokens = self.block_hash_num_tokens(src).unwrap_or(0) as usize;

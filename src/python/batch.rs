@@ -57,7 +57,9 @@ pub(crate) fn allocate_slots_batch<'py>(
         num_new_tokens: &new,
         num_lookahead_tokens: count("num_lookahead_tokens", num_lookahead_tokens)?,
     };
-    if requests.len() < batch.len() {
+    // One request per entry: a longer list is as much a caller's mistake as a
+    // shorter one (entry `i` is `requests[i]`).
+    if requests.len() != batch.len() {
         return Err(InvalidArgumentError::new_err(format!(
             "{} requests for {} batch entries",
             requests.len(),

@@ -16,6 +16,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PySet, PyString};
 
+use super::convert::Int;
 use super::errors::InvalidArgumentError;
 use crate::encoder_cache::input_ids::check_input_id;
 use crate::encoder_cache::{compute_mm_encoder_budget, EncoderCacheManager, InputIdOp};
@@ -60,11 +61,17 @@ pub(super) fn identifier<'py>(
         .map_err(|_| InvalidArgumentError::new_err("mm_features[i].identifier must be a str"))
 }
 
-/// `request.get_num_encoder_embeds(input_id)`.
+/// `request.get_num_encoder_embeds(input_id)`; `TypeError` for an object without
+/// the method (not a bare `AttributeError`).
 pub(super) fn num_embeds(request: &Bound<'_, PyAny>, input_id: i64) -> PyResult<i64> {
-    request
-        .call_method1(intern!(request.py(), "get_num_encoder_embeds"), (input_id,))?
-        .extract()
+    super::convert::expect_attr(
+        request,
+        intern!(request.py(), "get_num_encoder_embeds"),
+        "a vLLM Request",
+    )?
+    .call1((input_id,))?
+    .extract::<Int>()
+    .map(|n| n.0)
 }
 
 /// An input id as the core stores it.
@@ -94,9 +101,9 @@ fn replay_set<'py>(
 impl PyEncoderCacheCore {
     #[new]
     #[pyo3(signature = (cache_size))]
-    fn new(cache_size: i64) -> PyResult<Self> {
+    fn new(cache_size: Int) -> PyResult<Self> {
         Ok(Self {
-            core: Shielded::new(EncoderCacheManager::new(cache_size)?, OBJECT),
+            core: Shielded::new(EncoderCacheManager::new(cache_size.0)?, OBJECT),
         })
     }
 
@@ -122,19 +129,22 @@ impl PyEncoderCacheCore {
     }
 
     #[setter]
-    fn set_cache_size(&mut self, n: i64) -> PyResult<()> {
+    fn set_cache_size(&mut self, n: Int) -> PyResult<()> {
+        let n = n.0;
         self.core
             .write("set_cache_size", |c| Ok(c.set_cache_size(n)?))
     }
 
     #[setter]
-    fn set_num_free_slots(&mut self, n: i64) -> PyResult<()> {
+    fn set_num_free_slots(&mut self, n: Int) -> PyResult<()> {
+        let n = n.0;
         self.core
             .write("set_num_free_slots", |c| Ok(c.set_num_free_slots(n)?))
     }
 
     #[setter]
-    fn set_num_freeable_slots(&mut self, n: i64) -> PyResult<()> {
+    fn set_num_freeable_slots(&mut self, n: Int) -> PyResult<()> {
+        let n = n.0;
         self.core.write("set_num_freeable_slots", |c| {
             Ok(c.set_num_freeable_slots(n)?)
         })
@@ -152,8 +162,9 @@ impl PyEncoderCacheCore {
     fn check_and_update_cache(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
-        input_id: i64,
+        input_id: Int,
     ) -> PyResult<bool> {
+        let input_id = input_id.0;
         let ident = identifier(request, input_id)?;
         // A miss (the common case for a new item) does not read the rest of the request.
         let ident = ident.to_str()?;
@@ -177,8 +188,9 @@ impl PyEncoderCacheCore {
     fn get_cached_num_encoder_embeds(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
-        input_id: i64,
+        input_id: Int,
     ) -> PyResult<Option<i64>> {
+        let input_id = input_id.0;
         let ident = identifier(request, input_id)?;
         let ident = ident.to_str()?;
         slf.try_borrow()?
@@ -192,10 +204,15 @@ impl PyEncoderCacheCore {
     fn can_allocate(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
-        input_id: i64,
-        encoder_compute_budget: i64,
-        num_embeds_to_schedule: i64,
+        input_id: Int,
+        encoder_compute_budget: Int,
+        num_embeds_to_schedule: Int,
     ) -> PyResult<bool> {
+        let (input_id, encoder_compute_budget, num_embeds_to_schedule) = (
+            input_id.0,
+            encoder_compute_budget.0,
+            num_embeds_to_schedule.0,
+        );
         let n = num_embeds(request, input_id)?;
         slf.try_borrow_mut()?.core.write("can_allocate", |c| {
             Ok(c.can_allocate(n, encoder_compute_budget, num_embeds_to_schedule)?)
@@ -203,7 +220,8 @@ impl PyEncoderCacheCore {
     }
 
     /// vLLM's `allocate`.
-    fn allocate(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>, input_id: i64) -> PyResult<()> {
+    fn allocate(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>, input_id: Int) -> PyResult<()> {
+        let input_id = input_id.0;
         let ident = identifier(request, input_id)?;
         let rid = request_id(request)?;
         let n = num_embeds(request, input_id)?;
@@ -219,8 +237,9 @@ impl PyEncoderCacheCore {
     fn free_encoder_input(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
-        input_id: i64,
+        input_id: Int,
     ) -> PyResult<()> {
+        let input_id = input_id.0;
         let ident = identifier(request, input_id)?;
         let rid = request_id(request)?;
         let input = input_index(input_id)?;
@@ -388,12 +407,18 @@ impl PyEncoderCacheCore {
 #[pyfunction]
 #[pyo3(name = "compute_mm_encoder_budget")]
 pub fn py_compute_mm_encoder_budget(
-    max_num_encoder_input_tokens: i64,
-    encoder_cache_size: i64,
-    max_num_batched_tokens: i64,
+    max_num_encoder_input_tokens: Int,
+    encoder_cache_size: Int,
+    max_num_batched_tokens: Int,
     disable_chunked_mm_input: bool,
-    mm_max_toks_per_item: Vec<i64>,
+    mm_max_toks_per_item: Vec<Int>,
 ) -> PyResult<(i64, i64)> {
+    let (max_num_encoder_input_tokens, encoder_cache_size, max_num_batched_tokens) = (
+        max_num_encoder_input_tokens.0,
+        encoder_cache_size.0,
+        max_num_batched_tokens.0,
+    );
+    let mm_max_toks_per_item: Vec<i64> = mm_max_toks_per_item.into_iter().map(|n| n.0).collect();
     Ok(compute_mm_encoder_budget(
         max_num_encoder_input_tokens,
         encoder_cache_size,

@@ -12,6 +12,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PySet};
 
+use super::convert::Int;
 use super::encoder_cache::{identifier, num_embeds};
 use crate::encoder_cache::EncoderDecoderCacheManager;
 use crate::shield::Shielded;
@@ -22,19 +23,24 @@ pub struct PyEncoderDecoderCacheCore {
     core: Shielded<EncoderDecoderCacheManager>,
 }
 
-/// `len(request.mm_features)`.
+/// `len(request.mm_features)`; `TypeError` for an object without them.
 fn num_inputs(request: &Bound<'_, PyAny>) -> PyResult<usize> {
-    request.getattr(intern!(request.py(), "mm_features"))?.len()
+    super::convert::expect_attr(
+        request,
+        intern!(request.py(), "mm_features"),
+        "a vLLM Request",
+    )?
+    .len()
 }
 
 #[pymethods]
 impl PyEncoderDecoderCacheCore {
     #[new]
     #[pyo3(signature = (cache_size))]
-    fn new(cache_size: i64) -> PyResult<Self> {
+    fn new(cache_size: Int) -> PyResult<Self> {
         Ok(Self {
             core: Shielded::new(
-                EncoderDecoderCacheManager::new(cache_size)?,
+                EncoderDecoderCacheManager::new(cache_size.0)?,
                 "encoder-decoder cache",
             ),
         })
@@ -46,7 +52,8 @@ impl PyEncoderDecoderCacheCore {
     }
 
     #[setter]
-    fn set_cache_size(&mut self, n: i64) -> PyResult<()> {
+    fn set_cache_size(&mut self, n: Int) -> PyResult<()> {
+        let n = n.0;
         self.core
             .write("set_cache_size", |c| Ok(c.set_cache_size(n)?))
     }
@@ -57,7 +64,8 @@ impl PyEncoderDecoderCacheCore {
     }
 
     #[setter]
-    fn set_num_free_slots(&mut self, n: i64) -> PyResult<()> {
+    fn set_num_free_slots(&mut self, n: Int) -> PyResult<()> {
+        let n = n.0;
         self.core
             .write("set_num_free_slots", |c| Ok(c.set_num_free_slots(n)?))
     }
@@ -84,7 +92,7 @@ impl PyEncoderDecoderCacheCore {
     }
 
     /// Never a hit: encoder outputs are not shared between requests.
-    fn check_and_update_cache(&self, request: &Bound<'_, PyAny>, input_id: i64) -> bool {
+    fn check_and_update_cache(&self, request: &Bound<'_, PyAny>, input_id: Int) -> bool {
         let _ = (request, input_id);
         false
     }
@@ -93,10 +101,15 @@ impl PyEncoderDecoderCacheCore {
     fn can_allocate(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
-        input_id: i64,
-        encoder_compute_budget: i64,
-        num_embeds_to_schedule: i64,
+        input_id: Int,
+        encoder_compute_budget: Int,
+        num_embeds_to_schedule: Int,
     ) -> PyResult<bool> {
+        let (input_id, encoder_compute_budget, num_embeds_to_schedule) = (
+            input_id.0,
+            encoder_compute_budget.0,
+            num_embeds_to_schedule.0,
+        );
         let n = num_embeds(request, input_id)?;
         slf.try_borrow()?.core.read("can_allocate", |c| {
             Ok(c.can_allocate(n, encoder_compute_budget, num_embeds_to_schedule)?)
@@ -104,7 +117,8 @@ impl PyEncoderDecoderCacheCore {
     }
 
     /// vLLM's `allocate`.
-    fn allocate(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>, input_id: i64) -> PyResult<()> {
+    fn allocate(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>, input_id: Int) -> PyResult<()> {
+        let input_id = input_id.0;
         let n = num_embeds(request, input_id)?;
         let ident = identifier(request, input_id)?;
         let ident = ident.to_str()?;
@@ -117,9 +131,9 @@ impl PyEncoderDecoderCacheCore {
     fn free_encoder_input(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
-        input_id: i64,
+        input_id: Int,
     ) -> PyResult<()> {
-        let n = num_embeds(request, input_id)?;
+        let n = num_embeds(request, input_id.0)?;
         slf.try_borrow_mut()?
             .core
             .write("free_encoder_input", |c| Ok(c.free_encoder_input(n)?))

@@ -3,7 +3,6 @@
 //! extra-key fields for the core's fingerprints (cold paths only: nothing here runs
 //! with explain mode off). `hscache.explain` is the typed glue over the dict.
 
-use pyo3::exceptions::PyRuntimeError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -138,14 +137,11 @@ impl PyKVCacheCore {
 
     /// The record of the request's last lookup as a dict (`hit_blocks`,
     /// `hit_tokens`, `num_full_blocks`, `num_tokens`, `reason`, `detail`,
-    /// `lookup_seq`). `RuntimeError` with explain mode off, `KeyError` for a request
-    /// without an explained lookup.
+    /// `lookup_seq`). `UnsupportedError` (a `NotImplementedError`, so a `RuntimeError`)
+    /// with explain mode off, `UnknownRequestError` (a `KeyError`) for a request without
+    /// an explained lookup.
     fn core_explain<'py>(&self, py: Python<'py>, request_id: &str) -> PyResult<Bound<'py, PyDict>> {
-        let record = match self.core.explain(request_id) {
-            Ok(r) => r,
-            Err(Error::Unsupported(msg)) => return Err(PyRuntimeError::new_err(msg)),
-            Err(e) => return Err(e.into()),
-        };
+        let record = self.core.explain(request_id)?;
         let out = PyDict::new(py);
         out.set_item("hit_blocks", record.hit_blocks)?;
         out.set_item("hit_tokens", record.hit_tokens)?;

@@ -182,9 +182,10 @@ impl<'py> ValueHolder<'py> {
     }
 }
 
-/// Token ids as `u32`. A value outside `0..2**32` (vLLM's tests use `-1` placeholders)
-/// or a non-`int` (`bool`, numpy ints) is an `UnsupportedError`: the Python layer then
-/// hashes that call with vLLM's own hasher, which accepts any int.
+/// Token ids as `u32`. A value outside `0..2**32` (vLLM's tests use `-1` placeholders),
+/// a non-`int` (`bool`, numpy ints) or a container that is not a sequence (a numpy
+/// array) is an `UnsupportedError`: the Python layer then hashes that call with vLLM's
+/// own hasher, which accepts any int in any iterable.
 fn read_tokens(
     seq: &Bound<'_, PyAny>,
     start: usize,
@@ -213,12 +214,12 @@ fn read_tokens(
             out.push(check(i, &item)?);
         }
     } else {
-        let s = seq.cast::<PySequence>().map_err(|_| {
-            InvalidArgumentError::new_err(format!(
-                "token ids must be a list of ints, got {}",
-                type_name(seq)
-            ))
-        })?;
+        // Another container (a numpy array, ...): vLLM hashes `tuple(token_ids)` of
+        // anything iterable, the core only lists, tuples and sequences of ints; the
+        // Python adapter hashes the call with vLLM's function.
+        let s = seq
+            .cast::<PySequence>()
+            .map_err(|_| unsupported("token ids", seq))?;
         for i in start..start + count {
             let item = s.get_item(i)?;
             out.push(check(i, &item)?);
@@ -404,9 +405,10 @@ impl PyRequestBlockHasher {
     fn new(
         py: Python<'_>,
         algo: &str,
-        hash_block_size: i64,
-        num_hash_lookahead_tokens: i64,
+        hash_block_size: super::convert::Int,
+        #[pyo3(from_py_with = super::convert::int64)] num_hash_lookahead_tokens: i64,
     ) -> PyResult<Self> {
+        let hash_block_size = hash_block_size.0;
         let algo = algo_from_name(algo)?;
         let bs = usize::try_from(hash_block_size)
             .ok()

@@ -26,9 +26,9 @@ use smallvec::SmallVec;
 use super::block::PyKVCacheBlock;
 use super::blocks::PyKVCacheBlocks;
 use super::convert::blocks::{grouped_ids, hit_ids};
-use super::convert::count;
 use super::convert::request::{request_id, PyRequest, StatusObjects};
 use super::convert::spec::group_spec;
+use super::convert::{count, count_arg, int64, Int};
 use super::errors::InvalidArgumentError;
 use super::events::PyEventBuilder;
 use crate::events::MetricsOp;
@@ -370,11 +370,11 @@ impl PyKVCacheCore {
     fn lookup<'py>(
         slf: &Bound<'py, Self>,
         request: &Bound<'py, PyAny>,
-        max_cache_hit_length: Option<i64>,
+        max_cache_hit_length: Option<Int>,
         for_connector: bool,
     ) -> PyResult<(Bound<'py, PyAny>, usize, usize, bool)> {
         let max_len = max_cache_hit_length
-            .map(|n| count("max_cache_hit_length", n))
+            .map(|n| count_arg("max_cache_hit_length", n))
             .transpose()?;
         let id = request_id(request)?;
         let req = PyRequest::read(request, id.to_str()?, None)?;
@@ -423,26 +423,26 @@ impl PyKVCacheCore {
         enable_mamba_shared_prefix_checkpoint=false, vllm_series="0.33"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        num_blocks: i64,
+        num_blocks: Int,
         groups: &Bound<'_, PyList>,
-        max_model_len: i64,
-        scheduler_block_size: i64,
-        hash_block_size: i64,
+        max_model_len: Int,
+        scheduler_block_size: Int,
+        hash_block_size: Int,
         enable_caching: bool,
         enable_kv_cache_events: bool,
         use_eagle: bool,
-        watermark_blocks: i64,
-        num_hash_lookahead_tokens: i64,
-        num_prefill_lookahead: i64,
-        dcp_world_size: i64,
-        pcp_world_size: i64,
+        #[pyo3(from_py_with = int64)] watermark_blocks: i64,
+        #[pyo3(from_py_with = int64)] num_hash_lookahead_tokens: i64,
+        #[pyo3(from_py_with = int64)] num_prefill_lookahead: i64,
+        #[pyo3(from_py_with = int64)] dcp_world_size: i64,
+        #[pyo3(from_py_with = int64)] pcp_world_size: i64,
         needs_kv_cache_zeroing: bool,
-        retention_interval: Option<i64>,
+        retention_interval: Option<Int>,
         collect_metrics: bool,
         enable_mamba_shared_prefix_checkpoint: bool,
         vllm_series: &str,
     ) -> PyResult<Self> {
-        let num_blocks = u32::try_from(count("num_blocks", num_blocks)?)
+        let num_blocks = u32::try_from(count_arg("num_blocks", num_blocks)?)
             .map_err(|_| InvalidArgumentError::new_err("num_blocks is too large"))?;
         let groups = groups
             .iter()
@@ -458,8 +458,8 @@ impl PyKVCacheCore {
                 enable_kv_cache_events,
                 dcp_world_size: count("dcp_world_size", dcp_world_size)?,
                 pcp_world_size: count("pcp_world_size", pcp_world_size)?,
-                scheduler_block_size: count("scheduler_block_size", scheduler_block_size)?,
-                hash_block_size: count("hash_block_size", hash_block_size)?,
+                scheduler_block_size: count_arg("scheduler_block_size", scheduler_block_size)?,
+                hash_block_size: count_arg("hash_block_size", hash_block_size)?,
                 collect_metrics,
                 num_hash_lookahead_tokens: count(
                     "num_hash_lookahead_tokens",
@@ -467,12 +467,12 @@ impl PyKVCacheCore {
                 )?,
                 num_prefill_lookahead: count("num_prefill_lookahead", num_prefill_lookahead)?,
                 retention_interval: retention_interval
-                    .map(|r| count("prefix_cache_retention_interval", r))
+                    .map(|r| count_arg("prefix_cache_retention_interval", r))
                     .transpose()?,
                 needs_kv_cache_zeroing,
                 allow_partial_hash_hits: true,
             },
-            max_model_len: count("max_model_len", max_model_len)?,
+            max_model_len: count_arg("max_model_len", max_model_len)?,
             watermark_blocks: count("watermark_blocks", watermark_blocks)?,
             enable_mamba_shared_prefix_checkpoint,
         })?;
@@ -566,7 +566,7 @@ impl PyKVCacheCore {
     fn get_computed_blocks<'py>(
         slf: &Bound<'py, Self>,
         request: &Bound<'py, PyAny>,
-        max_cache_hit_length: Option<i64>,
+        max_cache_hit_length: Option<Int>,
     ) -> PyResult<(Bound<'py, PyAny>, usize, usize)> {
         let _timer = stats::Timer::start(Op::GetComputedBlocks);
         let (blocks, hit, boundary, _) = Self::lookup(slf, request, max_cache_hit_length, false)?;
@@ -578,7 +578,7 @@ impl PyKVCacheCore {
     fn get_computed_blocks_for_connector<'py>(
         slf: &Bound<'py, Self>,
         request: &Bound<'py, PyAny>,
-        max_cache_hit_length: Option<i64>,
+        max_cache_hit_length: Option<Int>,
     ) -> PyResult<(Bound<'py, PyAny>, usize, usize, bool)> {
         Self::lookup(slf, request, max_cache_hit_length, true)
     }
@@ -593,15 +593,15 @@ impl PyKVCacheCore {
     fn allocate_slots<'py>(
         slf: &Bound<'py, Self>,
         request: &Bound<'py, PyAny>,
-        num_new_tokens: i64,
-        num_new_computed_tokens: i64,
+        num_new_tokens: Int,
+        #[pyo3(from_py_with = int64)] num_new_computed_tokens: i64,
         new_computed_blocks: Option<&Bound<'py, PyAny>>,
-        num_lookahead_tokens: i64,
-        num_external_computed_tokens: i64,
+        #[pyo3(from_py_with = int64)] num_lookahead_tokens: i64,
+        #[pyo3(from_py_with = int64)] num_external_computed_tokens: i64,
         delay_cache_blocks: bool,
-        num_encoder_tokens: i64,
+        #[pyo3(from_py_with = int64)] num_encoder_tokens: i64,
         full_sequence_must_fit: bool,
-        reserved_blocks: i64,
+        #[pyo3(from_py_with = int64)] reserved_blocks: i64,
         has_scheduled_reqs: bool,
         skip_zeroing_group_ids: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
@@ -622,15 +622,18 @@ impl PyKVCacheCore {
             }
             None => false,
         };
-        let skip_zeroing: SmallVec<[u32; 4]> = match skip_zeroing_group_ids {
-            Some(ids) => ids
-                .try_iter()?
-                .map(|g| g?.extract::<u32>())
-                .collect::<PyResult<_>>()?,
-            None => SmallVec::new(),
-        };
+        // Group ids to skip: vLLM tests membership in a set, so an id that names no
+        // group (a negative one too) matches nothing; only non-ints are refused.
+        let mut skip_zeroing: SmallVec<[u32; 4]> = SmallVec::new();
+        if let Some(ids) = skip_zeroing_group_ids {
+            for g in ids.try_iter()? {
+                if let Ok(g) = u32::try_from(g?.extract::<Int>()?.0) {
+                    skip_zeroing.push(g);
+                }
+            }
+        }
         let args = AllocateSlots {
-            num_new_tokens: count("num_new_tokens", num_new_tokens)?,
+            num_new_tokens: count_arg("num_new_tokens", num_new_tokens)?,
             num_new_computed_tokens: count("num_new_computed_tokens", num_new_computed_tokens)?,
             new_computed_blocks: adopt_hits.then_some(GroupedBlocks {
                 ids: &hit_ids_buf,
@@ -696,10 +699,10 @@ impl PyKVCacheCore {
     fn cache_blocks(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
-        num_computed_tokens: i64,
+        num_computed_tokens: Int,
     ) -> PyResult<()> {
         let _timer = stats::Timer::start(Op::CacheBlocks);
-        let n = count("num_computed_tokens", num_computed_tokens)?;
+        let n = count_arg("num_computed_tokens", num_computed_tokens)?;
         let result = {
             let mut this = slf.try_borrow_mut()?;
             let id = request_id(request)?;
@@ -807,9 +810,9 @@ impl PyKVCacheCore {
         &self,
         py: Python<'py>,
         request_id: &str,
-        num_computed_tokens: i64,
+        num_computed_tokens: Int,
     ) -> PyResult<Bound<'py, PyTuple>> {
-        let n = count("num_computed_tokens", num_computed_tokens)?;
+        let n = count_arg("num_computed_tokens", num_computed_tokens)?;
         self.core.read("get_block_ids_for_computed_tokens", |c| {
             let lists = (0..c.num_kv_cache_groups())
                 .map(|g| PyList::new(py, c.block_ids_for_computed_tokens(request_id, g, n)))
@@ -832,12 +835,12 @@ impl PyKVCacheCore {
     fn remove_skipped_blocks(
         slf: &Bound<'_, Self>,
         request_id: &str,
-        processed_computed_tokens: i64,
-        num_prompt_tokens: Option<i64>,
+        processed_computed_tokens: Int,
+        num_prompt_tokens: Option<Int>,
     ) -> PyResult<()> {
-        let processed = count("processed_computed_tokens", processed_computed_tokens)?;
+        let processed = count_arg("processed_computed_tokens", processed_computed_tokens)?;
         let prompt = num_prompt_tokens
-            .map(|n| count("num_prompt_tokens", n))
+            .map(|n| count_arg("num_prompt_tokens", n))
             .transpose()?;
         slf.try_borrow_mut()?
             .core
@@ -852,9 +855,9 @@ impl PyKVCacheCore {
     fn truncate_computed_blocks<'py>(
         slf: &Bound<'py, Self>,
         blocks: &Bound<'py, PyAny>,
-        num_computed_tokens: i64,
+        num_computed_tokens: Int,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let n = count("num_computed_tokens", num_computed_tokens)?;
+        let n = count_arg("num_computed_tokens", num_computed_tokens)?;
         let mut ids = Vec::new();
         let mut ends: SmallVec<[usize; 4]> = SmallVec::new();
         grouped_ids(slf, blocks, &mut ids, &mut ends)?;
@@ -887,8 +890,8 @@ impl PyKVCacheCore {
     }
 
     /// vLLM's `record_blocks_for_zeroing`.
-    fn record_blocks_for_zeroing(&mut self, request_id: &str, start_token: i64) -> PyResult<()> {
-        let start = count("start_token", start_token)?;
+    fn record_blocks_for_zeroing(&mut self, request_id: &str, start_token: Int) -> PyResult<()> {
+        let start = count_arg("start_token", start_token)?;
         Ok(self.core.shielded("record_blocks_for_zeroing", |c| {
             c.record_blocks_for_zeroing(request_id, start)
         })?)
@@ -954,8 +957,9 @@ impl PyKVCacheCore {
 
     /// The handle of a request that holds blocks (None otherwise), for the batched
     /// calls; valid until the request is freed.
-    fn request_handle(&self, request_id: &str) -> Option<u64> {
-        self.core.request_handle(request_id)
+    fn request_handle(&self, request_id: &str) -> PyResult<Option<u64>> {
+        self.core
+            .read("request_handle", |c| Ok(c.request_handle(request_id)))
     }
 
     /// One step's `allocate_slots` for running requests (see `batch.rs`):
@@ -969,7 +973,7 @@ impl PyKVCacheCore {
         handles: &Bound<'py, PyAny>,
         num_computed_tokens: &Bound<'py, PyAny>,
         num_new_tokens: &Bound<'py, PyAny>,
-        num_lookahead_tokens: i64,
+        #[pyo3(from_py_with = int64)] num_lookahead_tokens: i64,
     ) -> PyResult<super::batch::BatchResult<'py>> {
         super::batch::allocate_slots_batch(
             slf,

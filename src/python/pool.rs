@@ -13,9 +13,9 @@ use pyo3::types::{PyBytes, PyList};
 
 use super::block::PyKVCacheBlock;
 use super::convert::blocks::{id_of, ids_of, split_pooled_ids};
-use super::convert::count;
 use super::convert::hashes::{hash_from_bytes, key_from_bytes, PyListHashes};
 use super::convert::request::{request_id, PyRequest};
+use super::convert::{count_arg, u32_arg, BlockIdInt, Int};
 use super::manager::PyKVCacheCore;
 use crate::manager::{KVCacheManager, RequestLike};
 use crate::stats::{self, Op};
@@ -61,11 +61,11 @@ impl PyKVCacheCore {
     }
 
     /// The handle of block `block_id`.
-    fn block(slf: &Bound<'_, Self>, block_id: i64) -> PyResult<Py<PyKVCacheBlock>> {
+    fn block(slf: &Bound<'_, Self>, block_id: BlockIdInt) -> PyResult<Py<PyKVCacheBlock>> {
         let mut this = slf.try_borrow_mut()?;
         let id = this
             .core
-            .read("block", |c| c.block_pool().check_block_id(block_id))?;
+            .read("block", |c| c.block_pool().check_block_id(block_id.0))?;
         Self::handle(slf, &mut this, id)
     }
 
@@ -103,9 +103,9 @@ impl PyKVCacheCore {
     /// Hands out `num_blocks` blocks from the head of the free queue.
     fn core_get_new_blocks<'py>(
         slf: &Bound<'py, Self>,
-        num_blocks: i64,
+        num_blocks: Int,
     ) -> PyResult<Bound<'py, PyList>> {
-        let n = count("num_blocks", num_blocks)?;
+        let n = count_arg("num_blocks", num_blocks)?;
         let list = {
             let mut this = slf.try_borrow_mut()?;
             // No capacity up front: `n` is checked against the free blocks by the pool.
@@ -122,8 +122,9 @@ impl PyKVCacheCore {
     fn core_get_cached_block(
         slf: &Bound<'_, Self>,
         block_hash: &Bound<'_, PyAny>,
-        group_id: u32,
+        group_id: Int,
     ) -> PyResult<Option<Py<PyKVCacheBlock>>> {
+        let group_id = u32_arg("kv_cache_group_id", group_id)?;
         let hash = hash_from_bytes(block_hash)?;
         let mut this = slf.try_borrow_mut()?;
         let found = this.core.read("get_cached_block", |c| {
@@ -136,7 +137,8 @@ impl PyKVCacheCore {
     }
 
     /// Drops the blocks from the prefix cache, in the given order.
-    fn core_evict_blocks(slf: &Bound<'_, Self>, block_ids: Vec<i64>) -> PyResult<()> {
+    fn core_evict_blocks(slf: &Bound<'_, Self>, block_ids: Vec<BlockIdInt>) -> PyResult<()> {
+        let block_ids: Vec<i64> = block_ids.into_iter().map(|b| b.0).collect();
         slf.try_borrow_mut()?
             .core
             .shielded("evict_blocks", |c| c.evict_blocks(&block_ids))?;
@@ -301,10 +303,10 @@ impl PyKVCacheCore {
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
         blocks: &Bound<'_, PyAny>,
-        num_cached_blocks: i64,
-        num_full_blocks: i64,
-        block_size: i64,
-        kv_cache_group_id: u32,
+        num_cached_blocks: Int,
+        num_full_blocks: Int,
+        block_size: Int,
+        kv_cache_group_id: Int,
         block_mask: Option<Vec<bool>>,
     ) -> PyResult<()> {
         let mut ids = Vec::new();
@@ -312,9 +314,10 @@ impl PyKVCacheCore {
         let id = request_id(request)?;
         let req = PyRequest::read(request, id.to_str()?, None)?;
         let hashes = req.block_hashes().map_err(|e| req.error(e))?;
-        let cached = count("num_cached_blocks", num_cached_blocks)?;
-        let full = count("num_full_blocks", num_full_blocks)?;
-        let block_size = count("block_size", block_size)?;
+        let cached = count_arg("num_cached_blocks", num_cached_blocks)?;
+        let full = count_arg("num_full_blocks", num_full_blocks)?;
+        let block_size = count_arg("block_size", block_size)?;
+        let kv_cache_group_id = u32_arg("kv_cache_group_id", kv_cache_group_id)?;
         slf.try_borrow_mut()?
             .core
             .shielded("cache_full_blocks", |c| {
@@ -340,17 +343,18 @@ impl PyKVCacheCore {
         slf: &Bound<'py, Self>,
         request: &Bound<'py, PyAny>,
         block: &Bound<'py, PyAny>,
-        num_tokens: i64,
-        kv_cache_group_id: u32,
-        block_size: i64,
+        num_tokens: Int,
+        kv_cache_group_id: Int,
+        block_size: Int,
         replace_existing_hashes: bool,
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
         let id = id_of(slf, block)?;
         let rid = request_id(request)?;
         let req = PyRequest::read(request, rid.to_str()?, None)?;
         let hashes = PyListHashes::new(&request.getattr("block_hashes")?)?;
-        let num_tokens = count("num_tokens", num_tokens)?;
-        let block_size = count("block_size", block_size)?;
+        let num_tokens = count_arg("num_tokens", num_tokens)?;
+        let block_size = count_arg("block_size", block_size)?;
+        let kv_cache_group_id = u32_arg("kv_cache_group_id", kv_cache_group_id)?;
         let key = slf
             .try_borrow_mut()?
             .core
@@ -375,18 +379,17 @@ impl PyKVCacheCore {
         slf: &Bound<'_, Self>,
         key: &Bound<'_, PyAny>,
         block: &Bound<'_, PyAny>,
-        num_tokens: Option<i64>,
+        num_tokens: Option<Int>,
     ) -> PyResult<()> {
         let key = key_from_bytes(key)?;
         let id = id_of(slf, block)?;
-        let n = num_tokens.map(|n| count("num_tokens", n)).transpose()?;
+        let n = num_tokens.map(|n| count_arg("num_tokens", n)).transpose()?;
         Ok(slf
             .try_borrow_mut()?
             .core
             .shielded("insert_block_hash", |c| {
                 c.block_pool_mut()?
-                    .insert_block_hash(key, id, n.unwrap_or(0));
-                Ok(())
+                    .insert_block_hash_checked(key, id, n.unwrap_or(0))
             })?)
     }
 

@@ -7,6 +7,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use super::convert::BlockIdInt;
 use super::errors::InvalidArgumentError;
 use super::manager::PyKVCacheCore;
 use crate::pool::retention::{RetentionConfig, RetentionHint, RetentionKind};
@@ -112,7 +113,8 @@ impl PyKVCacheCore {
     }
 
     /// Pins the listed cached blocks (policy `pin`); returns how many are pinned.
-    fn retention_pin_blocks(&mut self, block_ids: Vec<i64>) -> PyResult<usize> {
+    fn retention_pin_blocks(&mut self, block_ids: Vec<BlockIdInt>) -> PyResult<usize> {
+        let block_ids: Vec<i64> = block_ids.into_iter().map(|b| b.0).collect();
         Ok(self.core.block_pool_mut()?.pin_blocks(&block_ids)?)
     }
 
@@ -134,6 +136,8 @@ impl PyKVCacheCore {
     /// The policy's counters (`policy` only under `lru`).
     fn retention_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
+        // Refused on a poisoned manager, like every other read.
+        self.core.read("retention_stats", |_| Ok::<_, PyErr>(()))?;
         let pool = self.core.block_pool();
         d.set_item("policy", pool.retention_kind().name())?;
         if let Some(r) = pool.retention() {

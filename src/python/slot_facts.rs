@@ -12,6 +12,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
+use super::convert::{expect_attr, BlockIdInt, Int};
 use super::errors::{count, BlockIdError, InvalidArgumentError};
 use crate::types::BlockId;
 
@@ -49,14 +50,22 @@ pub(super) fn push_block_ids(
 ) -> PyResult<Range<usize>> {
     let start = arena.len();
     let bad = || InvalidArgumentError::new_err("block ids must be a sequence of ints");
+    // An int beyond 64 bits is `BlockIdError` like any other out-of-range id.
+    let id_of = |item: &Bound<'_, PyAny>| -> PyResult<BlockId> {
+        match item.extract::<BlockIdInt>() {
+            Ok(b) => block_id(b.0),
+            Err(e) if e.is_instance_of::<BlockIdError>(item.py()) => Err(e),
+            Err(_) => Err(bad()),
+        }
+    };
     if let Ok(list) = obj.cast::<PyList>() {
         arena.reserve(list.len());
         for item in list.iter() {
-            arena.push(block_id(item.extract().map_err(|_| bad())?)?);
+            arena.push(id_of(&item)?);
         }
     } else {
         for item in obj.try_iter().map_err(|_| bad())? {
-            arena.push(block_id(item?.extract().map_err(|_| bad())?)?);
+            arena.push(id_of(&item?)?);
         }
     }
     Ok(start..arena.len())
@@ -73,15 +82,17 @@ pub(super) fn as_str<'py>(obj: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyStrin
         .map_err(|_| InvalidArgumentError::new_err("request ids must be str"))
 }
 
-/// `{req_id: int}` lookups (external tokens, prompt lengths, spec counts).
+/// `{req_id: int}` lookups (external tokens, prompt lengths, spec counts), `name`
+/// naming the map in errors.
 pub(super) fn lookup(
+    name: &str,
     map: Option<&Bound<'_, PyDict>>,
     req_id: &Bound<'_, PyString>,
 ) -> PyResult<Option<usize>> {
     match map {
         Some(d) => d
             .get_item(req_id)?
-            .map(|v| count("value", v.extract()?))
+            .map(|v| count(&format!("{name}[{req_id}]"), v.extract::<Int>()?.0))
             .transpose(),
         None => Ok(None),
     }
@@ -156,7 +167,9 @@ pub(super) fn read_scheduler_output<'py>(
     fast_prefill: bool,
 ) -> PyResult<Facts<'py>> {
     let py = so.py();
-    let num_scheduled = so.getattr(intern!(py, "num_scheduled_tokens"))?;
+    // Missing attributes mean the caller passed something else: `TypeError`.
+    let attr = |name: &Bound<'py, PyString>| expect_attr(so, name, "vLLM's SchedulerOutput");
+    let num_scheduled = attr(intern!(py, "num_scheduled_tokens"))?;
     let num_scheduled = num_scheduled
         .cast::<PyDict>()
         .map_err(|_| InvalidArgumentError::new_err("num_scheduled_tokens must be a dict"))?;
@@ -192,21 +205,24 @@ pub(super) fn read_scheduler_output<'py>(
     };
 
     let mut facts = Facts::default();
-    let new_reqs = so.getattr(intern!(py, "scheduled_new_reqs"))?;
+    let new_attr = |nr: &Bound<'py, PyAny>, name: &Bound<'py, PyString>| {
+        expect_attr(nr, name, "vLLM's NewRequestData")
+    };
+    let new_reqs = attr(intern!(py, "scheduled_new_reqs"))?;
     for nr in new_reqs.try_iter()? {
         let nr = nr?;
-        let req_id = as_str(nr.getattr(intern!(py, "req_id"))?)?;
+        let req_id = as_str(new_attr(&nr, intern!(py, "req_id"))?)?;
         let blocks = push_group_ids(
             group,
             &mut facts.arena,
-            &nr.getattr(intern!(py, "block_ids"))?,
+            &new_attr(&nr, intern!(py, "block_ids"))?,
             &req_id,
         )?;
         let nc = count(
             "num_computed_tokens",
-            nr.getattr(intern!(py, "num_computed_tokens"))?.extract()?,
+            new_attr(&nr, intern!(py, "num_computed_tokens"))?.extract()?,
         )?;
-        let num_external_tokens = match lookup(external.as_ref(), &req_id)? {
+        let num_external_tokens = match lookup("external_tokens", external.as_ref(), &req_id)? {
             Some(n) => n,
             None if connector && external.is_none() => nc,
             None => 0,
@@ -230,11 +246,13 @@ pub(super) fn read_scheduler_output<'py>(
         });
         facts.req_ids.push(req_id);
     }
-    let cached = so.getattr(intern!(py, "scheduled_cached_reqs"))?;
-    let resumed = cached.getattr(intern!(py, "resumed_req_ids"))?;
+    let cached = attr(intern!(py, "scheduled_cached_reqs"))?;
+    let cached_attr =
+        |name: &Bound<'py, PyString>| expect_attr(&cached, name, "vLLM's CachedRequestData");
+    let resumed = cached_attr(intern!(py, "resumed_req_ids"))?;
     let any_resumed = resumed.len()? > 0;
     let list = |name: &Bound<'py, PyString>| -> PyResult<Bound<'py, PyList>> {
-        cached.getattr(name)?.cast_into::<PyList>().map_err(|_| {
+        cached_attr(name)?.cast_into::<PyList>().map_err(|_| {
             InvalidArgumentError::new_err(format!("scheduled_cached_reqs.{name} must be a list"))
         })
     };
@@ -276,7 +294,7 @@ pub(super) fn read_scheduler_output<'py>(
         intern!(py, "finished_req_ids"),
         intern!(py, "preempted_req_ids"),
     ] {
-        let set = so.getattr(key)?;
+        let set = attr(key)?;
         if set.is_none() {
             continue;
         }
@@ -284,7 +302,7 @@ pub(super) fn read_scheduler_output<'py>(
             facts.finished.push(as_str(id?)?);
         }
     }
-    let fresh = so.getattr(intern!(py, "new_block_ids_to_zero"))?;
+    let fresh = attr(intern!(py, "new_block_ids_to_zero"))?;
     if !fresh.is_none() {
         facts.fresh = Some(block_id_vec(&fresh)?);
     }

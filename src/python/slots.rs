@@ -7,14 +7,15 @@
 //! prefill result as `prefill_skip.rs` encodes it.
 
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyDict, PyList, PyString};
+use pyo3::types::{PyByteArray, PyDict, PyList, PyString, PyTuple};
 use rustc_hash::FxHashMap;
 
 use super::buffers::i64_bytearray;
-use super::errors::{count, InvalidArgumentError};
+use super::convert::{count, count_arg, int64, u64_arg, BlockIdInt, Int};
+use super::errors::InvalidArgumentError;
 use super::prefill_skip::{skip_tuple, SkipTuple};
 use super::slot_facts::{
-    block_id, block_id_vec, lookup, optional_dict, push_block_ids, read_scheduler_output,
+    as_str, block_id, block_id_vec, lookup, optional_dict, push_block_ids, read_scheduler_output,
     read_versions, Facts, Spec,
 };
 use crate::shield::Shielded;
@@ -187,6 +188,50 @@ fn run<'py>(
     ))
 }
 
+/// The fast-prefill options of a plan call, checked.
+fn skip_options(
+    enabled: bool,
+    num_reqs_padded: Option<Int>,
+    num_logits_padded: i64,
+) -> PyResult<SkipOptions> {
+    Ok(SkipOptions {
+        enabled,
+        num_reqs_padded: num_reqs_padded
+            .map(|n| count_arg("num_reqs_padded", n))
+            .transpose()?,
+        num_logits_padded: count("num_logits_padded", num_logits_padded)?,
+    })
+}
+
+/// The entries of `plan`'s `new` / `running` (None: none): an iterable of tuples of
+/// `n` fields each; anything else is `InvalidArgumentError` naming the shape.
+fn entries<'py>(
+    name: &str,
+    fields: &str,
+    n: usize,
+    obj: Option<Bound<'py, PyAny>>,
+) -> PyResult<Vec<Bound<'py, PyTuple>>> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    for item in obj.try_iter()? {
+        let item = item?;
+        match item.cast::<PyTuple>() {
+            Ok(t) if t.len() == n => out.push(t.clone()),
+            _ => {
+                let got = item
+                    .repr()
+                    .map_or_else(|_| "?".to_owned(), |r| r.to_string());
+                return Err(InvalidArgumentError::new_err(format!(
+                    "{name} holds {fields} tuples; got {got}"
+                )));
+            }
+        }
+    }
+    Ok(out)
+}
+
 impl PySlotMirror {
     /// Plans one step from its facts, behind the shield (both `plan` entry points).
     fn plan_step<'py>(
@@ -207,12 +252,16 @@ impl PySlotMirror {
 impl PySlotMirror {
     #[new]
     #[pyo3(signature = (*, num_blocks, block_size, kv_cache_group=0))]
-    fn new(num_blocks: i64, block_size: i64, kv_cache_group: i64) -> PyResult<Self> {
-        let num_blocks = u32::try_from(count("num_blocks", num_blocks)?)
+    fn new(
+        num_blocks: Int,
+        block_size: Int,
+        #[pyo3(from_py_with = int64)] kv_cache_group: i64,
+    ) -> PyResult<Self> {
+        let num_blocks = u32::try_from(count_arg("num_blocks", num_blocks)?)
             .map_err(|_| InvalidArgumentError::new_err("num_blocks must be below 2^32"))?;
         Ok(Self {
             core: Shielded::new(
-                SlotMirror::new(num_blocks, count("block_size", block_size)?)?,
+                SlotMirror::new(num_blocks, count_arg("block_size", block_size)?)?,
                 "hidden-state slot mirror",
             ),
             kv_cache_group: count("kv_cache_group", kv_cache_group)?,
@@ -275,10 +324,11 @@ impl PySlotMirror {
         external_tokens: Option<Bound<'py, PyAny>>,
         connector_versions: Option<Bound<'py, PyAny>>,
         fast_prefill: bool,
-        num_reqs_padded: Option<usize>,
-        num_logits_padded: usize,
+        num_reqs_padded: Option<Int>,
+        #[pyo3(from_py_with = int64)] num_logits_padded: i64,
     ) -> PyResult<PlanTuple<'py>> {
         let py = scheduler_output.py();
+        let skip = skip_options(fast_prefill, num_reqs_padded, num_logits_padded)?;
         let external = optional_dict("external_tokens", external_tokens)?;
         let mut facts = read_scheduler_output(
             scheduler_output,
@@ -287,11 +337,6 @@ impl PySlotMirror {
             fast_prefill,
         )?;
         facts.versions = read_versions(connector_versions.as_ref())?;
-        let skip = SkipOptions {
-            enabled: fast_prefill,
-            num_reqs_padded,
-            num_logits_padded,
-        };
         self.plan_step(py, facts, order, skip)
     }
 
@@ -306,8 +351,8 @@ impl PySlotMirror {
     fn plan<'py>(
         &mut self,
         py: Python<'py>,
-        new: Option<Vec<(Bound<'py, PyString>, Bound<'py, PyAny>, i64, i64)>>,
-        running: Option<Vec<(Bound<'py, PyString>, Bound<'py, PyAny>, i64)>>,
+        new: Option<Bound<'py, PyAny>>,
+        running: Option<Bound<'py, PyAny>>,
         finished: Option<Vec<Bound<'py, PyString>>>,
         fresh_block_ids: Option<Bound<'py, PyAny>>,
         order: Option<Bound<'py, PyAny>>,
@@ -316,37 +361,56 @@ impl PySlotMirror {
         num_prompt_tokens: Option<Bound<'py, PyAny>>,
         spec_tokens: Option<Bound<'py, PyAny>>,
         fast_prefill: bool,
-        num_reqs_padded: Option<usize>,
-        num_logits_padded: usize,
+        num_reqs_padded: Option<Int>,
+        #[pyo3(from_py_with = int64)] num_logits_padded: i64,
     ) -> PyResult<PlanTuple<'py>> {
+        let skip = skip_options(fast_prefill, num_reqs_padded, num_logits_padded)?;
+        let new = entries(
+            "new",
+            "(req_id, block_ids, num_computed_tokens, num_scheduled_tokens)",
+            4,
+            new,
+        )?;
+        let running = entries(
+            "running",
+            "(req_id, new_block_ids, num_scheduled_tokens)",
+            3,
+            running,
+        )?;
         let external = optional_dict("external_tokens", external_tokens)?;
         let prompts = optional_dict("num_prompt_tokens", num_prompt_tokens)?;
         let specs_map = optional_dict("spec_tokens", spec_tokens)?;
         let spec_of = |req_id: &Bound<'py, PyString>| -> PyResult<u32> {
-            let n = lookup(specs_map.as_ref(), req_id)?.unwrap_or(0);
+            let n = lookup("spec_tokens", specs_map.as_ref(), req_id)?.unwrap_or(0);
             u32::try_from(n).map_err(|_| InvalidArgumentError::new_err("too many spec tokens"))
         };
         let mut facts = Facts::default();
-        for (req_id, ids, nc, n) in new.unwrap_or_default() {
-            let blocks = push_block_ids(&mut facts.arena, &ids)?;
+        for t in new {
+            let req_id = as_str(t.get_item(0)?)?;
+            let blocks = push_block_ids(&mut facts.arena, &t.get_item(1)?)?;
+            let nc: Int = t.get_item(2)?.extract()?;
+            let n: Int = t.get_item(3)?.extract()?;
             facts.specs.push(Spec {
                 start: true,
                 blocks,
-                num_computed_tokens: Some(count("num_computed_tokens", nc)?),
-                num_scheduled_tokens: count("num_scheduled_tokens", n)?,
-                num_external_tokens: lookup(external.as_ref(), &req_id)?.unwrap_or(0),
-                num_prompt_tokens: lookup(prompts.as_ref(), &req_id)?,
+                num_computed_tokens: Some(count_arg("num_computed_tokens", nc)?),
+                num_scheduled_tokens: count_arg("num_scheduled_tokens", n)?,
+                num_external_tokens: lookup("external_tokens", external.as_ref(), &req_id)?
+                    .unwrap_or(0),
+                num_prompt_tokens: lookup("num_prompt_tokens", prompts.as_ref(), &req_id)?,
                 num_spec_tokens: spec_of(&req_id)?,
             });
             facts.req_ids.push(req_id);
         }
-        for (req_id, ids, n) in running.unwrap_or_default() {
-            let blocks = push_block_ids(&mut facts.arena, &ids)?;
+        for t in running {
+            let req_id = as_str(t.get_item(0)?)?;
+            let blocks = push_block_ids(&mut facts.arena, &t.get_item(1)?)?;
+            let n: Int = t.get_item(2)?.extract()?;
             facts.specs.push(Spec {
                 start: false,
                 blocks,
                 num_computed_tokens: None,
-                num_scheduled_tokens: count("num_scheduled_tokens", n)?,
+                num_scheduled_tokens: count_arg("num_scheduled_tokens", n)?,
                 num_external_tokens: 0,
                 num_prompt_tokens: None,
                 num_spec_tokens: spec_of(&req_id)?,
@@ -356,17 +420,16 @@ impl PySlotMirror {
         facts.finished = finished.unwrap_or_default();
         facts.fresh = fresh_block_ids.map(|f| block_id_vec(&f)).transpose()?;
         facts.versions = read_versions(connector_versions.as_ref())?;
-        let skip = SkipOptions {
-            enabled: fast_prefill,
-            num_reqs_padded,
-            num_logits_padded,
-        };
         self.plan_step(py, facts, order, skip)
     }
 
     /// Counts the pending step's rows as written, then validates its reads. The step
     /// must be this mirror's (`mirror_id`) pending one.
-    fn commit(&mut self, step_id: u64, mirror_id: u64) -> PyResult<PySlotReads> {
+    fn commit(&mut self, step_id: Int, mirror_id: Int) -> PyResult<PySlotReads> {
+        let (step_id, mirror_id) = (
+            u64_arg("step_id", step_id)?,
+            u64_arg("mirror_id", mirror_id)?,
+        );
         self.core.write("commit", |c| {
             Ok(PySlotReads {
                 reads: c.commit(StepRef { mirror_id, step_id })?,
@@ -382,14 +445,14 @@ impl PySlotMirror {
     }
 
     /// `(version, leading rows written in it)` of a block (keys of every layer).
-    fn block_state(&self, block_id: i64) -> PyResult<(u64, usize)> {
-        let b = self::block_id(block_id)?;
+    fn block_state(&self, block_id: BlockIdInt) -> PyResult<(u64, usize)> {
+        let b = self::block_id(block_id.0)?;
         self.core.read("block_state", |c| Ok(c.block_state(b)?))
     }
 
     /// Leading rows of the skip-layer keys written in the block's current version.
-    fn block_skip_rows(&self, block_id: i64) -> PyResult<usize> {
-        let b = self::block_id(block_id)?;
+    fn block_skip_rows(&self, block_id: BlockIdInt) -> PyResult<usize> {
+        let b = self::block_id(block_id.0)?;
         self.core
             .read("block_skip_rows", |c| Ok(c.block_skip_rows(b)?))
     }

@@ -26,7 +26,9 @@ Fallbacks, never a silent difference:
 Bad input raises: a token id outside ``0..2**32`` or a malformed multimodal position
 (``InvalidArgumentError``, a ``ValueError``), a parent hash that is not bytes
 (``BlockHashError``, a ``ValueError``), lookahead tokens with a vLLM that has no lookahead
-hashing (0.32; ``ValueError``).
+hashing (0.32), an unknown ``HSCACHE_BLOCK_HASH_ALGO`` (``InvalidArgumentError``), a value
+:func:`blake3` cannot encode (``TypeError``), something that is not a ``Request``
+(``TypeError``).
 
 vLLM 0.32 hashes exactly as 0.33 does without lookahead (``num_hash_lookahead_tokens=0``);
 its factory takes two arguments (``hscache.vllm.version``).
@@ -47,7 +49,7 @@ from vllm.v1.request import Request
 
 from hscache._core import RequestBlockHasher, blake3_block, blake3_digest, hash_object
 from hscache._core import hash_block_tokens as _hash_block_tokens
-from hscache.exceptions import UnsupportedError
+from hscache.exceptions import InvalidArgumentError, UnsupportedError
 from hscache.vllm.version import require
 
 _PROFILE = require()
@@ -92,7 +94,11 @@ def _blake3_slow(value: Any) -> bytes:
         parent, tokens, extra_keys = value
         extras_cbor = None if extra_keys is None else cbor2.dumps(extra_keys, canonical=True)
         return blake3_block(parent, [int(t) for t in tokens], extras_cbor)
-    return blake3_digest(cbor2.dumps(value, canonical=True))
+    try:
+        encoded = cbor2.dumps(value, canonical=True)
+    except cbor2.CBOREncodeError as e:  # cbor2's own class is neither TypeError nor ValueError
+        raise TypeError(f"blake3 cannot hash a {type(value).__name__}: {e}") from e
+    return blake3_digest(encoded)
 
 
 _ALGO_OF_FN: dict[Callable[[Any], bytes], str] = {
@@ -165,7 +171,7 @@ def get_request_block_hasher(
             hash_block_size, caching_hash_fn, num_hash_lookahead_tokens
         )
     elif num_hash_lookahead_tokens:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"num_hash_lookahead_tokens={num_hash_lookahead_tokens!r}: vLLM "
             f"{_PROFILE.version} has no lookahead block hashing (it must be 0)"
         )
@@ -190,25 +196,28 @@ def get_request_block_hasher(
         try:
             block_hashes = request.block_hashes
             token_ids = request._all_token_ids
+            start = len(block_hashes) * size
+            num_tokens = len(token_ids)
+            if start + window > num_tokens:
+                return []
+            lora = request.lora_request
+            lora_key = (lora.lora_name, lora.lora_path) if lora else None
+            mm_features = request.mm_features
+            cache_salt = request.cache_salt
+            digests = None
+            if request.prompt_embeds is not None:
+                count = (num_tokens - window - start) // size + 1
+                digests = _prompt_embeds_digests(request, start, count, window, size)
         except AttributeError as e:  # a typed error for the wrong kind of object
-            raise TypeError(f"expected a vLLM Request, got {type(request).__name__}") from e
-        start = len(block_hashes) * size
-        num_tokens = len(token_ids)
-        if start + window > num_tokens:
-            return []
-        lora = request.lora_request
-        digests = None
-        if request.prompt_embeds is not None:
-            count = (num_tokens - window - start) // size + 1
-            digests = _prompt_embeds_digests(request, start, count, window, size)
+            raise TypeError(f"expected a vLLM Request, got {type(request).__name__}: {e}") from e
         try:
             return hash_new_blocks(
                 block_hashes,  # type: ignore[arg-type]
                 token_ids,
                 kcu.NONE_HASH,
-                request.mm_features,
-                (lora.lora_name, lora.lora_path) if lora else None,
-                request.cache_salt,
+                mm_features,
+                lora_key,
+                cache_salt,
                 digests,
             )
         except UnsupportedError:
@@ -234,7 +243,7 @@ def install_block_hasher(algo: str | None = None) -> None:
 
     override = algo or os.environ.get(ALGO_ENV) or None
     if override is not None and override not in _FN_OF_ALGO:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"unknown block hash algorithm {override!r}: expected one of {sorted(_FN_OF_ALGO)}"
         )
     if _vllm_get_request_block_hasher is None:

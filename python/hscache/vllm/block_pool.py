@@ -201,6 +201,11 @@ class BlockPool:
         medium: str = MEDIUM_GPU,
         metrics_collector: Any = None,
     ) -> None:
+        if not isinstance(core, KVCacheCore):
+            # hscache's pool is a view of a manager's core, not vLLM's constructor.
+            raise TypeError(
+                f"BlockPool views a KVCacheCore (the manager builds it), got {type(core).__name__}"
+            )
         self._core = core
         self.metrics_collector = metrics_collector
         self.num_gpu_blocks = core.num_gpu_blocks

@@ -137,18 +137,28 @@ def compute_mm_encoder_budget(
     Both are at least the largest item: an item larger than the cache could never be
     scheduled. ``(0, 0)`` with vLLM's warning when no modality is enabled.
     """
+    if not isinstance(mm_max_toks_per_item, Mapping):
+        raise TypeError(
+            "mm_max_toks_per_item must map modality -> tokens, got "
+            f"{type(mm_max_toks_per_item).__name__}"
+        )
     if not mm_max_toks_per_item:
         logger.warning(
             "All non-text modalities supported by the model have been explicitly disabled "
             "via limit_mm_per_prompt. Encoder cache will not be initialized."
         )
-    return _core.compute_mm_encoder_budget(
-        scheduler_config.max_num_encoder_input_tokens,
-        scheduler_config.encoder_cache_size,
-        scheduler_config.max_num_batched_tokens,
-        scheduler_config.disable_chunked_mm_input,
-        list(mm_max_toks_per_item.values()),
-    )
+    try:
+        limits = (
+            scheduler_config.max_num_encoder_input_tokens,
+            scheduler_config.encoder_cache_size,
+            scheduler_config.max_num_batched_tokens,
+            scheduler_config.disable_chunked_mm_input,
+        )
+    except AttributeError as e:
+        raise TypeError(
+            f"expected vLLM's SchedulerConfig, got {type(scheduler_config).__name__}: {e}"
+        ) from e
+    return _core.compute_mm_encoder_budget(*limits, list(mm_max_toks_per_item.values()))
 
 
 class _View(Mapping[str, Any]):

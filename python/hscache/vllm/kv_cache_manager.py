@@ -37,6 +37,7 @@ manager beside this one and raises on the first divergence (``hscache.vllm.parit
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -71,6 +72,7 @@ logger = init_logger(__name__)
 _PROFILE = require()  # what differs between the supported vLLM versions
 
 _SIGNATURE = inspect.signature(VllmKVCacheManager.__init__)
+_INT64_MAX = np.iinfo(np.int64).max
 
 
 class BatchAllocation(NamedTuple):
@@ -85,13 +87,30 @@ class BatchAllocation(NamedTuple):
     ``new_block_ids[offsets[i]:offsets[i + 1]]``."""
 
 
+def _check_config(config: Any) -> None:
+    """A ``TypeError`` for what is not a ``KVCacheConfig`` (instead of an
+    ``AttributeError`` from deep inside the constructor)."""
+    if not (hasattr(config, "kv_cache_groups") and hasattr(config, "num_blocks")):
+        raise TypeError(
+            f"kv_cache_config must be a vLLM KVCacheConfig, got {type(config).__name__}"
+        )
+
+
 def _int64_arg(values: Sequence[int] | np.ndarray) -> list[int] | bytes:
-    """A list as is (read item by item in Rust), an integer array as native int64 bytes
-    (any layout: non-contiguous arrays are copied). A float or other non-integer array is
-    a ``TypeError``: casting would silently truncate token counts."""
+    """A list as is (read item by item in Rust), a one-dimensional integer array as
+    native int64 bytes (any layout: non-contiguous arrays are copied). A float or other
+    non-integer array is a ``TypeError`` (casting would silently truncate token counts);
+    an array of another shape, or a ``uint64`` value past ``int64``, is
+    ``InvalidArgumentError`` (flattening or wrapping would silently change entries)."""
     if isinstance(values, np.ndarray):
         if values.dtype.kind not in "iu":
             raise TypeError(f"expected an integer array, got dtype {values.dtype}")
+        if values.ndim != 1:
+            raise InvalidArgumentError(
+                f"expected a one-dimensional array, got shape {values.shape}"
+            )
+        if values.dtype.kind == "u" and values.size and values.max() > _INT64_MAX:
+            raise InvalidArgumentError(f"{values.max()} does not fit in a 64-bit integer")
         return np.ascontiguousarray(values, dtype=np.int64).tobytes()
     if isinstance(values, list):
         return values
@@ -117,6 +136,7 @@ class KVCacheManager(KVCacheCore):
         bound = _SIGNATURE.bind(None, *args, **kwargs)
         bound.apply_defaults()
         params = bound.arguments
+        _check_config(params["kv_cache_config"])
         reason = unsupported_reason(
             params["kv_cache_config"], params["hash_block_size"], bool(params["enable_caching"])
         )
@@ -154,9 +174,14 @@ class KVCacheManager(KVCacheCore):
     @classmethod
     def _new_core(cls, params: dict[str, Any]) -> Any:
         config: KVCacheConfig = params["kv_cache_config"]
+        _check_config(config)
         watermark = params["watermark"]
-        if not watermark >= 0.0:
-            raise InvalidArgumentError("watermark must be non-negative")
+        # vLLM asserts `watermark >= 0.0` (NaN fails it), then takes
+        # `int(watermark * num_blocks)`: infinity would be an OverflowError there.
+        if not 0.0 <= watermark < math.inf:
+            raise InvalidArgumentError(
+                f"watermark must be a finite non-negative fraction, got {watermark!r}"
+            )
         max_model_len = params["max_model_len"]
         max_in_flight = params["max_in_flight_tokens"]
         if max_in_flight is None:
@@ -291,6 +316,12 @@ class KVCacheManager(KVCacheCore):
         stats = self.prefix_cache_stats
         if stats is None:
             raise InvalidArgumentError("prefix_cache_stats was replaced by None")
+        # vLLM's PrefixCacheStats.record counts the request before it adds the hits:
+        # a hit count that is not an int would leave the stats half-updated.
+        if not isinstance(num_hits, int) or isinstance(num_hits, bool):
+            raise TypeError(f"num_hits must be an int, got {type(num_hits).__name__}")
+        if num_hits < 0:
+            raise InvalidArgumentError(f"num_hits must be non-negative, got {num_hits}")
         stats.record(
             num_tokens=request.num_tokens,
             num_hits=num_hits,
@@ -299,9 +330,9 @@ class KVCacheManager(KVCacheCore):
 
     def explain(self, request_id: str) -> Explanation:
         """Why the request's last prefix-cache lookup stopped where it did
-        (``docs/explain.md``). ``RuntimeError`` unless explain mode is on
-        (``explain=True`` or ``HSCACHE_EXPLAIN=1``); ``KeyError`` for a request
-        without an explained lookup."""
+        (``docs/explain.md``). ``UnsupportedError`` (a ``RuntimeError``) unless explain
+        mode is on (``explain=True`` or ``HSCACHE_EXPLAIN=1``); ``UnknownRequestError``
+        (a ``KeyError``) for a request without an explained lookup."""
         return Explanation.from_core(request_id, self.core_explain(request_id))
 
     # -- lookup results ---------------------------------------------------------------

@@ -61,11 +61,15 @@ pub(crate) fn read_i64s(name: &str, obj: &Bound<'_, PyAny>, out: &mut Vec<i64>) 
     out.clear();
     if let Ok(list) = obj.cast::<PyList>() {
         out.reserve(list.len());
-        for item in list.iter() {
-            out.push(
-                item.extract()
-                    .map_err(|_| InvalidArgumentError::new_err(format!("{name} must hold ints")))?,
-            );
+        for (i, item) in list.iter().enumerate() {
+            out.push(item.extract().map_err(|_| {
+                let got = item
+                    .repr()
+                    .map_or_else(|_| "?".to_owned(), |r| r.to_string());
+                InvalidArgumentError::new_err(format!(
+                    "{name} must hold ints of 64 bits: {name}[{i}] is {got}"
+                ))
+            })?);
         }
         return Ok(());
     }
