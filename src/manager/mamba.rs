@@ -98,15 +98,26 @@ pub struct MambaManager {
     pub drop_eagle_checkpoint_block: bool,
     /// Keys cached during the current step (not hittable until the next).
     pub cached_blocks_this_step: FxHashSet<BlockHashWithGroupId>,
-    /// Align mode, by request slot: the state block allocated in the previous step.
-    pub last_state_block_idx: FxHashMap<u32, usize>,
-    num_retired_blocks: FxHashMap<u32, usize>,
-    /// Align mode: requests that already got their state blocks.
-    pub allocated_block_reqs: FxHashSet<u32>,
-    /// Align mode: `(checkpoint position, reserved block index)` of this allocation.
-    pub checkpoints: FxHashMap<u32, (usize, usize)>,
-    /// Align mode: producers of their own last-prompt partial tail: `(block, tokens)`.
-    producer_partial_tail_reqs: FxHashMap<u32, (BlockId, usize)>,
+    /// Align mode's bookkeeping, by request slot: vLLM's five per-request dicts in
+    /// one entry, so a call reads one place.
+    align_reqs: FxHashMap<u32, AlignRequest>,
+}
+
+/// Align mode's bookkeeping of one request (vLLM's `last_state_block_idx`,
+/// `_num_retired_blocks`, `_allocated_block_reqs`, `_checkpoints` and
+/// `_producer_partial_tail_reqs`, one field each; `None` / `false`: not in vLLM's).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct AlignRequest {
+    /// The state block allocated in the previous step.
+    pub last_state_block_idx: Option<usize>,
+    /// The table's prefix already retired.
+    pub num_retired_blocks: Option<usize>,
+    /// The request already got its state blocks.
+    pub allocated: bool,
+    /// `(checkpoint position, reserved block index)` of this allocation.
+    pub checkpoint: Option<(usize, usize)>,
+    /// A producer of its own last-prompt partial tail: `(block, tokens)`.
+    pub producer_partial_tail: Option<(BlockId, usize)>,
 }
 
 impl MambaManager {
@@ -124,11 +135,7 @@ impl MambaManager {
             params,
             base,
             cached_blocks_this_step: FxHashSet::default(),
-            last_state_block_idx: FxHashMap::default(),
-            num_retired_blocks: FxHashMap::default(),
-            allocated_block_reqs: FxHashSet::default(),
-            checkpoints: FxHashMap::default(),
-            producer_partial_tail_reqs: FxHashMap::default(),
+            align_reqs: FxHashMap::default(),
         })
     }
 
@@ -142,9 +149,26 @@ impl MambaManager {
         self.params.num_speculative_blocks
     }
 
+    /// Align mode's bookkeeping of a slot (all empty for an unknown one).
+    #[inline]
+    pub fn align_request(&self, slot: u32) -> AlignRequest {
+        self.align_reqs.get(&slot).copied().unwrap_or_default()
+    }
+
+    /// The slot's bookkeeping, created empty if absent (for a write).
+    #[inline]
+    fn align_request_mut(&mut self, slot: u32) -> &mut AlignRequest {
+        self.align_reqs.entry(slot).or_default()
+    }
+
+    /// Every slot's align-mode bookkeeping (Python views).
+    pub fn align_requests(&self) -> impl Iterator<Item = (u32, &AlignRequest)> {
+        self.align_reqs.iter().map(|(&s, r)| (s, r))
+    }
+
     /// The producer partial tail of a slot: `(block, tokens)` (Python views).
     pub fn producer_partial_tail(&self, slot: u32) -> Option<(BlockId, usize)> {
-        self.producer_partial_tail_reqs.get(&slot).copied()
+        self.align_request(slot).producer_partial_tail
     }
 
     /// vLLM's `_needs_internal_checkpoint`.
@@ -174,7 +198,7 @@ impl MambaManager {
             )
             && (checkpoint_idx >= blocks.len()
                 || blocks[checkpoint_idx] == NULL_BLOCK_ID
-                || (self.allocated_block_reqs.contains(&slot)
+                || (self.align_request(slot).allocated
                     && checkpoint_idx + self.nsb() >= blocks.len()))
     }
 
@@ -189,7 +213,7 @@ impl MambaManager {
         first: usize,
         last: usize,
     ) -> Result<()> {
-        let first = first.max(self.num_retired_blocks.get(&slot).copied().unwrap_or(0));
+        let first = first.max(self.align_request(slot).num_retired_blocks.unwrap_or(0));
         let last = last.min(req.blocks.len());
         if first >= last {
             return Ok(());
@@ -205,7 +229,7 @@ impl MambaManager {
         if !freed.is_empty() {
             pool.free_blocks(&freed)?;
         }
-        self.num_retired_blocks.insert(slot, last);
+        self.align_request_mut(slot).num_retired_blocks = Some(last);
         Ok(())
     }
 
@@ -269,14 +293,14 @@ impl MambaManager {
         if !q.apply_admission_cap {
             if checkpoint_position > 0 {
                 let idx = cdiv(num_tokens, bs) - 2;
-                self.checkpoints.insert(slot, (checkpoint_position, idx));
-            } else {
-                self.checkpoints.remove(&slot);
+                self.align_request_mut(slot).checkpoint = Some((checkpoint_position, idx));
+            } else if let Some(r) = self.align_reqs.get_mut(&slot) {
+                r.checkpoint = None;
             }
         }
         if new > 0 {
             let mut cap = 1 + i64::from(has_partial) + checkpoint_block;
-            if !self.allocated_block_reqs.contains(&slot) {
+            if !self.align_request(slot).allocated {
                 cap += self.nsb() as i64;
             }
             new = new.min(cap);
@@ -303,22 +327,22 @@ impl MambaManager {
         let bs = self.base.block_size;
         let nsb = self.nsb();
         let required = cdiv(num_tokens_main_model, bs) + nsb;
-        let checkpoint_block = usize::from(self.checkpoints.contains_key(&slot));
+        let checkpoint_block = usize::from(self.align_request(slot).checkpoint.is_some());
         let partial_hit = req.partial_hit;
         if required <= req.blocks.len() && partial_hit.is_none() && checkpoint_block == 0 {
-            self.allocated_block_reqs.insert(slot);
+            self.align_request_mut(slot).allocated = true;
             return Ok(());
         }
         let prev_len = req.blocks.len();
-        let blocks_allocated = self.allocated_block_reqs.contains(&slot);
+        let blocks_allocated = self.align_request(slot).allocated;
         if blocks_allocated {
             // The running state lives in the last (1 + speculative) blocks.
             if let Some(idx) = prev_len.checked_sub(1 + nsb) {
-                self.last_state_block_idx.insert(slot, idx);
+                self.align_request_mut(slot).last_state_block_idx = Some(idx);
             }
         } else if prev_len > 0 {
             // A new request's hit: its last block holds the hit state.
-            self.last_state_block_idx.insert(slot, prev_len - 1);
+            self.align_request_mut(slot).last_state_block_idx = Some(prev_len - 1);
         }
         let num_skipped = required - nsb - 1;
         if prev_len < num_skipped {
@@ -372,7 +396,11 @@ impl MambaManager {
                 pool.move_block_hashes(source, cow)?;
                 self.base.pending_cow_copies.push((source, cow));
                 pool.retain(source);
-                if let Some((marker, tokens)) = self.producer_partial_tail_reqs.remove(&slot) {
+                let producer_tail = self
+                    .align_reqs
+                    .get_mut(&slot)
+                    .and_then(|r| r.producer_partial_tail.take());
+                if let Some((marker, tokens)) = producer_tail {
                     if marker != source {
                         return Err(Error::Internal(
                             "Mamba producer tail is not the partial-hit source".into(),
@@ -398,7 +426,7 @@ impl MambaManager {
             }
         }
         req.blocks.extend_from_slice(fresh);
-        self.allocated_block_reqs.insert(slot);
+        self.align_request_mut(slot).allocated = true;
         req.partial_hit = None;
         out.extend_from_slice(fresh);
         Ok(())
@@ -416,7 +444,7 @@ impl MambaManager {
         let bs = self.base.block_size;
         let hbs = pool.hash_block_size();
         let gid = self.base.group_id;
-        if let Some(&(position, idx)) = self.checkpoints.get(&slot) {
+        if let Some((position, idx)) = self.align_request(slot).checkpoint {
             let Some(&block) = req.blocks.get(idx) else {
                 return Err(Error::Internal(format!(
                     "Mamba checkpoint index {idx} is outside the request's table"
@@ -494,7 +522,7 @@ impl MambaManager {
             req.num_cached_block = Some(block_idx);
             // The boundary state lives in `source` until the next forward overwrites
             // it; the coming copy-on-write hands the durable copy to the connector.
-            self.producer_partial_tail_reqs.insert(slot, (source, n));
+            self.align_request_mut(slot).producer_partial_tail = Some((source, n));
         }
         Ok(key)
     }
@@ -508,11 +536,9 @@ impl MambaManager {
     /// `shared_prefix_boundary`) answers `false`.
     fn align_is_steady(&self, slot: u32, req: &GroupBlocks, q: &SteadyQuery) -> bool {
         let bs = self.base.block_size;
+        let state = self.align_request(slot);
         // Copy-on-write, the first allocation's bookkeeping, or a checkpoint to drop.
-        if req.partial_hit.is_some()
-            || !self.allocated_block_reqs.contains(&slot)
-            || self.checkpoints.contains_key(&slot)
-        {
+        if req.partial_hit.is_some() || !state.allocated || state.checkpoint.is_some() {
             return false;
         }
         // Nothing to allocate: the running state and speculative blocks cover it.
@@ -543,11 +569,11 @@ impl MambaManager {
         let skipped = processed.saturating_sub(1);
         if skipped > 0 {
             let n = (skipped / bs).min(req.blocks.len());
-            if self.num_retired_blocks.get(&slot).copied().unwrap_or(0) < n {
+            if state.num_retired_blocks.unwrap_or(0) < n {
                 return false;
             }
         }
-        if let Some(&idx) = self.last_state_block_idx.get(&slot) {
+        if let Some(idx) = state.last_state_block_idx {
             let limit = cdiv(processed, bs) as i64 - 1;
             if (idx as i64) < limit && req.blocks.get(idx).is_some_and(|&b| b != NULL_BLOCK_ID) {
                 return false;
@@ -806,7 +832,7 @@ impl SingleTypeManager for MambaManager {
                 self.drop_eagle_checkpoint_block,
                 self.base.num_hash_lookahead_tokens,
             ));
-            if let Some(&(position, _)) = self.checkpoints.get(&slot) {
+            if let Some((position, _)) = self.align_request(slot).checkpoint {
                 push(position);
             }
         }
@@ -833,7 +859,7 @@ impl SingleTypeManager for MambaManager {
         if self.align() {
             // The state block of two steps ago fed the previous step's copy and is
             // no longer needed.
-            if let Some(&idx) = self.last_state_block_idx.get(&slot) {
+            if let Some(idx) = self.align_request(slot).last_state_block_idx {
                 let limit = cdiv(processed_computed_tokens, bs) as i64 - 1;
                 if (idx as i64) < limit {
                     if let Some(&block) = req.blocks.get(idx) {
@@ -852,11 +878,7 @@ impl SingleTypeManager for MambaManager {
         if !self.align() {
             return;
         }
-        self.allocated_block_reqs.remove(&slot);
-        self.last_state_block_idx.remove(&slot);
-        self.num_retired_blocks.remove(&slot);
-        self.checkpoints.remove(&slot);
-        self.producer_partial_tail_reqs.remove(&slot);
+        self.align_reqs.remove(&slot);
         // An offer holds committed bytes only until the end of the pass that made
         // it: a freed request's blocks may already be someone else's.
         self.base
@@ -877,7 +899,10 @@ impl SingleTypeManager for MambaManager {
         if !self.align() {
             return None;
         }
-        let (source, tokens) = self.producer_partial_tail_reqs.remove(&slot)?;
+        let (source, tokens) = self
+            .align_reqs
+            .get_mut(&slot)
+            .and_then(|r| r.producer_partial_tail.take())?;
         (num_in_flight_tokens == 0 && num_computed_tokens == tokens).then_some((
             self.base.group_id,
             source,
@@ -890,11 +915,7 @@ impl SingleTypeManager for MambaManager {
     fn request_state_digest(&self, slot: u32) -> u64 {
         use std::hash::{Hash, Hasher};
         let mut h = rustc_hash::FxHasher::default();
-        self.allocated_block_reqs.contains(&slot).hash(&mut h);
-        self.last_state_block_idx.get(&slot).hash(&mut h);
-        self.num_retired_blocks.get(&slot).hash(&mut h);
-        self.checkpoints.get(&slot).hash(&mut h);
-        self.producer_partial_tail_reqs.get(&slot).hash(&mut h);
+        self.align_request(slot).hash(&mut h);
         h.finish()
     }
 

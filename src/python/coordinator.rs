@@ -172,17 +172,19 @@ impl PyKVCacheCore {
         };
         let d = PyDict::new(py);
         let checkpoints = PyDict::new(py);
-        for (rid, v) in self.by_request(m.checkpoints.iter().map(|(&s, &v)| (s, v))) {
+        let entries = || m.align_requests();
+        for (rid, v) in self.by_request(entries().filter_map(|(s, r)| Some((s, r.checkpoint?)))) {
             checkpoints.set_item(rid, v)?;
         }
         d.set_item("checkpoints", checkpoints)?;
         let last = PyDict::new(py);
-        for (rid, v) in self.by_request(m.last_state_block_idx.iter().map(|(&s, &v)| (s, v))) {
+        let last_idx = entries().filter_map(|(s, r)| Some((s, r.last_state_block_idx?)));
+        for (rid, v) in self.by_request(last_idx) {
             last.set_item(rid, v)?;
         }
         d.set_item("last_state_block_idx", last)?;
         let allocated: Vec<String> = self
-            .by_request(m.allocated_block_reqs.iter().map(|&s| (s, ())))
+            .by_request(entries().filter(|(_, r)| r.allocated).map(|(s, _)| (s, ())))
             .into_iter()
             .map(|(r, ())| r)
             .collect();
