@@ -1056,11 +1056,6 @@ impl KVCacheManager {
         let total = computed.min(max_len);
         let main = total + args.num_new_tokens;
         let need_slot = (main + args.num_lookahead_tokens).min(max_len);
-        let processed = if needs.in_flight_for_skip {
-            total.saturating_sub(request.num_in_flight_tokens().ok()?)
-        } else {
-            0
-        };
         let caching = !args.delay_cache_blocks && self.enable_caching();
         // What the groups that cache beyond full blocks need to know (the general
         // path caps the cached tokens at `num_tokens`).
@@ -1073,16 +1068,29 @@ impl KVCacheManager {
             (caching.then_some(main), 0)
         };
         let (slot, state) = self.coordinator.request_with_slot(request.request_id())?;
-        let q = SteadyQuery {
+        // Every group's skip rule frees more the more tokens were processed, so a call
+        // that frees nothing with all `total` tokens processed frees nothing with fewer:
+        // `num_in_flight_tokens` is read only when that first check fails.
+        let mut q = SteadyQuery {
             num_tokens: need_slot,
             num_tokens_main_model: main,
             num_computed_tokens: computed,
-            processed_computed_tokens: processed,
+            processed_computed_tokens: if needs.in_flight_for_skip { total } else { 0 },
             cacheable_tokens: None,
             num_prompt_tokens,
         };
         if !self.coordinator.is_steady(slot, state, &q, cache_tokens) {
-            return None;
+            if !needs.in_flight_for_skip {
+                return None;
+            }
+            let in_flight = request.num_in_flight_tokens().ok()?;
+            if in_flight == 0 {
+                return None;
+            }
+            q.processed_computed_tokens = total.saturating_sub(in_flight);
+            if !self.coordinator.is_steady(slot, state, &q, cache_tokens) {
+                return None;
+            }
         }
         if caching && self.may_cache_full_block(Some(state), main, None) {
             return None;

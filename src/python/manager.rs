@@ -359,11 +359,12 @@ impl PyKVCacheCore {
         Ok(())
     }
 
-    /// The request as the core reads it, with the status objects of the watermark.
-    fn status_objects<'py>(slf: &Bound<'py, Self>) -> PyResult<[Bound<'py, PyAny>; 2]> {
-        let this = slf.try_borrow()?;
-        let [w, p] = &this.bindings()?.statuses;
-        Ok([w.bind(slf.py()).clone(), p.bind(slf.py()).clone()])
+    /// Whether `allocate_slots` must run [`Self::precheck_events`] first: KV events
+    /// on, caching on, and a request the manager does not hold yet.
+    fn needs_event_precheck(&self, request_id: &str) -> bool {
+        self.vllm.as_ref().is_some_and(|v| v.event_sink.is_some())
+            && self.core.enable_caching()
+            && self.core.coordinator().request(request_id).is_none()
     }
 
     /// `get_computed_blocks` / `..._for_connector`: `(blocks, hit, boundary, diverged)`.
@@ -606,12 +607,14 @@ impl PyKVCacheCore {
         skip_zeroing_group_ids: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let _timer = stats::Timer::start(Op::AllocateSlots);
-        // The status is read only for the watermark, which applies only when other
-        // requests are scheduled (the running requests' calls skip it).
-        let statuses = if has_scheduled_reqs {
-            Some(Self::status_objects(slf)?)
-        } else {
-            None
+        // The status is read only for the watermark, which applies only when there is
+        // one and other requests are scheduled. A bare core (no vLLM bindings) cannot
+        // build the result: it is refused here, before anything changes.
+        let statuses = {
+            let this = slf.try_borrow()?;
+            let [w, p] = &this.bindings()?.statuses;
+            (has_scheduled_reqs && this.core.config().watermark_blocks > 0)
+                .then(|| [w.bind(slf.py()).clone(), p.bind(slf.py()).clone()])
         };
         let mut hit_ids_buf = Vec::new();
         let mut hit_ends: SmallVec<[usize; 4]> = SmallVec::new();
@@ -653,7 +656,9 @@ impl PyKVCacheCore {
         };
         let id = request_id(request)?;
         let id = id.to_str()?;
-        Self::precheck_events(slf, request, id)?;
+        if slf.try_borrow()?.needs_event_precheck(id) {
+            Self::precheck_events(slf, request, id)?;
+        }
         let (result, ids, ends, flush) = {
             let mut this = slf.try_borrow_mut()?;
             let req = PyRequest::read(
@@ -678,16 +683,30 @@ impl PyKVCacheCore {
                 pool.has_events() || pool.has_metrics_ops() || this.core.has_publication_changes();
             (result, ids, ends, flush)
         };
+        // New blocks become a `KVCacheBlocks` (no borrow needed); no new blocks (the
+        // steady step) is the empty singleton, taken with the borrow that puts the
+        // scratch buffers back.
+        let fits_in_place = matches!(result, Ok(true)) && ids.is_empty();
         let out = match result {
-            Ok(true) => Self::kv_cache_blocks(slf, &ids, &ends).map(Some),
-            Ok(false) => Ok(None),
+            Ok(true) if !fits_in_place => Self::kv_cache_blocks(slf, &ids, &ends).map(Some),
+            Ok(_) => Ok(None),
             Err(e) => Err(e),
         };
-        {
+        let out = {
             let mut this = slf.try_borrow_mut()?;
             this.scratch = ids;
             this.scratch_ends = ends;
-        }
+            if fits_in_place {
+                let empty = this
+                    .bindings()?
+                    .empty_kv_cache_blocks
+                    .bind(slf.py())
+                    .clone();
+                Ok(Some(empty.into_any()))
+            } else {
+                out
+            }
+        };
         if flush {
             Self::flush(slf, Some(request))?;
         }
