@@ -23,6 +23,8 @@
 //! ([`coalesce_kv_events`]) are copied (`msgspec.structs.replace` with copied
 //! lists) before their first merge.
 
+use std::sync::Arc;
+
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -60,7 +62,8 @@ impl EventHash {
 pub(super) enum Attr {
     None,
     Int(i64),
-    Str(String),
+    /// Shared, so that the fixed fields of a builder's events clone cheaply.
+    Str(Arc<str>),
     Object(usize),
 }
 
@@ -72,8 +75,7 @@ impl Attr {
         } else if obj.is_exact_instance_of::<PyInt>() || obj.is_exact_instance_of::<PyBool>() {
             obj.extract::<i64>().map_or_else(|_| identity(), Attr::Int)
         } else if let Ok(s) = obj.cast_exact::<PyString>() {
-            s.to_str()
-                .map_or_else(|_| identity(), |s| Attr::Str(s.to_owned()))
+            s.to_str().map_or_else(|_| identity(), |s| Attr::Str(s.into()))
         } else {
             identity()
         }
@@ -384,17 +386,24 @@ impl Compactor {
 }
 
 /// The lists of a struct the builder just made, read back (the struct holds the
-/// objects it was given, or its own: either way, the ones a merge must extend).
-fn lists_of<'py>(event: &Bound<'py, PyAny>, n: usize) -> PyResult<[Option<Bound<'py, PyList>>; 4]> {
+/// objects it was given, or its own: either way, the ones a merge must extend): the
+/// first `n` of [`LIST_FIELDS`].
+fn lists_of<'py>(event: &Bound<'py, PyAny>, n: usize) -> [Option<Bound<'py, PyList>>; 4] {
     let py = event.py();
+    let names = [
+        intern!(py, "block_hashes"),
+        intern!(py, "token_ids"),
+        intern!(py, "extra_keys"),
+        intern!(py, "lookahead_token_ids"),
+    ];
     let mut lists: [Option<Bound<'py, PyList>>; 4] = Default::default();
-    for (slot, name) in lists.iter_mut().zip(LIST_FIELDS).take(n) {
-        *slot = match event.getattr(PyString::new(py, name)) {
-            Ok(v) => v.cast_into_exact::<PyList>().ok(),
-            Err(_) => None,
-        };
+    for (slot, name) in lists.iter_mut().zip(names).take(n) {
+        *slot = event
+            .getattr(name)
+            .ok()
+            .and_then(|v| v.cast_into_exact::<PyList>().ok());
     }
-    Ok(lists)
+    lists
 }
 
 impl PyEventBuilder {
@@ -425,7 +434,7 @@ impl PyEventBuilder {
                     return Ok(());
                 };
                 let event = self.removed_event(PyList::new(py, [hash])?, key.group_id)?;
-                let lists = lists_of(&event, 1)?;
+                let lists = lists_of(&event, 1);
                 c.start(sink, event, link, lists, true)
             }
             KVCacheEvent::BlockStored {
@@ -491,7 +500,7 @@ impl PyEventBuilder {
                     return Ok(());
                 };
                 let event = self.struct_of_fields(fields, &block_size, group)?;
-                let lists = lists_of(&event, 4)?;
+                let lists = lists_of(&event, 4);
                 c.start(sink, event, link, lists, true)
             }
             StoredParts::Built(event) => {
