@@ -281,3 +281,19 @@ def test_parity_mode_keeps_vllms_stream(monkeypatch: pytest.MonkeyPatch) -> None
     m = KVCacheManager(**kwargs, kv_events_mode="compact")
     # The parity manager compares every batch with vLLM's: a compact stream would raise.
     _drive(m, seed=5, steps=60)
+
+
+def test_taken_events_are_never_extended() -> None:
+    """A store that would continue an event of an earlier batch starts a new event: what
+    ``take_events`` returned is the consumer's, and stays as it was."""
+    m = _manager("full", "compact")
+    req = make_request("r", list(range(3000, 3000 + 16 * 4 + 1)))
+    assert m.allocate_slots(req, 32) is not None
+    (first,) = m.take_events()
+    encoded = msgspec.msgpack.encode(first)
+    req.num_computed_tokens = 32
+    assert m.allocate_slots(req, req.num_tokens - 32) is not None
+    (second,) = m.take_events()
+    assert msgspec.msgpack.encode(first) == encoded
+    assert len(first.block_hashes) == 2 and len(second.block_hashes) == 2
+    assert second.parent_block_hash == first.block_hashes[-1]

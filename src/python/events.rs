@@ -40,8 +40,8 @@ use pyo3::types::{PyBytes, PyDict, PyList, PySlice, PyTuple, PyType};
 use super::errors::UnsupportedError;
 
 mod compact;
-pub use compact::{coalesce_kv_events, normalize_kv_events_mode};
 pub(crate) use compact::Compactor;
+pub use compact::{coalesce_kv_events, normalize_kv_events_mode};
 
 /// How far past `block_hashes` a range may reach and still be converted here.
 const MAX_BLOCKS_PAST_HASHES: usize = 64;
@@ -570,11 +570,16 @@ pub struct PyEventBuilder {
     compact: CompactTemplates,
 }
 
-/// The compared fields of the structs a builder makes (`None`: the class declares
-/// no fields, and its events never merge).
+/// Compact mode's view of the classes a builder makes structs of.
 struct CompactTemplates {
-    stored: Option<Box<[compact::Slot]>>,
-    removed: Option<compact::Attrs>,
+    /// Whether the class declares its fields (`__struct_fields__`): else its events
+    /// never merge.
+    stored: bool,
+    removed: bool,
+    /// Whether the classes keep the list objects they are given (set on the first
+    /// struct of each: then a merge extends the lists the builder made, unread).
+    stored_keeps_lists: std::sync::OnceLock<bool>,
+    removed_keeps_lists: std::sync::OnceLock<bool>,
 }
 
 #[pymethods]
@@ -606,8 +611,10 @@ impl PyEventBuilder {
             stored_call,
             removed_positional: has_fields(&removed_fields, &BLOCK_REMOVED_FIELDS, true),
             compact: CompactTemplates {
-                stored: compact::stored_template(&stored_fields, &medium),
-                removed: compact::removed_template(&removed_fields, &medium),
+                stored: !stored_fields.is_empty(),
+                removed: !removed_fields.is_empty(),
+                stored_keeps_lists: std::sync::OnceLock::new(),
+                removed_keeps_lists: std::sync::OnceLock::new(),
             },
             block_stored: block_stored.unbind(),
             block_removed: block_removed.unbind(),

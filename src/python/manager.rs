@@ -1106,6 +1106,9 @@ impl PyKVCacheCore {
                 visit.call(&s[1])?;
             }
         }
+        if let Some(c) = &self.compactor {
+            c.traverse(&visit)?;
+        }
         Ok(())
     }
 
@@ -1114,6 +1117,9 @@ impl PyKVCacheCore {
         self.host_handles.iter_mut().for_each(|h| *h = None);
         self.publications.clear();
         self.vllm = None;
+        if let Some(c) = &mut self.compactor {
+            c.release();
+        }
     }
 }
 
@@ -1184,6 +1190,15 @@ impl PyKVCacheCore {
         let mode = EventsMode::parse(mode)?;
         self.set_kv_events_mode(mode);
         Ok(())
+    }
+
+    /// Compact mode: the event sink was drained (`take_events`), so its last event
+    /// can no longer be continued; its objects are released now rather than when
+    /// the next event is recorded. A no-op in vLLM's mode.
+    fn core_kv_events_drained(&mut self) {
+        if let Some(c) = &mut self.compactor {
+            c.release();
+        }
     }
 
     /// The KV-event stream's mode: `"vllm"` or `"compact"`.

@@ -335,14 +335,13 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                     file=stream,
                 )
                 continue
-            for variant in _variants(args, sc):
-                status = _run_variant(variant, mode, args, stream, reference, candidate, overhead)
-                if status is None:  # this path cannot run: skip its other scenarios
-                    skipped = True
-                    break
-                if isinstance(status, int):
-                    return status
-                result, summary = status
+            passes = _run_passes(sc, mode, args, stream, reference, candidate, overhead)
+            if passes is None:  # this path cannot run: skip its other scenarios
+                skipped = True
+                continue
+            if isinstance(passes, int):
+                return passes
+            for result, summary in passes:
                 runs.append(result)
                 summaries.append(summary)
                 modes_of_runs.append(mode)
@@ -372,7 +371,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     return 0
 
 
-def _run_variant(
+def _run_passes(
     sc: Scenario,
     mode: str,
     args: argparse.Namespace,
@@ -380,68 +379,76 @@ def _run_variant(
     reference: type,
     candidate: type,
     overhead: int,
-) -> tuple[Any, Any] | int | None:
-    """One scenario pass (with ``--repeat`` K runs pooled), printed: its result and
-    summary, an exit status (a divergence), or None (skipped on this path)."""
+) -> list[tuple[Any, Any]] | int | None:
+    """The passes of one scenario (``--events all``: one per candidate event mode), each
+    run ``--repeat`` times, round-robin over the passes so that a change of machine load
+    favours none, then pooled and printed: each pass's result and summary; an exit status
+    (a divergence); or None (this path cannot run it)."""
     from hscache.bench.driver import DivergenceError, UnsupportedScenarioError, run_scenario
     from hscache.bench.report import format_scenario, summarize
     from hscache.bench.results import RunResult, merge_runs
 
     batched = mode == "batched"
-    name = _pass_name(args, sc)
-    repeats: list[RunResult] = []
+    variants = _variants(args, sc)
+    repeats: list[list[RunResult]] = [[] for _ in variants]
     for k in range(args.repeat):
-        desc = name if args.repeat == 1 else f"{name} [{k + 1}/{args.repeat}]"
-        bar = _Progress(sc.total_steps, f"{desc} ({mode})", not args.no_progress)
-        try:
-            repeats.append(
-                run_scenario(
-                    sc,
-                    reference,
-                    candidate,
-                    seed=args.seed,
-                    check=not args.no_check,
-                    progress=bar.update,
-                    timer_overhead_ns=overhead,
-                    batched=batched,
+        for variant, done in zip(variants, repeats, strict=True):
+            name = _pass_name(args, variant)
+            desc = name if args.repeat == 1 else f"{name} [{k + 1}/{args.repeat}]"
+            bar = _Progress(variant.total_steps, f"{desc} ({mode})", not args.no_progress)
+            try:
+                done.append(
+                    run_scenario(
+                        variant,
+                        reference,
+                        candidate,
+                        seed=args.seed,
+                        check=not args.no_check,
+                        progress=bar.update,
+                        timer_overhead_ns=overhead,
+                        batched=batched,
+                    )
                 )
-            )
-        except DivergenceError as exc:
-            bar.close()
+            except DivergenceError as exc:
+                bar.close()
+                print(
+                    f"\nDIVERGENCE in scenario {name} ({mode}, seed {args.seed}):\n{exc}",
+                    file=stream,
+                )
+                print("The candidate made a different decision from vLLM; aborting.", file=stream)
+                return 3
+            except UnsupportedScenarioError as exc:
+                bar.close()
+                print(f"\n{exc}; skipping", file=stream)
+                return None
+            except AttributeError as exc:
+                bar.close()
+                if not batched:
+                    raise
+                print(f"\nthe candidate has no batched API ({exc}); skipping", file=stream)
+                return None
+            finally:
+                bar.close()
+    out = []
+    for variant, done in zip(variants, repeats, strict=True):
+        name = _pass_name(args, variant)
+        result = merge_runs(done)
+        if result.candidate.class_name == result.reference.class_name and (
+            args.candidate != args.reference
+        ):
             print(
-                f"\nDIVERGENCE in scenario {name} ({mode}, seed {args.seed}):\n{exc}",
+                f"WARNING: in {name} the candidate constructed "
+                f"{result.candidate.class_name} (a fallback to the reference manager); "
+                "its ratio measures nothing.",
                 file=stream,
             )
-            print("The candidate made a different decision from vLLM; aborting.", file=stream)
-            return 3
-        except UnsupportedScenarioError as exc:
-            bar.close()
-            print(f"\n{exc}; skipping", file=stream)
-            return None
-        except AttributeError as exc:
-            bar.close()
-            if not batched:
-                raise
-            print(f"\nthe candidate has no batched API ({exc}); skipping", file=stream)
-            return None
-        finally:
-            bar.close()
-    result = merge_runs(repeats)
-    if result.candidate.class_name == result.reference.class_name and (
-        args.candidate != args.reference
-    ):
-        print(
-            f"WARNING: in {name} the candidate constructed "
-            f"{result.candidate.class_name} (a fallback to the reference manager); "
-            "its ratio measures nothing.",
-            file=stream,
-        )
-    summary = summarize(result, repeats)
-    summary.name = name
-    print(format_scenario(summary), file=stream)
-    print(f"   ({result.wall_s:.1f} s wall for both managers)\n", file=stream)
-    stream.flush()
-    return result, summary
+        summary = summarize(result, done)
+        summary.name = name
+        print(format_scenario(summary), file=stream)
+        print(f"   ({result.wall_s:.1f} s wall for both managers)\n", file=stream)
+        stream.flush()
+        out.append((result, summary))
+    return out
 
 
 def _write_outputs(

@@ -75,7 +75,8 @@ impl Attr {
         } else if obj.is_exact_instance_of::<PyInt>() || obj.is_exact_instance_of::<PyBool>() {
             obj.extract::<i64>().map_or_else(|_| identity(), Attr::Int)
         } else if let Ok(s) = obj.cast_exact::<PyString>() {
-            s.to_str().map_or_else(|_| identity(), |s| Attr::Str(s.into()))
+            s.to_str()
+                .map_or_else(|_| identity(), |s| Attr::Str(s.into()))
         } else {
             identity()
         }
@@ -88,7 +89,23 @@ impl Attr {
     }
 }
 
-pub(super) type Attrs = SmallVec<[Attr; 12]>;
+/// Every field of an event that a merged event states once.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum Attrs {
+    /// An event a builder makes from its fields: the builder (its fixed fields: the
+    /// medium and the class defaults it leaves), the per-event fields (`block_size`,
+    /// `lora_id`, `lora_name`, `session_id`; all `None` for a removal) and whether
+    /// `extra_keys` / `lookahead_token_ids` are `None`.
+    Built {
+        builder: usize,
+        values: [Attr; 4],
+        absent: [bool; 2],
+    },
+    /// An event read back from a struct: every compared field, in declaration
+    /// order, then whether those two lists are `None`. Never equal to `Built`.
+    Read(Box<[Attr]>),
+}
+
 type EventLink = Link<EventHash, Attrs>;
 
 /// Fields that are not compared whole: the chain, the per-block lists, the group.
@@ -108,60 +125,6 @@ const LIST_FIELDS: [&str; 4] = [
     "extra_keys",
     "lookahead_token_ids",
 ];
-
-/// Where a compared field of a `BlockStored` the builder makes comes from.
-#[derive(Clone, Debug)]
-pub(super) enum Slot {
-    /// The same for every event of this builder (the medium; fields it leaves at
-    /// their default, `None`).
-    Fixed(Attr),
-    BlockSize,
-    LoraId,
-    LoraName,
-    SessionId,
-}
-
-/// The compared fields of the builder's `BlockStored`, in declaration order
-/// (`None`: the class declares no fields, so nothing merges).
-pub(super) fn stored_template(fields: &[String], medium: &Bound<'_, PyAny>) -> Option<Box<[Slot]>> {
-    if fields.is_empty() {
-        return None;
-    }
-    let slots = fields
-        .iter()
-        .filter(|f| !CHAIN_FIELDS.contains(&f.as_str()))
-        .map(|f| match f.as_str() {
-            "block_size" => Slot::BlockSize,
-            "lora_id" => Slot::LoraId,
-            "lora_name" => Slot::LoraName,
-            "session_id" => Slot::SessionId,
-            "medium" => Slot::Fixed(Attr::of(medium)),
-            _ => Slot::Fixed(Attr::None),
-        })
-        .collect();
-    Some(slots)
-}
-
-/// The compared fields of the builder's `BlockRemoved` (all fixed: the medium, and
-/// the defaults it leaves), or `None` when the class declares no fields.
-pub(super) fn removed_template(fields: &[String], medium: &Bound<'_, PyAny>) -> Option<Attrs> {
-    if fields.is_empty() {
-        return None;
-    }
-    Some(
-        fields
-            .iter()
-            .filter(|f| !CHAIN_FIELDS.contains(&f.as_str()))
-            .map(|f| {
-                if f == "medium" {
-                    Attr::of(medium)
-                } else {
-                    Attr::None
-                }
-            })
-            .collect(),
-    )
-}
 
 /// The link of a store whose last and parent hashes are `hashes[-1]` and `parent`.
 fn stored_link(
@@ -227,7 +190,7 @@ fn link_of<'py>(
     let Some(hashes) = lists[0].clone() else {
         return barrier(lists);
     };
-    let mut attrs: Attrs = fields
+    let mut attrs: Vec<Attr> = fields
         .iter()
         .filter(|f| !CHAIN_FIELDS.contains(&f.as_str()))
         .map(|f| field(f).map(|v| Attr::of(&v)))
@@ -236,6 +199,7 @@ fn link_of<'py>(
         if hashes.is_empty() {
             return barrier(lists);
         }
+        let attrs = Attrs::Read(attrs.into_boxed_slice());
         return Ok((Link::Removed { group, attrs }, lists));
     }
     // A store merges only if it is one chain of whole blocks: `block_size` tokens
@@ -254,6 +218,7 @@ fn link_of<'py>(
     }
     attrs.push(Attr::absent(&field("extra_keys")?));
     attrs.push(Attr::absent(&field("lookahead_token_ids")?));
+    let attrs = Attrs::Read(attrs.into_boxed_slice());
     let link = stored_link(group, attrs, &hashes, &field("parent_block_hash")?)?;
     Ok((link, lists))
 }
@@ -308,6 +273,23 @@ pub(crate) struct Compactor {
 }
 
 impl Compactor {
+    /// Forgets the sink's last event (the sink was drained: nothing can continue it),
+    /// so that its objects are not kept alive here.
+    pub(crate) fn release(&mut self) {
+        self.tail = None;
+    }
+
+    /// The Python objects held (for the garbage collector).
+    pub(crate) fn traverse(&self, visit: &pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        if let Some(t) = &self.tail {
+            visit.call(&t.event)?;
+            for list in t.lists.iter().flatten() {
+                visit.call(list)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Merges the event `link` / `parts` into the sink's last event if it
     /// continues it; else gives `link` back.
     fn try_merge(
@@ -385,6 +367,32 @@ impl Compactor {
     }
 }
 
+/// The lists a merge must extend of a struct the builder just made from `given`:
+/// `given` itself when the class keeps the objects it is given (msgspec's structs
+/// do; checked on the first struct of each class, `keeps`), else read back.
+fn kept_lists<'py>(
+    keeps: &std::sync::OnceLock<bool>,
+    event: &Bound<'py, PyAny>,
+    given: [Option<Bound<'py, PyList>>; 4],
+    n: usize,
+) -> [Option<Bound<'py, PyList>>; 4] {
+    let same = |read: &[Option<Bound<'py, PyList>>; 4]| {
+        read.iter().zip(&given).all(|(r, g)| match (r, g) {
+            (Some(r), Some(g)) => r.is(g),
+            (None, None) => true,
+            _ => false,
+        })
+    };
+    if let Some(&true) = keeps.get() {
+        return given;
+    }
+    let read = lists_of(event, n);
+    if keeps.get().is_none() {
+        let _ = keeps.set(same(&read));
+    }
+    read
+}
+
 /// The lists of a struct the builder just made, read back (the struct holds the
 /// objects it was given, or its own: either way, the ones a merge must extend): the
 /// first `n` of [`LIST_FIELDS`].
@@ -423,18 +431,25 @@ impl PyEventBuilder {
         match record {
             KVCacheEvent::BlockRemoved { key } => {
                 let hash = self.removed_hash(py, &key)?;
-                let link = match &self.compact.removed {
-                    Some(attrs) => Link::Removed {
+                let link = if self.compact.removed {
+                    Link::Removed {
                         group: key.group_id,
-                        attrs: attrs.clone(),
-                    },
-                    None => Link::Barrier,
+                        attrs: Attrs::Built {
+                            builder: self.identity(),
+                            values: [Attr::None, Attr::None, Attr::None, Attr::None],
+                            absent: [true, true],
+                        },
+                    }
+                } else {
+                    Link::Barrier
                 };
                 let Some(link) = c.try_merge(sink, link, Parts::Hash(hash.clone()))? else {
                     return Ok(());
                 };
-                let event = self.removed_event(PyList::new(py, [hash])?, key.group_id)?;
-                let lists = lists_of(&event, 1);
+                let hashes = PyList::new(py, [hash])?;
+                let event = self.removed_event(hashes.clone(), key.group_id)?;
+                let given = [Some(hashes), None, None, None];
+                let lists = kept_lists(&self.compact.removed_keeps_lists, &event, given, 1);
                 c.start(sink, event, link, lists, true)
             }
             KVCacheEvent::BlockStored {
@@ -488,19 +503,18 @@ impl PyEventBuilder {
         let py = sink.py();
         match parts {
             StoredParts::Fields(fields, block_size) => {
-                let link = match &self.compact.stored {
-                    Some(slots) if whole => {
-                        self.fields_link(slots, &fields, &block_size, group_id)?
-                    }
-                    _ => Link::Barrier,
+                let link = if self.compact.stored && whole {
+                    self.fields_link(&fields, &block_size, group_id)?
+                } else {
+                    Link::Barrier
                 };
-                let lists =
+                let given =
                     [0, 2, 5, 7].map(|i| fields[i].clone().cast_into_exact::<PyList>().ok());
-                let Some(link) = c.try_merge(sink, link, Parts::Lists(lists))? else {
+                let Some(link) = c.try_merge(sink, link, Parts::Lists(given.clone()))? else {
                     return Ok(());
                 };
                 let event = self.struct_of_fields(fields, &block_size, group)?;
-                let lists = lists_of(&event, 4);
+                let lists = kept_lists(&self.compact.stored_keeps_lists, &event, given, 4);
                 c.start(sink, event, link, lists, true)
             }
             StoredParts::Built(event) => {
@@ -520,7 +534,6 @@ impl PyEventBuilder {
     /// The link of a store from the fields the builder makes its struct of.
     fn fields_link(
         &self,
-        slots: &[Slot],
         fields: &[Bound<'_, PyAny>; 8],
         block_size: &Bound<'_, PyAny>,
         group_id: u32,
@@ -529,19 +542,23 @@ impl PyEventBuilder {
         let Ok(hashes) = hashes.cast_exact::<PyList>() else {
             return Ok(Link::Barrier);
         };
-        let mut attrs: Attrs = slots
-            .iter()
-            .map(|s| match s {
-                Slot::Fixed(a) => a.clone(),
-                Slot::BlockSize => Attr::of(block_size),
-                Slot::LoraId => Attr::of(lora_id),
-                Slot::LoraName => Attr::of(lora_name),
-                Slot::SessionId => Attr::of(session_id),
-            })
-            .collect();
-        attrs.push(Attr::absent(extra_keys));
-        attrs.push(Attr::absent(lookahead));
+        let attrs = Attrs::Built {
+            builder: self.identity(),
+            values: [
+                Attr::of(block_size),
+                Attr::of(lora_id),
+                Attr::of(lora_name),
+                Attr::of(session_id),
+            ],
+            absent: [extra_keys.is_none(), lookahead.is_none()],
+        };
         stored_link(group_id, attrs, hashes, parent)
+    }
+
+    /// This builder, as the fixed fields of the events it makes (a manager's builders
+    /// live as long as the manager, and so as its compactor).
+    fn identity(&self) -> usize {
+        std::ptr::from_ref(self) as usize
     }
 }
 
