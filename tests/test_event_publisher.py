@@ -118,11 +118,14 @@ def test_publish_never_blocks_and_delivers_every_batch_in_order(
     n = 40
     caplog.set_level(logging.WARNING, logger="hscache.vllm.publisher")
     try:
-        for i in range(n):
+        wrapped.publish(_batch(0))
+        # The sending thread takes it and waits on the gate: the queue then takes QUEUE.
+        _wait_until(pub._event_queue.empty, "the thread to take the first batch")
+        for i in range(1, n):
             t0 = time.monotonic()
             wrapped.publish(_batch(i))
             assert time.monotonic() - t0 < 0.5, f"publish {i} blocked"
-        assert wrapped.deferred_batches >= n - QUEUE - 1
+        assert wrapped.deferred_batches == n - 1 - QUEUE
         # Held batches merge: one batch waits, whatever the number of steps.
         assert len(wrapped._held) == 1
         assert wrapped.held_events == (1 if compact else wrapped.deferred_batches)
