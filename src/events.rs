@@ -15,6 +15,13 @@
 //! [`MetricsOp`] records the calls vLLM's `BlockPool` makes on a
 //! `KVCacheMetricsCollector` (`--kv-cache-metrics`), in order, so the bindings can
 //! replay them on the user's collector: same calls, same random samples.
+//!
+//! [`compact`]: the opt-in compact stream (consecutive events of one batch
+//! coalesced) and the mode that selects it.
+
+pub mod compact;
+
+pub use compact::EventsMode;
 
 use crate::types::{BlockHashWithGroupId, BlockId};
 

@@ -145,3 +145,41 @@ def test_hybrid_scenarios_run_on_the_real_scheduler(layout: str) -> None:
     assert "allocate_slots(running)" in result.candidate.op_ns
     with pytest.raises(Exception, match="batched API"):
         run_scenario(scenario, _reference(), candidate, seed=0, check=True, batched=True)
+
+
+@pytest.mark.parametrize("layout", ["full", "full+swa"])
+@pytest.mark.parametrize("batched", [False, True])
+def test_candidate_event_modes(layout: str, batched: bool) -> None:
+    """``--events`` passes: vLLM keeps its events; hscache publishes the same stream
+    (decisions and events compared), a compact one (compared with vLLM's coalesced by the
+    same rule, fewer events under eviction) or none."""
+    from dataclasses import replace
+
+    if batched and layout != "full":
+        pytest.skip("the batched API serves one full-attention group")
+    candidate = load_class("hscache.vllm:KVCacheManager")
+    counts = {}
+    for mode in ("vllm", "compact", "off"):
+        scenario = replace(TINY_SCENARIO, layout=layout, num_blocks=160 if layout != "full" else 96)
+        scenario = replace(scenario, candidate_events=mode)
+        result = run_scenario(scenario, _reference(), candidate, check=True, batched=batched)
+        assert result.measured_counters.events > 0, "vLLM's events are counted"
+        counts[mode] = (result.measured_counters.events, result.candidate_events)
+    ref = counts["vllm"][0]
+    assert {c[0] for c in counts.values()} == {ref}, "the same trace in every pass"
+    assert counts["vllm"][1] == ref
+    assert counts["off"][1] == 0
+    assert 0 < counts["compact"][1] < ref
+
+
+def test_cli_events_all_prints_the_events_table(capsys: pytest.CaptureFixture[str]) -> None:
+    from hscache.__main__ import main
+
+    args = ["bench", "--scenario", "tiny", "--steps", "8", "--warmup", "2", "--no-progress"]
+    assert main([*args, "--events", "all", "--mode", "drop-in"]) == 0
+    text = capsys.readouterr().out
+    for label in ("tiny [events on]", "tiny [events off]", "tiny [compact events]"):
+        assert label in text
+    assert "KV events (drop-in path)" in text
+    assert main([*args, "--events", "compact", "--mode", "drop-in"]) == 0
+    assert "(compact)" in capsys.readouterr().out

@@ -271,6 +271,12 @@ class KVCacheCore:
     @property
     def explain_enabled(self) -> bool: ...
     def core_explain(self, request_id: str) -> dict[str, Any]: ...
+
+    # KV-events mode (src/python/manager.rs, src/python/events/compact.rs)
+    def core_set_kv_events_mode(self, mode: str) -> None: ...
+    def core_kv_events_drained(self) -> None: ...
+    @property
+    def kv_events_mode(self) -> str: ...
     def retention_stats(self) -> dict[str, Any]: ...
     def core_num_blocks_to_allocate(
         self,
@@ -641,6 +647,16 @@ def block_stored_fields(
     keys come in ``to_event_extra_keys``'s untagged shape. Raises ``UnsupportedError``
     for a request it cannot convert exactly (the caller then uses vLLM's helpers).
     """
+
+def coalesce_kv_events(events: list[Any]) -> list[Any]:
+    """The compact form of a batch of vLLM KV events: consecutive ``BlockRemoved`` of one
+    group and medium merged, a ``BlockStored`` that continues the chain of the one before
+    it (same group and fields) merged into it; nothing reordered, anything else kept as
+    it is. The input and its events are left unchanged."""
+
+def normalize_kv_events_mode(name: str) -> str:
+    """``"vllm"`` or ``"compact"`` for ``name`` (case and blanks ignored, empty is
+    ``"vllm"``); ``InvalidArgumentError`` for any other name."""
 
 @final
 class EventBuilder:

@@ -39,6 +39,10 @@ use pyo3::types::{PyBytes, PyDict, PyList, PySlice, PyTuple, PyType};
 
 use super::errors::UnsupportedError;
 
+mod compact;
+pub(crate) use compact::Compactor;
+pub use compact::{coalesce_kv_events, normalize_kv_events_mode};
+
 /// How far past `block_hashes` a range may reach and still be converted here.
 const MAX_BLOCKS_PAST_HASHES: usize = 64;
 use super::hasher::{type_name, MmHolder};
@@ -538,6 +542,13 @@ impl StoredCall {
     }
 }
 
+/// A stored range on its way to an event: the fields of vLLM's struct (and its
+/// `block_size` object), or the struct the pure-Python fallback built.
+enum StoredParts<'py> {
+    Fields([Bound<'py, PyAny>; 8], Bound<'py, PyAny>),
+    Built(Bound<'py, PyAny>),
+}
+
 /// Builds vLLM's KV-cache event structs from the core's records, inside the call
 /// that recorded them (as vLLM's `BlockPool` does), with the configuration of one
 /// pool: the event classes, the medium, the lookahead, the int-hash flag (vLLM's
@@ -555,6 +566,20 @@ pub struct PyEventBuilder {
     fallback: Py<PyAny>,
     stored_call: StoredCall,
     removed_positional: bool,
+    /// What compact mode compares, per event class (`compact.rs`).
+    compact: CompactTemplates,
+}
+
+/// Compact mode's view of the classes a builder makes structs of.
+struct CompactTemplates {
+    /// Whether the class declares its fields (`__struct_fields__`): else its events
+    /// never merge.
+    stored: bool,
+    removed: bool,
+    /// Whether the classes keep the list objects they are given (set on the first
+    /// struct of each: then a merge extends the lists the builder made, unread).
+    stored_keeps_lists: std::sync::OnceLock<bool>,
+    removed_keeps_lists: std::sync::OnceLock<bool>,
 }
 
 #[pymethods]
@@ -573,7 +598,9 @@ impl PyEventBuilder {
         int_block_hashes: bool,
         fallback: Bound<'_, PyAny>,
     ) -> PyResult<Self> {
-        let stored_call = StoredCall::of(&struct_fields(&block_stored));
+        let stored_fields = struct_fields(&block_stored);
+        let removed_fields = struct_fields(&block_removed);
+        let stored_call = StoredCall::of(&stored_fields);
         if num_hash_lookahead_tokens > 0 && !stored_call.has_lookahead_field() {
             return Err(PyValueError::new_err(format!(
                 "num_hash_lookahead_tokens={num_hash_lookahead_tokens}, but this BlockStored \
@@ -582,11 +609,13 @@ impl PyEventBuilder {
         }
         Ok(Self {
             stored_call,
-            removed_positional: has_fields(
-                &struct_fields(&block_removed),
-                &BLOCK_REMOVED_FIELDS,
-                true,
-            ),
+            removed_positional: has_fields(&removed_fields, &BLOCK_REMOVED_FIELDS, true),
+            compact: CompactTemplates {
+                stored: !stored_fields.is_empty(),
+                removed: !removed_fields.is_empty(),
+                stored_keeps_lists: std::sync::OnceLock::new(),
+                removed_keeps_lists: std::sync::OnceLock::new(),
+            },
             block_stored: block_stored.unbind(),
             block_removed: block_removed.unbind(),
             all_blocks_cleared: all_blocks_cleared.unbind(),
@@ -681,26 +710,57 @@ impl PyEventBuilder {
         group_idx: &Bound<'py, PyAny>,
         layout: (usize, &[u32]),
     ) -> PyResult<Bound<'py, PyAny>> {
+        match self.stored_parts(request, fields, range, group_idx, layout)? {
+            StoredParts::Fields(fields, block_size) => {
+                self.struct_of_fields(fields, &block_size, group_idx)
+            }
+            StoredParts::Built(event) => Ok(event),
+        }
+    }
+
+    /// `fields` as they are, or the fallback's event when they are
+    /// `UnsupportedError`.
+    fn stored_parts<'py>(
+        &self,
+        request: &Bound<'py, PyAny>,
+        fields: PyResult<([Bound<'py, PyAny>; 8], &Bound<'py, PyAny>)>,
+        range: (&Bound<'py, PyAny>, &Bound<'py, PyAny>, &Bound<'py, PyAny>),
+        group_idx: &Bound<'py, PyAny>,
+        layout: (usize, &[u32]),
+    ) -> PyResult<StoredParts<'py>> {
         let py = request.py();
-        let (fields, block_size) = match fields {
-            Ok(f) => f,
+        match fields {
+            Ok((fields, block_size)) => Ok(StoredParts::Fields(fields, block_size.clone())),
             Err(e) if e.is_instance_of::<UnsupportedError>(py) => {
                 let (start, end, bs) = range;
                 let (hash_scale, skipped) = layout;
-                return self.fallback.bind(py).call1((
-                    request,
-                    start,
-                    end,
-                    bs,
-                    group_idx,
-                    self.num_hash_lookahead_tokens,
-                    self.medium.bind(py),
-                    hash_scale,
-                    skipped.to_vec(),
-                ));
+                self.fallback
+                    .bind(py)
+                    .call1((
+                        request,
+                        start,
+                        end,
+                        bs,
+                        group_idx,
+                        self.num_hash_lookahead_tokens,
+                        self.medium.bind(py),
+                        hash_scale,
+                        skipped.to_vec(),
+                    ))
+                    .map(StoredParts::Built)
             }
-            Err(e) => return Err(e),
-        };
+            Err(e) => Err(e),
+        }
+    }
+
+    /// vLLM's `BlockStored` of [`stored_fields`]' fields.
+    fn struct_of_fields<'py>(
+        &self,
+        fields: [Bound<'py, PyAny>; 8],
+        block_size: &Bound<'py, PyAny>,
+        group_idx: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = block_size.py();
         let [hashes, parent, token_ids, lora_id, lora_name, extra_keys, session_id, lookahead] =
             fields;
         let medium = self.medium.bind(py).clone();
@@ -758,6 +818,25 @@ impl PyEventBuilder {
         group_id: u32,
         layout: (usize, &[u32]),
     ) -> PyResult<Bound<'py, PyAny>> {
+        let group = group_id.into_pyobject(py)?.into_any();
+        match self.stored_event_parts(py, request, range, &group, layout)? {
+            StoredParts::Fields(fields, block_size) => {
+                self.struct_of_fields(fields, &block_size, &group)
+            }
+            StoredParts::Built(event) => Ok(event),
+        }
+    }
+
+    /// [`Self::stored_event`]'s fields, before they become a struct (or the
+    /// fallback's struct).
+    fn stored_event_parts<'py>(
+        &self,
+        py: Python<'py>,
+        request: Option<&Bound<'py, PyAny>>,
+        range: (u32, u32, u32),
+        group: &Bound<'py, PyAny>,
+        layout: (usize, &[u32]),
+    ) -> PyResult<StoredParts<'py>> {
         let request = request.ok_or_else(|| {
             PyRuntimeError::new_err("a BlockStored record needs the request of its call")
         })?;
@@ -776,14 +855,44 @@ impl PyEventBuilder {
         let start = start_block.into_pyobject(py)?.into_any();
         let end = end_block.into_pyobject(py)?.into_any();
         let bs = block_size.into_pyobject(py)?.into_any();
-        let group = group_id.into_pyobject(py)?.into_any();
-        self.stored_struct(
+        self.stored_parts(
             request,
             fields.map(|f| (f, &bs)),
             (&start, &end, &bs),
-            &group,
+            group,
             layout,
         )
+    }
+
+    /// The hash a `BlockRemoved` states for `key` (converted as vLLM's
+    /// `maybe_convert_block_hash` does).
+    fn removed_hash<'py>(
+        &self,
+        py: Python<'py>,
+        key: &crate::types::BlockHashWithGroupId,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let hash = PyBytes::new(py, key.hash.as_bytes()).into_any();
+        convert_hash(hash, self.int_block_hashes)
+    }
+
+    /// vLLM's `BlockRemoved` of `hashes` in group `group_id`.
+    fn removed_event<'py>(
+        &self,
+        hashes: Bound<'py, PyList>,
+        group_id: u32,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = hashes.py();
+        let medium = self.medium.bind(py);
+        let cls = self.block_removed.bind(py);
+        if self.removed_positional {
+            cls.call1((hashes, medium, group_id))
+        } else {
+            let kwargs = PyDict::new(py);
+            kwargs.set_item("block_hashes", hashes)?;
+            kwargs.set_item("medium", medium)?;
+            kwargs.set_item("group_idx", group_id)?;
+            cls.call((), Some(&kwargs))
+        }
     }
 
     /// vLLM's event for one core record; `request` is the recording call's (a
@@ -829,19 +938,8 @@ impl PyEventBuilder {
                 )
             }
             KVCacheEvent::BlockRemoved { key } => {
-                let hash = PyBytes::new(py, key.hash.as_bytes()).into_any();
-                let hashes = PyList::new(py, [convert_hash(hash, self.int_block_hashes)?])?;
-                let medium = self.medium.bind(py);
-                let cls = self.block_removed.bind(py);
-                if self.removed_positional {
-                    cls.call1((hashes, medium, key.group_id))
-                } else {
-                    let kwargs = PyDict::new(py);
-                    kwargs.set_item("block_hashes", hashes)?;
-                    kwargs.set_item("medium", medium)?;
-                    kwargs.set_item("group_idx", key.group_id)?;
-                    cls.call((), Some(&kwargs))
-                }
+                let hashes = PyList::new(py, [self.removed_hash(py, &key)?])?;
+                self.removed_event(hashes, key.group_id)
             }
             KVCacheEvent::AllBlocksCleared => self.all_blocks_cleared.bind(py).call0(),
             // The caller picks the host pool's builder; this one builds it as its own.

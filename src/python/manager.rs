@@ -30,8 +30,8 @@ use super::convert::request::{request_id, PyRequest, StatusObjects};
 use super::convert::spec::group_spec;
 use super::convert::{count, count_arg, int64, Int};
 use super::errors::InvalidArgumentError;
-use super::events::PyEventBuilder;
-use crate::events::MetricsOp;
+use super::events::{Compactor, PyEventBuilder};
+use crate::events::{EventsMode, MetricsOp};
 use crate::manager::{
     AllocateSlots, CoordinatorConfig, GroupedBlocks, KVCacheManager, KVCacheManagerConfig,
 };
@@ -55,6 +55,9 @@ pub struct PyKVCacheCore {
     /// vLLM objects the vLLM-shaped methods return, compare with or call; set once
     /// by `_bind_vllm`.
     vllm: Option<VllmBindings>,
+    /// Compact KV events (`core_set_kv_events_mode("compact")`): the sink's last
+    /// event while it may be continued. `None`: vLLM's events, event for event.
+    compactor: Option<Compactor>,
 }
 
 /// vLLM objects and the empty-result singleton the drop-in methods need.
@@ -209,7 +212,7 @@ impl PyKVCacheCore {
     pub(crate) fn flush(slf: &Bound<'_, Self>, request: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let py = slf.py();
         type Record = (crate::events::KVCacheEvent, Option<Py<PyAny>>, bool);
-        let (sink, host_builder, records, collector, ops, released) = {
+        let (sink, host_builder, records, collector, ops, released, mut compactor) = {
             let mut this = slf.try_borrow_mut()?;
             let (made, released) = this.core.take_publication_changes().unwrap_or_default();
             if let Some(req) = request {
@@ -253,29 +256,75 @@ impl PyKVCacheCore {
             } else {
                 Vec::new()
             };
-            (sink, host_builder, records, collector, ops, released)
+            // Compact mode: taken for the build, put back below.
+            let compactor = if records.is_empty() {
+                None
+            } else {
+                this.compactor.take()
+            };
+            (
+                sink,
+                host_builder,
+                records,
+                collector,
+                ops,
+                released,
+                compactor,
+            )
         };
-        if let Some(collector) = collector {
-            Self::replay_metrics(slf, collector.bind(py), ops)?;
-        }
-        if let Some((sink, builder)) = sink {
-            let sink = sink.bind(py);
-            for (record, req, host) in records {
-                let builder = match (&host_builder, host) {
-                    (Some(b), true) => b.get(),
-                    _ => builder.get(),
-                };
-                let req = req.as_ref().map(|r| r.bind(py).clone());
-                sink.append(builder.build(py, record, req.as_ref().or(request))?)?;
+        // No early return until the compactor is back.
+        let replayed = match collector {
+            Some(collector) => Self::replay_metrics(slf, collector.bind(py), ops),
+            None => Ok(()),
+        };
+        let built = replayed.and_then(|()| match sink {
+            Some((sink, builder)) => {
+                let sink = sink.bind(py);
+                records.into_iter().try_for_each(|(record, req, host)| {
+                    let builder = match (&host_builder, host) {
+                        (Some(b), true) => b.get(),
+                        _ => builder.get(),
+                    };
+                    let req = req.as_ref().map(|r| r.bind(py).clone());
+                    let request = req.as_ref().or(request);
+                    builder.push(py, sink, compactor.as_mut(), record, request)
+                })
             }
-        }
-        if !released.is_empty() {
+            None => Ok(()),
+        });
+        if compactor.is_some() || !released.is_empty() {
             let mut this = slf.try_borrow_mut()?;
+            if let Some(c) = compactor {
+                // After a failed build the sink's tail is not known: start afresh.
+                this.compactor = Some(if built.is_ok() {
+                    c
+                } else {
+                    Compactor::default()
+                });
+            }
             for id in released {
                 this.publications.remove(&id);
             }
         }
-        Ok(())
+        built
+    }
+
+    /// Selects the KV-event stream: `"vllm"` (vLLM's events, the default) or
+    /// `"compact"` (consecutive events of one batch coalesced,
+    /// `crate::events::compact`).
+    pub(crate) fn set_kv_events_mode(&mut self, mode: EventsMode) {
+        self.compactor = match mode {
+            EventsMode::Vllm => None,
+            EventsMode::Compact => Some(self.compactor.take().unwrap_or_default()),
+        };
+    }
+
+    pub(crate) fn kv_events_mode_of(&self) -> EventsMode {
+        if self.compactor.is_some() {
+            EventsMode::Compact
+        } else {
+            EventsMode::Vllm
+        }
     }
 
     /// Calls the collector's `on_block_*` methods in the order the pool made them.
@@ -489,6 +538,7 @@ impl PyKVCacheCore {
             scratch: Vec::new(),
             scratch_ends: SmallVec::new(),
             vllm: None,
+            compactor: None,
         })
     }
 
@@ -1079,6 +1129,9 @@ impl PyKVCacheCore {
                 visit.call(&s[1])?;
             }
         }
+        if let Some(c) = &self.compactor {
+            c.traverse(&visit)?;
+        }
         Ok(())
     }
 
@@ -1087,6 +1140,9 @@ impl PyKVCacheCore {
         self.host_handles.iter_mut().for_each(|h| *h = None);
         self.publications.clear();
         self.vllm = None;
+        if let Some(c) = &mut self.compactor {
+            c.release();
+        }
     }
 }
 
@@ -1144,5 +1200,33 @@ impl PyKVCacheCore {
                     .map(|s| s[usize::from(to_tail)].clone_ref(py)))
             }
         }
+    }
+}
+
+#[pymethods]
+impl PyKVCacheCore {
+    /// Selects the KV-event stream by name: `"vllm"` (vLLM's events, event for
+    /// event; the default) or `"compact"` (consecutive events of one
+    /// `take_events()` batch coalesced). Anything else is `InvalidArgumentError`,
+    /// with the mode unchanged.
+    fn core_set_kv_events_mode(&mut self, mode: &str) -> PyResult<()> {
+        let mode = EventsMode::parse(mode)?;
+        self.set_kv_events_mode(mode);
+        Ok(())
+    }
+
+    /// Compact mode: the event sink was drained (`take_events`), so its last event
+    /// can no longer be continued; its objects are released now rather than when
+    /// the next event is recorded. A no-op in vLLM's mode.
+    fn core_kv_events_drained(&mut self) {
+        if let Some(c) = &mut self.compactor {
+            c.release();
+        }
+    }
+
+    /// The KV-event stream's mode: `"vllm"` or `"compact"`.
+    #[getter]
+    fn kv_events_mode(&self) -> &'static str {
+        PyKVCacheCore::kv_events_mode_of(self).name()
     }
 }

@@ -110,6 +110,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hasher::blake3_digest, m)?)?;
     m.add_function(wrap_pyfunction!(hasher::blake3_block, m)?)?;
     m.add_function(wrap_pyfunction!(events::block_stored_fields, m)?)?;
+    m.add_function(wrap_pyfunction!(events::coalesce_kv_events, m)?)?;
+    m.add_function(wrap_pyfunction!(events::normalize_kv_events_mode, m)?)?;
     m.add_class::<events::PyEventBuilder>()?;
     errors::register(m)?;
     Ok(())

@@ -16,6 +16,7 @@ import gc
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from hscache.bench.managers import RequestFactory, build_manager
 from hscache.bench.results import (
@@ -91,18 +92,25 @@ class StepDriver:
         self.overhead = calibrate_timer() if timer_overhead_ns is None else timer_overhead_ns
         self._trace = TraceGenerator(scenario, seed)
         self._factory = RequestFactory(scenario)
+        ref_events, cand_events = compared_events(scenario)
         self.reference = Side(
-            "vllm", build_manager(reference_cls, scenario), scenario, self.overhead
+            "vllm",
+            build_manager(reference_cls, scenario),
+            scenario,
+            self.overhead,
+            compare_events=ref_events,
         )
         self.candidate = Side(
             "hscache",
-            build_manager(candidate_cls, scenario),
+            build_manager(candidate_cls, scenario, candidate=True),
             scenario,
             self.overhead,
             batched=batched,
+            compare_events=cand_events,
         )
         self.step_index = 0
         self._measured_start: WorkloadCounters | None = None
+        self._candidate_events_start = 0
         self._add_requests(scenario.estimated_requests())
 
     def _add_requests(self, n: int) -> None:
@@ -117,6 +125,7 @@ class StepDriver:
         measuring = self.step_index >= sc.warmup_steps
         if measuring and self._measured_start is None:
             self._measured_start = WorkloadCounters(**vars(self.reference.counters))
+            self._candidate_events_start = self.candidate.counters.events
         # Alternate which side goes first so that cache warmth favours neither.
         if self.step_index % 2 == 0:
             ref = self.reference.step(measuring, self.check)
@@ -143,6 +152,25 @@ class StepDriver:
         start = self._measured_start or WorkloadCounters()
         end = self.reference.counters
         return WorkloadCounters(**{k: v - getattr(start, k) for k, v in vars(end).items()})
+
+    def measured_candidate_events(self) -> int:
+        """KV events the candidate published over the measured steps."""
+        return self.candidate.counters.events - self._candidate_events_start
+
+
+def compared_events(
+    scenario: Scenario,
+) -> tuple[Callable[[list[Any]], Any] | None, Callable[[list[Any]], Any] | None]:
+    """What the decision check compares of each side's events (reference, candidate): the
+    events themselves; for a compact candidate, the reference's coalesced by the same rule
+    (``hscache._core.coalesce_kv_events``); nothing when the candidate has none."""
+    if scenario.candidate_events == "off":
+        return None, None
+    if scenario.candidate_events == "compact":
+        from hscache._core import coalesce_kv_events
+
+        return coalesce_kv_events, list
+    return list, list
 
 
 def run_scenario(
@@ -186,6 +214,7 @@ def run_scenario(
         candidate=driver.candidate.result,
         counters=driver.reference.counters,
         measured_counters=driver.measured_counters(),
+        candidate_events=driver.measured_candidate_events(),
         timer_overhead_ns=driver.overhead,
         wall_s=wall,
         checked=check,

@@ -10,7 +10,10 @@ page: 8 KV heads of 128, bfloat16), and :class:`RequestFactory`, which builds ea
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import hscache.testing  # noqa: F401 (vLLM's CPU / offline environment defaults)
@@ -21,6 +24,7 @@ __all__ = [
     "REFERENCE_SPEC",
     "RequestFactory",
     "build_manager",
+    "candidate_events",
     "load_class",
     "manager_kwargs",
     "scenario_kv_cache_config",
@@ -57,8 +61,9 @@ def scenario_kv_cache_config(scenario: Scenario) -> Any:
     return kv_cache_config([group(spec, "model.layers.0.self_attn")], scenario.num_blocks)
 
 
-def manager_kwargs(scenario: Scenario) -> dict[str, Any]:
-    """The keywords vLLM's Scheduler passes to ``KVCacheManager`` for this scenario."""
+def manager_kwargs(scenario: Scenario, candidate: bool = False) -> dict[str, Any]:
+    """The keywords vLLM's Scheduler passes to ``KVCacheManager`` for this scenario (for the
+    candidate: without events when ``scenario.candidate_events`` is ``"off"``)."""
     from hscache.testing.manager import manager_kwargs as scheduler_manager_kwargs
 
     return scheduler_manager_kwargs(
@@ -67,13 +72,37 @@ def manager_kwargs(scenario: Scenario) -> dict[str, Any]:
         max_in_flight_tokens=scenario.token_budget,
         enable_caching=True,
         log_stats=True,
-        enable_kv_cache_events=scenario.kv_events,
+        enable_kv_cache_events=events_on(scenario, candidate),
     )
 
 
-def build_manager(cls: type, scenario: Scenario) -> Any:
+def events_on(scenario: Scenario, candidate: bool) -> bool:
+    """Whether that side's manager is built with KV events."""
+    return scenario.kv_events and not (candidate and scenario.candidate_events == "off")
+
+
+@contextlib.contextmanager
+def candidate_events(scenario: Scenario) -> Iterator[None]:
+    """``HSCACHE_KV_EVENTS`` as the candidate is built (read once, at construction): how any
+    manager vLLM's Scheduler builds, or ``--candidate`` names, is put in compact mode."""
+    name = "HSCACHE_KV_EVENTS"
+    saved = os.environ.get(name)
+    os.environ[name] = "compact" if scenario.candidate_events == "compact" else "vllm"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = saved
+
+
+def build_manager(cls: type, scenario: Scenario, candidate: bool = False) -> Any:
     """Construct a manager of class ``cls`` exactly as the Scheduler would."""
-    return cls(**manager_kwargs(scenario))
+    if not candidate:
+        return cls(**manager_kwargs(scenario))
+    with candidate_events(scenario):
+        return cls(**manager_kwargs(scenario, candidate=True))
 
 
 class RequestFactory:

@@ -12,17 +12,20 @@ stub model outputs (the trace's output tokens). Every manager method the Schedul
 is timed around the call (:class:`~hscache.bench.scheduler_level.ManagerTimer`), so the
 per-step totals, the per-operation table and the ratios mean what they mean for the
 emulated scenarios: time in KV-cache bookkeeping. After every step both Schedulers'
-decisions (:func:`~hscache.testing.offline_scheduler.summarize_output`) are compared.
+decisions (:func:`~hscache.testing.offline_scheduler.summarize_output`) are compared. Each
+Scheduler publishes its KV events to a counting publisher (events per step).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from hscache.bench.layouts import layout_config
+from hscache.bench.managers import candidate_events, events_on
 from hscache.bench.results import (
     OP_ALLOC_ADMIT,
     OP_ALLOC_RUNNING,
@@ -37,10 +40,33 @@ from hscache.bench.scheduler_level import ManagerTimer
 __all__ = ["RealSchedulerDriver", "run_real_scenario"]
 
 
+class _CountingPublisher:
+    """Where a side's Scheduler publishes its KV events: counts them, keeps nothing."""
+
+    def __init__(self) -> None:
+        self.events = 0
+
+    def publish(self, batch: Any) -> None:
+        self.events += len(batch.events)
+
+    def shutdown(self) -> None:
+        pass
+
+    def get_publisher_config(self) -> None:
+        return None
+
+
 class _RealSide:
     """One vLLM Scheduler over one manager class, with its timings and counters."""
 
-    def __init__(self, label: str, manager_cls: type, scenario: Scenario, overhead: int) -> None:
+    def __init__(
+        self,
+        label: str,
+        manager_cls: type,
+        scenario: Scenario,
+        overhead: int,
+        candidate: bool = False,
+    ) -> None:
         from vllm.v1.core.sched import scheduler as scheduler_module
         from vllm.v1.request import RequestStatus
 
@@ -52,20 +78,23 @@ class _RealSide:
         saved = module.KVCacheManager
         module.KVCacheManager = manager_cls
         try:
-            self.scheduler = make_scheduler(
-                scheduler_module.Scheduler,
-                lc.kv_cache_config,
-                block_size=lc.scheduler_block_size,
-                max_num_seqs=scenario.max_running,
-                max_num_batched_tokens=scenario.token_budget,
-                # The offline model's max_position_embeddings bound it; the trace's prompts
-                # and outputs stay far below.
-                max_model_len=min(scenario.max_model_len, 16_384),
-                cache=lc.cache,
-                kv_cache_events=scenario.kv_events,
-            )
+            with candidate_events(scenario) if candidate else contextlib.nullcontext():
+                self.scheduler = make_scheduler(
+                    scheduler_module.Scheduler,
+                    lc.kv_cache_config,
+                    block_size=lc.scheduler_block_size,
+                    max_num_seqs=scenario.max_running,
+                    max_num_batched_tokens=scenario.token_budget,
+                    # The offline model's max_position_embeddings bound it; the trace's
+                    # prompts and outputs stay far below.
+                    max_model_len=min(scenario.max_model_len, 16_384),
+                    cache=lc.cache,
+                    kv_cache_events=events_on(scenario, candidate),
+                )
         finally:
             module.KVCacheManager = saved
+        self.publisher = _CountingPublisher()
+        self.scheduler.kv_event_publisher = self.publisher
         manager = self.scheduler.kv_cache_manager
         self.result = SideResult(label, f"{type(manager).__module__}.{type(manager).__qualname__}")
         self.counters = WorkloadCounters()
@@ -121,6 +150,7 @@ class _RealSide:
         c.preemptions += len(out.preempted_req_ids or ())
         c.finishes += len(out.finished_req_ids)
         c.running_sum += len(sched.running)
+        c.events = self.publisher.events
         for new in out.scheduled_new_reqs:
             c.hit_tokens += new.num_computed_tokens
             c.query_tokens += len(new.prompt_token_ids or ())
@@ -144,7 +174,7 @@ class RealSchedulerDriver:
         self.scenario = scenario
         self.check = check
         self.reference = _RealSide("vllm", reference_cls, scenario, overhead)
-        self.candidate = _RealSide("hscache", candidate_cls, scenario, overhead)
+        self.candidate = _RealSide("hscache", candidate_cls, scenario, overhead, candidate=True)
         init_none_hash("sha256")
         hasher = request_block_hasher(self.reference.hash_block_size, "sha256")
 
@@ -162,6 +192,7 @@ class RealSchedulerDriver:
         self._trace = TraceGenerator(scenario, seed)
         self.step_index = 0
         self._measured_start: WorkloadCounters | None = None
+        self._candidate_events_start = 0
 
     def _top_up(self) -> None:
         sc = self.scenario
@@ -182,6 +213,7 @@ class RealSchedulerDriver:
                 measuring = self.step_index >= sc.warmup_steps
                 if measuring and self._measured_start is None:
                     self._measured_start = WorkloadCounters(**vars(self.reference.counters))
+                    self._candidate_events_start = self.candidate.counters.events
                 # Alternate which side goes first so that cache warmth favours neither.
                 sides = (self.reference, self.candidate)
                 if self.step_index % 2:
@@ -202,6 +234,9 @@ class RealSchedulerDriver:
         start = self._measured_start or WorkloadCounters()
         end = self.reference.counters
         return WorkloadCounters(**{k: v - getattr(start, k) for k, v in vars(end).items()})
+
+    def measured_candidate_events(self) -> int:
+        return self.candidate.counters.events - self._candidate_events_start
 
 
 def run_real_scenario(
@@ -228,6 +263,7 @@ def run_real_scenario(
         candidate=driver.candidate.result,
         counters=driver.reference.counters,
         measured_counters=driver.measured_counters(),
+        candidate_events=driver.measured_candidate_events(),
         timer_overhead_ns=timer_overhead_ns,
         wall_s=time.perf_counter() - t_start,
         checked=check,

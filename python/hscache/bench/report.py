@@ -21,6 +21,7 @@ from hscache.bench.results import RunResult
 __all__ = [
     "OpSummary",
     "ScenarioSummary",
+    "format_events_table",
     "format_scenario",
     "format_summary",
     "percentile",
@@ -92,6 +93,12 @@ class ScenarioSummary:
     ops: list[OpSummary] = field(default_factory=list)
     repeat_ratios: list[float] = field(default_factory=list)
     """With --repeat: each repeat's own median ratio (the headline ratio pools all steps)."""
+    base_name: str = ""
+    """The scenario's own name (``name`` may carry an ``--events all`` pass label)."""
+    events_mode: str = "vllm"
+    """The candidate's KV events: ``vllm`` (vLLM's stream), ``compact`` or ``off``."""
+    vllm_events_per_step: float = math.nan
+    hscache_events_per_step: float = math.nan
 
 
 def step_ratio(run: RunResult) -> float:
@@ -146,6 +153,10 @@ def summarize(run: RunResult, repeats: Sequence[RunResult] = ()) -> ScenarioSumm
         workload=run.measured_counters.as_dict(),
         ops=ops,
         repeat_ratios=[step_ratio(r) for r in repeats] if len(repeats) > 1 else [],
+        base_name=run.scenario.name,
+        events_mode=run.scenario.candidate_events if run.scenario.kv_events else "off",
+        vllm_events_per_step=_ratio(run.measured_counters.events, run.measured_counters.steps),
+        hscache_events_per_step=_ratio(run.candidate_events, run.measured_counters.steps),
     )
 
 
@@ -189,6 +200,10 @@ def format_scenario(s: ScenarioSummary) -> str:
             f"{int(w.get('admission_failures', 0))} failed admissions, "
             f"{int(w.get('preemptions', 0))} preemptions, {int(w.get('finishes', 0))} finishes, "
             f"prefix hit rate {_fmt(100 * w.get('hit_rate', 0.0))}%"
+        ),
+        (
+            f"   KV events per step: vLLM {_fmt(s.vllm_events_per_step)}, "
+            f"hscache {_fmt(s.hscache_events_per_step)} ({s.events_mode})"
         ),
         "",
         _table(
@@ -290,6 +305,56 @@ def format_summary(summaries: Sequence[ScenarioSummary], path: str | None = None
     ]
     which = f" ({path} path)" if path else ""
     return f"Summary{which}: KV bookkeeping time per scheduler step\n" + _table(header, rows)
+
+
+def format_events_table(summaries: Sequence[ScenarioSummary], path: str | None = None) -> str:
+    """``--events all``: per scenario, vLLM (events on) against hscache with events on, off
+    and compact: per-step medians, each pass's ratio to its own vLLM run, events per step."""
+    by_name: dict[str, dict[str, ScenarioSummary]] = {}
+    for s in summaries:
+        by_name.setdefault(s.base_name, {})[s.events_mode] = s
+    modes = ("vllm", "off", "compact")
+    nan = math.nan
+    rows = []
+    ratios: dict[str, list[float]] = {m: [] for m in modes}
+    for name, passes in by_name.items():
+        vllm_us = [p.vllm_median_us for p in passes.values()]
+        row = [name, _fmt(_median(vllm_us)) if vllm_us else "-"]
+        for m in modes:
+            p = passes.get(m)
+            row += [_fmt(p.hscache_median_us) if p else "-", _fmt_ratio(p.ratio if p else nan)]
+            ratios[m].append(p.ratio if p else nan)
+        on, compact = passes.get("vllm"), passes.get("compact")
+        anyp = next(iter(passes.values()))
+        row += [
+            _fmt(anyp.vllm_events_per_step),
+            _fmt(on.hscache_events_per_step if on else nan),
+            _fmt(compact.hscache_events_per_step if compact else nan),
+        ]
+        rows.append(row)
+    if len(rows) > 1:
+        gm = ["geometric mean", ""]
+        for m in modes:
+            gm += ["", _fmt_ratio(geometric_mean(ratios[m]))]
+        rows.append([*gm, "", "", ""])
+    header = [
+        "scenario",
+        "vLLM us",
+        "on us",
+        "ratio",
+        "off us",
+        "ratio",
+        "compact us",
+        "ratio",
+        "ev/step vLLM",
+        "on",
+        "compact",
+    ]
+    which = f" ({path} path)" if path else ""
+    return (
+        f"KV events{which}: per-step medians, vLLM with events on in every pass (its median "
+        "over the passes); each ratio is vLLM / hscache within one pass\n" + _table(header, rows)
+    )
 
 
 def _clean(value: Any) -> Any:

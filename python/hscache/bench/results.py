@@ -115,6 +115,9 @@ class RunResult:
     timer_overhead_ns: int
     wall_s: float
     checked: bool
+    candidate_events: int = 0
+    """KV events the candidate published over the measured steps (the reference's are
+    ``measured_counters.events``)."""
 
 
 def merge_runs(runs: list[RunResult]) -> RunResult:
@@ -152,4 +155,5 @@ def merge_runs(runs: list[RunResult]) -> RunResult:
         timer_overhead_ns=first.timer_overhead_ns,
         wall_s=sum(r.wall_s for r in runs),
         checked=all(r.checked for r in runs),
+        candidate_events=sum(r.candidate_events for r in runs),
     )

@@ -19,7 +19,12 @@ from typing import Any, TextIO
 
 from hscache.bench.scenarios import DEFAULT_SCENARIOS, QUICK_SCENARIOS, Scenario, all_scenarios
 
-__all__ = ["add_arguments", "core_build_info", "run", "select_scenarios"]
+__all__ = ["EVENT_CHOICES", "add_arguments", "core_build_info", "run", "select_scenarios"]
+
+EVENT_CHOICES = ("on", "off", "compact", "all")
+# --events all: the candidate's event modes, one pass each, vLLM's events on in all.
+_ALL_VARIANTS = ("vllm", "off", "compact")
+_VARIANT_LABELS = {"vllm": "events on", "off": "events off", "compact": "compact events"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,9 +78,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="do not compare the two managers' decisions after each step",
     )
     parser.add_argument(
+        "--events",
+        choices=EVENT_CHOICES,
+        default="on",
+        help="KV events: on (default, both managers, vLLM's stream); off (neither); compact "
+        "(vLLM's stream vs hscache's compact one, HSCACHE_KV_EVENTS=compact); all (vLLM "
+        "with events on against hscache with events on, off and compact, one pass each, "
+        "and a table of per-step medians, ratios and events per step)",
+    )
+    parser.add_argument(
         "--no-events",
         action="store_true",
-        help="construct the managers without KV cache events (diagnostic; default: events on)",
+        help="same as --events off (diagnostic)",
     )
     parser.add_argument(
         "--mode",
@@ -105,8 +119,11 @@ def select_scenarios(args: argparse.Namespace) -> list[Scenario]:
         chosen = list(DEFAULT_SCENARIOS)
     if args.steps is not None or args.warmup is not None:
         chosen = [s.with_steps(args.steps, args.warmup) for s in chosen]
-    if args.no_events:
+    events = _events(args)
+    if events == "off":
         chosen = [replace(s, kv_events=False) for s in chosen]
+    elif events == "compact":
+        chosen = [replace(s, candidate_events="compact") for s in chosen]
     if args.repeat < 1:
         raise SystemExit("--repeat must be at least 1")
     for s in chosen:
@@ -131,6 +148,37 @@ def core_build_info() -> dict[str, str | None]:
             value = value()
         info[key] = None if value is None else str(value)
     return info
+
+
+def _events(args: argparse.Namespace) -> str:
+    """``--events``, with ``--no-events`` as ``off``."""
+    if getattr(args, "no_events", False):
+        return "off"
+    return str(getattr(args, "events", "on"))
+
+
+def _variants(args: argparse.Namespace, sc: Scenario) -> list[Scenario]:
+    """The passes of one scenario: itself, or with ``--events all`` one per candidate event
+    mode (same name, so the same seeded trace)."""
+    if _events(args) != "all":
+        return [sc]
+    return [replace(sc, candidate_events=v) for v in _ALL_VARIANTS]
+
+
+def _pass_name(args: argparse.Namespace, sc: Scenario) -> str:
+    """The scenario's name in the report (with ``--events all``, its pass's label)."""
+    if _events(args) != "all":
+        return sc.name
+    return f"{sc.name} [{_VARIANT_LABELS[sc.candidate_events]}]"
+
+
+def _events_banner(events: str) -> str:
+    return {
+        "on": "on (both managers, vLLM's stream)",
+        "off": "off (both managers)",
+        "compact": "vLLM's stream vs hscache's compact stream",
+        "all": "vLLM on; hscache on, off and compact (one pass each)",
+    }[events]
 
 
 def _is_debug(profile: str | None) -> bool:
@@ -162,7 +210,7 @@ def _banner(
     print(
         f"  python {platform.python_version()}, {os.cpu_count()} CPUs, seed {args.seed}, "
         f"decision check {'off' if args.no_check else 'on'}, "
-        f"KV events {'off' if args.no_events else 'on'}",
+        f"KV events {_events_banner(_events(args))}",
         file=out,
     )
     print(f"  scenarios : {', '.join(s.name for s in scenarios)}", file=out)
@@ -249,22 +297,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     info = core_build_info()
     _banner(stream, args, scenarios, info)
 
-    from hscache.bench.driver import (
-        DivergenceError,
-        UnsupportedScenarioError,
-        calibrate_timer,
-        run_scenario,
-    )
-    from hscache.bench.report import (
-        ScenarioSummary,
-        format_scenario,
-        format_summary,
-        summarize,
-        to_json,
-        write_json,
-        write_plot,
-    )
-    from hscache.bench.results import RunResult, merge_runs
+    from hscache.bench.driver import calibrate_timer
+    from hscache.bench.report import ScenarioSummary, format_events_table, format_summary
+    from hscache.bench.results import RunResult
 
     t0 = time.perf_counter()
     reference, candidate = _load_managers(args)
@@ -275,7 +310,6 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     )
     stream.flush()
 
-    show = not args.no_progress
     runs: list[RunResult] = []
     summaries: list[ScenarioSummary] = []
     modes_of_runs: list[str] = []
@@ -290,7 +324,10 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         )
         print(f"#### {title}\n", file=stream)
         mode_summaries: list[ScenarioSummary] = []
+        skipped = False
         for sc in scenarios:
+            if skipped:
+                break
             if batched and sc.layout != "full":
                 print(
                     f"{sc.name}: skipped on the batched path (the batched API serves one "
@@ -298,70 +335,27 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                     file=stream,
                 )
                 continue
-            repeats: list[RunResult] = []
-            for k in range(args.repeat):
-                desc = sc.name if args.repeat == 1 else f"{sc.name} [{k + 1}/{args.repeat}]"
-                bar = _Progress(sc.total_steps, f"{desc} ({mode})", show)
-                try:
-                    repeats.append(
-                        run_scenario(
-                            sc,
-                            reference,
-                            candidate,
-                            seed=args.seed,
-                            check=not args.no_check,
-                            progress=bar.update,
-                            timer_overhead_ns=overhead,
-                            batched=batched,
-                        )
-                    )
-                except DivergenceError as exc:
-                    bar.close()
-                    print(
-                        f"\nDIVERGENCE in scenario {sc.name} ({mode}, seed {args.seed}):\n{exc}",
-                        file=stream,
-                    )
-                    print(
-                        "The candidate made a different decision from vLLM; aborting.",
-                        file=stream,
-                    )
-                    return 3
-                except UnsupportedScenarioError as exc:
-                    bar.close()
-                    print(f"\n{exc}; skipping", file=stream)
-                    break
-                except AttributeError as exc:
-                    bar.close()
-                    if not batched:
-                        raise
-                    print(f"\nthe candidate has no batched API ({exc}); skipping", file=stream)
-                    break
-                finally:
-                    bar.close()
-            if not repeats:
-                break
-            result = merge_runs(repeats)
-            if result.candidate.class_name == result.reference.class_name and (
-                args.candidate != args.reference
-            ):
-                fallbacks.append(sc.name)
-                print(
-                    f"WARNING: in {sc.name} the candidate constructed "
-                    f"{result.candidate.class_name} (a fallback to the reference manager); "
-                    "its ratio measures nothing.",
-                    file=stream,
-                )
-            summary = summarize(result, repeats)
-            runs.append(result)
-            summaries.append(summary)
-            modes_of_runs.append(mode)
-            mode_summaries.append(summary)
-            print(format_scenario(summary), file=stream)
-            print(f"   ({result.wall_s:.1f} s wall for both managers)\n", file=stream)
-            stream.flush()
+            passes = _run_passes(sc, mode, args, stream, reference, candidate, overhead)
+            if passes is None:  # this path cannot run: skip its other scenarios
+                skipped = True
+                continue
+            if isinstance(passes, int):
+                return passes
+            for result, summary in passes:
+                runs.append(result)
+                summaries.append(summary)
+                modes_of_runs.append(mode)
+                mode_summaries.append(summary)
+                if result.candidate.class_name == result.reference.class_name and (
+                    args.candidate != args.reference
+                ):
+                    fallbacks.append(summary.name)
         if mode_summaries:
             print(format_summary(mode_summaries, mode), file=stream)
             print("", file=stream)
+            if _events(args) == "all":
+                print(format_events_table(mode_summaries, mode), file=stream)
+                print("", file=stream)
 
     print(
         f"{len(runs)} scenario runs in {time.perf_counter() - t_all:.1f} s; decisions "
@@ -373,6 +367,102 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             "WARNING: hscache._core is a DEBUG build; these numbers are not meaningful.",
             file=stream,
         )
+    _write_outputs(args, info, overhead, summaries, runs, modes_of_runs, fallbacks, stream)
+    return 0
+
+
+def _run_passes(
+    sc: Scenario,
+    mode: str,
+    args: argparse.Namespace,
+    stream: TextIO,
+    reference: type,
+    candidate: type,
+    overhead: int,
+) -> list[tuple[Any, Any]] | int | None:
+    """The passes of one scenario (``--events all``: one per candidate event mode), each
+    run ``--repeat`` times, round-robin over the passes so that a change of machine load
+    favours none, then pooled and printed: each pass's result and summary; an exit status
+    (a divergence); or None (this path cannot run it)."""
+    from hscache.bench.driver import DivergenceError, UnsupportedScenarioError, run_scenario
+    from hscache.bench.report import format_scenario, summarize
+    from hscache.bench.results import RunResult, merge_runs
+
+    batched = mode == "batched"
+    variants = _variants(args, sc)
+    repeats: list[list[RunResult]] = [[] for _ in variants]
+    for k in range(args.repeat):
+        for variant, done in zip(variants, repeats, strict=True):
+            name = _pass_name(args, variant)
+            desc = name if args.repeat == 1 else f"{name} [{k + 1}/{args.repeat}]"
+            bar = _Progress(variant.total_steps, f"{desc} ({mode})", not args.no_progress)
+            try:
+                done.append(
+                    run_scenario(
+                        variant,
+                        reference,
+                        candidate,
+                        seed=args.seed,
+                        check=not args.no_check,
+                        progress=bar.update,
+                        timer_overhead_ns=overhead,
+                        batched=batched,
+                    )
+                )
+            except DivergenceError as exc:
+                bar.close()
+                print(
+                    f"\nDIVERGENCE in scenario {name} ({mode}, seed {args.seed}):\n{exc}",
+                    file=stream,
+                )
+                print("The candidate made a different decision from vLLM; aborting.", file=stream)
+                return 3
+            except UnsupportedScenarioError as exc:
+                bar.close()
+                print(f"\n{exc}; skipping", file=stream)
+                return None
+            except AttributeError as exc:
+                bar.close()
+                if not batched:
+                    raise
+                print(f"\nthe candidate has no batched API ({exc}); skipping", file=stream)
+                return None
+            finally:
+                bar.close()
+    out = []
+    for variant, done in zip(variants, repeats, strict=True):
+        name = _pass_name(args, variant)
+        result = merge_runs(done)
+        if result.candidate.class_name == result.reference.class_name and (
+            args.candidate != args.reference
+        ):
+            print(
+                f"WARNING: in {name} the candidate constructed "
+                f"{result.candidate.class_name} (a fallback to the reference manager); "
+                "its ratio measures nothing.",
+                file=stream,
+            )
+        summary = summarize(result, done)
+        summary.name = name
+        print(format_scenario(summary), file=stream)
+        print(f"   ({result.wall_s:.1f} s wall for both managers)\n", file=stream)
+        stream.flush()
+        out.append((result, summary))
+    return out
+
+
+def _write_outputs(
+    args: argparse.Namespace,
+    info: dict[str, Any],
+    overhead: int,
+    summaries: list[Any],
+    runs: list[Any],
+    modes_of_runs: list[str],
+    fallbacks: list[str],
+    stream: TextIO,
+) -> None:
+    """``--json`` and ``--plot``."""
+    from hscache.bench.report import to_json, write_json, write_plot
 
     if args.json:
         meta = {
@@ -388,7 +478,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
             "timer_overhead_ns": overhead,
             "quick": bool(args.quick),
-            "kv_events": not args.no_events,
+            "kv_events": _events(args) != "off",
+            "events": _events(args),
             "paths": _modes(args),
             "repeat": args.repeat,
             "candidate_fallback_scenarios": fallbacks,
@@ -405,4 +496,3 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 "(pip install -r requirements/bench-plot.txt, or run scripts/bench.sh once)",
                 file=stream,
             )
-    return 0

@@ -57,6 +57,10 @@ class Scenario:
     """Measured steps."""
     kv_events: bool = True
     """Construct the managers with ``enable_kv_cache_events`` (``take_events`` every step)."""
+    candidate_events: str = "vllm"
+    """The candidate's KV events when ``kv_events`` is on: ``"vllm"`` (vLLM's stream, as the
+    reference), ``"compact"`` (built under ``HSCACHE_KV_EVENTS=compact``) or ``"off"``
+    (built without events; the reference keeps them)."""
     layout: str = "full"
     """The KV-cache layout (:data:`hscache.bench.layouts.LAYOUTS`). Hybrid layouts run on
     vLLM's real Scheduler (:mod:`hscache.bench.real_scheduler`), drop-in path only."""

@@ -73,11 +73,15 @@ class Side:
         scenario: Scenario,
         timer_overhead_ns: int,
         batched: bool = False,
+        compare_events: Callable[[list[Any]], Any] | None = list,
     ) -> None:
+        """``compare_events``: what of a step's events the decision check compares
+        (``None``: nothing, for a side whose counterpart publishes no events)."""
         from vllm.v1.request import RequestStatus
 
         self.label = label
         self.batched = batched
+        self.compare_events = compare_events
         # Batched path: request id -> handle, taken when a request is admitted.
         self.handles: dict[str, int] = {}
         self.manager = manager
@@ -376,7 +380,8 @@ class Side:
         counters.steps += 1
         counters.running_sum += len(self.running)
         if check:
-            out.append(("events", list(events)))
+            if self.compare_events is not None:
+                out.append(("events", self.compare_events(events)))
             from hscache.vllm.parity import prefix_cache_stats_key
 
             out.append(("stats", prefix_cache_stats_key(stats)))

@@ -75,12 +75,12 @@ def make_vllm_config(
     enable_prefix_caching: bool = True,
     model_path: Path | None = None,
     cache: Mapping[str, Any] | None = None,
-    kv_cache_events: bool = False,
+    kv_cache_events: bool | KVEventsConfig = False,
 ) -> VllmConfig:
     """The engine configuration of an offline scheduler (see :func:`make_scheduler`).
     ``cache``: further ``CacheConfig`` fields (``mamba_cache_mode``, ``prefix_match_unit``,
     ``enable_mamba_shared_prefix_checkpoint``, ...); ``kv_cache_events``: KV events on
-    (published nowhere)."""
+    (published nowhere), or the ``KVEventsConfig`` to use (a real publisher)."""
     model_config = ModelConfig(
         model=str(model_path or model_dir()),
         dtype="float16",
@@ -110,7 +110,11 @@ def make_vllm_config(
     for name, value in (cache or {}).items():
         setattr(cache_config, name, value)
     events = (
-        KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_cache_events else None
+        kv_cache_events
+        if isinstance(kv_cache_events, KVEventsConfig)
+        else KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        if kv_cache_events
+        else None
     )
     return VllmConfig(
         scheduler_config=scheduler_config,
@@ -135,7 +139,7 @@ def make_scheduler(
     enable_prefix_caching: bool = True,
     model_path: Path | None = None,
     cache: Mapping[str, Any] | None = None,
-    kv_cache_events: bool = False,
+    kv_cache_events: bool | KVEventsConfig = False,
 ) -> Any:
     """A vLLM ``Scheduler`` (or subclass ``cls``) over ``kv_cache``: a ``KVCacheConfig``, or a
     block count for one full-attention group of ``block_size``-token blocks. The scheduler

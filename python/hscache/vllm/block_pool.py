@@ -224,6 +224,9 @@ class BlockPool:
         # request, before it returns), moved to the queue when it is next read.
         self.pending_events: list[KVCacheEvent] = []
         self.event_builder = events.make_event_builder(num_hash_lookahead_tokens, medium)
+        # Compact mode (chosen before the pool is built) keeps the last event, which the
+        # next may continue, until the queue is drained.
+        self._compact_events = core.kv_events_mode == "compact"
 
     @property
     def kv_event_queue(self) -> list[KVCacheEvent]:
@@ -241,6 +244,8 @@ class BlockPool:
         if pending:
             self._kv_event_queue.extend(pending)
             pending.clear()
+            if self._compact_events:
+                self._core.core_kv_events_drained()
 
     def drain_core_events(self, request: Any | None = None) -> None:
         """Builds the core's queued events (call after every pool-level mutation)."""

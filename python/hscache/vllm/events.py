@@ -21,6 +21,7 @@ version profile (``hscache.vllm.version``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,7 +38,7 @@ from vllm.v1.core.kv_cache_utils import (
     to_event_extra_keys,
 )
 
-from hscache._core import EventBuilder
+from hscache._core import EventBuilder, normalize_kv_events_mode
 from hscache.vllm.version import require
 
 _PROFILE = require()
@@ -49,6 +50,16 @@ def _check_lookahead(num_hash_lookahead_tokens: int) -> None:
             f"num_hash_lookahead_tokens={num_hash_lookahead_tokens!r}: vLLM "
             f"{_PROFILE.version} has no lookahead block hashing (it must be 0)"
         )
+
+
+def select_mode(kv_events_mode: str | None) -> str:
+    """The KV-event stream a manager publishes: the ``kv_events_mode=`` keyword, else
+    ``HSCACHE_KV_EVENTS`` (read when the manager is built), else ``"vllm"``: vLLM's
+    events, event for event. ``"compact"`` coalesces consecutive events of one batch
+    (``src/events/compact.rs``). Any other name is ``InvalidArgumentError``."""
+    if kv_events_mode is None:
+        kv_events_mode = os.environ.get("HSCACHE_KV_EVENTS", "vllm")
+    return normalize_kv_events_mode(kv_events_mode)
 
 
 def make_event_builder(

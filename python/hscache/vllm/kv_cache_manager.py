@@ -32,6 +32,11 @@ manager beside this one and raises on the first divergence (``hscache.vllm.parit
 
 ``explain=True`` (or ``HSCACHE_EXPLAIN=1``) turns on hit-path explanations:
 ``manager.explain(request_id)`` / ``hscache.explain(request_id)`` (``docs/explain.md``).
+
+``kv_events_mode="compact"`` (or ``HSCACHE_KV_EVENTS=compact``) publishes compact KV
+events: consecutive events of one ``take_events()`` batch coalesced, still vLLM's
+structs (``docs/retention.md``, "KV events"); the default ``"vllm"`` is vLLM's stream,
+event for event.
 """
 
 from __future__ import annotations
@@ -133,6 +138,7 @@ class KVCacheManager(KVCacheCore):
         policy, settings = retention.select(kwargs.pop("retention", None))
         explain = kwargs.pop("explain", None)
         explain_on = explanations.enabled_from_env() if explain is None else bool(explain)
+        events_mode = events.select_mode(kwargs.pop("kv_events_mode", None))
         bound = _SIGNATURE.bind(None, *args, **kwargs)
         bound.apply_defaults()
         params = bound.arguments
@@ -149,6 +155,8 @@ class KVCacheManager(KVCacheCore):
             logger.info("hscache: parity mode, vLLM's manager runs beside hscache's")
             if policy != "lru":
                 logger.info("hscache: parity mode compares vLLM's LRU; %s is ignored", policy)
+            if events_mode != "vllm":
+                logger.info("hscache: parity mode compares vLLM's KV events; compact is ignored")
             return ParityKVCacheManager(
                 cls.build(*args, **kwargs), VllmKVCacheManager(*args, **kwargs)
             )
@@ -160,6 +168,8 @@ class KVCacheManager(KVCacheCore):
         if explain_on:
             manager.core_set_explain(True)
             explanations.register(manager)
+        if events_mode != "vllm":
+            manager.core_set_kv_events_mode(events_mode)
         return manager
 
     @classmethod
@@ -235,6 +245,7 @@ class KVCacheManager(KVCacheCore):
         enable_mamba_shared_prefix_checkpoint: bool = False,
         retention: str | dict[str, Any] | None = None,
         explain: bool | None = None,
+        kv_events_mode: str | None = None,
     ) -> None:
         if getattr(self, "_hscache_initialized", False):
             # The core keeps the configuration it was built with: re-running
