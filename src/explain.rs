@@ -273,6 +273,21 @@ pub enum Reason {
 }
 
 impl Reason {
+    /// Every reason, in [`Reason::index`] order.
+    pub const ALL: [Reason; 6] = [
+        Reason::LookupSkipped,
+        Reason::HitCapped,
+        Reason::BlockAlignment,
+        Reason::Evicted,
+        Reason::ExtraKeysDiffer,
+        Reason::NeverCached,
+    ];
+
+    /// The reason's position in [`Reason::ALL`] (the counters of [`Explainer`]).
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
     /// The reason's name in the Python API.
     pub fn name(self) -> &'static str {
         match self {
@@ -338,6 +353,9 @@ pub struct Explainer {
     requests: BoundedMap<u64, (String, RequestExplain)>,
     fingerprints: BoundedMap<Fingerprint, SmallVec<[CachedVariant; 1]>>,
     lookups: u64,
+    /// Explained lookups by reason since explain mode was turned on (never bounded:
+    /// one counter per reason), for `hscache.stats()`.
+    reason_counts: [u64; Reason::ALL.len()],
 }
 
 /// Key of a request id in the per-request map (a collision only shares a slot:
@@ -357,7 +375,18 @@ impl Explainer {
             requests: BoundedMap::new(max_requests),
             fingerprints: BoundedMap::new(max_fingerprints),
             lookups: 0,
+            reason_counts: [0; Reason::ALL.len()],
         }
+    }
+
+    /// Explained lookups so far, by reason (in [`Reason::ALL`] order).
+    pub fn reason_counts(&self) -> [u64; Reason::ALL.len()] {
+        self.reason_counts
+    }
+
+    /// Requests whose last lookup is remembered (at most the map's capacity).
+    pub fn num_requests(&self) -> usize {
+        self.requests.len()
     }
 
     /// Counts a lookup; returns its sequence number.
@@ -393,6 +422,7 @@ impl Explainer {
 
     /// Records the request's last lookup.
     pub fn set_lookup(&mut self, request_id: &str, record: LookupRecord) {
+        self.reason_counts[record.reason.index()] += 1;
         self.request_mut(request_id).last_lookup = Some(record);
     }
 

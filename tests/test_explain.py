@@ -245,6 +245,36 @@ def test_environment_turns_it_on(monkeypatch: pytest.MonkeyPatch) -> None:
     assert e.reason == "never_cached"
 
 
+def test_stats_counts_explained_lookups_by_reason() -> None:
+    """``hscache.stats()["explain"]``: every explained lookup by reason (summed over the
+    live managers with explain mode on) and the requests remembered."""
+    m = _manager()
+    assert m.core_explain_summary()["requests"] == 0
+    prompt = _prompt(40, 2 * _BLOCK)
+    _serve(m, prompt)  # never_cached
+    _explain_new(m, prompt)  # hit_capped
+    _explain_new(m, _prompt(41, 10))  # block_alignment
+    own = m.core_explain_summary()
+    assert own["requests"] == 3
+    assert own["lookups"] == {
+        "lookup_skipped": 0,
+        "hit_capped": 1,
+        "block_alignment": 1,
+        "evicted": 0,
+        "extra_keys_differ": 0,
+        "never_cached": 1,
+    }
+    total = hscache.stats()["explain"]
+    assert total["requests"] >= 3
+    assert all(total["lookups"][r] >= n for r, n in own["lookups"].items())
+
+
+def test_the_summary_refuses_with_explain_off() -> None:
+    m = _manager(explain=False)
+    with pytest.raises(RuntimeError, match="explain=True"):
+        m.core_explain_summary()
+
+
 def test_the_last_lookup_is_the_one_explained() -> None:
     m = _manager()
     prompt = _prompt(16, 2 * _BLOCK + 1)

@@ -25,11 +25,13 @@ Reason = Literal[
     "never_cached",
 ]
 
-__all__ = ["Explanation", "Reason", "enabled_from_env", "explain", "register"]
+__all__ = ["Explanation", "Reason", "enabled_from_env", "explain", "register", "summary"]
 
 
 class _Explaining(Protocol):
     def core_explain(self, request_id: str) -> dict[str, Any]: ...
+
+    def core_explain_summary(self) -> dict[str, Any]: ...
 
     @property
     def explain_enabled(self) -> bool: ...
@@ -132,6 +134,24 @@ class Explanation:
         return f"request {self.request_id}: " + _sentence(
             self.reason, self.hit_blocks, self.num_full_blocks, self.detail
         )
+
+
+def summary() -> dict[str, Any] | None:
+    """Explain mode over every live manager that has it on: ``{"lookups": {reason:
+    count}, "requests": n}`` (explained lookups since explain mode was turned on, by
+    reason; requests whose last lookup is remembered), or None when no such manager
+    lives. ``hscache.stats()`` reports it as ``"explain"``."""
+    managers = [m for m in list(_LIVE) if m.explain_enabled]
+    if not managers:
+        return None
+    lookups: dict[str, int] = {}
+    requests = 0
+    for manager in managers:
+        one = manager.core_explain_summary()
+        for reason, n in one["lookups"].items():
+            lookups[reason] = lookups.get(reason, 0) + n
+        requests += one["requests"]
+    return {"lookups": lookups, "requests": requests}
 
 
 def explain(request_id: str) -> Explanation:

@@ -135,6 +135,27 @@ impl PyKVCacheCore {
         self.core.explain_enabled()
     }
 
+    /// Explain mode's summary: `{"lookups": {reason: count}, "requests": n}`: every
+    /// explained lookup since explain mode was turned on by reason, and how many
+    /// requests' last lookups are remembered. `UnsupportedError` with explain mode off.
+    fn core_explain_summary<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let Some(e) = self.core.explainer() else {
+            return Err(crate::error::Error::Unsupported(
+                "explain mode is off: build the manager with explain=True or set HSCACHE_EXPLAIN=1"
+                    .into(),
+            )
+            .into());
+        };
+        let lookups = PyDict::new(py);
+        for (reason, n) in crate::explain::Reason::ALL.iter().zip(e.reason_counts()) {
+            lookups.set_item(reason.name(), n)?;
+        }
+        let out = PyDict::new(py);
+        out.set_item("lookups", lookups)?;
+        out.set_item("requests", e.num_requests())?;
+        Ok(out)
+    }
+
     /// The record of the request's last lookup as a dict (`hit_blocks`,
     /// `hit_tokens`, `num_full_blocks`, `num_tokens`, `reason`, `detail`,
     /// `lookup_seq`). `UnsupportedError` (a `NotImplementedError`, so a `RuntimeError`)
