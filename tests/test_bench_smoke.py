@@ -183,3 +183,33 @@ def test_cli_events_all_prints_the_events_table(capsys: pytest.CaptureFixture[st
     assert "KV events (drop-in path)" in text
     assert main([*args, "--events", "compact", "--mode", "drop-in"]) == 0
     assert "(compact)" in capsys.readouterr().out
+
+
+def test_hot_decode_splits_the_calls_and_hscache_takes_the_steady_step() -> None:
+    """``bench --hot-decode``: every layout runs on both managers, the calls split into
+    steady / new block / caching, and hscache's core decides the steady ones itself."""
+    from hscache.bench.hot_decode import run_hot_decode
+    from hscache.bench.layouts import LAYOUTS
+
+    results = run_hot_decode(list(LAYOUTS), running=4, steps=40, repeat=1)
+    assert {(r.layout, r.manager) for r in results} == {
+        (layout, m) for layout in LAYOUTS for m in ("vllm", "hscache")
+    }
+    for r in results:
+        assert set(r.median_ns) == {"steady", "new block", "caching", "all"}
+        if r.manager == "vllm":
+            assert r.steady_steps is None
+        else:
+            # 160 calls: a block opened or filled in 2 of every 16 (block 16), and Mamba
+            # align retires its previous state block once per 64 tokens.
+            assert r.steady_steps is not None and r.steady_steps >= 160 * 3 // 4
+
+
+def test_cli_hot_decode_prints_the_ratio_table(capsys: pytest.CaptureFixture[str]) -> None:
+    from hscache.__main__ import main
+
+    args = ["bench", "--hot-decode", "--layout", "full+swa", "--running", "2"]
+    assert main([*args, "--steps", "20", "--repeat", "1", "--no-events"]) == 0
+    text = capsys.readouterr().out
+    assert "KV events off" in text
+    assert "full+swa       ratio" in text

@@ -1,12 +1,15 @@
-"""``python -m hscache``: the command line (sub-commands ``bench``, ``soak`` and ``info``).
+"""``python -m hscache``: the command line (sub-commands ``bench``, ``bench-scheduler``,
+``soak`` and ``info``).
 
 ``bench`` runs the side-by-side benchmark of vLLM's KVCacheManager and hscache's (see
-:mod:`hscache.bench`); ``bench --hidden-states [options]`` the hidden-state cache against bare
-torch index ops (see :mod:`hscache.bench_hidden_states`, whose options follow); ``info``
+:mod:`hscache.bench`); ``bench --hot-decode`` their decode calls alone, everything in cache
+(:mod:`hscache.bench.hot_decode`); ``bench --retention`` the retention policies on a
+multi-tenant trace (:mod:`hscache.bench.retention`); ``bench --hidden-states [options]``
+the hidden-state cache against bare torch index ops (see :mod:`hscache.bench_hidden_states`,
+whose options follow). ``bench-scheduler`` runs vLLM's real Scheduler with each manager.
 ``soak`` runs millions of scheduler-like operations on one manager, watching RSS, Python
-objects and invariants (see :mod:`hscache.soak`); ``info``
-prints the installed version and the build profile of the compiled core, tolerating a missing
-or older core.
+objects and invariants (see :mod:`hscache.soak`); ``info`` prints the installed version and
+the build profile of the compiled core, tolerating a missing or older core.
 """
 
 from __future__ import annotations
@@ -104,6 +107,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hscache.bench_hidden_states import main as bench_hidden_states
 
         return bench_hidden_states([a for a in args_in[1:] if a != "--hidden-states"])
+    if args_in[:1] == ["bench"] and "--hot-decode" in args_in:
+        # One decode token per call, everything in cache (hscache.bench.hot_decode).
+        from hscache.bench.hot_decode import main as bench_hot_decode
+
+        return bench_hot_decode([a for a in args_in[1:] if a != "--hot-decode"])
     if args_in[:1] == ["bench"] and "--retention" in args_in:
         # The retention policies on a multi-tenant trace (hscache.bench.retention).
         from hscache.bench.retention import main as bench_retention

@@ -595,6 +595,13 @@ impl PyKVCacheCore {
         self.core.read("usage", |c| Ok(c.usage()))
     }
 
+    /// How many `allocate_slots` calls the steady decode step decided (one table
+    /// lookup instead of vLLM's stages).
+    #[getter]
+    fn num_steady_steps(&self) -> u64 {
+        self.core.num_steady_steps()
+    }
+
     /// Why the manager refuses every call, if an internal error poisoned it.
     #[getter]
     fn poisoned(&self) -> Option<String> {
