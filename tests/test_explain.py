@@ -11,7 +11,7 @@ from typing import Any
 import hscache
 import pytest
 import torch
-from hscache import Explanation
+from hscache import Explanation, exceptions
 from hscache.testing import kv_cache as kc
 from hscache.testing.kv_cache import full_attention_config
 from hscache.testing.manager import manager_kwargs
@@ -230,9 +230,9 @@ def test_explain_off_is_a_runtime_error_that_says_how_to_turn_it_on() -> None:
 
 def test_unknown_request_is_a_key_error() -> None:
     m = _manager()
-    with pytest.raises(KeyError):
+    with pytest.raises(exceptions.UnknownRequestError):
         m.explain("never-seen")
-    with pytest.raises(KeyError):
+    with pytest.raises(exceptions.UnknownRequestError):
         hscache.explain("never-seen")
 
 

@@ -16,6 +16,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from hscache.exceptions import UnknownRequestError, UnsupportedError
+
 Reason = Literal[
     "lookup_skipped",
     "hit_capped",
@@ -157,12 +159,13 @@ def summary() -> dict[str, Any] | None:
 def explain(request_id: str) -> Explanation:
     """The last lookup of ``request_id`` in any live manager built with explain mode on.
 
-    ``RuntimeError`` if no such manager lives (turn it on with ``explain=True`` or
-    ``HSCACHE_EXPLAIN=1``); ``KeyError`` if none of them explained a lookup of it.
+    ``UnsupportedError`` (a ``RuntimeError``) if no such manager lives (turn it on with
+    ``explain=True`` or ``HSCACHE_EXPLAIN=1``); ``UnknownRequestError`` (a ``KeyError``)
+    if none of them explained a lookup of it.
     """
     managers = [m for m in list(_LIVE) if m.explain_enabled]
     if not managers:
-        raise RuntimeError(
+        raise UnsupportedError(
             "no KV-cache manager with explain mode is alive: build it with "
             "KVCacheManager(..., explain=True) or set HSCACHE_EXPLAIN=1"
         )
@@ -175,5 +178,5 @@ def explain(request_id: str) -> Explanation:
         if best is None or found.lookup_seq > best.lookup_seq:
             best = found
     if best is None:
-        raise KeyError(f"no explained lookup of request {request_id!r}")
+        raise UnknownRequestError(f"no explained lookup of request {request_id!r}")
     return best
