@@ -5,8 +5,10 @@ thread), with a two-batch queue and a stalled consumer: its socket's ``send_mult
 waits on a gate. Every ``publish`` returns at once while the queue is full; what the
 queue cannot take is held, merged, handed over on later steps when there is room, and
 after the gate opens every event arrives, in order, in batches with consecutive sequence
-numbers. Under ``hscache.vllm.Scheduler`` the same holds for the events of vLLM's own
-``update_from_output``, and a publisher that cannot be checked safely is left alone.
+numbers; a backlog drains even when nothing more is published. Under
+``hscache.vllm.Scheduler``, ``AsyncScheduler`` and vLLM's stock ``Scheduler`` switched by
+the ``HSCACHE=1`` plugin, the same holds for the scheduler's own steps, and a publisher
+that cannot be checked safely is left alone.
 """
 
 from __future__ import annotations
@@ -22,8 +24,12 @@ from unittest.mock import Mock
 import hscache.vllm
 import msgspec
 import pytest
+import vllm.v1.core.sched.scheduler as scheduler_module
 from hscache.testing.offline_scheduler import make_scheduler, stub_runner_output
 from hscache.testing.requests import make_request
+from hscache.vllm import plugin
+from hscache.vllm.block_hasher import uninstall_block_hasher
+from hscache.vllm.plugin import scheduler_bindings
 from hscache.vllm.publisher import NonBlockingPublisher, make_nonblocking
 from vllm.config import KVEventsConfig
 from vllm.distributed.kv_events import (
@@ -174,10 +180,16 @@ def test_only_vllms_zmq_publisher_is_wrapped() -> None:
         custom.shutdown()
 
 
-@pytest.mark.parametrize("cls", [hscache.vllm.Scheduler, hscache.vllm.AsyncScheduler])
+@pytest.mark.parametrize("path", ["Scheduler", "AsyncScheduler", "HSCACHE=1 plugin"])
 def test_the_scheduler_step_does_not_block_on_a_stalled_consumer(
-    cls: type, model_dir: Path
+    path: str, model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    cls: type = getattr(hscache.vllm, path, scheduler_module.Scheduler)
+    if cls is scheduler_module.Scheduler:  # vLLM's own Scheduler, switched by the plugin
+        for name in scheduler_bindings():  # restored afterwards
+            monkeypatch.setattr(scheduler_module, name, getattr(scheduler_module, name))
+        monkeypatch.setenv("HSCACHE", "1")
+        plugin.register()
     config = KVEventsConfig(
         enable_kv_cache_events=True,
         publisher="zmq",
@@ -190,12 +202,13 @@ def test_the_scheduler_step_does_not_block_on_a_stalled_consumer(
         max_num_seqs=8,
         max_num_batched_tokens=128,
         max_model_len=1024,
-        async_scheduling=cls is hscache.vllm.AsyncScheduler,
+        async_scheduling=path == "AsyncScheduler",
         model_path=model_dir,
         kv_cache_events=config,
     )
     publisher = sched.kv_event_publisher
     assert isinstance(publisher, NonBlockingPublisher)
+    assert isinstance(sched.kv_cache_manager, hscache.vllm.KVCacheManager)
     sock = GatedSocket(publisher.inner._pub)
     publisher.inner._pub = sock
     stored = 0
@@ -209,17 +222,15 @@ def test_the_scheduler_step_does_not_block_on_a_stalled_consumer(
             sched.update_from_output(out, stub_runner_output(out, lambda i: 7, sched.requests))
             assert time.monotonic() - t0 < 1.0, f"step {step} blocked"
         assert publisher.deferred_batches > 0, "the queue never filled"
-        sock.gate.set()
-        for _ in range(20):  # idle steps: held batches go out without new events
-            out = sched.schedule()
-            sched.update_from_output(out, stub_runner_output(out, lambda i: 7, sched.requests))
-            time.sleep(0.01)
-        assert publisher.held_events == 0
+        sock.gate.set()  # no more steps: the held batches still go out
+        _wait_until(lambda: publisher.held_events == 0, "the backlog to be handed over")
+        _wait_until(lambda: publisher._flusher is None, "the flusher thread to end")
         _wait_until(lambda: publisher.inner._event_queue.empty(), "the queue to drain")
         events = _delivered(sock)
         stored = sum(len(e.block_hashes) for e in events if isinstance(e, BlockStored))
     finally:
         sock.gate.set()
         sched.shutdown()
+        uninstall_block_hasher()
     assert stored > 0
     assert any(isinstance(e, BlockRemoved) for e in events)

@@ -50,7 +50,9 @@ def test_plugin_is_declared_and_switches_the_stock_scheduler(
         ep.name: ep.value for ep in importlib.metadata.entry_points(group="vllm.general_plugins")
     }
     assert names.get("hscache") == "hscache.vllm.plugin:register"
-    for name in ("KVCacheManager", "EncoderCacheManager"):  # restored afterwards
+    from hscache.vllm.plugin import scheduler_bindings
+
+    for name in scheduler_bindings():  # restored afterwards
         monkeypatch.setattr(scheduler_module, name, getattr(scheduler_module, name))
     monkeypatch.setenv("HSCACHE", "1")
     monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)

@@ -3,9 +3,10 @@
 Registered as the ``vllm.general_plugins`` entry point ``hscache`` (pyproject.toml).
 vLLM calls :func:`register` in every engine process before it builds the scheduler.
 With ``HSCACHE=1`` it rebinds, in vLLM's scheduler module, the names of the managers the
-Scheduler builds (:func:`scheduler_bindings`), so both the synchronous and the async
-scheduler use hscache's, and installs hscache's request block hasher (which ``EngineCore``
-builds after the scheduler); without it the plugin does nothing.
+Scheduler builds and of its KV-event publisher factory (:func:`scheduler_bindings`), so
+both the synchronous and the async scheduler use hscache's, and installs hscache's
+request block hasher (which ``EngineCore`` builds after the scheduler); without it the
+plugin does nothing.
 ``--scheduler-cls hscache.vllm.Scheduler`` uses the same bindings, for its constructor
 only.
 
@@ -56,12 +57,19 @@ def scheduler_bindings() -> dict[str, Any]:
 
     ``EncoderCacheManager`` is the default multimodal encoder-cache manager (vLLM still
     picks its own ``EncoderDecoderCacheManager`` for encoder-decoder models, and an
-    explicit ``--ec-manager-config`` wins).
+    explicit ``--ec-manager-config`` wins). ``EventPublisherFactory`` hands out vLLM's
+    publishers, its ZMQ one wrapped so that publishing never blocks the step
+    (``hscache.vllm.publisher``).
     """
     from hscache.vllm.encoder_cache_manager import EncoderCacheManager
     from hscache.vllm.kv_cache_manager import KVCacheManager
+    from hscache.vllm.publisher import NonBlockingEventPublisherFactory
 
-    return {"KVCacheManager": KVCacheManager, "EncoderCacheManager": EncoderCacheManager}
+    return {
+        "KVCacheManager": KVCacheManager,
+        "EncoderCacheManager": EncoderCacheManager,
+        "EventPublisherFactory": NonBlockingEventPublisherFactory,
+    }
 
 
 def register() -> None:
@@ -91,6 +99,6 @@ def register() -> None:
         _said_switched = True
         logger.info(
             "hscache: HSCACHE=1: vLLM %s's schedulers build hscache's KV-cache and "
-            "encoder-cache managers and block hasher",
+            "encoder-cache managers, block hasher and non-blocking KV-event publisher",
             version.installed_version(),
         )

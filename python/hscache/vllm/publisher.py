@@ -8,30 +8,46 @@ wrap such a publisher in :class:`NonBlockingPublisher`: a batch goes to the queu
 when the queue has room (the scheduler's thread is its only producer, so a put after
 that check cannot block); otherwise it is held here, merged with the batches held
 before it (one ``KVEventBatch`` per data-parallel rank, events in order; in compact mode
-coalesced by the core's rule, ``hscache._core.coalesce_kv_events``), and handed over on
-a later step, when there is room. Nothing is dropped while the engine runs; the first
-time a backlog forms, one warning says how large it is; ``deferred_batches`` counts the
-batches that could not be handed over at once.
+coalesced by the core's rule, ``hscache._core.coalesce_kv_events``), and handed over
+as soon as there is room: by the next ``publish``, or by a short-lived flusher thread
+that runs only while a backlog exists (so a backlog also drains on steps that publish
+nothing). The two producers take one lock around a check-then-put that cannot block, so
+the step waits at most for one ``put`` into a queue with room. Nothing is dropped while
+the engine runs; the first time a backlog forms, one warning says how large it is;
+``deferred_batches`` counts the batches that could not be handed over at once.
 
 Only publishers whose queue can be checked safely are wrapped: exactly vLLM's
 ``ZmqEventPublisher`` (0.32 and 0.33) with its ``queue.Queue``. Any other publisher
 (``NullEventPublisher``, a registered or patched one) is left as it is.
+:class:`NonBlockingEventPublisherFactory` stands in for vLLM's ``EventPublisherFactory``
+in the scheduler module (``plugin.scheduler_bindings``), so the scheduler gets a wrapped
+publisher on both switch-on paths (``--scheduler-cls`` and ``HSCACHE=1``).
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections import deque
 from typing import Any
 
 from vllm.config.kv_events import KVEventsConfig
-from vllm.distributed.kv_events import EventBatch, EventPublisher, ZmqEventPublisher
+from vllm.distributed.kv_events import (
+    EventBatch,
+    EventPublisher,
+    EventPublisherFactory,
+    ZmqEventPublisher,
+)
 
 from hscache._core import coalesce_kv_events
+from hscache.vllm.events import select_mode
 
 logger = logging.getLogger(__name__)
+
+FLUSH_INTERVAL_S = 0.005
+"""How often the flusher thread retries while a backlog exists."""
 
 
 class NonBlockingPublisher(EventPublisher):
@@ -43,6 +59,11 @@ class NonBlockingPublisher(EventPublisher):
         self._queue: queue.Queue[Any] = inner._event_queue
         self._compact = compact
         self._held: deque[EventBatch] = deque()
+        # Serializes the two producers (the scheduler's thread and the flusher) around
+        # the check-then-put; held only for puts into a queue with room.
+        self._lock = threading.Lock()
+        self._flusher: threading.Thread | None = None
+        self._closing = False
         self._warned = False
         self.deferred_batches = 0
         """Batches ``publish`` could not hand over at once (held, then merged)."""
@@ -62,17 +83,38 @@ class NonBlockingPublisher(EventPublisher):
         return sum(len(b.events) for b in self._held)
 
     def publish(self, events: EventBatch) -> None:
-        if not self._held and not self._queue.full():
-            self.inner.publish(events)  # room: the put cannot block
-            return
-        self._hold(events)
-        self.flush()
+        with self._lock:
+            if not self._held and not self._queue.full():
+                self.inner.publish(events)  # room: the put cannot block
+                return
+            self._hold(events)
+            self._flush_locked()
+            if self._held and self._flusher is None and not self._closing:
+                self._flusher = threading.Thread(
+                    target=self._drain, name="hscache-kv-event-flusher", daemon=True
+                )
+                self._flusher.start()
 
     def flush(self) -> None:
         """Hands held batches over, in order, while the queue has room."""
+        with self._lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
         held = self._held
         while held and not self._queue.full():
             self.inner.publish(held.popleft())
+
+    def _drain(self) -> None:
+        """The flusher thread: hands the backlog over as room appears, then ends."""
+        while True:
+            time.sleep(FLUSH_INTERVAL_S)
+            with self._lock:
+                if not self._closing:
+                    self._flush_locked()
+                if self._closing or not self._held:
+                    self._flusher = None
+                    return
 
     def _hold(self, batch: EventBatch) -> None:
         self.deferred_batches += 1
@@ -102,6 +144,11 @@ class NonBlockingPublisher(EventPublisher):
     def shutdown(self) -> None:
         """Hands what is held over and leaves room for the publisher's end marker
         (waiting up to its shutdown timeout), then shuts the publisher down."""
+        with self._lock:
+            self._closing = True
+            flusher = self._flusher
+        if flusher is not None:
+            flusher.join()
         deadline = time.monotonic() + float(getattr(self.inner, "SHUTDOWN_TIMEOUT", 1.0))
         while (self._held or self._queue.full()) and time.monotonic() < deadline:
             self.flush()
@@ -112,7 +159,8 @@ class NonBlockingPublisher(EventPublisher):
                 "hscache: %d KV events were still held at shutdown (publisher queue full)",
                 self.held_events,
             )
-            self._held.clear()
+            with self._lock:
+                self._held.clear()
         self.inner.shutdown()
 
     def get_publisher_config(self) -> KVEventsConfig | None:
@@ -125,3 +173,18 @@ def make_nonblocking(publisher: Any, *, compact: bool = False) -> Any:
     if NonBlockingPublisher.wraps(publisher):
         return NonBlockingPublisher(publisher, compact=compact)
     return publisher
+
+
+class NonBlockingEventPublisherFactory(EventPublisherFactory):
+    """vLLM's ``EventPublisherFactory`` (same registry, same ``create``) whose
+    ``ZmqEventPublisher`` comes wrapped in :class:`NonBlockingPublisher`, compact when
+    ``HSCACHE_KV_EVENTS=compact`` selects compact events (the mode the scheduler's
+    hscache manager is built with)."""
+
+    @classmethod
+    def create(cls, config: KVEventsConfig | None, data_parallel_rank: int = 0) -> EventPublisher:
+        publisher = super().create(config, data_parallel_rank)
+        wrapped: EventPublisher = make_nonblocking(
+            publisher, compact=select_mode(None) == "compact"
+        )
+        return wrapped

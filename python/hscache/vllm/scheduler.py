@@ -14,10 +14,10 @@ After construction the scheduler logs one line naming the KV-cache manager class
 (``hscache.vllm.kv_cache_manager.KVCacheManager``, or vLLM's own after a fallback, whose
 reason is logged just before): what ``scripts/e2e.sh`` reads to prove hscache served.
 
-KV-event publishing never blocks the step: vLLM's ``ZmqEventPublisher`` is wrapped in
-``hscache.vllm.publisher.NonBlockingPublisher`` (batches its full queue cannot take are
-held, merged, and handed over on a later step; ``update_from_output`` hands them over
-even on a step without events). Other publishers are left as they are.
+KV-event publishing never blocks the step: the same bindings make the Scheduler's
+``ZmqEventPublisher`` a ``hscache.vllm.publisher.NonBlockingPublisher`` (batches its
+full queue cannot take are held, merged, and handed over as soon as there is room).
+Other publishers are left as they are.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
 
 from hscache.vllm.block_hasher import install_block_hasher
 from hscache.vllm.plugin import scheduler_bindings, use_vllm_log_handler
-from hscache.vllm.publisher import NonBlockingPublisher, make_nonblocking
 from hscache.vllm.version import require
 
 _PROFILE = require()
@@ -64,7 +63,6 @@ class _HscacheSchedulerMixin:
         install_block_hasher()
         with _hscache_managers():
             super().__init__(*args, **kwargs)
-        _wrap_publisher(self)
         manager = type(self.kv_cache_manager)  # type: ignore[attr-defined]
         logger.info(
             "hscache: %s (vLLM %s) uses KV-cache manager %s.%s",
@@ -73,25 +71,6 @@ class _HscacheSchedulerMixin:
             manager.__module__,
             manager.__qualname__,
         )
-
-    def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
-        outputs = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
-        _flush_held(self)
-        return outputs
-
-
-def _wrap_publisher(scheduler: Any) -> None:
-    """Makes the scheduler's KV-event publisher non-blocking where that is safe."""
-    compact = getattr(scheduler.kv_cache_manager, "kv_events_mode", "vllm") == "compact"
-    scheduler.kv_event_publisher = make_nonblocking(scheduler.kv_event_publisher, compact=compact)
-
-
-def _flush_held(scheduler: Any) -> None:
-    """Hands batches held while the publisher's queue was full over, now that it may
-    have room (also after a step that published nothing)."""
-    publisher = scheduler.kv_event_publisher
-    if isinstance(publisher, NonBlockingPublisher):
-        publisher.flush()
 
 
 class Scheduler(_HscacheSchedulerMixin, _VllmScheduler):
