@@ -165,6 +165,31 @@ def test_shutdown_hands_the_backlog_over() -> None:
     assert [h for e in _delivered(sock) for h in e.block_hashes] == list(range(10))
 
 
+def test_a_refused_batch_stays_held_and_nothing_is_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    pub, sock = _stalled_publisher()
+    wrapped = NonBlockingPublisher(pub)
+    try:
+        for i in range(8):
+            wrapped.publish(_batch(i))
+        held = wrapped.held_events
+        assert held > 0
+
+        def refuse(batch: KVEventBatch) -> None:
+            raise RuntimeError("Publisher is closed")
+
+        monkeypatch.setattr(pub, "publish", refuse)
+        sock.gate.set()  # room appears: the flusher is refused and ends
+        _wait_until(lambda: wrapped._flusher is None, "the flusher thread to end")
+        assert wrapped.held_events == held
+        with pytest.raises(RuntimeError, match="closed"):  # the step sees the error
+            wrapped.publish(_batch(8))
+        monkeypatch.undo()
+    finally:
+        sock.gate.set()
+        wrapped.shutdown()
+    assert [h for e in _delivered(sock) for h in e.block_hashes] == list(range(9))
+
+
 def test_only_vllms_zmq_publisher_is_wrapped() -> None:
     class Custom(ZmqEventPublisher):
         pass

@@ -103,15 +103,23 @@ class NonBlockingPublisher(EventPublisher):
     def _flush_locked(self) -> None:
         held = self._held
         while held and not self._queue.full():
-            self.inner.publish(held.popleft())
+            self.inner.publish(held[0])  # a batch it refuses stays held
+            held.popleft()
 
     def _drain(self) -> None:
-        """The flusher thread: hands the backlog over as room appears, then ends."""
+        """The flusher thread: hands the backlog over as room appears, then ends (also
+        when the inner publisher refuses a batch: the backlog stays held, and the next
+        ``publish`` raises the publisher's error in the scheduler's thread)."""
         while True:
             time.sleep(FLUSH_INTERVAL_S)
             with self._lock:
-                if not self._closing:
-                    self._flush_locked()
+                try:
+                    if not self._closing:
+                        self._flush_locked()
+                except Exception:
+                    logger.exception("hscache: the KV-event publisher refused a held batch")
+                    self._flusher = None
+                    return
                 if self._closing or not self._held:
                     self._flusher = None
                     return
