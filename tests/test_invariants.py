@@ -175,3 +175,41 @@ def test_events_on_a_request_events_cannot_describe_raises_before_allocating() -
     req.lora_request = good
     assert m.allocate_slots(req, 40) is not None
     assert m.take_events()
+
+
+def _break_identifier(req: Any) -> None:
+    req.mm_features[0].identifier = None
+
+
+def _break_position(req: Any) -> None:
+    req.mm_features[0].mm_position = None
+
+
+def _break_feature_list(req: Any) -> None:
+    req.mm_features = 5
+
+
+@pytest.mark.parametrize(
+    "break_request",
+    [_break_identifier, _break_position, _break_feature_list],
+    ids=["identifier None", "position None", "features not a list"],
+)
+def test_events_on_malformed_mm_features_raise_before_allocating(break_request: Any) -> None:
+    """Multimodal features broken after hashing: the check before allocating (which
+    reads the request without building the prompt-wide event) rejects what building
+    the event rejects, with the manager unchanged."""
+    from hscache._core import UnsupportedError, block_stored_fields
+    from hscache.testing.requests import mm_feature
+
+    m = _events_manager()
+    req = make_request("a", list(range(64)), mm_features=[mm_feature("img", 8, 16)])
+    break_request(req)
+    # The Rust builder cannot describe it, so the event would be vLLM's helper's...
+    with pytest.raises(UnsupportedError):
+        block_stored_fields(req, 0, len(req.block_hashes), 16, 0, False)
+    before = m.state_digest()
+    # ... which fails on it: raised, typed, before anything is allocated.
+    with pytest.raises(exceptions.InvalidArgumentError, match="nothing was allocated"):
+        m.allocate_slots(req, 64)
+    assert m.state_digest() == before
+    assert m.take_events() == []

@@ -121,13 +121,17 @@ fn convert_hash<'py>(h: Bound<'py, PyAny>, to_int: bool) -> PyResult<Bound<'py, 
     if !to_int {
         return Ok(h);
     }
-    let bytes = h
-        .cast::<PyBytes>()
-        .map_err(|_| unsupported(format!("block hash is a {}, not bytes", type_name(&h))))?
-        .as_bytes();
+    let bytes = convertible_hash(&h)?.as_bytes();
     let tail = &bytes[bytes.len().saturating_sub(8)..];
     let v = tail.iter().fold(0u64, |acc, &b| (acc << 8) | u64::from(b));
     Ok(v.into_pyobject(h.py())?.into_any())
+}
+
+/// `h` as the bytes [`convert_hash`] converts to an int, or the `UnsupportedError`
+/// it raises.
+fn convertible_hash<'a, 'py>(h: &'a Bound<'py, PyAny>) -> PyResult<&'a Bound<'py, PyBytes>> {
+    h.cast::<PyBytes>()
+        .map_err(|_| unsupported(format!("block hash is a {}, not bytes", type_name(h))))
 }
 
 /// The prompt-embedding digests of a request, as vLLM's
@@ -305,11 +309,17 @@ pub fn block_stored_fields<'py>(
         int_block_hashes,
         1,
         &[],
+        true,
     )?;
     PyTuple::new(py, fields)
 }
 
 /// [`block_stored_fields`] with the arguments already read, in its tuple's order.
+///
+/// `build == false` checks the request without building what cannot fail for it
+/// (the token window of a `list`, the hash list, `[None] * n` keys: each `None`
+/// then): the pre-allocation check of [`PyEventBuilder::dry_run`], which raises
+/// exactly what a build would.
 #[allow(clippy::too_many_arguments)]
 fn stored_fields<'py>(
     request: &Bound<'py, PyAny>,
@@ -320,6 +330,7 @@ fn stored_fields<'py>(
     int_block_hashes: bool,
     hash_scale: usize,
     skipped: &[u32],
+    build: bool,
 ) -> PyResult<[Bound<'py, PyAny>; 8]> {
     let py = request.py();
     let none = py.None().into_bound(py);
@@ -340,17 +351,41 @@ fn stored_fields<'py>(
     }
     // Block i's hash is the hash at its last hash-block boundary (vLLM's
     // `BlockHashListWithBlockSize`).
-    let block_hashes = if scale == 1 && skipped.is_empty() {
+    let unconverted_list_slice = !int_block_hashes
+        && scale == 1
+        && skipped.is_empty()
+        && hashes.is_exact_instance_of::<PyList>();
+    let block_hashes = if !build && unconverted_list_slice {
+        // A list's slice, unconverted, cannot fail: nothing to check.
+        none.clone()
+    } else if !build && scale == 1 && skipped.is_empty() {
+        // Converted to ints: each hash must be bytes (no int or list is made).
+        match hashes.cast::<PyList>() {
+            Ok(list) => {
+                let n = end_block.min(list.len()).saturating_sub(start_block);
+                for h in list.iter().skip(start_block).take(n) {
+                    convertible_hash(&h)?;
+                }
+            }
+            Err(_) => {
+                for h in slice(&hashes, start_block, end_block)?.try_iter()? {
+                    convertible_hash(&h?)?;
+                }
+            }
+        }
+        none.clone()
+    } else if scale == 1 && skipped.is_empty() {
         let sliced = slice(&hashes, start_block, end_block)?;
         match sliced.cast_exact::<PyList>() {
-            Ok(list) if !int_block_hashes => list.clone(),
+            Ok(list) if !int_block_hashes => list.clone().into_any(),
             _ => PyList::new(
                 py,
                 sliced
                     .try_iter()?
                     .map(|h| convert_hash(h?, int_block_hashes))
                     .collect::<PyResult<Vec<_>>>()?,
-            )?,
+            )?
+            .into_any(),
         }
     } else {
         PyList::new(
@@ -360,6 +395,7 @@ fn stored_fields<'py>(
                 .map(|i| convert_hash(hashes.get_item((i + 1) * scale - 1)?, int_block_hashes))
                 .collect::<PyResult<Vec<_>>>()?,
         )?
+        .into_any()
     };
     let parent = if start_block > 0 {
         convert_hash(hashes.get_item(start_block * scale - 1)?, int_block_hashes)?
@@ -371,27 +407,35 @@ fn stored_fields<'py>(
     let first_token = mul(start_block, block_size)?;
     let last_token = mul(end_block.max(start_block), block_size)?;
     let all_token_ids = token_list(&request.getattr(intern!(py, "all_token_ids"))?)?;
-    let window = slice(&all_token_ids, first_token, add(last_token, la)?)?;
-    let window = window
-        .cast_exact::<PyList>()
-        .map_err(|_| unsupported("all_token_ids[a:b] is not a list"))?;
-    let span = last_token - first_token;
-    let token_ids = if la == 0 {
-        window.clone()
+    let window_end = add(last_token, la)?;
+    // A list's slice is a list: with nothing to build, no window is made.
+    let window = if build || !all_token_ids.is_exact_instance_of::<PyList>() {
+        let window = slice(&all_token_ids, first_token, window_end)?;
+        Some(
+            window
+                .cast_into_exact::<PyList>()
+                .map_err(|_| unsupported("all_token_ids[a:b] is not a list"))?,
+        )
     } else {
-        window.get_slice(0, span)
+        None
     };
-    let lookahead_token_ids = if la == 0 {
-        none.clone()
-    } else {
-        let lists = (start_block..end_block)
-            .filter(included)
-            .map(|i| {
-                let end = (i - start_block + 1) * block_size; // <= span, which fits isize
-                Ok(window.get_slice(end, add(end, la)?))
-            })
-            .collect::<PyResult<Vec<_>>>()?;
-        PyList::new(py, lists)?.into_any()
+    let span = last_token - first_token;
+    let (token_ids, lookahead_token_ids) = match window.filter(|_| build) {
+        None => (none.clone(), none.clone()),
+        Some(window) if la == 0 => (window.into_any(), none.clone()),
+        Some(window) => {
+            let lists = (start_block..end_block)
+                .filter(included)
+                .map(|i| {
+                    let end = (i - start_block + 1) * block_size; // <= span, which fits isize
+                    Ok(window.get_slice(end, add(end, la)?))
+                })
+                .collect::<PyResult<Vec<_>>>()?;
+            (
+                window.get_slice(0, span).into_any(),
+                PyList::new(py, lists)?.into_any(),
+            )
+        }
     };
 
     // LoRA (`lora_id`, `lora_name` fields and the key), session id, salt, embeddings.
@@ -421,6 +465,18 @@ fn stored_fields<'py>(
     let extra_keys = if n == 0 {
         none.clone()
     } else if !has_lora && !salt_keyed && embeds.is_none() && mm_features.is_empty() {
+        if !build {
+            return Ok([
+                none.clone(),
+                parent,
+                none.clone(),
+                lora_id,
+                lora_name,
+                none.clone(),
+                session_id,
+                none,
+            ]);
+        }
         // No block can have a key: `[None] * n`.
         PyList::new(py, std::iter::repeat_n(&none, n))?.into_any()
     } else {
@@ -460,9 +516,9 @@ fn stored_fields<'py>(
     };
 
     Ok([
-        block_hashes.into_any(),
+        block_hashes,
         parent,
-        token_ids.into_any(),
+        token_ids,
         lora_id,
         lora_name,
         extra_keys,
@@ -663,6 +719,7 @@ impl PyEventBuilder {
                 self.int_block_hashes,
                 1,
                 &[],
+                true,
             )?;
             Ok((fields, block_size))
         });
@@ -685,18 +742,46 @@ impl PyEventBuilder {
 }
 
 impl PyEventBuilder {
-    /// Builds (and drops) the `BlockStored` of group 0 for blocks `start..end`:
-    /// raises exactly where the real event would (the check-before-mutate of
-    /// `allocate_slots` with events on).
-    pub(crate) fn dry_run<'py>(
+    /// Checks that the `BlockStored` of group 0 for blocks `0..end_block` can be
+    /// built: raises exactly where the real event would (the check-before-mutate of
+    /// `allocate_slots` with events on). For vLLM's own struct classes, whose
+    /// positional construction cannot fail, only the request is read (the token
+    /// window, hash list and struct are not made: a 1k-token admission's check costs
+    /// a few hundred ns instead of a prompt-wide event); a request only the fallback
+    /// can describe, or another struct layout, is built and dropped.
+    pub(crate) fn dry_run(
         &self,
-        request: &Bound<'py, PyAny>,
-        start: &Bound<'py, PyAny>,
-        end: &Bound<'py, PyAny>,
-        block_size: &Bound<'py, PyAny>,
+        request: &Bound<'_, PyAny>,
+        end_block: usize,
+        block_size: usize,
     ) -> PyResult<()> {
-        let group = 0usize.into_pyobject(request.py())?.into_any();
-        self.block_stored(request, start, end, block_size, &group)
+        let py = request.py();
+        let positional = matches!(
+            self.stored_call,
+            StoredCall::Positional15 | StoredCall::Positional14
+        );
+        if positional {
+            let checked = stored_fields(
+                request,
+                0,
+                end_block,
+                block_size,
+                self.num_hash_lookahead_tokens,
+                self.int_block_hashes,
+                1,
+                &[],
+                false,
+            );
+            match checked {
+                Ok(_) => return Ok(()),
+                Err(e) if !e.is_instance_of::<UnsupportedError>(py) => return Err(e),
+                Err(_) => {} // the fallback's event: built below
+            }
+        }
+        let start = 0usize.into_pyobject(py)?.into_any();
+        let end = end_block.into_pyobject(py)?.into_any();
+        let bs = block_size.into_pyobject(py)?.into_any();
+        self.block_stored(request, &start, &end, &bs, &start)
             .map(drop)
     }
 
@@ -851,6 +936,7 @@ impl PyEventBuilder {
             self.int_block_hashes,
             layout.0,
             layout.1,
+            true,
         );
         let start = start_block.into_pyobject(py)?.into_any();
         let end = end_block.into_pyobject(py)?.into_any();

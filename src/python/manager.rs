@@ -327,13 +327,14 @@ impl PyKVCacheCore {
         }
     }
 
-    /// Calls the collector's `on_block_*` methods in the order the pool made them.
-    /// With KV events on, a request the manager does not hold yet gets its
-    /// `BlockStored` event built once over its hashed blocks *before* anything is
-    /// allocated: a request the event builder cannot describe (malformed
-    /// multimodal features, a LoRA request without `adapter_id`) then raises with
-    /// the manager unchanged, instead of after its blocks were cached (check before
-    /// mutate). Once per request, events on only.
+    /// With KV events on, a request the manager does not hold yet has its
+    /// `BlockStored` event over its hashed blocks checked *before* anything is
+    /// allocated (`EventBuilder::dry_run`: the request's fields are read and its
+    /// extra keys made, as the build would): a request the event builder cannot
+    /// describe (malformed multimodal features, a LoRA request without
+    /// `adapter_id`) then raises with the manager unchanged, instead of after its
+    /// blocks were cached (check before mutate). Each call while the request is not
+    /// held yet (a failed admission is checked again), events on only.
     fn precheck_events(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
@@ -361,15 +362,9 @@ impl PyKVCacheCore {
         if n == 0 {
             return Ok(());
         }
-        let zero = 0usize.into_pyobject(py)?.into_any();
         builder
             .get()
-            .dry_run(
-                request,
-                &zero,
-                &n.into_pyobject(py)?.into_any(),
-                &hash_block_size.into_pyobject(py)?.into_any(),
-            )
+            .dry_run(request, n, hash_block_size)
             .map_err(|e| {
                 let typed = InvalidArgumentError::new_err(format!(
                     "KV events cannot describe this request's blocks (nothing was \
