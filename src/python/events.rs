@@ -598,6 +598,42 @@ impl StoredCall {
     }
 }
 
+/// The fields of the last `BlockStored` a batch of records built, kept for the
+/// record right after it when that one describes the same blocks of the same
+/// request with the same builder (another KV-cache group of a hybrid layout caching
+/// the same range in the same call): its lists are then copied instead of read and
+/// built again. Each event still owns its lists, as vLLM's do. A memo lives for one
+/// batch; the lists it keeps are the previous event's, which only a later record
+/// continuing that event could extend, and such a record (same group, next range)
+/// replaces the memo before it is read again.
+#[derive(Default)]
+pub(crate) struct StoredMemo<'py> {
+    last: Option<MemoEntry<'py>>,
+}
+
+struct MemoEntry<'py> {
+    builder: usize,
+    request: Bound<'py, PyAny>,
+    range: (u32, u32, u32),
+    hash_scale: usize,
+    fields: [Bound<'py, PyAny>; 8],
+}
+
+/// The fields whose objects are lists, by index (`block_hashes`, `token_ids`,
+/// `extra_keys`, `lookahead_token_ids`).
+const LIST_FIELD_INDICES: [usize; 4] = [0, 2, 5, 7];
+
+/// `fields` with each list replaced by a copy.
+fn copied_fields<'py>(fields: &[Bound<'py, PyAny>; 8]) -> [Bound<'py, PyAny>; 8] {
+    let mut out = fields.clone();
+    for i in LIST_FIELD_INDICES {
+        if let Ok(list) = fields[i].cast_exact::<PyList>() {
+            out[i] = list.get_slice(0, list.len()).into_any();
+        }
+    }
+    out
+}
+
 /// A stored range on its way to an event: the fields of vLLM's struct (and its
 /// `block_size` object), or the struct the pure-Python fallback built.
 enum StoredParts<'py> {
@@ -902,9 +938,10 @@ impl PyEventBuilder {
         range: (u32, u32, u32),
         group_id: u32,
         layout: (usize, &[u32]),
+        memo: &mut StoredMemo<'py>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let group = group_id.into_pyobject(py)?.into_any();
-        match self.stored_event_parts(py, request, range, &group, layout)? {
+        match self.stored_event_parts(py, request, range, &group, layout, memo)? {
             StoredParts::Fields(fields, block_size) => {
                 self.struct_of_fields(fields, &block_size, &group)
             }
@@ -913,7 +950,7 @@ impl PyEventBuilder {
     }
 
     /// [`Self::stored_event`]'s fields, before they become a struct (or the
-    /// fallback's struct).
+    /// fallback's struct); copied from `memo` when it holds this range's.
     fn stored_event_parts<'py>(
         &self,
         py: Python<'py>,
@@ -921,23 +958,53 @@ impl PyEventBuilder {
         range: (u32, u32, u32),
         group: &Bound<'py, PyAny>,
         layout: (usize, &[u32]),
+        memo: &mut StoredMemo<'py>,
     ) -> PyResult<StoredParts<'py>> {
         let request = request.ok_or_else(|| {
             PyRuntimeError::new_err("a BlockStored record needs the request of its call")
         })?;
         let (start_block, end_block, block_size) = range;
-        // u32 -> usize is lossless on the 32- and 64-bit targets PyO3 supports.
-        let fields = stored_fields(
-            request,
-            start_block as usize,
-            end_block as usize,
-            block_size as usize,
-            self.num_hash_lookahead_tokens,
-            self.int_block_hashes,
-            layout.0,
-            layout.1,
-            true,
-        );
+        let builder = std::ptr::from_ref(self) as usize;
+        // Only ranges without left-out blocks are remembered, or matched.
+        let whole = layout.1.is_empty();
+        let last = memo.last.take().filter(|e| {
+            whole
+                && e.builder == builder
+                && e.request.is(request)
+                && e.range == range
+                && e.hash_scale == layout.0
+        });
+        let fields = match last {
+            Some(entry) => {
+                let copy = copied_fields(&entry.fields);
+                memo.last = Some(entry);
+                Ok(copy)
+            }
+            None => {
+                // u32 -> usize is lossless on the 32- and 64-bit targets PyO3 supports.
+                let fields = stored_fields(
+                    request,
+                    start_block as usize,
+                    end_block as usize,
+                    block_size as usize,
+                    self.num_hash_lookahead_tokens,
+                    self.int_block_hashes,
+                    layout.0,
+                    layout.1,
+                    true,
+                );
+                if let (Ok(f), true) = (&fields, whole) {
+                    memo.last = Some(MemoEntry {
+                        builder,
+                        request: request.clone(),
+                        range,
+                        hash_scale: layout.0,
+                        fields: f.clone(),
+                    });
+                }
+                fields
+            }
+        };
         let start = start_block.into_pyobject(py)?.into_any();
         let end = end_block.into_pyobject(py)?.into_any();
         let bs = block_size.into_pyobject(py)?.into_any();
@@ -988,6 +1055,7 @@ impl PyEventBuilder {
         py: Python<'py>,
         event: KVCacheEvent,
         request: Option<&Bound<'py, PyAny>>,
+        memo: &mut StoredMemo<'py>,
     ) -> PyResult<Bound<'py, PyAny>> {
         match event {
             KVCacheEvent::BlockStored {
@@ -1005,6 +1073,7 @@ impl PyEventBuilder {
                     (start_block, end_block, block_size),
                     group_id,
                     (hash_scale as usize, skipped),
+                    memo,
                 )
             }
             KVCacheEvent::PartialBlockStored {
@@ -1021,6 +1090,7 @@ impl PyEventBuilder {
                     (n.saturating_sub(1), n, hash_block_size),
                     group_id,
                     (1, &[]),
+                    memo,
                 )
             }
             KVCacheEvent::BlockRemoved { key } => {
@@ -1029,7 +1099,7 @@ impl PyEventBuilder {
             }
             KVCacheEvent::AllBlocksCleared => self.all_blocks_cleared.bind(py).call0(),
             // The caller picks the host pool's builder; this one builds it as its own.
-            KVCacheEvent::Host { event, .. } => self.build(py, *event, request),
+            KVCacheEvent::Host { event, .. } => self.build(py, *event, request, memo),
         }
     }
 }

@@ -30,7 +30,7 @@ use super::convert::request::{request_id, PyRequest, StatusObjects};
 use super::convert::spec::group_spec;
 use super::convert::{count, count_arg, int64, Int};
 use super::errors::InvalidArgumentError;
-use super::events::{Compactor, PyEventBuilder};
+use super::events::{Compactor, PyEventBuilder, StoredMemo};
 use crate::events::{EventsMode, MetricsOp};
 use crate::manager::{
     AllocateSlots, CoordinatorConfig, GroupedBlocks, KVCacheManager, KVCacheManagerConfig,
@@ -280,6 +280,7 @@ impl PyKVCacheCore {
         let built = replayed.and_then(|()| match sink {
             Some((sink, builder)) => {
                 let sink = sink.bind(py);
+                let mut memo = StoredMemo::default();
                 records.into_iter().try_for_each(|(record, req, host)| {
                     let builder = match (&host_builder, host) {
                         (Some(b), true) => b.get(),
@@ -287,7 +288,7 @@ impl PyKVCacheCore {
                     };
                     let req = req.as_ref().map(|r| r.bind(py).clone());
                     let request = req.as_ref().or(request);
-                    builder.push(py, sink, compactor.as_mut(), record, request)
+                    builder.push(py, sink, compactor.as_mut(), record, request, &mut memo)
                 })
             }
             None => Ok(()),

@@ -31,7 +31,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyString};
 use smallvec::SmallVec;
 
-use super::{struct_fields, PyEventBuilder, StoredParts};
+use super::{struct_fields, PyEventBuilder, StoredMemo, StoredParts};
 use crate::events::compact::Link;
 use crate::events::KVCacheEvent;
 
@@ -424,9 +424,10 @@ impl PyEventBuilder {
         compactor: Option<&mut Compactor>,
         record: KVCacheEvent,
         request: Option<&Bound<'py, PyAny>>,
+        memo: &mut StoredMemo<'py>,
     ) -> PyResult<()> {
         let Some(c) = compactor else {
-            return sink.append(self.build(py, record, request)?);
+            return sink.append(self.build(py, record, request, memo)?);
         };
         match record {
             KVCacheEvent::BlockRemoved { key } => {
@@ -464,7 +465,7 @@ impl PyEventBuilder {
                 let group = group_id.into_pyobject(py)?.into_any();
                 let range = (start_block, end_block, block_size);
                 let layout = (hash_scale as usize, skipped);
-                let parts = self.stored_event_parts(py, request, range, &group, layout)?;
+                let parts = self.stored_event_parts(py, request, range, &group, layout, memo)?;
                 self.push_stored(c, sink, parts, group_id, &group, skipped.is_empty())
             }
             KVCacheEvent::PartialBlockStored {
@@ -476,7 +477,7 @@ impl PyEventBuilder {
                 let n = num_tokens / hash_block_size.max(1);
                 let group = group_id.into_pyobject(py)?.into_any();
                 let range = (n.saturating_sub(1), n, hash_block_size);
-                let parts = self.stored_event_parts(py, request, range, &group, (1, &[]))?;
+                let parts = self.stored_event_parts(py, request, range, &group, (1, &[]), memo)?;
                 self.push_stored(c, sink, parts, group_id, &group, true)
             }
             KVCacheEvent::AllBlocksCleared => {
@@ -484,7 +485,7 @@ impl PyEventBuilder {
                 c.start(sink, event, Link::Barrier, Default::default(), true)
             }
             // The caller picks the host pool's builder; this one builds it as its own.
-            KVCacheEvent::Host { event, .. } => self.push(py, sink, Some(c), *event, request),
+            KVCacheEvent::Host { event, .. } => self.push(py, sink, Some(c), *event, request, memo),
         }
     }
 
