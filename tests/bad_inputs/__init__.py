@@ -36,8 +36,24 @@ Call = Callable[[Any, Ctx], Any]
 module function or a constructor, which the call names itself)."""
 
 
+class _Case:
+    """What a row and an accepted input share: an id and a way to make the call."""
+
+    target: str
+    method: str
+    case: str
+    call: Call
+
+    @property
+    def id(self) -> str:
+        return f"{self.target}.{self.method}: {self.case}"
+
+    def run(self, ctx: Ctx) -> Any:
+        return self.call(getattr(ctx.t, self.method, None), ctx)
+
+
 @dataclass(frozen=True)
-class Row:
+class Row(_Case):
     """One malformed call and the exception it raises."""
 
     target: str
@@ -47,16 +63,9 @@ class Row:
     call: Call
     build: Callable[[], Ctx]
 
-    @property
-    def id(self) -> str:
-        return f"{self.target}.{self.method}: {self.case}"
-
-    def run(self, ctx: Ctx) -> Any:
-        return self.call(getattr(ctx.t, self.method, None), ctx)
-
 
 @dataclass(frozen=True)
-class Accepted:
+class Accepted(_Case):
     """An input that looks malformed but is taken, as vLLM takes it or by design."""
 
     target: str
@@ -65,13 +74,6 @@ class Accepted:
     why: str
     call: Call
     build: Callable[[], Ctx]
-
-    @property
-    def id(self) -> str:
-        return f"{self.target}.{self.method}: {self.case}"
-
-    def run(self, ctx: Ctx) -> Any:
-        return self.call(getattr(ctx.t, self.method, None), ctx)
 
 
 def makers(

@@ -98,6 +98,33 @@ NEG = Req("q", [-5])  # a request whose embed count is negative
 BIG = Req("q", [500], ["big"])  # an input larger than the whole cache
 STR = Req("q", ["5"])  # an embed count that is a str
 
+# Both encoder caches take these the same way (vLLM's two managers share the methods).
+SHARED: list[tuple[str, str, type[BaseException], Any]] = [
+    ("check_and_update_cache", "input id is a str", TE, lambda f, c: f(c.x["r"], "0")),
+    ("can_allocate", "request is None", TE, lambda f, c: f(None, 1, 100, 0)),
+    ("can_allocate", "budget is a str", TE, lambda f, c: f(c.x["r"], 1, "100", 0)),
+    ("allocate", "request is None", TE, lambda f, c: f(None, 0)),
+    ("allocate", "input id past the request's inputs", IndexError, lambda f, c: f(c.x["r"], 9)),
+    ("allocate", "the request reports negative embeds", IA, lambda f, c: f(NEG, 0)),
+    ("free_encoder_input", "request is None", TE, lambda f, c: f(None, 0)),
+    (
+        "free_encoder_input",
+        "input id past the request's inputs",
+        IndexError,
+        lambda f, c: f(c.x["r"], 9),
+    ),
+    ("free", "request is None", TE, lambda f, c: f(None)),
+    ("free", "request is a str", TE, lambda f, c: f("r")),
+    ("get_cached_input_ids", "request is None", TE, lambda f, c: f(None)),
+    ("get_cached_input_ids", "request is a str", TE, lambda f, c: f("r")),
+    (
+        "can_allocate",
+        "input id past the request's inputs",
+        IndexError,
+        lambda f, c: f(c.x["r"], 7, 100, 0),
+    ),
+]
+
 ROWS = [
     R("__init__", "negative cache_size", IA, lambda f, c: EncoderCacheManager(cache_size=-1)),
     R("__init__", "cache_size = 2**70", IA, lambda f, c: EncoderCacheManager(cache_size=HUGE)),
@@ -112,7 +139,6 @@ ROWS = [
         lambda f, c: f(c.x["r"], 7),
     ),
     R("check_and_update_cache", "request is None", TE, lambda f, c: f(None, 0)),
-    R("check_and_update_cache", "input id is a str", TE, lambda f, c: f(c.x["r"], "0")),
     R("check_and_update_cache", "input id = 2**70", IA, lambda f, c: f(c.x["r"], HUGE)),
     R("get_cached_num_encoder_embeds", "request is None", TE, lambda f, c: f(None, 0)),
     R(
@@ -121,20 +147,10 @@ ROWS = [
         IndexError,
         lambda f, c: f(c.x["r"], 7),
     ),
-    R("can_allocate", "request is None", TE, lambda f, c: f(None, 1, 100, 0)),
-    R(
-        "can_allocate",
-        "input id past the request's inputs",
-        IndexError,
-        lambda f, c: f(c.x["r"], 7, 100, 0),
-    ),
-    R("can_allocate", "budget is a str", TE, lambda f, c: f(c.x["r"], 1, "100", 0)),
     R("can_allocate", "budget = 2**70", IA, lambda f, c: f(c.x["r"], 1, HUGE, 0)),
     R("can_allocate", "the request reports negative embeds", IA, lambda f, c: f(NEG, 0, 100, 0)),
     R("can_allocate", "the request reports embeds as a str", TE, lambda f, c: f(STR, 0, 100, 0)),
-    R("allocate", "input id past the request's inputs", IndexError, lambda f, c: f(c.x["r"], 9)),
     R("allocate", "negative input id", IA, lambda f, c: f(c.x["r"], -1)),
-    R("allocate", "request is None", TE, lambda f, c: f(None, 0)),
     R(
         "allocate",
         "without room (can_allocate skipped)",
@@ -147,22 +163,10 @@ ROWS = [
         IA,
         lambda f, c: f(Req("q", [11], ["img0"]), 0),
     ),
-    R("allocate", "the request reports negative embeds", IA, lambda f, c: f(NEG, 0)),
     R("allocate", "request id is an int", IA, lambda f, c: f(Req(5, [5]), 0)),
     R("allocate", "identifier is an int", IA, lambda f, c: f(Req("q", [5], [7]), 0)),
     R("free_encoder_input", "input id is a str", TE, lambda f, c: f(c.x["r"], "0")),
-    R("free_encoder_input", "request is None", TE, lambda f, c: f(None, 0)),
     R("free_encoder_input", "negative input id", IA, lambda f, c: f(c.x["r"], -1)),
-    R(
-        "free_encoder_input",
-        "input id past the request's inputs",
-        IndexError,
-        lambda f, c: f(c.x["r"], 9),
-    ),
-    R("free", "request is None", TE, lambda f, c: f(None)),
-    R("free", "request is a str", TE, lambda f, c: f("r")),
-    R("get_cached_input_ids", "request is None", TE, lambda f, c: f(None)),
-    R("get_cached_input_ids", "request is a str", TE, lambda f, c: f("r")),
     R(
         "compute_mm_encoder_budget",
         "scheduler_config is None",
@@ -189,6 +193,7 @@ ROWS = [
             _config(disable_chunked_mm_input=True), {"image": 10**5}
         ),
     ),
+    *(R(*row) for row in SHARED),
     # EncoderDecoderCacheManager: a scheduling budget only (nothing is shared or kept)
     RD(
         "__init__",
@@ -205,29 +210,7 @@ ROWS = [
     RD(
         "create_manager", "negative cache_size", IA, lambda f, c: f(cache_size=-1, vllm_config=None)
     ),
-    RD("check_and_update_cache", "input id is a str", TE, lambda f, c: f(c.x["r"], "0")),
-    RD("can_allocate", "request is None", TE, lambda f, c: f(None, 1, 100, 0)),
-    RD(
-        "can_allocate",
-        "input id past the request's inputs",
-        IndexError,
-        lambda f, c: f(c.x["r"], 7, 100, 0),
-    ),
-    RD("can_allocate", "budget is a str", TE, lambda f, c: f(c.x["r"], 1, "100", 0)),
-    RD("allocate", "request is None", TE, lambda f, c: f(None, 0)),
-    RD("allocate", "input id past the request's inputs", IndexError, lambda f, c: f(c.x["r"], 9)),
-    RD("allocate", "the request reports negative embeds", IA, lambda f, c: f(NEG, 0)),
-    RD("free_encoder_input", "request is None", TE, lambda f, c: f(None, 0)),
-    RD(
-        "free_encoder_input",
-        "input id past the request's inputs",
-        IndexError,
-        lambda f, c: f(c.x["r"], 9),
-    ),
-    RD("free", "request is None", TE, lambda f, c: f(None)),
-    RD("free", "request is a str", TE, lambda f, c: f("r")),
-    RD("get_cached_input_ids", "request is None", TE, lambda f, c: f(None)),
-    RD("get_cached_input_ids", "request is a str", TE, lambda f, c: f("r")),
+    *(RD(*row) for row in SHARED),
 ]
 
 ACCEPTED = [
