@@ -13,38 +13,49 @@
 
 #[cfg(feature = "fault-injection")]
 mod imp {
-    use std::sync::{Mutex, PoisonError};
+    use std::cell::RefCell;
 
-    /// The armed point and how many passes it lets through first.
-    static ARMED: Mutex<Option<(String, usize)>> = Mutex::new(None);
+    thread_local! {
+        /// The point armed on this thread and how many passes it lets through first.
+        /// Per thread, not process-wide: cargo runs tests on parallel threads, and a
+        /// global armed point was consumed by whichever test passed it first (a flaky
+        /// suite). Every point fires on the thread of the call that passes it, which is
+        /// the thread that armed it (the Python bindings run on the caller's thread).
+        static ARMED: RefCell<Option<(String, usize)>> = const { RefCell::new(None) };
+    }
 
-    /// Arms `site`: its `skip + 1`-th pass panics (once; the point disarms itself).
+    /// Arms `site` on this thread: its `skip + 1`-th pass panics (once; the point
+    /// disarms itself).
     pub fn arm(site: &str, skip: usize) {
-        *ARMED.lock().unwrap_or_else(PoisonError::into_inner) = Some((site.to_owned(), skip));
+        ARMED.with(|a| *a.borrow_mut() = Some((site.to_owned(), skip)));
     }
 
-    /// Disarms every point.
+    /// Disarms this thread's point.
     pub fn disarm() {
-        *ARMED.lock().unwrap_or_else(PoisonError::into_inner) = None;
+        ARMED.with(|a| *a.borrow_mut() = None);
     }
 
-    /// Panics if `site` is armed and its countdown is spent.
+    /// Panics if `site` is armed on this thread and its countdown is spent.
     pub fn point(site: &str) {
-        let mut armed = ARMED.lock().unwrap_or_else(PoisonError::into_inner);
-        let fire = match armed.as_mut() {
-            Some((s, n)) if s == site => {
-                if *n == 0 {
-                    true
-                } else {
-                    *n -= 1;
-                    false
+        let fire = ARMED.with(|a| {
+            let mut armed = a.borrow_mut();
+            let fire = match armed.as_mut() {
+                Some((s, n)) if s == site => {
+                    if *n == 0 {
+                        true
+                    } else {
+                        *n -= 1;
+                        false
+                    }
                 }
+                _ => false,
+            };
+            if fire {
+                *armed = None;
             }
-            _ => false,
-        };
+            fire
+        });
         if fire {
-            *armed = None;
-            drop(armed);
             panic!("hscache fault injection: injected panic at {site}");
         }
     }

@@ -92,10 +92,8 @@ fn a_shielded_call_without_a_panic_is_transparent() {
 #[cfg(feature = "fault-injection")]
 mod injected {
     use super::*;
-    use std::sync::Mutex;
-
-    /// The armed point is process-wide: one injected test at a time.
-    static SERIAL: Mutex<()> = Mutex::new(());
+    // The armed point is per thread (src/fault.rs): these tests run in parallel with
+    // each other and with the tests above, none of them seeing another's point.
 
     fn admit_shielded(m: &mut KVCacheManager, id: &str) -> hscache::Result<bool> {
         let req = request(id, 0, 13, &prompt_hashes(7, 3, 0, 0));
@@ -113,9 +111,6 @@ mod injected {
 
     #[test]
     fn an_internal_panic_half_way_through_an_allocation_poisons() {
-        let _g = SERIAL
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let mut m = manager();
         assert!(admit_shielded(&mut m, "a").unwrap());
         m.free("a").unwrap();
@@ -134,9 +129,6 @@ mod injected {
 
     #[test]
     fn an_internal_panic_inside_free_poisons() {
-        let _g = SERIAL
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let mut m = manager();
         assert!(admit_shielded(&mut m, "a").unwrap());
         hscache::fault::arm("free", 0);
@@ -153,9 +145,6 @@ mod injected {
 
     #[test]
     fn an_armed_point_lets_earlier_passes_through() {
-        let _g = SERIAL
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let mut m = manager();
         hscache::fault::arm("allocate_slots.cached", 1);
         assert!(admit_shielded(&mut m, "a").unwrap());
