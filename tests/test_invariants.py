@@ -70,8 +70,19 @@ def test_block_pool_view_references_are_owners() -> None:
     pool.free_blocks(blocks + blocks[:1])
     m.check_invariants()
     held = m.get_blocks("a").blocks[0][-1]
-    with pytest.raises(exceptions.InvariantError, match="ref_cnt"):
-        pool.free_blocks([held])  # a table's reference freed behind its back
+    digest = m.state_digest()
+    # a table's reference freed behind its back: refused before it is dropped (checked
+    # mode; vLLM takes it), and the manager keeps serving
+    with pytest.raises(exceptions.InvalidArgumentError, match="block table of request"):
+        pool.free_blocks([held])
+    assert m.state_digest() == digest and m.poisoned is None
+    m.check_invariants()
+    # freed as often as referenced, the table's reference among them: the same refusal
+    pool.touch([held])
+    with pytest.raises(exceptions.InvalidArgumentError, match="block table of request"):
+        pool.free_blocks([held, held])
+    pool.free_blocks([held])  # the touch's own reference
+    m.check_invariants()
 
 
 def test_state_digest() -> None:

@@ -135,6 +135,70 @@ fn bad_input_is_an_error_and_changes_nothing() {
     m.check_invariants().unwrap();
 }
 
+/// Caller mistakes that once poisoned the manager (a typed error was found only
+/// half-way through the apply phase) are typed errors found before anything changes;
+/// the manager keeps serving.
+#[test]
+fn caller_mistakes_are_typed_errors_that_change_nothing() {
+    let mut m = manager(12, 4, true);
+    let h = prompt_hashes(1, 4, 0, 0);
+    admit(&mut m, "a", 17, &h);
+    m.free("a").unwrap();
+    let (hit, hits) = lookup(&mut m, &request("b", 0, 17, &h));
+    assert_eq!((hit, hits[0].len()), (16, 4));
+    let digest = m.state_digest();
+
+    // num_new_computed_tokens beyond the hit handed back: 2 blocks, 16 tokens claimed
+    let args = AllocateSlots {
+        num_new_tokens: 1,
+        num_new_computed_tokens: 16,
+        ..Default::default()
+    };
+    let short = [hits[0][..2].to_vec()];
+    let e = allocate(&mut m, &request("b", 0, 17, &h), Some(&short), args).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    assert_eq!(m.state_digest(), digest);
+
+    // a negative reservation lets the fit check pass; the pool cannot serve it
+    let big = prompt_hashes(9, 12, 0, 0);
+    let args = AllocateSlots {
+        num_new_tokens: 48,
+        reserved_blocks: -5,
+        ..Default::default()
+    };
+    let e = allocate(&mut m, &request("c", 0, 48, &big), None, args).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotEnoughFreeBlocks, "{e}");
+    assert_eq!(m.state_digest(), digest);
+
+    // cache_blocks past the blocks a delayed-caching request holds
+    let args = AllocateSlots {
+        num_new_tokens: 9,
+        delay_cache_blocks: true,
+        ..Default::default()
+    };
+    let d = request("d", 0, 17, &prompt_hashes(5, 4, 0, 0));
+    allocate(&mut m, &d, None, args).unwrap().unwrap();
+    let digest = m.state_digest();
+    let e = m.cache_blocks(&d, 16).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    assert_eq!(m.state_digest(), digest);
+    m.cache_blocks(&d, 8).unwrap();
+
+    // checked mode: a block of a live table is not freed behind the request's back
+    m.set_check_invariants(true);
+    let digest = m.state_digest();
+    let held = m.get_blocks("d", 0)[2];
+    let e = m.free_blocks(&[held]).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    assert_eq!(m.state_digest(), digest);
+
+    assert!(m.poisoned().is_none());
+    admit(&mut m, "b", 17, &h);
+    m.free("b").unwrap();
+    m.free("d").unwrap();
+    m.check_invariants().unwrap();
+}
+
 #[test]
 fn duplicate_blocks_are_both_indexed_and_first_is_returned() {
     let mut m = manager(10, 4, true);

@@ -29,8 +29,8 @@ use smallvec::SmallVec;
 use super::hisparse::{HiSparseCoordinator, PublicationRequests};
 use super::request::PlannedHashes;
 use super::single_type::{
-    new_manager, CacheQuery, GroupBlocks, HitQuery, ManagerBase, NumBlocksQuery, SingleTypeManager,
-    SteadyQuery,
+    cache_range, new_manager, CacheQuery, GroupBlocks, HitQuery, ManagerBase, NumBlocksQuery,
+    SingleTypeManager, SteadyQuery,
 };
 use super::spec::{GroupSpec, MambaCacheMode, ManagerKind};
 use crate::error::{Error, Result};
@@ -1136,6 +1136,86 @@ impl KVCacheCoordinator {
                 shared_prefix_boundary,
             };
             m.cache_blocks(&mut self.pool, slot, &mut state.groups[g], &q)?;
+        }
+        Ok(())
+    }
+
+    /// Refuses, before anything changes, a `cache_blocks` call that would cache past
+    /// a group's table (a request whose caching was delayed, asked to cache more
+    /// tokens than it holds blocks for): vLLM slices the table short and records a
+    /// cached count past it; the pool's own check would find it only half-way
+    /// through the groups.
+    pub fn check_cache_fits(
+        &self,
+        request_id: &str,
+        num_computed_tokens: usize,
+        num_hashes: usize,
+    ) -> Result<()> {
+        if self.hisparse.is_some() {
+            return Ok(());
+        }
+        let Some(state) = self.requests.get(request_id) else {
+            return Err(Error::UnknownRequest(request_id.to_owned()));
+        };
+        for (g, m) in self.managers.iter().enumerate() {
+            let base = m.base();
+            if !base.enable_caching || !base.spec.prefix_cacheable {
+                continue;
+            }
+            let cacheable = self.get_num_cacheable_tokens(num_computed_tokens, g);
+            let req = &state.groups[g];
+            let (num_cached, num_full) = cache_range(base, &self.pool, req, num_hashes, cacheable);
+            if num_full > num_cached && num_full > req.blocks.len() {
+                return Err(Error::InvalidArgument(format!(
+                    "cannot cache {num_computed_tokens} tokens of request {request_id:?}: \
+                     group {g} would cache {num_full} blocks and the request holds {}",
+                    req.blocks.len()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Refuses a `free_blocks` of the shared pool that would leave a block with
+    /// fewer references than the live block tables holding it (a caller freeing a
+    /// running request's block: vLLM takes it, and the block can then be handed to
+    /// another request while the first still reads it). Scans every table: the
+    /// checked mode's check, not the hot path's.
+    #[cold]
+    #[inline(never)]
+    pub fn check_free_keeps_tables(&self, ids: &[BlockId]) -> Result<()> {
+        let mut freed: Vec<(BlockId, u32)> = Vec::new();
+        for &b in ids.iter().filter(|&&b| b != NULL_BLOCK_ID) {
+            self.pool.check_block_id(i64::from(b))?;
+            match freed.iter_mut().find(|(id, _)| *id == b) {
+                Some((_, n)) => *n += 1,
+                None => freed.push((b, 1)),
+            }
+        }
+        for &(b, n) in &freed {
+            let mut holders = 0u32;
+            let mut first = None;
+            for (rid, state) in self.requests.iter() {
+                for (g, gb) in state.groups.iter().enumerate() {
+                    if self.managers[g].host_pool().is_some() {
+                        continue;
+                    }
+                    let k = gb.blocks.iter().filter(|&&x| x == b).count() as u32;
+                    if k > 0 {
+                        holders += k;
+                        first.get_or_insert(rid);
+                    }
+                }
+            }
+            // More frees than references is a double free: the pool names it.
+            let rc = self.pool.ref_cnt(b);
+            if holders > 0 && rc >= n && rc - n < holders {
+                return Err(Error::InvalidArgument(format!(
+                    "block {b} is still in the block table of request {:?}: free the \
+                     request, or pop its blocks (pop_blocks_for_free), before freeing them",
+                    first.unwrap_or_default()
+                )));
+            }
         }
         Ok(())
     }

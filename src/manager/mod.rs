@@ -688,15 +688,16 @@ impl KVCacheManager {
             .coordinator
             .request(rid)
             .is_some_and(|s| s.groups.iter().any(|g| g.num_cached_block.is_some()));
+        let num_local = request.num_computed_tokens() + args.num_new_computed_tokens;
         if adopt {
             self.check_hits(rid, hits, running)?;
+            self.check_hits_cover(hits, num_local)?;
             if self.check_after_ops {
                 self.check_hits_strictly(hits, args.num_new_computed_tokens)?;
                 self.check_hits_are_the_requests(request, hits)?;
             }
         }
         let max_len = self.config.max_model_len;
-        let num_local = request.num_computed_tokens() + args.num_new_computed_tokens;
         let total_uncapped = num_local + args.num_external_computed_tokens;
         let total = total_uncapped.min(max_len);
         let watermark = if args.has_scheduled_reqs
@@ -769,9 +770,18 @@ impl KVCacheManager {
             prefill_end,
         );
         let need = self.applied(need)?;
-        let available = self.block_pool().get_num_free_blocks() as i64 - args.reserved_blocks;
-        if need + watermark as i64 > available {
+        let free = self.block_pool().get_num_free_blocks();
+        if need + watermark as i64 > free as i64 - args.reserved_blocks {
             return Ok(false);
+        }
+        if need > free as i64 {
+            // Only a negative reservation (Mamba align's over-allocated blocks, summed
+            // by vLLM's Scheduler) gets here: vLLM's pool raises half-way through the
+            // allocation; the same error is raised before anything changes.
+            return Err(Error::NotEnoughFreeBlocks {
+                requested: need as usize,
+                available: free,
+            });
         }
 
         // ---- stage 2: adopt hits, allocate external-token blocks ----
@@ -858,6 +868,40 @@ impl KVCacheManager {
                         "request {rid:?} already has blocks and cannot adopt prefix hits"
                     )));
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// The hit handed back must cover the computed tokens the caller claims for it:
+    /// in every attention group that caches, at least `num_local / block_size`
+    /// blocks (the blocks the caching plan counts as already cached). A shorter hit
+    /// (`num_new_computed_tokens` beyond the hit the lookup returned) would claim
+    /// tokens no block holds; vLLM takes it and leaves the request's cached count
+    /// past its table. Empty hits (no lookup, or a connector's external tokens) are
+    /// not checked.
+    fn check_hits_cover(&self, hits: GroupedBlocks<'_>, num_local: usize) -> Result<()> {
+        if hits.ids.is_empty() || self.coordinator.hisparse().is_some() {
+            return Ok(());
+        }
+        for (g, m) in self.coordinator.managers().iter().enumerate() {
+            let b = m.base();
+            // Attention groups' hits cover the hit (null blocks stand for what a
+            // window skips); Mamba's and the auxiliary groups' do not.
+            let full_length = matches!(
+                b.spec.kind,
+                ManagerKind::FullAttention
+                    | ManagerKind::SlidingWindow { .. }
+                    | ManagerKind::ChunkedLocal { .. }
+            );
+            let held = hits.group(g).len();
+            if full_length && b.spec.prefix_cacheable && held < num_local / b.block_size {
+                return Err(Error::InvalidArgument(format!(
+                    "{num_local} computed tokens claimed, but the hit of group {g} holds \
+                     {held} blocks of {} tokens (num_new_computed_tokens beyond the hit \
+                     handed back)",
+                    b.block_size
+                )));
             }
         }
         Ok(())
@@ -1138,6 +1182,8 @@ impl KVCacheManager {
         let Some(plan) = self.plan_cache(request, num_computed_tokens, false, None, prompt)? else {
             return Ok(());
         };
+        self.coordinator
+            .check_cache_fits(rid, num_computed_tokens, plan.hashes.len())?;
         let r = self.coordinator.cache_blocks(
             rid,
             &plan.hashes,
@@ -1380,8 +1426,13 @@ impl KVCacheManager {
 
     /// Drops one reference per listed block, first = evicted first (deferred frees
     /// through vLLM's `block_pool.free_blocks`).
+    /// In the checked mode, blocks still held by a live block table are refused
+    /// ([`KVCacheCoordinator::check_free_keeps_tables`]); vLLM accepts them.
     pub fn free_blocks(&mut self, ordered_blocks: &[BlockId]) -> Result<()> {
         self.guard()?;
+        if self.check_after_ops {
+            self.coordinator.check_free_keeps_tables(ordered_blocks)?;
+        }
         let r = self
             .coordinator
             .block_pool_mut()
@@ -1405,6 +1456,9 @@ impl KVCacheManager {
             for &b in host {
                 hp.check_block_id(i64::from(b))?;
             }
+        }
+        if self.check_after_ops {
+            self.coordinator.check_free_keeps_tables(device)?;
         }
         self.coordinator.block_pool_mut().free_blocks(device)?;
         self.drop_external(device);

@@ -102,6 +102,26 @@ def _alloc_stale(f: Any, c: Ctx) -> Any:
     return c.t.allocate_slots(req, req.num_tokens - n, n, hit)
 
 
+def delayed() -> Ctx:
+    """``manager()`` plus request ``d``: 40 of its 70 prompt tokens (4 full blocks
+    hashed) in 3 blocks, its caching delayed (as for a connector's asynchronous load)."""
+    ctx = manager()
+    d = _req("d", list(range(2000, 2070)))
+    assert ctx.t.allocate_slots(d, 40, delay_cache_blocks=True) is not None
+    ctx.x["d"] = d
+    return ctx
+
+
+def _alloc_beyond_hit(f: Any, c: Ctx) -> Any:
+    """``c``'s prompt again: the lookup hits 2 blocks (32 tokens); one block is handed
+    back with the 32 tokens claimed."""
+    req = _req("c2", list(range(1000, 1040)))
+    hit, n, _ = c.t.get_computed_blocks(req)
+    assert n == 32
+    one = c.t.create_kv_cache_blocks((hit.blocks[0][:1],))
+    return f(req, 40 - n, n, one)
+
+
 def _handle(c: Ctx) -> int:
     h = c.t.request_handle("a")
     assert h is not None
@@ -264,6 +284,18 @@ ROWS = [
     ),
     R(
         "allocate_slots",
+        "num_new_computed_tokens beyond the hit handed back",
+        IA,
+        _alloc_beyond_hit,
+    ),
+    R(
+        "allocate_slots",
+        "a negative reserved_blocks, more blocks than the pool has free",
+        hx.OutOfBlocksError,
+        lambda f, c: f(_req("n", list(range(5000, 5000 + 16 * 30))), 480, reserved_blocks=-10),
+    ),
+    R(
+        "allocate_slots",
         "hits looked up before reset_prefix_cache (checked mode)",
         IA,
         _alloc_stale,
@@ -338,6 +370,13 @@ ROWS = [
     R("cache_blocks", "num_computed_tokens is a str", TE, lambda f, c: f(c.x["a"], "16")),
     R("cache_blocks", "request is None", TE, lambda f, c: f(None, 16)),
     R("cache_blocks", "unknown request with full blocks", UR, lambda f, c: f(_req("q"), 32)),
+    R(
+        "cache_blocks",
+        "more blocks than the request holds (caching delayed)",
+        IA,
+        lambda f, c: f(c.x["d"], 64),
+        delayed,
+    ),
     R("evict_blocks", "block id -1", BI, lambda f, c: f({-1})),
     R("evict_blocks", "block id past the pool", BI, lambda f, c: f({10**6})),
     R("evict_blocks", "block id = 2**70", BI, lambda f, c: f({HUGE})),

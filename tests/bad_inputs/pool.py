@@ -41,6 +41,13 @@ def poisoned() -> Ctx:
     return _view(mgr.poisoned())
 
 
+def checked() -> Ctx:
+    """``pool()`` in the checked mode (``HSCACHE_CHECK_INVARIANTS=1``)."""
+    ctx = pool()
+    ctx.x["manager"].check_invariants_after_ops = True
+    return ctx
+
+
 def _blocks(c: Ctx) -> Any:
     """Request ``a``'s blocks (group 0)."""
     return c.x["manager"].get_blocks("a").blocks[0]
@@ -87,6 +94,13 @@ ROWS = [
         lambda f, c: f([c.t.blocks[1], c.t.blocks[20]]),
     ),
     R("free_blocks", "blocks of another manager", IA, lambda f, c: f(c.x["foreign"][1:2])),
+    R(
+        "free_blocks",
+        "a block of a live request's table (checked mode)",
+        IA,
+        lambda f, c: f(_blocks(c)[4:5]),
+        checked,
+    ),
     R("free_blocks", "ints instead of blocks", IA, lambda f, c: f([1])),
     R("free_blocks", "None", TE, lambda f, c: f(None)),
     R(
@@ -212,6 +226,12 @@ ACCEPTED = [
         "the null block",
         "vLLM: the null block is never freed",
         lambda f, c: f([c.t.null_block]),
+    ),
+    A(
+        "free_blocks",
+        "a block of a live request's table",
+        "vLLM takes it; the checked mode refuses it (HSCACHE_CHECK_INVARIANTS=1)",
+        lambda f, c: f(_blocks(c)[4:5]),
     ),
     A(
         "get_cached_block",
