@@ -16,6 +16,7 @@ from hscache.testing.kv_cache import (
     full_attention,
     full_attention_config,
     kv_cache_config,
+    mamba,
     sliding_window,
 )
 from hscache.testing.manager import manager_kwargs
@@ -357,4 +358,43 @@ def test_reentrant_request_raises_runtime_error_and_changes_nothing(call) -> Non
     with pytest.raises(RuntimeError, match="borrowed"):
         m.allocate_slots(req, 40)
     assert _state(m) == before
+    m.check_invariants()
+
+
+_VIEW_LAYOUTS = {
+    "full": full_attention_config(32),
+    "full+swa": _FULL_AND_SLIDING_WINDOW,
+    "full+mamba": kv_cache_config([full_attention(16), mamba(16, mode="align")], 32),
+}
+
+
+@pytest.mark.parametrize("layout", list(_VIEW_LAYOUTS))
+def test_views_refuse_vllms_own_bookkeeping(layout: str) -> None:
+    """The coordinator and manager views are instances of vLLM's classes; a vLLM method
+    the view does not serve (``allocate_new_blocks``, ``free``, ``cache_blocks`` of a
+    single-type manager, ...) would run vLLM's bookkeeping over the view: blocks taken
+    from the pool behind the core's tables, then an ``AttributeError`` half-way. It raises
+    ``UnsupportedError`` and changes nothing; the read-only ones vLLM code calls run."""
+    m = KVCacheManager(**manager_kwargs(_VIEW_LAYOUTS[layout]))
+    a = make_request("a", list(range(70)))
+    _admit(m, a)
+    views = [m.coordinator, *m.coordinator.single_type_managers]
+    refused = 0
+    for view in views:
+        for name in dir(type(view)):
+            method = getattr(type(view), name)
+            if getattr(method, "__module__", None) != "hscache.vllm.views" or name.startswith("__"):
+                continue
+            if getattr(method, "__qualname__", "") != name:
+                continue  # served by the view itself
+            digest = m.state_digest()
+            with pytest.raises(exceptions.UnsupportedError, match=name):
+                getattr(view, name)("a", 16, 16)
+            assert m.state_digest() == digest, name
+            refused += 1
+    assert refused >= 10
+    for view in views[1:]:
+        assert view.get_num_skipped_tokens(64) >= 0
+    assert 0 < m.coordinator.get_num_cacheable_tokens(70, 0) <= 70
+    m.free(a)
     m.check_invariants()

@@ -13,6 +13,7 @@ hold no state of their own.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -95,6 +96,9 @@ class _LiveBlockList(list):  # type: ignore[type-arg]
         return list.__repr__(self)
 
 
+_SPEC_FIELDS = ("sliding_window", "extra_retained_tokens", "attention_chunk_size")
+
+
 class SingleTypeManagerView:
     """``coordinator.single_type_managers[g]``: the attributes vLLM code reads."""
 
@@ -117,6 +121,11 @@ class SingleTypeManagerView:
         self.scheduler_block_size = manager.core_coordinator_info()["scheduler_block_size"]
         self._pending_cow_copies = _CowQueue(manager, group_id)
         spec = self.kv_cache_spec
+        # The spec fields vLLM's managers copy in their constructors, which the
+        # read-only methods they inherit (`get_num_skipped_tokens`) read.
+        for field in _SPEC_FIELDS:
+            if hasattr(spec, field):
+                setattr(self, field, getattr(spec, field))
         if isinstance(spec, MambaSpec):
             self.mamba_cache_mode = spec.mamba_cache_mode
             self.num_speculative_blocks = spec.num_speculative_blocks
@@ -352,16 +361,58 @@ def _manager_view_base(cls: Any) -> type:
     return _MIXED[mixin]
 
 
+# vLLM's methods that a view may run as inherited: they only read what the view answers
+# (counts, skipped tokens, cacheable lengths). Every other method vLLM's class defines and
+# the view does not is refused (`_refused`).
+_READ_ONLY_INHERITED = frozenset(
+    {
+        "get_num_blocks_to_allocate",
+        "get_num_skipped_tokens",
+        "get_num_cacheable_tokens",
+        "_align_cacheable",
+        "_has_partial_local_hit",
+        "_needs_internal_checkpoint",
+    }
+)
+
+
+def _refused(cls_name: str, name: str) -> Any:
+    """A stand-in for vLLM's ``cls_name.name``, which would run vLLM's bookkeeping over
+    the view (blocks taken from the pool behind the core's tables, AttributeErrors half-way
+    through): it raises ``UnsupportedError`` before anything changes."""
+
+    def refused(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from hscache.exceptions import UnsupportedError
+
+        raise UnsupportedError(
+            f"{cls_name}.{name} is vLLM's own bookkeeping and does not run on hscache's "
+            "view of it; call the KVCacheManager (allocate_slots, cache_blocks, free, "
+            "pop_blocks_for_free, take_new_block_ids, ...) instead"
+        )
+
+    refused.__name__ = refused.__qualname__ = name
+    return refused
+
+
 def _view_class(view: type, vllm_cls: type) -> type:
     """``view`` over ``vllm_cls``: vLLM's class for ``isinstance``, the view's members
-    first in the MRO."""
+    first in the MRO, vLLM's methods that would mutate refused."""
     key = (view, vllm_cls)
     if key not in _VIEW_CLASSES:
         # vLLM's own name: code compares `type(x).__name__` too.
         name = vllm_cls.__name__
-        _VIEW_CLASSES[key] = type(
-            name, (view, vllm_cls), {"__module__": __name__, "__qualname__": name}
-        )
+        served = {n for k in view.__mro__ for n in vars(k)}
+        members: dict[str, Any] = {"__module__": __name__, "__qualname__": name}
+        for k in vllm_cls.__mro__:
+            for attr, value in vars(k).items():
+                if (
+                    inspect.isfunction(value)
+                    and not attr.startswith("__")
+                    and attr not in served
+                    and attr not in _READ_ONLY_INHERITED
+                ):
+                    members.setdefault(attr, _refused(name, attr))
+        _VIEW_CLASSES[key] = type(name, (view, vllm_cls), members)
     return _VIEW_CLASSES[key]
 
 
