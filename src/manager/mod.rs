@@ -47,6 +47,7 @@ mod hit_check;
 pub mod mamba;
 pub mod mutants;
 mod read_shield;
+pub mod registry;
 pub mod request;
 pub mod rswa;
 pub mod single_type;
