@@ -17,9 +17,10 @@
 //!   invariant and poisons the manager.
 //!
 //! Adding a single-type manager: a file here implementing [`SingleTypeManager`]
-//! (override only what the vLLM class overrides), a [`ManagerKind`] variant in
-//! `spec.rs`, one line in `registry.rs`'s `new_manager`, the spec's mapping in
-//! `python/hscache/vllm/specs.py`, and a differential config in `tests/vllm_diff/`.
+//! (override only what the vLLM class overrides), a
+//! [`ManagerKind`](super::spec::ManagerKind) variant in `spec.rs`, one line in
+//! `registry.rs`'s `new_manager`, the spec's mapping in `python/hscache/vllm/specs.py`,
+//! and a differential config in `tests/vllm_diff/`.
 //!
 //! Length: the trait is vLLM's base class, hook by hook, with each default's body
 //! beside it (the `base_*` functions) so an override reads against what it replaces.
