@@ -94,6 +94,9 @@ step panic-safety run_panic_safety
 step ruff-check ruff check python tests benches examples scripts
 step ruff-format ruff format --check python tests benches examples scripts
 step import-cycles python scripts/import_cycles.py
+# every repository path docs/architecture.md, CONTRIBUTING.md, the README or a source
+# file's header names exists (the concept map stays true to the tree)
+step paths python scripts/check_paths.py
 step mypy timeout 900 mypy  # settings and files: [tool.mypy] in pyproject.toml
 step build timeout 1800 maturin develop --release --quiet
 step_after build stubtest python -m mypy.stubtest hscache._core --allowlist tests/stubtest_allowlist.txt

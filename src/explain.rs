@@ -1,7 +1,7 @@
 //! Hit-path explanations (issue 17, item 2): why a request's last prefix-cache lookup
 //! stopped where it did. This file owns the opt-in state and the classification;
-//! the manager's hooks live in `manager/explain.rs`, the pool's eviction history in
-//! `pool/eviction_history.rs`, the Python bindings in `python/explain.rs`.
+//! the manager's hooks live in `src/manager/explain.rs`, the pool's eviction history
+//! in `src/pool/eviction_history.rs`, the Python bindings in `src/python/explain.rs`.
 //!
 //! Key properties:
 //! - Opt-in: the manager holds an `Option<Box<Explainer>>` that is `None` unless

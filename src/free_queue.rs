@@ -292,7 +292,7 @@ impl FreeKVCacheBlockQueue {
         Ok(())
     }
 
-    /// Test-only corruption (invariant mutants, `src/mutants.rs`): overwrites the
+    /// Test-only corruption (invariant mutants, `src/manager/mutants.rs`): overwrites the
     /// `next` link of `block_id` (the head sentinel for `None`) and the free count.
     #[doc(hidden)]
     pub fn corrupt_for_tests(

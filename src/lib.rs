@@ -5,30 +5,10 @@
 //! Python hands the core integers and byte strings; the core owns all bookkeeping
 //! state and hands back integers and events.
 //!
-//! Modules:
-//! - [`types`]: block ids, block hashes, hash keys, the hash-source trait.
-//! - [`error`]: the typed error enum and its stable kinds.
-//! - [`free_queue`]: `FreeKVCacheBlockQueue`, the O(1) intrusive LRU free list.
-//! - [`hash_index`]: `BlockHashToBlockMap`, hash key → cached block(s), duplicates kept.
-//! - [`pool`]: `BlockPool`, ref counts, lazy eviction, events.
-//! - [`events`]: KV-cache event records.
-//! - [`hash`]: block hashing, bit-exact with every vLLM algorithm, plus BLAKE3; the
-//!   incremental request block hasher.
-//! - [`extra_keys`]: block-hash extra keys (LoRA, multimodal, cache salt, prompt embeds).
-//! - [`stats`]: opt-in per-operation latency counters (`hscache.stats()`).
-//! - [`testing`]: deterministic fixtures shared by tests and benches.
-//! - [`request_table`]: `RequestTable`, request id → per-request state with stable
-//!   handles (the manager's, the encoder cache's and the slot mirror's tables).
-//! - [`manager`]: the `KVCacheManager` facade, the coordinator and one single-type
-//!   manager per group kind (HiSparse's host-backed groups in `manager::hisparse`).
-//! - [`encoder_cache`]: `EncoderCacheManager` (the multimodal encoder-output cache) and
-//!   `EncoderDecoderCacheManager` (the encoder budget of encoder-decoder models).
-//! - [`slots`]: `SlotMirror`, the worker-side mirror of block assignments (versions, slot
-//!   mappings, validated reads) behind the hidden-state cache.
-//! - [`prefill_skip`]: the reduced batch of KV-sharing layers (`--kv-sharing-fast-prefill`)
-//!   computed on the host.
-//! - [`shield`]: panic shields, an internal panic as a typed error and a poisoned object.
-//! - `python` (feature `python`): the PyO3 bindings, conversion only.
+//! Where each concept lives (its module here, its binding in `src/python/`, its
+//! Python module and its tests): the concept map in `docs/architecture.md`. Each
+//! module's doc says what it owns and which vLLM 0.33 file it mirrors; `python`
+//! (feature `python`) holds the PyO3 bindings, conversion only.
 
 pub mod alloc;
 pub mod encoder_cache;

@@ -12,8 +12,11 @@
 //!
 //! The `KVCacheManager` keeps its own flag (apply-phase errors and invariant checks
 //! poison it too: [`crate::manager::KVCacheManager::shielded`]); its read-only
-//! bindings go through [`catch`] after checking that flag. `catch_unwind` costs nothing
-//! on the path that does not panic: the wrappers add one branch on the flag.
+//! bindings go through [`catch`] after checking that flag
+//! ([`crate::manager::KVCacheManager::read`], written in `src/manager/read_shield.rs`
+//! so that this module, which the manager uses, does not name the manager back).
+//! `catch_unwind` costs nothing on the path that does not panic: the wrappers add
+//! one branch on the flag.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -126,24 +129,6 @@ impl<T> Shielded<T> {
     /// Python-side bookkeeping), and for tests.
     pub fn unshielded(&self) -> &T {
         &self.inner
-    }
-}
-
-impl crate::manager::KVCacheManager {
-    /// Runs a read-only call on the manager: refused on a poisoned manager (its
-    /// tables may be half-updated), and a panic inside it is [`Error::Internal`]
-    /// without poisoning (nothing changed). Mutating calls use
-    /// [`crate::manager::KVCacheManager::shielded`].
-    #[inline]
-    pub fn read<R, E: From<Error>>(
-        &self,
-        what: &str,
-        op: impl FnOnce(&Self) -> std::result::Result<R, E>,
-    ) -> std::result::Result<R, E> {
-        if let Some(reason) = self.poisoned() {
-            return Err(Error::Poisoned(reason.to_owned()).into());
-        }
-        catch(what, || op(self))
     }
 }
 

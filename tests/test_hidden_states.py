@@ -1,4 +1,4 @@
-"""Hidden-state cache (`hscache.hidden_states`, `src/slots.rs`): served rows equal recomputation.
+"""Hidden-state cache (`hscache.hidden_states`, `src/slots/`): served rows equal recomputation.
 
 The thinker of `examples/omni_two_stage.py` (vLLM's real `Scheduler` with hscache's manager,
 a deterministic causal toy model) drives randomized traces with hits, misses, same-step hits,

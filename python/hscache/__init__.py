@@ -5,7 +5,8 @@
 per-operation latency counters of the drop-in (on with ``enable_stats()`` or
 ``HSCACHE_STATS=1``) and explain mode's summary; ``explain(request_id)`` says why a
 request's last prefix-cache lookup stopped where it did (managers built with
-``explain=True`` or ``HSCACHE_EXPLAIN=1``).
+``explain=True`` or ``HSCACHE_EXPLAIN=1``). Where each concept lives (Rust file,
+binding, module, tests): the concept map in ``docs/architecture.md``.
 """
 
 import os as _os

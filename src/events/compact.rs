@@ -21,7 +21,7 @@
 //!   exactly where the exact stream leaves it, after every batch.
 //!
 //! The rule is generic over how a hash and the other fields are represented: the
-//! bindings (`src/python/compact.rs`) read them from vLLM's structs, or take them
+//! bindings (`src/python/events/compact.rs`) read them from vLLM's structs, or take them
 //! from the fields they are about to build a struct from, and merge lists in place.
 
 use std::ops::Range;

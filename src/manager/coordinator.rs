@@ -27,10 +27,12 @@
 use smallvec::SmallVec;
 
 use super::hisparse::{HiSparseCoordinator, PublicationRequests};
+use super::registry::new_manager;
 use super::request::PlannedHashes;
+pub use super::single_type::RequestState;
 use super::single_type::{
-    cache_range, new_manager, CacheQuery, GroupBlocks, HitQuery, ManagerBase, NumBlocksQuery,
-    SingleTypeManager, SteadyQuery,
+    cache_range, CacheQuery, GroupBlocks, HitQuery, ManagerBase, NumBlocksQuery, SingleTypeManager,
+    SteadyQuery,
 };
 use super::spec::{GroupSpec, MambaCacheMode, ManagerKind};
 use crate::error::{Error, Result};
@@ -79,14 +81,6 @@ pub struct SpecGroup {
     pub is_full_attention: bool,
     pub is_mamba: bool,
     pub supports_fine_grained: bool,
-}
-
-/// One request's tables in every group.
-#[derive(Clone, Debug, Default)]
-pub struct RequestState {
-    pub groups: SmallVec<[GroupBlocks; 2]>,
-    /// The last batch this request was checked in (batched calls).
-    pub batch_epoch: u64,
 }
 
 /// When a call needs which request field (derived once from the groups).

@@ -918,10 +918,6 @@ impl SingleTypeManager for MambaManager {
         self.align_request(slot).hash(&mut h);
         h.finish()
     }
-
-    fn mamba(&self) -> Option<&MambaManager> {
-        Some(self)
-    }
 }
 
 #[cfg(test)]

@@ -46,6 +46,8 @@ pub mod hisparse;
 mod hit_check;
 pub mod mamba;
 pub mod mutants;
+mod read_shield;
+pub mod registry;
 pub mod request;
 pub mod rswa;
 pub mod single_type;

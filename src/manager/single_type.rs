@@ -17,23 +17,17 @@
 //!   invariant and poisons the manager.
 //!
 //! Adding a single-type manager: a file here implementing [`SingleTypeManager`]
-//! (override only what the vLLM class overrides), a [`ManagerKind`] variant in
-//! `spec.rs`, one line in [`new_manager`], the spec's mapping in
-//! `python/hscache/vllm/specs.py`, and a differential config in `tests/vllm_diff/`.
+//! (override only what the vLLM class overrides), a
+//! [`ManagerKind`](super::spec::ManagerKind) variant in `spec.rs`, one line in
+//! `registry.rs`'s `new_manager`, the spec's mapping in `python/hscache/vllm/specs.py`,
+//! and a differential config in `tests/vllm_diff/`.
 //!
 //! Length: the trait is vLLM's base class, hook by hook, with each default's body
 //! beside it (the `base_*` functions) so an override reads against what it replaces.
 
 use smallvec::SmallVec;
 
-use super::hisparse::{HiSparseHotManager, HiSparseResidentManager, HiSparseSourceManager};
-use super::spec::{GroupSpec, ManagerKind};
-use super::{
-    chunked_local::ChunkedLocalAttentionManager, circular_buffer::CircularBufferManager,
-    cross_attention::CrossAttentionManager, full_attention::FullAttentionManager,
-    mamba::MambaManager, rswa::RswaManager, sink::SinkFullAttentionManager,
-    sliding_window::SlidingWindowManager,
-};
+use super::spec::GroupSpec;
 use crate::error::{Error, Result};
 use crate::pool::BlockPool;
 use crate::types::{cdiv, BlockHashSource, BlockId, NULL_BLOCK_ID};
@@ -50,6 +44,15 @@ pub struct GroupBlocks {
     /// A prefix hit that ends inside block `.0`, shared block `.1`: copied on write
     /// at the next allocation.
     pub partial_hit: Option<(usize, BlockId)>,
+}
+
+/// One request's tables in every group (the coordinator's request table holds one
+/// per request; HiSparse's coordinator reads them too).
+#[derive(Clone, Debug, Default)]
+pub struct RequestState {
+    pub groups: SmallVec<[GroupBlocks; 2]>,
+    /// The last batch this request was checked in (batched calls).
+    pub batch_epoch: u64,
 }
 
 /// A copy-on-write pair queued for the worker: `(source, copy)`; both hold an extra
@@ -232,8 +235,25 @@ pub struct MaskQuery<'a> {
     pub reachable_boundaries: &'a [i64],
 }
 
+/// The concrete manager behind a `dyn SingleTypeManager`, for the kind-typed views
+/// (`registry.rs`: `mamba()`, `hisparse_hot()`, ...), so that this trait names none
+/// of its implementors.
+pub trait AsAny: std::any::Any {
+    fn as_any(&self) -> &dyn std::any::Any;
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
+}
+
+impl<T: std::any::Any> AsAny for T {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
 /// vLLM's per-type manager hooks (see module docs).
-pub trait SingleTypeManager: std::fmt::Debug + Send + Sync {
+pub trait SingleTypeManager: AsAny + std::fmt::Debug + Send + Sync {
     fn base(&self) -> &ManagerBase;
     fn base_mut(&mut self) -> &mut ManagerBase;
 
@@ -388,11 +408,6 @@ pub trait SingleTypeManager: std::fmt::Debug + Send + Sync {
         None
     }
 
-    /// Mamba "align" internals for the Python views (`_checkpoints`, ...).
-    fn mamba(&self) -> Option<&super::mamba::MambaManager> {
-        None
-    }
-
     /// The blocks `pop_blocks_for_free` hands back for this group (allocation
     /// order, leading nulls trimmed unless `keep_null_head`: vLLM 0.32 keeps them),
     /// appended to `out`: the table by default.
@@ -423,72 +438,6 @@ pub trait SingleTypeManager: std::fmt::Debug + Send + Sync {
     fn host_pool(&self) -> Option<&BlockPool> {
         None
     }
-
-    /// HiSparse's source group, for its coordinator.
-    fn hisparse_source_mut(&mut self) -> Option<&mut HiSparseSourceManager> {
-        None
-    }
-
-    /// A HiSparse resident group, for its coordinator and the Python views.
-    fn hisparse_resident(&self) -> Option<&HiSparseResidentManager> {
-        None
-    }
-
-    /// A HiSparse resident group, mutable.
-    fn hisparse_resident_mut(&mut self) -> Option<&mut HiSparseResidentManager> {
-        None
-    }
-
-    /// A HiSparse hot group, for its coordinator and the Python views.
-    fn hisparse_hot(&self) -> Option<&HiSparseHotManager> {
-        None
-    }
-
-    /// A HiSparse hot group, mutable.
-    fn hisparse_hot_mut(&mut self) -> Option<&mut HiSparseHotManager> {
-        None
-    }
-}
-
-/// The manager of `spec` (vLLM's `get_manager_for_kv_cache_spec` + registry);
-/// `enable_kv_cache_events` is the device pool's (HiSparse's host pool follows it).
-pub fn new_manager(
-    base: ManagerBase,
-    enable_kv_cache_events: bool,
-) -> Result<Box<dyn SingleTypeManager>> {
-    Ok(match base.spec.kind.clone() {
-        ManagerKind::FullAttention => Box::new(FullAttentionManager::new(base)),
-        ManagerKind::SinkFullAttention { sink_len } => {
-            Box::new(SinkFullAttentionManager::new(base, sink_len)?)
-        }
-        ManagerKind::Rswa { rswa_window } => Box::new(RswaManager::new(base, rswa_window)),
-        ManagerKind::CircularBuffer => Box::new(CircularBufferManager::new(base)),
-        ManagerKind::SlidingWindow {
-            sliding_window,
-            extra_retained_tokens,
-        } => Box::new(SlidingWindowManager::new(
-            base,
-            sliding_window,
-            extra_retained_tokens,
-        )),
-        ManagerKind::ChunkedLocal {
-            attention_chunk_size,
-        } => Box::new(ChunkedLocalAttentionManager::new(
-            base,
-            attention_chunk_size,
-        )),
-        ManagerKind::Mamba(params) => Box::new(MambaManager::new(base, params)?),
-        ManagerKind::CrossAttention => Box::new(CrossAttentionManager::new(base)),
-        ManagerKind::HiSparseSource { host_num_blocks } => Box::new(HiSparseSourceManager::new(
-            base,
-            host_num_blocks,
-            enable_kv_cache_events,
-        )?),
-        ManagerKind::HiSparseResident => Box::new(HiSparseResidentManager::new(base)),
-        ManagerKind::HiSparseHot { blocks_per_request } => {
-            Box::new(HiSparseHotManager::new(base, blocks_per_request))
-        }
-    })
 }
 
 /// vLLM's base `get_num_blocks_to_allocate`.

@@ -630,7 +630,7 @@ impl BlockPool {
         self.cached_block_hash_to_block.check_invariants()
     }
 
-    /// Test-only corruption for the invariant mutants (`src/mutants.rs`).
+    /// Test-only corruption for the invariant mutants (`src/manager/mutants.rs`).
     #[doc(hidden)]
     pub fn corrupt_for_tests(&mut self) -> CorruptPool<'_> {
         CorruptPool(self)

@@ -2,13 +2,10 @@
 //!
 //! `convert/` reads Python objects into core values and back; it decides nothing
 //! (see its module docs for the review rule). The other files are the classes and
-//! functions Python sees, each a thin call into the core: `manager.rs`
-//! (`KVCacheCore`: vLLM's `KVCacheManager` methods), `pool.rs` and `coordinator.rs`
-//! (its pool- and group-level methods for the Python views), `blocks.rs` /
-//! `block.rs` (`KVCacheBlocks`, `KVCacheBlock`), `batch.rs`, `events.rs` (vLLM's
-//! event structs), `hasher.rs`, `encoder_cache.rs`, `slots.rs`. No bookkeeping
-//! lives here; the Python adapter (`python/hscache/vllm/`) wraps these classes into
-//! vLLM's interface.
+//! functions Python sees, each a thin call into the core (which file binds which
+//! core concept: the concept map in `docs/architecture.md`). No bookkeeping lives
+//! here; the Python adapter (`python/hscache/vllm/`) wraps these classes into vLLM's
+//! interface.
 
 mod batch;
 mod block;

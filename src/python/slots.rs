@@ -3,7 +3,7 @@
 //! Conversion only. `plan_scheduler_output` reads vLLM 0.33's `SchedulerOutput` in
 //! place (one FFI crossing per step; `slot_facts.rs` reads it); `plan` takes the same
 //! facts as plain ids for tests and other engines. Slot mappings and per-request spans
-//! come back as `bytearray`s of native-endian int64 (see `buffers.rs`), the fast
+//! come back as `bytearray`s of native-endian int64 (see `convert/buffers.rs`), the fast
 //! prefill result as `prefill_skip.rs` encodes it.
 
 use pyo3::prelude::*;

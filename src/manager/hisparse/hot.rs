@@ -96,13 +96,6 @@ impl SingleTypeManager for HiSparseHotManager {
         &mut self.base
     }
 
-    fn hisparse_hot(&self) -> Option<&HiSparseHotManager> {
-        Some(self)
-    }
-    fn hisparse_hot_mut(&mut self) -> Option<&mut HiSparseHotManager> {
-        Some(self)
-    }
-
     fn find_longest_cache_hit(
         &self,
         _pool: &BlockPool,

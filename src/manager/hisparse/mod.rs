@@ -71,8 +71,7 @@ pub use set_order::cpython_set_order;
 pub use source::HiSparseSourceManager;
 pub use spills::{PageTransfer, PendingSpill};
 
-use super::coordinator::RequestState;
-use super::single_type::SingleTypeManager;
+use super::single_type::{RequestState, SingleTypeManager};
 use super::spec::{GroupSpec, ManagerKind};
 use crate::error::{Error, Result};
 use crate::pool::BlockPool;

@@ -147,13 +147,6 @@ impl SingleTypeManager for HiSparseResidentManager {
         &mut self.base
     }
 
-    fn hisparse_resident(&self) -> Option<&HiSparseResidentManager> {
-        Some(self)
-    }
-    fn hisparse_resident_mut(&mut self) -> Option<&mut HiSparseResidentManager> {
-        Some(self)
-    }
-
     fn find_longest_cache_hit(
         &self,
         _pool: &BlockPool,

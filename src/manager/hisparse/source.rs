@@ -119,10 +119,6 @@ impl SingleTypeManager for HiSparseSourceManager {
         true
     }
 
-    fn hisparse_source_mut(&mut self) -> Option<&mut HiSparseSourceManager> {
-        Some(self)
-    }
-
     fn find_longest_cache_hit(
         &self,
         _pool: &BlockPool,
