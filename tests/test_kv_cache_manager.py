@@ -383,10 +383,8 @@ def test_views_refuse_vllms_own_bookkeeping(layout: str) -> None:
     for view in views:
         for name in dir(type(view)):
             method = getattr(type(view), name)
-            if getattr(method, "__module__", None) != "hscache.vllm.views" or name.startswith("__"):
-                continue
-            if getattr(method, "__qualname__", "") != name:
-                continue  # served by the view itself
+            if getattr(method, "__module__", None) != "hscache.vllm.unserved":
+                continue  # served by the view, or a read-only method of vLLM's
             digest = m.state_digest()
             with pytest.raises(exceptions.UnsupportedError, match=name):
                 getattr(view, name)("a", 16, 16)
@@ -396,5 +394,39 @@ def test_views_refuse_vllms_own_bookkeeping(layout: str) -> None:
     for view in views[1:]:
         assert view.get_num_skipped_tokens(64) >= 0
     assert 0 < m.coordinator.get_num_cacheable_tokens(70, 0) <= 70
+    m.free(a)
+    m.check_invariants()
+
+
+def test_blocks_and_pool_views_refuse_vllms_mutators() -> None:
+    """vLLM's ``KVCacheBlock`` is a mutable dataclass and its free queue, prefix-cache
+    index and pool have mutating methods; hscache's handles and views read the core, so
+    each of those raises ``UnsupportedError`` (not ``AttributeError``) and changes
+    nothing."""
+    m = KVCacheManager(**manager_kwargs(full_attention_config(32)))
+    a = make_request("a", list(range(70)))
+    _admit(m, a)
+    pool = m.block_pool
+    block = pool.blocks[1]
+    calls = {
+        "KVCacheBlock.ref_cnt": lambda: setattr(block, "ref_cnt", 5),
+        "KVCacheBlock.prev_free_block": lambda: setattr(block, "prev_free_block", None),
+        "KVCacheBlock.reset_hash": block.reset_hash,
+        "KVCacheBlock.set_block_hash": lambda: block.set_block_hash(b"k" * 36, 16),
+        "FreeKVCacheBlockQueue.popleft": pool.free_block_queue.popleft,
+        "FreeKVCacheBlockQueue.append": lambda: pool.free_block_queue.append(block),
+        "FreeKVCacheBlockQueue.remove": lambda: pool.free_block_queue.remove(pool.blocks[20]),
+        "BlockHashToBlockMap.insert": lambda: pool.cached_block_hash_to_block.insert(
+            b"k" * 36, pool.blocks[20]
+        ),
+        "BlockPool.unpin_blocks": lambda: pool.unpin_blocks([block], None),
+        "BlockPool._maybe_evict_cached_block": lambda: pool._maybe_evict_cached_block(block),
+    }
+    for what, call in calls.items():
+        digest = m.state_digest()
+        with pytest.raises(exceptions.UnsupportedError, match=what.split(".")[1]):
+            call()
+        assert m.state_digest() == digest, what
+    assert block.ref_cnt == 1
     m.free(a)
     m.check_invariants()

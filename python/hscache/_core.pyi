@@ -44,6 +44,12 @@ class KVCacheBlock:
     def next_free_block(self) -> Any: ...
     @property
     def prev_free_block(self) -> Any: ...
+    def __setattr__(self, name: str, value: Any, /) -> None:
+        """Raises ``UnsupportedError``: the core alone changes a block."""
+    def reset_hash(self) -> None:
+        """Raises ``UnsupportedError``: the core evicts blocks itself."""
+    def set_block_hash(self, block_hash: Any, num_tokens: Any = None) -> None:
+        """Raises ``UnsupportedError``: the core caches blocks itself."""
 
 @final
 class KVCacheBlocks:

@@ -11,6 +11,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use pyo3::PyTraverseError;
 
+use super::errors::UnsupportedError;
 use super::manager::PyKVCacheCore;
 use crate::pool::BlockPool;
 use crate::types::{BlockId, NULL_BLOCK_ID};
@@ -96,6 +97,37 @@ impl PyKVCacheBlock {
     #[getter]
     fn pool(&self, py: Python<'_>) -> Py<PyKVCacheCore> {
         self.core.clone_ref(py)
+    }
+
+    /// vLLM's blocks are mutable dataclasses; these handles read the core, which
+    /// alone changes a block (`BlockPool.touch`, `free_blocks`, caching, eviction).
+    fn __setattr__(&self, name: &str, _value: &Bound<'_, PyAny>) -> PyResult<()> {
+        Err(UnsupportedError::new_err(format!(
+            "KVCacheBlock.{name} is read from hscache's core and cannot be set; change \
+             blocks through the block pool (touch, free_blocks) or the KVCacheManager"
+        )))
+    }
+
+    /// vLLM's `reset_hash` (the pool's eviction step): the core evicts.
+    fn reset_hash(&self) -> PyResult<()> {
+        Err(UnsupportedError::new_err(
+            "KVCacheBlock.reset_hash: hscache's core evicts blocks itself; use \
+             block_pool.evict_blocks or reset_prefix_cache",
+        ))
+    }
+
+    /// vLLM's `set_block_hash` (the pool's caching step): the core caches.
+    #[pyo3(signature = (block_hash, num_tokens = None))]
+    fn set_block_hash(
+        &self,
+        block_hash: &Bound<'_, PyAny>,
+        num_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let _ = (block_hash, num_tokens);
+        Err(UnsupportedError::new_err(
+            "KVCacheBlock.set_block_hash: hscache's core caches blocks itself; use \
+             block_pool.cache_full_blocks or the KVCacheManager",
+        ))
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {

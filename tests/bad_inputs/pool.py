@@ -211,6 +211,18 @@ ROWS = [
         lambda f, c: f(KEY, c.x["foreign"][1], None),
     ),
     R("_insert_block_hash", "the null block", IA, lambda f, c: f(KEY, c.t.null_block, None)),
+    R(
+        "emit_cached_block_events",
+        "vLLM's own step, run by the core",
+        hx.UnsupportedError,
+        lambda f, c: f(c.x["a"], _blocks(c)),
+    ),
+    R(
+        "unpin_blocks",
+        "vLLM's own step, run by the core",
+        hx.UnsupportedError,
+        lambda f, c: f(_blocks(c)[:1], None),
+    ),
     R("_insert_block_hash", "negative num_tokens", IA, lambda f, c: f(KEY, c.t.blocks[20], -1)),
 ]
 

@@ -15,9 +15,12 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, overload
 
 from vllm.distributed.kv_events import MEDIUM_GPU, KVCacheEvent
+from vllm.v1.core import block_pool as vllm_block_pool
+from vllm.v1.core import kv_cache_utils
 
 from hscache._core import KVCacheBlock, KVCacheCore
 from hscache.vllm import events
+from hscache.vllm.unserved import refuse_unserved
 
 
 class _BlockList(Sequence[KVCacheBlock]):
@@ -66,6 +69,11 @@ class _FreeListSentinel:
         return None if self._is_head else self._core.core_free_list_end(True)
 
 
+@refuse_unserved(
+    kv_cache_utils.FreeKVCacheBlockQueue,
+    "the free queue is the core's: blocks leave it through get_new_blocks and touch, and "
+    "return through free_blocks",
+)
 class FreeKVCacheBlockQueue:
     """Read-only view of the core's free queue (head = next block to reuse)."""
 
@@ -82,6 +90,10 @@ class FreeKVCacheBlockQueue:
         return [self._core.block(i) for i in self._core.core_free_block_ids()]
 
 
+@refuse_unserved(
+    vllm_block_pool.BlockHashToBlockMap,
+    "blocks enter the prefix cache through cache_full_blocks / _insert_block_hash",
+)
 class BlockHashToBlockMap:
     """Read-only view of the core's prefix-cache index."""
 
@@ -188,6 +200,11 @@ class _SecondaryKeys(Mapping[int, set[bytes]]):
         return len(self._core.core_blocks_with_secondary_keys())
 
 
+@refuse_unserved(
+    vllm_block_pool.BlockPool,
+    "the core runs the pool's own steps (eviction, events, pinning) inside the calls of "
+    "this class and of the KVCacheManager",
+)
 class BlockPool:
     """vLLM's ``BlockPool`` interface over a ``KVCacheCore``."""
 

@@ -13,12 +13,13 @@ hold no state of their own.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 from vllm.v1.core import kv_cache_coordinator as kcc
 from vllm.v1.kv_cache_interface import MambaSpec
+
+from hscache.vllm.unserved import refused, unserved_methods
 
 # The views read an ``hscache.vllm.KVCacheManager`` (``KVCacheManager`` below); they take
 # it as ``Any`` so that this module does not import the module that imports it.
@@ -363,7 +364,7 @@ def _manager_view_base(cls: Any) -> type:
 
 # vLLM's methods that a view may run as inherited: they only read what the view answers
 # (counts, skipped tokens, cacheable lengths). Every other method vLLM's class defines and
-# the view does not is refused (`_refused`).
+# the view does not is refused (`hscache.vllm.unserved`).
 _READ_ONLY_INHERITED = frozenset(
     {
         "get_num_blocks_to_allocate",
@@ -374,24 +375,10 @@ _READ_ONLY_INHERITED = frozenset(
         "_needs_internal_checkpoint",
     }
 )
-
-
-def _refused(cls_name: str, name: str) -> Any:
-    """A stand-in for vLLM's ``cls_name.name``, which would run vLLM's bookkeeping over
-    the view (blocks taken from the pool behind the core's tables, AttributeErrors half-way
-    through): it raises ``UnsupportedError`` before anything changes."""
-
-    def refused(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from hscache.exceptions import UnsupportedError
-
-        raise UnsupportedError(
-            f"{cls_name}.{name} is vLLM's own bookkeeping and does not run on hscache's "
-            "view of it; call the KVCacheManager (allocate_slots, cache_blocks, free, "
-            "pop_blocks_for_free, take_new_block_ids, ...) instead"
-        )
-
-    refused.__name__ = refused.__qualname__ = name
-    return refused
+_INSTEAD = (
+    "call the KVCacheManager (allocate_slots, cache_blocks, free, pop_blocks_for_free, "
+    "take_new_block_ids, ...) instead"
+)
 
 
 def _view_class(view: type, vllm_cls: type) -> type:
@@ -401,17 +388,9 @@ def _view_class(view: type, vllm_cls: type) -> type:
     if key not in _VIEW_CLASSES:
         # vLLM's own name: code compares `type(x).__name__` too.
         name = vllm_cls.__name__
-        served = {n for k in view.__mro__ for n in vars(k)}
         members: dict[str, Any] = {"__module__": __name__, "__qualname__": name}
-        for k in vllm_cls.__mro__:
-            for attr, value in vars(k).items():
-                if (
-                    inspect.isfunction(value)
-                    and not attr.startswith("__")
-                    and attr not in served
-                    and attr not in _READ_ONLY_INHERITED
-                ):
-                    members.setdefault(attr, _refused(name, attr))
+        for attr in unserved_methods(view, vllm_cls, keep=_READ_ONLY_INHERITED):
+            members[attr] = refused(name, attr, _INSTEAD)
         _VIEW_CLASSES[key] = type(name, (view, vllm_cls), members)
     return _VIEW_CLASSES[key]
 
