@@ -363,9 +363,11 @@ def _manager_view_base(cls: Any) -> type:
 
 
 # vLLM's methods that a view may run as inherited: they only read what the view answers
-# (counts, skipped tokens, cacheable lengths). Every other method vLLM's class defines and
-# the view does not is refused (`hscache.vllm.unserved`).
-_READ_ONLY_INHERITED = frozenset(
+# (counts, skipped tokens, cacheable lengths), or, for Mamba's partial-tail keying that
+# vLLM's own tests call on a manager, write only through the pool view's checked calls
+# (`cache_partial_block`; the eviction it may need is refused first). Every other method
+# vLLM's class defines and the view does not is refused (`hscache.vllm.unserved`).
+_INHERITED = frozenset(
     {
         "get_num_blocks_to_allocate",
         "get_num_skipped_tokens",
@@ -373,6 +375,7 @@ _READ_ONLY_INHERITED = frozenset(
         "_align_cacheable",
         "_has_partial_local_hit",
         "_needs_internal_checkpoint",
+        "_cache_partial_tail_block",
     }
 )
 _INSTEAD = (
@@ -389,7 +392,7 @@ def _view_class(view: type, vllm_cls: type) -> type:
         # vLLM's own name: code compares `type(x).__name__` too.
         name = vllm_cls.__name__
         members: dict[str, Any] = {"__module__": __name__, "__qualname__": name}
-        for attr in unserved_methods(view, vllm_cls, keep=_READ_ONLY_INHERITED):
+        for attr in unserved_methods(view, vllm_cls, keep=_INHERITED):
             members[attr] = refused(name, attr, _INSTEAD)
         _VIEW_CLASSES[key] = type(name, (view, vllm_cls), members)
     return _VIEW_CLASSES[key]
