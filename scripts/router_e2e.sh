@@ -61,5 +61,15 @@ mkdir -p "$work"
 export VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 unset HSCACHE HSCACHE_PARITY HSCACHE_DISABLE HSCACHE_STRICT HSCACHE_KV_EVENTS
 # router.py kills its engines and indexers on exit (also on SIGTERM); this bounds it all.
-timeout 1200 "$HSCACHE_PY032" tests/e2e/router.py --work "$work" \
-    --indexer-python "$dyn/bin/python" "$@"
+cmd=(timeout 1200 "$HSCACHE_PY032" tests/e2e/router.py --work "$work"
+    --indexer-python "$dyn/bin/python" "$@")
+# Dynamo's indexer serves HTTP on all interfaces: where the machine allows it, the whole
+# check runs in a network namespace of its own, where only loopback exists.
+if unshare -n true 2>/dev/null && command -v ip >/dev/null; then
+    log "running in a private network namespace (loopback only)"
+    unshare -n -- bash -c 'ip link set lo up && exec "$@"' router-e2e "${cmd[@]}"
+else
+    log "no private network namespace here: the indexer listens on a free port of all" \
+        "interfaces for the check's duration"
+    "${cmd[@]}"
+fi
