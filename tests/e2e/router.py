@@ -20,7 +20,8 @@ indexer subscribes to all three. The scenario, phase by phase:
 1. ``shared``: system prompts landing on different engines (S1 on workers 1 and 2), the
    hybrid's prompts past its window;
 2. ``repeats``: exact repeats, a continuation into generated tokens, a request with a
-   cache salt;
+   cache salt, a request with a LoRA adapter (worker 1 serves LoRA: a rank-8 adapter
+   made here, ``make_lora``);
 3. ``stalled``: the indexer stopped (SIGSTOP) while every engine serves a round, then
    resumed (SIGCONT): the steps complete while it is stopped, nothing is lost;
 4. ``reset``: ``reset_prefix_cache()`` on worker 2 (``AllBlocksCleared``);
@@ -33,11 +34,17 @@ block), and the check polls the indexer (bounded) until each sentinel block is i
 events of one engine arrive in order, so everything before it is indexed too. There the
 indexer's scores for a fixed set of probe prompts and the worker it would pick are
 recorded, and must equal, in every arm, the expected scores: hand-computed from what was
-sent to each engine (the full blocks of prompt + output but the last token) while the
-engine has evicted nothing, else computed from the engine's own event stream, read by a
-second subscriber of this process (``Reference``). At the end every arm's ``/dump`` must
-be the same, the three arms' answers identical, and the first indexer's log must have no
-missing-parent, unknown-removal or gap line. Prints the Markdown table of the README's
+sent to each engine (the full blocks of prompt + output but the last token, per LoRA)
+while the engine has evicted nothing, else computed from the engine's own event stream,
+read by a second subscriber of this process (``Reference``). What the indexer does with
+a salt (it indexes stored blocks by token ids and LoRA name only, so a salted request's
+blocks answer unsalted queries and a salted query matches nothing) is part of the
+expectation. The hybrid worker's scores are recorded and compared across arms, not
+against an expectation (the indexer books each KV-cache group's events apart; vLLM's
+duplicate blocks make it log unknown removals there, as many in every arm). At the end
+every arm's ``/dump`` must equal its engines' event state (dense workers) and be the same
+in every arm, and the first indexer's log must have no missing-parent or gap line, and no
+unknown-removal line for a dense worker. Prints the Markdown table of the README's
 "Beyond one machine" and exits 1 on any difference.
 """
 
@@ -78,7 +85,17 @@ ARMS: dict[str, dict[str, str]] = {
 HSCACHE_MANAGER = "hscache.vllm.kv_cache_manager.KVCacheManager"
 HSCACHE_PUBLISHER = "hscache.vllm.publisher.NonBlockingPublisher"
 SALT = "tenant-a"
-SALTED_QUERY = "salted, queried with its salt"
+LORA = "tenant-lora"
+LORA_RANK = 8
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A probe prompt, queried with a cache salt or a LoRA name when given."""
+
+    tokens: list[int]
+    salt: str | None = None
+    lora: str | None = None
 
 
 @dataclass(frozen=True)
@@ -86,9 +103,14 @@ class EngineSpec:
     worker: int
     model: str  # "dense" or "hybrid": the indexer's model_name
     blocks: int  # num_gpu_blocks_override (0: as many as the KV space holds)
+    lora: bool = False  # LoRA enabled (the adapter LORA serves some of its requests)
 
 
-ENGINES = (EngineSpec(1, "dense", 0), EngineSpec(2, "dense", 24), EngineSpec(3, "hybrid", 40))
+ENGINES = (
+    EngineSpec(1, "dense", 0, lora=True),
+    EngineSpec(2, "dense", 24),
+    EngineSpec(3, "hybrid", 40),
+)
 DENSE = (1, 2)
 START_TIMEOUT = 300.0
 CALL_TIMEOUT = 180.0
@@ -97,6 +119,40 @@ POLL_S = 0.02
 # Lines of the indexer's log that mean a consumer lost track of an engine.
 BAD_LINES = re.compile(r"Failed to find parent block|Failed to find block to remove|Gap detected")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def make_lora(out: Path, base: Path) -> Path:
+    """A rank-8 LoRA adapter (q_proj and v_proj of every layer, small random weights) for
+    the tiny Llama, in PEFT's layout, written once."""
+    if (out / ".complete").exists():
+        return out
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((base / "config.json").read_text())
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    gen = torch.Generator().manual_seed(1)
+    tensors = {}
+    for i in range(layers):
+        for proj in ("q_proj", "v_proj"):
+            key = f"base_model.model.model.layers.{i}.self_attn.{proj}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(LORA_RANK, hidden, generator=gen) * 0.1
+            tensors[f"{key}.lora_B.weight"] = torch.randn(hidden, LORA_RANK, generator=gen) * 0.1
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    adapter = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base),
+        "r": LORA_RANK,
+        "lora_alpha": 2 * LORA_RANK,
+        "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "v_proj"],
+        "bias": "none",
+    }
+    (out / "adapter_config.json").write_text(json.dumps(adapter))
+    (out / ".complete").write_text("ok\n")
+    return out
 
 
 def free_port() -> int:
@@ -139,26 +195,27 @@ class Prompts:
         """One full block (and one token more) that nothing else shares."""
         return toks(90_000 + 100 * phase + worker, BLOCK + 1, self.vocab)
 
-    def probes(self, model_name: str) -> dict[str, list[int]]:
-        """The fixed probe prompts of a model (``SALTED_QUERY`` names the one queried with
-        the cache salt of the salted request)."""
+    def probes(self, model_name: str) -> dict[str, Probe]:
+        """The fixed probe prompts of a model."""
         v = self.vocab
         if model_name == "dense":
             return {
-                "S1+new": self.user("S1", 900),
-                "S2+new": self.user("S2", 901),
-                "S3+new": self.user("S3", 902),
-                "S4+new": self.user("S4", 903),
-                "S1 repeat": self.user("S1", 1),
-                "salted": self.user("S2", 7),
-                SALTED_QUERY: self.user("S2", 7),
-                "fresh": toks(7000, 80, v),
+                "S1+new": Probe(self.user("S1", 900)),
+                "S2+new": Probe(self.user("S2", 901)),
+                "S3+new": Probe(self.user("S3", 902)),
+                "S4+new": Probe(self.user("S4", 903)),
+                "S1 repeat": Probe(self.user("S1", 1)),
+                "salted": Probe(self.user("S2", 7)),
+                "salted, with its salt": Probe(self.user("S2", 7), salt=SALT),
+                "LoRA": Probe(self.user("S2", 8, 60)),
+                "LoRA, with its name": Probe(self.user("S2", 8, 60), lora=LORA),
+                "fresh": Probe(toks(7000, 80, v)),
             }
         return {
-            "H1+new": self.user("H1", 910),
-            "H2+new": self.user("H2", 911),
-            "H1 repeat": self.user("H1", 11),
-            "fresh": toks(7001, 80, v),
+            "H1+new": Probe(self.user("H1", 910)),
+            "H2+new": Probe(self.user("H2", 911)),
+            "H1 repeat": Probe(self.user("H1", 11)),
+            "fresh": Probe(toks(7001, 80, v)),
         }
 
 
@@ -226,10 +283,14 @@ class Indexer:
                 raise RuntimeError(f"the indexer's listeners did not come up (see {self.log})")
             time.sleep(POLL_S)
 
-    def scores(self, tokens: list[int], model_name: str, salt: str | None = None) -> dict[int, int]:
+    def scores(
+        self, tokens: list[int], model_name: str, salt: str | None = None, lora: str | None = None
+    ) -> dict[int, int]:
         body: dict[str, Any] = {"token_ids": tokens, "model_name": model_name}
         if salt is not None:
             body["cache_salt"] = salt
+        if lora is not None:
+            body["lora_name"] = lora
         r = self.http("/query", body)
         return {int(w): max(dp.values()) for w, dp in r.get("scores", {}).items()}
 
@@ -302,6 +363,8 @@ class Engine:
         ]
         if arm != "stock":
             cmd.append("--hscache")
+        if spec.lora:
+            cmd += ["--lora", LORA, str(model_dir.parent / "lora-adapter"), str(LORA_RANK)]
         self.log = log
         with log.open("wb") as f:
             self.proc = subprocess.Popen(
@@ -371,7 +434,8 @@ class Reference:
             s.connect(e.pub)
             self._socks[s] = e.spec.worker
         self.next_seq = {e.spec.worker: 0 for e in engines}
-        self.blocks: dict[int, dict[int, tuple[int | None, tuple[int, ...]]]] = {
+        # hash -> (parent hash, the block's tokens, the LoRA name of a first block)
+        self.blocks: dict[int, dict[int, tuple[int | None, tuple[int, ...], str | None]]] = {
             e.spec.worker: {} for e in engines
         }
         self.group_blocks: dict[int, dict[int | None, set[int]]] = {
@@ -421,7 +485,8 @@ class Reference:
                 parent = ev.parent_block_hash
                 for i, h in enumerate(ev.block_hashes):
                     tokens = tuple(ev.token_ids[i * ev.block_size : (i + 1) * ev.block_size])
-                    blocks[int(h)] = (None if parent is None else int(parent), tokens)
+                    root = None if parent is not None else getattr(ev, "lora_name", None)
+                    blocks[int(h)] = (None if parent is None else int(parent), tokens, root)
                     groups.setdefault(group, set()).add(int(h))
                     parent = h
             elif kind == "BlockRemoved":
@@ -440,20 +505,21 @@ class Reference:
     def holds(self, worker: int, tokens: list[int]) -> bool:
         """Whether the worker's stream stored the block of these (one block of) tokens."""
         with self._lock:
-            return any(t == tuple(tokens) for _, t in self.blocks[worker].values())
+            return any(t == tuple(tokens) for _, t, _ in self.blocks[worker].values())
 
-    def _paths(self, worker: int) -> dict[int, tuple[int, ...] | None]:
-        """Each stored hash's token path from the root (None when a parent is missing)."""
+    def _paths(self, worker: int) -> dict[int, tuple[Any, ...] | None]:
+        """Each stored hash's path from the root: the LoRA name of its first block, then
+        the tokens (None when a parent is missing)."""
         with self._lock:
             blocks = dict(self.blocks[worker])
-        paths: dict[int, tuple[int, ...] | None] = {}
+        paths: dict[int, tuple[Any, ...] | None] = {}
 
-        def path(h: int) -> tuple[int, ...] | None:
+        def path(h: int) -> tuple[Any, ...] | None:
             if h not in paths:
                 paths[h] = None  # a missing parent (or a cycle): no path
-                parent, tokens = blocks[h]
+                parent, tokens, lora = blocks[h]
                 if parent is None:
-                    paths[h] = tokens
+                    paths[h] = (lora, *tokens)
                 elif parent in blocks:
                     head = path(parent)
                     paths[h] = None if head is None else head + tokens
@@ -463,13 +529,13 @@ class Reference:
             path(h)
         return paths
 
-    def score(self, worker: int, tokens: list[int]) -> int:
+    def score(self, worker: int, tokens: list[int], lora: str | None = None) -> int:
         """Matched tokens of ``tokens`` in the worker's state as a token-keyed radix tree
         sees it: a block counts when some stored hash of the worker has that block's
         tokens and, through its chain of parents, all the tokens before it."""
         held = set(self._paths(worker).values())
         n = 0
-        while n + BLOCK <= len(tokens) and tuple(tokens[: n + BLOCK]) in held:
+        while n + BLOCK <= len(tokens) and (lora, *tokens[: n + BLOCK]) in held:
             n += BLOCK
         return n
 
@@ -520,7 +586,7 @@ class Arm:
         self.ref: Reference | None = None
         # What each engine holds by hand: the token sequences of the blocks it computed
         # (prompt + output but the last token) since its last reset.
-        self.sent: dict[int, list[list[int]]] = {s.worker: [] for s in ENGINES}
+        self.sent: dict[int, list[tuple[list[int], str | None]]] = {w.worker: [] for w in ENGINES}
         self.result: dict[str, Any] = {"arm": name, "syncs": [], "phases": {}}
         self.phase_no = 0
 
@@ -568,7 +634,7 @@ class Arm:
             r = self.engines[w].read(CALL_TIMEOUT)
             for p, q in zip(prompts, r["requests"], strict=True):
                 # Salted too: the indexer keys a block by its token ids alone.
-                self.sent[w].append(p["tokens"] + q["output"][:-1])
+                self.sent[w].append((p["tokens"] + q["output"][:-1], p.get("lora")))
             out[str(w)] = r
         return out
 
@@ -592,38 +658,38 @@ class Arm:
         point: dict[str, Any] = {"label": label, "sync_s": sync_s, "probes": {}}
         for model_name in ("dense", "hybrid"):
             workers = [w for w, e in self.engines.items() if e.spec.model == model_name]
-            for name, tokens in self.p.probes(model_name).items():
-                salt = SALT if name == SALTED_QUERY else None
-                got = self.indexer.scores(tokens, model_name, salt)
+            for name, probe in self.p.probes(model_name).items():
+                got = self.indexer.scores(probe.tokens, model_name, probe.salt, probe.lora)
                 got_full = {w: got.get(w, 0) for w in workers}
                 point["probes"][f"{model_name}/{name}"] = {
                     "scores": got_full,
                     "pick": pick(got_full),
-                    "expected": {w: self.expected(w, tokens, salt is not None) for w in workers},
-                    "hand": {w: self.hand(w, tokens, salt is not None) for w in workers},
+                    "expected": {w: self.expected(w, probe) for w in workers},
+                    "hand": {w: self.hand(w, probe) for w in workers},
                 }
         self.result["syncs"].append(point)
         return point
 
-    def hand(self, worker: int, tokens: list[int], salted_query: bool = False) -> int:
-        """The full blocks ``tokens`` shares with what the worker computed. A query that
-        carries a cache salt matches nothing: the indexer mixes the query's salt into its
-        block keys, but indexes stored blocks by their token ids alone (it ignores the
-        salt vLLM publishes in ``extra_keys``), so a salted request's blocks answer an
-        unsalted query."""
-        if salted_query:
+    def hand(self, worker: int, probe: Probe) -> int:
+        """The full blocks the probe shares with what the worker computed under the same
+        LoRA (none or the probe's). A query that carries a cache salt matches nothing:
+        the indexer mixes the query's salt into its block keys, but indexes stored blocks
+        by their token ids (and LoRA name) alone, ignoring the salt vLLM publishes in
+        ``extra_keys``; so a salted request's blocks answer an unsalted query."""
+        if probe.salt is not None:
             return 0
-        return max((lcp_blocks(tokens, s) for s in self.sent[worker]), default=0)
+        sent = [t for t, lora in self.sent[worker] if lora == probe.lora]
+        return max((lcp_blocks(probe.tokens, t) for t in sent), default=0)
 
-    def expected(self, worker: int, tokens: list[int], salted_query: bool = False) -> int:
+    def expected(self, worker: int, probe: Probe) -> int:
         """By hand while the engine evicted nothing (a reset clears ``sent``), else from
         its event stream."""
         assert self.ref is not None
-        if salted_query:
+        if probe.salt is not None:
             return 0
         if self.ref.removed[worker] == 0 and self.engines[worker].spec.model == "dense":
-            return self.hand(worker, tokens)
-        return self.ref.score(worker, tokens)
+            return self.hand(worker, probe)
+        return self.ref.score(worker, probe.tokens, probe.lora)
 
     # -- the scenario
     def run(self) -> None:
@@ -652,6 +718,7 @@ class Arm:
                     {"tokens": p.user("S1", 1)},
                     {"tokens": p.user("S1", 1) + first + toks(6001, 20, p.vocab)},
                     {"tokens": p.user("S2", 7), "cache_salt": SALT},
+                    {"tokens": p.user("S2", 8, 60), "lora": LORA},
                 ],
                 2: [{"tokens": p.user("S3", 5)}],
                 3: [
@@ -900,6 +967,7 @@ def main() -> int:
         "dense": model.make(args.work / "model"),
         "hybrid": hybrid.make(args.work / "model-hybrid"),
     }
+    make_lora(args.work / "lora-adapter", models["dense"])
     from transformers import AutoTokenizer
 
     prompts = Prompts(len(AutoTokenizer.from_pretrained(str(models["dense"]))))

@@ -1,7 +1,7 @@
 """One engine of the router check: vLLM's offline engine on CPU, driven over a pipe.
 
     python tests/e2e/router_engine.py --model DIR --pub ENDPOINT --replay ENDPOINT
-        [--blocks N] [--hscache] --result-fd FD
+        [--blocks N] [--hscache] [--lora NAME DIR RANK] --result-fd FD
 
 Started by ``tests/e2e/router.py`` once per engine of an arm (``HSCACHE_STRICT=1`` and,
 for the compact arm, ``HSCACHE_KV_EVENTS=compact`` come from the caller). The engine runs
@@ -13,7 +13,8 @@ endpoint, both given by the caller), wrapped by hscache's non-blocking publisher
 Commands arrive as JSON lines on stdin; each answer is one JSON line on ``--result-fd``
 (stdout and stderr carry vLLM's logs):
 
-- ``{"op": "generate", "prompts": [{"tokens": [...], "cache_salt": ...}], "max_tokens": N}``
+- ``{"op": "generate", "prompts": [{"tokens": [...], "cache_salt": ..., "lora": NAME}],
+  "max_tokens": N}`` (``lora`` only with ``--lora``)
   -> per request its output tokens and ``num_cached_tokens``, the wall time of the call,
   and the deltas of vLLM's prefix-cache and preemption counters;
 - ``{"op": "reset"}`` -> ``llm.reset_prefix_cache()``'s result (its ``AllBlocksCleared``
@@ -57,23 +58,35 @@ def build(args: argparse.Namespace) -> Any:
         kwargs["num_gpu_blocks_override"] = args.blocks
     if args.hscache:
         kwargs["scheduler_cls"] = "hscache.vllm.Scheduler"
+    if args.lora:
+        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=int(args.lora[2]))
     return LLM(**kwargs)
 
 
-def generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+def generate(llm: Any, cmd: dict[str, Any], lora: list[str] | None) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
 
     prompts = []
+    loras: list[LoRARequest | None] = []
     for p in cmd["prompts"]:
         tp = TokensPrompt(prompt_token_ids=p["tokens"])
         if p.get("cache_salt"):
             tp["cache_salt"] = p["cache_salt"]
         prompts.append(tp)
+        if p.get("lora"):
+            if lora is None or p["lora"] != lora[0]:
+                raise ValueError(f"this engine does not serve LoRA {p['lora']!r}")
+            loras.append(LoRARequest(lora[0], 1, lora[1]))
+        else:
+            loras.append(None)
     params = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"])
     before = offline.counters(llm)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(
+        prompts, params, use_tqdm=False, lora_request=loras if lora is not None else None
+    )
     wall = time.perf_counter() - t0
     after = offline.counters(llm)
     return {
@@ -110,6 +123,9 @@ def main() -> int:
     ap.add_argument("--replay", required=True, help="the replay ROUTER endpoint (bound here)")
     ap.add_argument("--blocks", type=int, default=0, help="num_gpu_blocks_override")
     ap.add_argument("--hscache", action="store_true", help="--scheduler-cls hscache's")
+    ap.add_argument(
+        "--lora", nargs=3, metavar=("NAME", "DIR", "RANK"), help="enable LoRA, serve this one"
+    )
     ap.add_argument("--result-fd", type=int, required=True)
     args = ap.parse_args()
     if args.hscache:
@@ -137,7 +153,7 @@ def main() -> int:
         cmd = json.loads(line)
         op = cmd["op"]
         if op == "generate":
-            answer(generate(llm, cmd))
+            answer(generate(llm, cmd, args.lora))
         elif op == "reset":
             answer({"reset": bool(llm.reset_prefix_cache())})
         elif op == "info":
