@@ -56,6 +56,7 @@ import os
 import random
 import re
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -589,11 +590,11 @@ class Arm:
         self.sent: dict[int, list[tuple[list[int], str | None]]] = {w.worker: [] for w in ENGINES}
         self.result: dict[str, Any] = {"arm": name, "syncs": [], "phases": {}}
         self.phase_no = 0
+        self._sock_dir = Path(tempfile.mkdtemp(prefix=f"hscache-router-{name}-"))
 
     # -- lifecycle
     def start(self) -> None:
         t0 = time.monotonic()
-        self._sock_dir = Path(tempfile.mkdtemp(prefix=f"hscache-router-{self.name}-"))
         for spec in ENGINES:
             self.engines[spec.worker] = Engine(
                 spec,
@@ -619,6 +620,7 @@ class Arm:
                 idx.stop()
         if self.ref is not None:
             self.ref.close()
+        shutil.rmtree(self._sock_dir, ignore_errors=True)
 
     # -- serving
     def serve(self, batches: dict[int, list[dict[str, Any]]], max_tokens: int) -> dict[str, Any]:
@@ -709,7 +711,7 @@ class Arm:
         )
         self.sync("shared")
 
-        # 2. Exact repeats, a continuation into generated tokens, a salted request.
+        # 2. Exact repeats, a continuation into generated tokens, a salted and a LoRA request.
         first = ph["shared"]["1"]["requests"][0]["output"]
         h2 = ph["shared"]["3"]["requests"][1]["output"]
         ph["repeats"] = self.serve(
