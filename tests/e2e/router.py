@@ -46,6 +46,10 @@ every arm's ``/dump`` must equal its engines' event state (dense workers) and be
 in every arm, and the first indexer's log must have no missing-parent or gap line, and no
 unknown-removal line for a dense worker. Prints the Markdown table of the README's
 "Beyond one machine" and exits 1 on any difference.
+
+Files: this one (the scenario, the engines, the expectations), ``router_engine.py`` (one
+engine), ``router_consumers.py`` (the indexer and the reference subscriber),
+``router_judge.py`` (the verdict and the table).
 """
 
 from __future__ import annotations
@@ -58,13 +62,10 @@ import re
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,8 @@ sys.path.insert(0, str(HERE))
 import hybrid  # noqa: E402
 import model  # noqa: E402
 import offline  # noqa: E402
+from router_consumers import POLL_S, Indexer, Reference  # noqa: E402
+from router_judge import judge, table  # noqa: E402
 
 BLOCK = offline.BLOCK_SIZE
 FIRST = offline.FIRST_TOKEN
@@ -83,8 +86,6 @@ ARMS: dict[str, dict[str, str]] = {
     "hscache": {"HSCACHE_STRICT": "1"},
     "compact": {"HSCACHE_STRICT": "1", "HSCACHE_KV_EVENTS": "compact"},
 }
-HSCACHE_MANAGER = "hscache.vllm.kv_cache_manager.KVCacheManager"
-HSCACHE_PUBLISHER = "hscache.vllm.publisher.NonBlockingPublisher"
 SALT = "tenant-a"
 LORA = "tenant-lora"
 LORA_RANK = 8
@@ -116,10 +117,6 @@ DENSE = (1, 2)
 START_TIMEOUT = 300.0
 CALL_TIMEOUT = 180.0
 SYNC_TIMEOUT = 60.0
-POLL_S = 0.02
-# Lines of the indexer's log that mean a consumer lost track of an engine.
-BAD_LINES = re.compile(r"Failed to find parent block|Failed to find block to remove|Gap detected")
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def make_lora(out: Path, base: Path) -> Path:
@@ -154,12 +151,6 @@ def make_lora(out: Path, base: Path) -> Path:
     (out / "adapter_config.json").write_text(json.dumps(adapter))
     (out / ".complete").write_text("ok\n")
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---------------------------------------------------------------------------- prompts
@@ -218,121 +209,6 @@ class Prompts:
             "H1 repeat": Probe(self.user("H1", 11)),
             "fresh": Probe(toks(7001, 80, v)),
         }
-
-
-# ---------------------------------------------------------------------------- indexer
-
-
-class Indexer:
-    """Dynamo's standalone KV indexer in its own process group, on a free loopback port."""
-
-    def __init__(self, python: str, log: Path) -> None:
-        self.log = log
-        self.port = free_port()
-        env = {**os.environ, "NO_COLOR": "1", "RUST_LOG": "info"}
-        with log.open("wb") as f:
-            self.proc = subprocess.Popen(
-                [python, "-m", "dynamo.indexer", "--port", str(self.port), "--threads", "1"],
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                self.http("/workers")
-                return
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the indexer did not start (see {log})") from None
-                time.sleep(POLL_S)
-
-    def http(self, path: str, body: dict[str, Any] | None = None) -> Any:
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}{path}",
-            data=None if body is None else json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return json.loads(r.read().decode())
-
-    def register(self, spec: EngineSpec, pub: str, replay: str) -> None:
-        self.http(
-            "/register",
-            {
-                "instance_id": spec.worker,
-                "endpoint": pub,
-                "replay_endpoint": replay,
-                "model_name": spec.model,
-                "block_size": BLOCK,
-            },
-        )
-
-    def wait_listening(self, workers: list[int]) -> None:
-        """Until the log says each worker's ZMQ listener and replay socket are up."""
-        deadline = time.monotonic() + 30
-        while True:
-            text = self.text()
-            if all(
-                f"starting recv loop worker_id={w} " in text
-                and re.search(rf"Replay socket connected worker_id={w} ", text)
-                for w in workers
-            ):
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the indexer's listeners did not come up (see {self.log})")
-            time.sleep(POLL_S)
-
-    def scores(
-        self, tokens: list[int], model_name: str, salt: str | None = None, lora: str | None = None
-    ) -> dict[int, int]:
-        body: dict[str, Any] = {"token_ids": tokens, "model_name": model_name}
-        if salt is not None:
-            body["cache_salt"] = salt
-        if lora is not None:
-            body["lora_name"] = lora
-        r = self.http("/query", body)
-        return {int(w): max(dp.values()) for w, dp in r.get("scores", {}).items()}
-
-    def dump(self) -> dict[str, dict[int, list[list[int | None]]]]:
-        """Per model and worker, each indexed block as [hash, parent hash], sorted."""
-        out: dict[str, dict[int, set[tuple[int, int | None]]]] = {}
-        for key, d in self.http("/dump").items():
-            model_name = key.split(":")[0]
-            per = out.setdefault(model_name, {})
-            for ev in d["events"]:
-                stored = ev["event"]["data"].get("stored")
-                if stored is None:
-                    continue
-                parent = stored["parent_hash"]
-                for b in stored["blocks"]:
-                    per.setdefault(ev["worker_id"], set()).add((b["block_hash"], parent))
-                    parent = b["block_hash"]
-        return {
-            m: {w: sorted([list(b) for b in blocks], key=str) for w, blocks in sorted(p.items())}
-            for m, p in sorted(out.items())
-        }
-
-    def text(self) -> str:
-        return ANSI.sub("", self.log.read_text(errors="replace"))
-
-    def bad_lines(self) -> list[str]:
-        """The log's lines that mean lost track, without their timestamps."""
-        lines = self.text().splitlines()
-        return [line.split(" ", 1)[-1].strip() for line in lines if BAD_LINES.search(line)]
-
-    def pause(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGCONT)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGCONT)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
 
 
 # ---------------------------------------------------------------------------- engines
@@ -411,155 +287,6 @@ class Engine:
         self._answers.close()
 
 
-# ------------------------------------------------------------------ reference state
-
-
-class Reference:
-    """A second subscriber of every engine's publisher (this process): the sequence must
-    have no gap, and the events give the state a consumer reaches after them, per
-    worker: each stored block's parent and tokens, removals, clears; per KV-cache group
-    too (the hybrid finding)."""
-
-    def __init__(self, engines: list[Engine]) -> None:
-        import msgspec
-        import zmq
-        from vllm.distributed.kv_events import KVEventBatch
-
-        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
-        self._ctx = zmq.Context()
-        self._socks: dict[Any, int] = {}
-        for e in engines:
-            s = self._ctx.socket(zmq.SUB)
-            s.setsockopt(zmq.SUBSCRIBE, b"")
-            s.setsockopt(zmq.RCVHWM, 0)
-            s.connect(e.pub)
-            self._socks[s] = e.spec.worker
-        self.next_seq = {e.spec.worker: 0 for e in engines}
-        # hash -> (parent hash, the block's tokens, the LoRA name of a first block)
-        self.blocks: dict[int, dict[int, tuple[int | None, tuple[int, ...], str | None]]] = {
-            e.spec.worker: {} for e in engines
-        }
-        self.group_blocks: dict[int, dict[int | None, set[int]]] = {
-            e.spec.worker: {} for e in engines
-        }
-        self.removed = {e.spec.worker: 0 for e in engines}
-        self.cleared = {e.spec.worker: 0 for e in engines}
-        self.events = {e.spec.worker: 0 for e in engines}
-        # Removals of a hash another group of the same worker still holds.
-        self.removed_held_elsewhere = {e.spec.worker: 0 for e in engines}
-        # Removals of a hash the worker's stream no longer holds (a consumer's
-        # "unknown block" line), and every event in short form.
-        self.unknown_removed = {e.spec.worker: 0 for e in engines}
-        self.trace: dict[int, list[list[Any]]] = {e.spec.worker: [] for e in engines}
-        self.problems: list[str] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        import zmq
-
-        poller = zmq.Poller()
-        for s in self._socks:
-            poller.register(s, zmq.POLLIN)
-        while not self._stop.is_set():
-            for s, _ in poller.poll(50):
-                _topic, seq, payload = s.recv_multipart()
-                with self._lock:
-                    self._apply(self._socks[s], int.from_bytes(seq, "big"), payload)
-
-    def _apply(self, worker: int, seq: int, payload: bytes) -> None:
-        if seq != self.next_seq[worker]:
-            self.problems.append(f"worker {worker}: batch {seq}, expected {self.next_seq[worker]}")
-        self.next_seq[worker] = seq + 1
-        blocks = self.blocks[worker]
-        groups = self.group_blocks[worker]
-        for ev in self._decoder.decode(payload).events:
-            self.events[worker] += 1
-            kind = type(ev).__name__
-            group = getattr(ev, "group_idx", None)
-            self.trace[worker].append(
-                [seq, kind, group, [int(h) for h in getattr(ev, "block_hashes", [])]]
-            )
-            if kind == "BlockStored":
-                parent = ev.parent_block_hash
-                for i, h in enumerate(ev.block_hashes):
-                    tokens = tuple(ev.token_ids[i * ev.block_size : (i + 1) * ev.block_size])
-                    root = None if parent is not None else getattr(ev, "lora_name", None)
-                    blocks[int(h)] = (None if parent is None else int(parent), tokens, root)
-                    groups.setdefault(group, set()).add(int(h))
-                    parent = h
-            elif kind == "BlockRemoved":
-                for h in ev.block_hashes:
-                    self.removed[worker] += 1
-                    if blocks.pop(int(h), None) is None:
-                        self.unknown_removed[worker] += 1
-                    groups.get(group, set()).discard(int(h))
-                    if any(int(h) in g for k, g in groups.items() if k != group):
-                        self.removed_held_elsewhere[worker] += 1
-            elif kind == "AllBlocksCleared":
-                self.cleared[worker] += 1
-                blocks.clear()
-                groups.clear()
-
-    def holds(self, worker: int, tokens: list[int]) -> bool:
-        """Whether the worker's stream stored the block of these (one block of) tokens."""
-        with self._lock:
-            return any(t == tuple(tokens) for _, t, _ in self.blocks[worker].values())
-
-    def _paths(self, worker: int) -> dict[int, tuple[Any, ...] | None]:
-        """Each stored hash's path from the root: the LoRA name of its first block, then
-        the tokens (None when a parent is missing)."""
-        with self._lock:
-            blocks = dict(self.blocks[worker])
-        paths: dict[int, tuple[Any, ...] | None] = {}
-
-        def path(h: int) -> tuple[Any, ...] | None:
-            if h not in paths:
-                paths[h] = None  # a missing parent (or a cycle): no path
-                parent, tokens, lora = blocks[h]
-                if parent is None:
-                    paths[h] = (lora, *tokens)
-                elif parent in blocks:
-                    head = path(parent)
-                    paths[h] = None if head is None else head + tokens
-            return paths[h]
-
-        for h in blocks:
-            path(h)
-        return paths
-
-    def score(self, worker: int, tokens: list[int], lora: str | None = None) -> int:
-        """Matched tokens of ``tokens`` in the worker's state as a token-keyed radix tree
-        sees it: a block counts when some stored hash of the worker has that block's
-        tokens and, through its chain of parents, all the tokens before it."""
-        held = set(self._paths(worker).values())
-        n = 0
-        while n + BLOCK <= len(tokens) and (lora, *tokens[: n + BLOCK]) in held:
-            n += BLOCK
-        return n
-
-    def state(self) -> dict[int, dict[str, Any]]:
-        """Per worker: how many distinct token paths (radix-tree nodes) it holds, and its
-        stored hashes."""
-        out: dict[int, dict[str, Any]] = {}
-        for w in sorted(self.blocks):
-            paths = self._paths(w)
-            out[w] = {
-                "nodes": len({p for p in paths.values() if p is not None}),
-                "hashes": sorted(paths),
-            }
-        return out
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        for s in self._socks:
-            s.close(linger=0)
-        self._ctx.term()
-
-
 # ---------------------------------------------------------------------------- one arm
 
 
@@ -606,10 +333,10 @@ class Arm:
         for e in self.engines.values():
             e.ready = e.read(START_TIMEOUT)
         self.result["engines_start_s"] = time.monotonic() - t0
-        self.ref = Reference(list(self.engines.values()))
+        self.ref = Reference({w: e.pub for w, e in self.engines.items()})
         self.indexer = Indexer(self.indexer_py, self.work / f"router-{self.name}-indexer.log")
         for e in self.engines.values():
-            self.indexer.register(e.spec, e.pub, e.replay)
+            self.indexer.register(e.spec.worker, e.spec.model, e.pub, e.replay)
         self.indexer.wait_listening(list(self.engines))
 
     def stop(self) -> None:
@@ -780,7 +507,7 @@ class Arm:
         t1 = time.monotonic()
         self.restarted = Indexer(self.indexer_py, self.work / f"router-{self.name}-replay.log")
         for e in self.engines.values():
-            self.restarted.register(e.spec, e.pub, e.replay)
+            self.restarted.register(e.spec.worker, e.spec.model, e.pub, e.replay)
         self.restarted.wait_listening(list(self.engines))
         self.indexer = self.restarted
         self.sync("restart")
@@ -821,140 +548,6 @@ def pick(scores: dict[int, int]) -> int:
     return min(scores, key=lambda w: (-scores[w], w))
 
 
-# ---------------------------------------------------------------------------- judging
-
-
-def judge(arms: dict[str, dict[str, Any]]) -> list[str]:
-    """Every difference: from the expectations (dense workers), between the arms (all)."""
-    problems: list[str] = []
-    base_name = next(iter(arms))
-    base = arms[base_name]
-    for name, r in arms.items():
-        for point in r["syncs"]:
-            for probe, d in point["probes"].items():
-                if not probe.startswith("dense/"):
-                    continue  # the hybrid's scores are reported, and compared across arms
-                exp = {int(k): v for k, v in d["expected"].items()}
-                got = {int(k): v for k, v in d["scores"].items()}
-                if got != exp:
-                    problems.append(
-                        f"{name}/{point['label']}/{probe}: scores {got}, expected {exp}"
-                    )
-        for key, ref in (("dump", "reference"), ("dump_after_replay", "reference_after_replay")):
-            for w in DENSE:
-                if not dump_matches(r[key], r[ref], w):
-                    problems.append(f"{name}: {key}, worker {w}: not the engine's event state")
-        dense_bad = [x for x in r["bad_lines"] if not re.search(r"worker_id=3\b", x)]
-        if dense_bad:
-            problems.append(f"{name}: indexer log: {dense_bad[:3]}")
-        if any("Gap detected" in x or "parent" in x for x in r["bad_lines"]):
-            problems.append(f"{name}: indexer log has gap or missing-parent lines")
-        if r["replay"]["bad_lines"] != r["bad_lines"]:
-            problems.append(
-                f"{name}: the restarted indexer's log differs: {r['replay']['bad_lines'][:3]}"
-            )
-        if r["replay"]["replays"] < len(r["engines"]):
-            problems.append(f"{name}: the restarted indexer replayed {r['replay']}")
-        if r["stream_problems"]:
-            problems.append(f"{name}: event stream: {r['stream_problems'][:3]}")
-        s2 = r["stream"]["2"]
-        if s2["removed"] == 0 or s2["cleared"] == 0:
-            problems.append(f"{name}: worker 2 saw no eviction or no clear ({s2})")
-        preempt = r["phases"]["pressure"]["2"]["counters"].get("vllm:num_preemptions", 0)
-        if preempt <= 0:
-            problems.append(f"{name}: the pressure phase preempted nothing")
-        if not r["phases"]["reset"]["reset"]:
-            problems.append(f"{name}: reset_prefix_cache failed")
-        for w, e in r["engines"].items():
-            hscache_arm = name != "stock"
-            manager = HSCACHE_MANAGER if hscache_arm else "vllm.v1.core.kv_cache_manager."
-            if not e["manager"].startswith(manager):
-                problems.append(f"{name}/worker {w}: served by {e['manager']}")
-            if hscache_arm and e["publisher"] != HSCACHE_PUBLISHER:
-                problems.append(f"{name}/worker {w}: publisher {e['publisher']}")
-            if hscache_arm and e.get("hscache_calls", {}).get("allocate_slots", 0) <= 0:
-                problems.append(f"{name}/worker {w}: hscache counted no allocate_slots call")
-        if name == base_name:
-            continue
-        for a, b in zip(r["syncs"], base["syncs"], strict=True):
-            for probe in a["probes"]:
-                x, y = a["probes"][probe], b["probes"][probe]
-                if (x["scores"], x["pick"]) != (y["scores"], y["pick"]):
-                    problems.append(f"{name}/{a['label']}/{probe}: differs from {base_name}")
-        for key in ("dump", "dump_after_replay", "reference", "reference_after_replay"):
-            if r[key] != base[key]:
-                problems.append(f"{name}: {key} differs from {base_name}")
-        if len(r["bad_lines"]) != len(base["bad_lines"]):
-            problems.append(f"{name}: the indexer's log differs from {base_name}'s")
-        for phase, d in r["phases"].items():
-            if phase == "reset":
-                continue
-            for w, x in d.items():
-                y = base["phases"][phase][w]
-                if [q["output"] for q in x["requests"]] != [q["output"] for q in y["requests"]]:
-                    problems.append(f"{name}/{phase}/worker {w}: output tokens differ")
-                if [q["num_cached_tokens"] for q in x["requests"]] != [
-                    q["num_cached_tokens"] for q in y["requests"]
-                ]:
-                    problems.append(f"{name}/{phase}/worker {w}: num_cached_tokens differ")
-                if x["counters"] != y["counters"]:
-                    problems.append(f"{name}/{phase}/worker {w}: prefix-cache counters differ")
-        if name != "compact" and r["trace"] != base["trace"]:
-            problems.append(f"{name}: the KV event stream differs from {base_name}'s")
-    return problems
-
-
-def dump_matches(dump: dict[str, Any], ref: dict[Any, Any], worker: int) -> bool:
-    """The indexer holds, for the worker, one node per distinct token path its events
-    left stored, each under one of the hashes stored there."""
-    spec = next(e for e in ENGINES if e.worker == worker)
-    blocks = dump.get(spec.model, {}).get(str(worker), dump.get(spec.model, {}).get(worker, []))
-    want = ref.get(str(worker), ref.get(worker))
-    hashes = {b[0] for b in blocks}
-    return len(blocks) == want["nodes"] and hashes <= set(want["hashes"])
-
-
-def table(arms: dict[str, dict[str, Any]], problems: list[str]) -> str:
-    """The README's table: one row per arm."""
-    rows = [
-        "| arm | sync points | dense probes = expected | picks (per sync point) | "
-        "`/dump` = events | restart: replays, `/dump` before -> after | "
-        "unknown-removal lines (hybrid) | "
-        "events w1/w2/w3 | stalled round | engines start | scenario | arm total |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, r in arms.items():
-        n = ok = 0
-        picks = []
-        for point in r["syncs"]:
-            for probe, d in point["probes"].items():
-                if probe.startswith("dense/"):
-                    n += 1
-                    exp = {int(k): v for k, v in d["expected"].items()}
-                    ok += {int(k): v for k, v in d["scores"].items()} == exp
-            picks.append(
-                "".join(str(d["pick"]) for k, d in point["probes"].items() if k.startswith("d"))
-            )
-        dump_ok = all(dump_matches(r["dump"], r["reference"], w) for w in DENSE)
-        nodes = [
-            sum(len(per.get(str(w), per.get(w, []))) for per in r[key].values())
-            for key in ("dump", "dump_after_replay")
-            for w in (1, 2, 3)
-        ]
-        stalled = max(x["wall_s"] for x in r["phases"]["stalled"].values())
-        events = "/".join(str(r["stream"][w]["events"]) for w in ("1", "2", "3"))
-        rows.append(
-            f"| {name} | {len(r['syncs'])} | {ok}/{n} | {' '.join(picks)} | "
-            f"{'yes' if dump_ok else 'NO'} | {r['replay']['replays']}, "
-            f"{sum(nodes[:3])} -> {sum(nodes[3:])} blocks | {len(r['bad_lines'])} | {events} | "
-            f"{stalled:.2f} s | {r['engines_start_s']:.0f} s | {r['scenario_s']:.1f} s | "
-            f"{r['total_s']:.0f} s |"
-        )
-    rows.append("")
-    rows.append("PASS" if not problems else "FAIL")
-    return "\n".join(rows)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, required=True)
@@ -987,8 +580,8 @@ def main() -> int:
         results[name] = arm.result
         print(f"[router] {name}: {arm.result['total_s']:.0f} s", flush=True)
     (args.work / "router.json").write_text(json.dumps(results, indent=1))
-    problems = judge(results)
-    print(table(results, problems))
+    problems = judge(results, DENSE)
+    print(table(results, problems, DENSE))
     for line in problems:
         print(f"[router] DIFFERENCE: {line}")
     print(f"[router] total {time.monotonic() - t0:.0f} s; details in {args.work / 'router.json'}")
