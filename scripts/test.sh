@@ -116,6 +116,8 @@ step_after build vllm032-env source scripts/vllm032_env.sh
 step_after vllm032-env vllm032-pytest run_pytest032
 step_after vllm032-env vllm032-upstream bash tests/vllm_upstream/run.sh --vllm 0.32 --swap
 step_after vllm032-env e2e bash scripts/e2e.sh
+# Behind Dynamo's KV indexer (its own small venv; skipped if its wheel cannot be installed).
+step_after vllm032-env router-e2e bash scripts/router_e2e.sh
 
 passed=0
 failed=0
