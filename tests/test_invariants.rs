@@ -71,10 +71,15 @@ fn external_references_keep_ref_counts_exact() {
     m.free_blocks(&ids[..1]).unwrap();
     m.check_invariants().unwrap();
     assert!(m.external_refs().iter().all(|&e| e == 0));
-    // Freeing a table's block behind the manager's back is a violation.
+    // Freeing a table's block behind the manager's back is refused before it is
+    // dropped (checked mode), and the manager keeps serving.
     let held = m.get_blocks("b", 0)[0];
+    let digest = m.state_digest();
     let e = m.free_blocks(&[held]).unwrap_err();
-    assert_eq!(e.kind(), ErrorKind::Invariant);
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    assert_eq!(m.state_digest(), digest);
+    assert!(m.poisoned().is_none());
+    m.check_invariants().unwrap();
 }
 
 #[test]
