@@ -1,0 +1,78 @@
+"""How a vllm-omni user switches hscache's hidden-state cache on, and its storage.
+
+Environment (read in every process, the stage workers included):
+
+- ``HSCACHE_OMNI_PREFIX_CACHE=1``: :func:`install` swaps vllm-omni's prefix-cache manager
+  for :class:`hscache.omni.OmniHiddenStateCache` in its runners
+  (``vllm_omni.core.prefix_cache.runner_mixin``). Stages without ``enable_prefix_caching``
+  build no cache either way.
+- ``HSCACHE_OMNI_STORAGE``: ``pinned`` (page-locked host memory, the default on an
+  accelerator: a thinker's rows for every KV slot are ``bytes_per_token`` x the KV pool's
+  slots, tens of GB at real sizes), ``device`` (the accelerator holding the model's outputs:
+  no copies, accelerator memory) or ``cpu`` (pageable host memory; what ``pinned`` becomes
+  without an accelerator).
+- ``HSCACHE_OMNI_MAX_UNCONSUMED_STEPS``: how many saved steps may wait for ``materialize``
+  or ``discard_step`` at once (default 4, vllm-omni's staging depth); one more is a
+  :class:`hscache.omni.StepIdError`, the sign of a step id never consumed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from hscache.exceptions import InvalidArgumentError
+
+__all__ = ["OmniSettings", "Storage", "install"]
+
+Storage = Literal["pinned", "device", "cpu"]
+_STORAGES: tuple[Storage, ...] = ("pinned", "device", "cpu")
+
+
+@dataclass(frozen=True)
+class OmniSettings:
+    """The cache's options (see the module doc for their environment variables)."""
+
+    enabled: bool = False
+    storage: Storage = "pinned"
+    max_unconsumed_steps: int = 4
+
+    @classmethod
+    def from_env(cls) -> OmniSettings:
+        enabled = os.environ.get("HSCACHE_OMNI_PREFIX_CACHE", "0").strip().lower()
+        storage = os.environ.get("HSCACHE_OMNI_STORAGE", "pinned").strip().lower()
+        if storage not in _STORAGES:
+            raise InvalidArgumentError(
+                f"HSCACHE_OMNI_STORAGE={storage!r}; expected one of {', '.join(_STORAGES)}"
+            )
+        steps = os.environ.get("HSCACHE_OMNI_MAX_UNCONSUMED_STEPS", "4")
+        try:
+            max_steps = int(steps)
+        except ValueError:
+            max_steps = 0
+        if max_steps < 1:
+            raise InvalidArgumentError(
+                f"HSCACHE_OMNI_MAX_UNCONSUMED_STEPS={steps!r}; expected >= 1"
+            )
+        return cls(
+            enabled=enabled in ("1", "true", "yes", "on"),
+            storage=storage,
+            max_unconsumed_steps=max_steps,
+        )
+
+
+def install(force: bool = False) -> bool:
+    """Makes vllm-omni's runners build :class:`hscache.omni.OmniHiddenStateCache` instead
+    of their own manager, when ``HSCACHE_OMNI_PREFIX_CACHE=1`` (or ``force``). Returns
+    whether it did. Call it in every process that runs a model runner (a
+    ``vllm_omni.general_plugins`` entry point does); calling it twice is harmless."""
+    if not (force or OmniSettings.from_env().enabled):
+        return False
+    from vllm_omni.core.prefix_cache import runner_mixin
+
+    from hscache.omni.prefix_cache import OmniHiddenStateCache
+
+    # The runners build the manager by this module-level name (cfg, group view).
+    runner_mixin.OmniPrefixCacheManager = OmniHiddenStateCache
+    return True
