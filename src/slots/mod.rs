@@ -80,6 +80,7 @@
 //! window skipped or keep one state block, so a plan over such a group fails.
 
 mod commit;
+mod ledger;
 mod plan;
 #[cfg(test)]
 mod tests;
@@ -91,6 +92,7 @@ use crate::request_table::{RequestHandle, RequestTable};
 use crate::types::BlockId;
 
 pub use commit::{ReadEntry, StepReads};
+pub use ledger::StepLedger;
 pub use plan::{Assignment, PrefillSkipRequest, ScheduledRequest, StepInput};
 
 /// The block size, with shift / mask for the (usual) power of two: a decode step maps

@@ -24,7 +24,9 @@ blocks, resumptions, finishes and preemptions), bumps the version of every block
 fresh, lays out and checks the step's write slots, counts the rows written and validates
 every hit against the versions: a hit whose rows were not all written in their blocks'
 current versions is a miss, which this class reports as :class:`UnservableHitError`
-(never zeros, never another request's rows). Hits are gathered when the step is saved,
+(never zeros, never another request's rows). A Rust ``StepLedger`` decides which step ids
+may be consumed (issued here, not consumed yet, at most ``max_unconsumed_steps`` waiting).
+Hits are gathered when the step is saved,
 after its writes (same-step hits read the rows this step wrote), so a materialize one step
 late is unaffected by blocks reused in between.
 
@@ -36,7 +38,6 @@ pinned host memory, on the outputs' device, or in pageable host memory;
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from hscache._core import StepLedger
 from hscache.exceptions import InvalidArgumentError, UnknownRequestError
 from hscache.hidden_states import HiddenStateCache
 from hscache.omni.errors import StepIdError, UnservableHitError, UnsupportedOutputError
@@ -53,9 +55,6 @@ __all__ = ["HIDDEN_KEY", "OmniHiddenStateCache", "StageOutputs"]
 
 HIDDEN_KEY = "__hidden_states__"
 """The hidden states' key, vllm-omni's name for it."""
-
-# Step ids are unique in the process, so that an id issued by another cache is refused.
-_STEP_IDS = itertools.count(1)
 
 
 class StageOutputs(NamedTuple):
@@ -182,6 +181,9 @@ class OmniHiddenStateCache:
         self._pending: Any = None
         self._live: set[str] = set()
         self._first_hits: set[str] = set()
+        # Which step ids may be consumed (Rust: issued here, once, at most `limit` waiting);
+        # `_steps` holds their rows.
+        self._ledger = StepLedger(limit=self._settings.max_unconsumed_steps)
         self._steps: dict[int, _SavedStep] = {}
 
     # ------------------------------------------------------------------ properties
@@ -197,7 +199,7 @@ class OmniHiddenStateCache:
 
     def unconsumed_steps(self) -> list[int]:
         """Saved step ids not yet materialized or discarded."""
-        return sorted(self._steps)
+        return self._ledger.outstanding()
 
     # ------------------------------------------------------------------ interface
 
@@ -248,11 +250,10 @@ class OmniHiddenStateCache:
         so = self._pending
         if so is None:
             raise InvalidArgumentError("save_outputs without new_step_starts for this step")
-        if len(self._steps) >= self._settings.max_unconsumed_steps:
-            raise StepIdError(
-                f"{len(self._steps)} saved steps are unconsumed ({self.unconsumed_steps()}); "
-                "materialize or discard_step each step id once"
-            )
+        try:
+            self._ledger.check_room()
+        except InvalidArgumentError as e:
+            raise StepIdError(str(e)) from None
         n = int(num_tokens_unpadded)
         scheduled: Mapping[str, int] = so.num_scheduled_tokens
         order = [r for r in self._view.batch_req_ids() if scheduled.get(r, 0) > 0]
@@ -272,7 +273,7 @@ class OmniHiddenStateCache:
             start += scheduled[r]
         # Everything checked: change state.
         self._pending = None
-        step_id = next(_STEP_IDS)
+        step_id = self._ledger.issue()
         saved = _SavedStep(spans=spans, rows={}, hits={}, leftover=_host_copy(rest))
         if not n or not keys:
             self._plan_unsaved(so)
@@ -286,9 +287,7 @@ class OmniHiddenStateCache:
 
     def materialize(self, step_id: int, req_ids: Sequence[str]) -> StageOutputs:
         """Per-request rows of a saved step (see the module doc); consumes ``step_id``."""
-        saved = self._steps.get(step_id) if isinstance(step_id, int) else None
-        if saved is None:
-            raise StepIdError(self._no_step(step_id))
+        saved = self._saved(step_id)
         req_ids = list(req_ids)
         unknown = [r for r in req_ids if r not in saved.spans]
         if unknown:
@@ -301,6 +300,7 @@ class OmniHiddenStateCache:
                 f"step {step_id}: the prefix hits of {bad[:8]} could not be served "
                 f"({saved.unservable[bad[0]]})"
             )
+        self._ledger.consume(step_id)
         del self._steps[step_id]
         hidden: dict[str, torch.Tensor] | None = None
         mm: dict[str, dict[str, Any]] = {}
@@ -327,8 +327,8 @@ class OmniHiddenStateCache:
 
     def discard_step(self, step_id: int) -> None:
         """Consumes ``step_id`` without reading it (its rows stay cached)."""
-        if not isinstance(step_id, int) or step_id not in self._steps:
-            raise StepIdError(self._no_step(step_id))
+        self._saved(step_id)
+        self._ledger.consume(step_id)
         del self._steps[step_id]
 
     def shutdown(self) -> None:
@@ -336,8 +336,16 @@ class OmniHiddenStateCache:
 
     # ------------------------------------------------------------------ internals
 
-    def _no_step(self, step_id: object) -> str:
-        return (
+    def _saved(self, step_id: object) -> _SavedStep:
+        """The rows of an outstanding step; ``StepIdError`` for any other id."""
+        if (
+            isinstance(step_id, int)
+            and not isinstance(step_id, bool)
+            and step_id > 0
+            and step_id in self._ledger
+        ):
+            return self._steps[step_id]
+        raise StepIdError(
             f"step id {step_id!r} is not an unconsumed step of this cache (consumed "
             f"already, never saved, or another cache's); unconsumed: {self.unconsumed_steps()}"
         )
