@@ -59,7 +59,7 @@ class Params:
     """One sequence's shape."""
 
     seed: int
-    steps: int = 40
+    steps: int = 60
     num_blocks: int = 24
     block_size: int = 4
     max_num_batched_tokens: int = 20

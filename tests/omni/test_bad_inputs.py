@@ -170,8 +170,9 @@ def test_unknown_request_and_foreign_step_ids() -> None:
         cache.materialize(sid, ["b", "nobody"])
     with pytest.raises(StepIdError):
         cache.materialize(sid_other, ["x"])  # another cache's step
-    with pytest.raises(StepIdError):
-        cache.discard_step(12345678)  # never saved
+    for never in (12345678, -1, 0, True, "1"):
+        with pytest.raises(StepIdError):
+            cache.discard_step(never)  # type: ignore[arg-type]
     assert cache.unconsumed_steps() == [sid]  # nothing was consumed by the refusals
     cache.discard_step(sid)
     other.discard_step(sid_other)

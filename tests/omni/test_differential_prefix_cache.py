@@ -9,7 +9,8 @@ oracle. vLLM 0.30's real ``Scheduler`` produces the ``SchedulerOutput``s (``step
   step late; neither cache refuses anything.
 - ``test_unsaved_steps``: beyond vllm-omni's runners (which save every step): steps whose
   outputs are never saved leave hashed blocks without rows; hscache refuses those hits
-  (``UnservableHitError``) and every row it serves equals the oracle.
+  (``UnservableHitError``) and every row it serves equals the oracle (vllm-omni 0.30 serves
+  a previous tenant's rows for some of them: printed, not asserted).
 - ``test_rule_mutants_are_caught``: each broken rule of hscache's slot mirror makes one of
   the two comparisons fail.
 
@@ -18,6 +19,7 @@ Needs vllm-omni 0.30 on vLLM 0.30 (``scripts/omni_env.sh``); skipped elsewhere.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -31,7 +33,8 @@ from hscache.omni import OmniHiddenStateCache, OmniSettings
 
 from tests.omni.steps import DEFERRED_KEYS, BatchView, Counts, Params, Side, run_sequence
 
-SEEDS = range(8)
+# HSCACHE_OMNI_DIFF_SEEDS=<n> runs more sequences (a deeper run than the default).
+SEEDS = range(int(os.environ.get("HSCACHE_OMNI_DIFF_SEEDS", "12")))
 
 
 def _omni_side(view: BatchView, p: Params) -> Side:
@@ -112,10 +115,12 @@ def test_sequences_cover_the_hard_cases() -> None:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_unsaved_steps(seed: int) -> None:
+    """hscache serves no wrong row; vllm-omni's wrong rows are reported, not asserted."""
     p = _params(seed, unsaved=0.3, late=0.0)
-    counts = run_sequence(p, lambda v: [_hscache_side(v, p)])
-    print(_summary(counts))
-    assert not counts.mismatches, "\n".join(counts.mismatches[:10])
+    counts = run_sequence(p, lambda v: [_omni_side(v, p), _hscache_side(v, p)])
+    ours = [m for m in counts.mismatches if " hscache " in m]
+    print(_summary(counts), "vllm-omni wrong:", len(counts.mismatches) - len(ours))
+    assert not ours, "\n".join(ours[:10])
 
 
 def _mutant_side(name: str):
