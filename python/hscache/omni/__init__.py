@@ -10,11 +10,13 @@ decides which rows are valid for whom; this package is glue: it parses nothing v
 ``SchedulerOutput`` carries (the mirror does), holds the consume-once step table and shapes
 the results the way vllm-omni's runners expect them.
 
-Switching it on: :func:`install` (or the environment, see :mod:`hscache.omni.settings`)
-makes vllm-omni's runners build :class:`OmniHiddenStateCache` where they would build their
-own ``OmniPrefixCacheManager``; prefix caching itself stays vllm-omni's per-stage
-``enable_prefix_caching``. Importing this package needs neither vllm nor vllm-omni, and
-never imports :mod:`hscache.vllm` (the KV-manager drop-in).
+Switching it on: ``HSCACHE_OMNI_PREFIX_CACHE=1`` in a stage's environment (a deploy YAML's
+per-stage ``env:``), read through hscache's vLLM plugin :func:`register`, or :func:`install`
+in code, makes vllm-omni's runners build :class:`OmniHiddenStateCache` where they would
+build their own ``OmniPrefixCacheManager`` (see :mod:`hscache.omni.settings`); prefix
+caching itself stays vllm-omni's per-stage ``enable_prefix_caching``. Importing this
+package needs neither vllm nor vllm-omni, and never imports :mod:`hscache.vllm` (the
+KV-manager drop-in).
 """
 
 from hscache.omni.errors import (
@@ -23,7 +25,7 @@ from hscache.omni.errors import (
     UnsupportedOutputError,
 )
 from hscache.omni.prefix_cache import OmniHiddenStateCache, StageOutputs
-from hscache.omni.settings import OmniSettings, install
+from hscache.omni.settings import OmniSettings, install, register
 
 __all__ = [
     "OmniHiddenStateCache",
@@ -33,4 +35,5 @@ __all__ = [
     "UnservableHitError",
     "UnsupportedOutputError",
     "install",
+    "register",
 ]

@@ -1,11 +1,15 @@
 """How a vllm-omni user switches hscache's hidden-state cache on, and its storage.
 
-Environment (read in every process, the stage workers included):
+Environment (read when a runner builds its cache, in the stage's worker process; a
+vllm-omni deploy YAML sets it per stage with ``env:`` / ``runtime: env:``):
 
-- ``HSCACHE_OMNI_PREFIX_CACHE=1``: :func:`install` swaps vllm-omni's prefix-cache manager
-  for :class:`hscache.omni.OmniHiddenStateCache` in its runners
-  (``vllm_omni.core.prefix_cache.runner_mixin``). Stages without ``enable_prefix_caching``
-  build no cache either way.
+- ``HSCACHE_OMNI_PREFIX_CACHE=1``: vllm-omni's runners build
+  :class:`hscache.omni.OmniHiddenStateCache` where they would build their own
+  ``OmniPrefixCacheManager``. :func:`register`, hscache's ``vllm.general_plugins`` entry
+  point ``hscache_omni`` (vLLM runs it in every process), puts the switch in vllm-omni's
+  runner mixin (``vllm_omni.core.prefix_cache.runner_mixin``) when vllm-omni is installed;
+  :func:`install` swaps the class at once instead. Stages without
+  ``enable_prefix_caching`` build no cache either way.
 - ``HSCACHE_OMNI_STORAGE``: ``pinned`` (page-locked host memory, the default on an
   accelerator: a thinker's rows for every KV slot are ``bytes_per_token`` x the KV pool's
   slots, tens of GB at real sizes), ``device`` (the accelerator holding the model's outputs:
@@ -18,13 +22,16 @@ Environment (read in every process, the stage workers included):
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from hscache.exceptions import InvalidArgumentError
 
-__all__ = ["OmniSettings", "Storage", "install"]
+__all__ = ["OmniSettings", "Storage", "install", "register"]
+
+logger = logging.getLogger(__name__)
 
 Storage = Literal["pinned", "device", "cpu"]
 _STORAGES: tuple[Storage, ...] = ("pinned", "device", "cpu")
@@ -76,3 +83,36 @@ def install(force: bool = False) -> bool:
     # The runners build the manager by this module-level name (cfg, group view).
     runner_mixin.OmniPrefixCacheManager = OmniHiddenStateCache
     return True
+
+
+def _build_manager(original: Any) -> Any:
+    """What vllm-omni's runner mixin calls to build its cache: hscache's when the
+    environment says so at that moment, vllm-omni's own otherwise."""
+
+    def build(config: Any, view: Any, **kwargs: Any) -> Any:
+        settings = OmniSettings.from_env()
+        if not settings.enabled:
+            return original(config, view, **kwargs)
+        from hscache.omni.prefix_cache import OmniHiddenStateCache
+
+        logger.info(
+            "hscache: the hidden-state prefix cache is hscache's (%s storage)", settings.storage
+        )
+        return OmniHiddenStateCache(config, view, settings=settings, **kwargs)
+
+    build.hscache_original = original  # type: ignore[attr-defined]
+    return build
+
+
+def register() -> None:
+    """vLLM general plugin (entry point ``hscache_omni``): with vllm-omni installed, its
+    runners build their cache through :func:`_build_manager`. Without vllm-omni it does
+    nothing; it never raises (a plugin must not break vLLM's start)."""
+    try:
+        from vllm_omni.core.prefix_cache import runner_mixin
+    except Exception:  # no vllm-omni (or one that does not import): nothing to switch
+        return
+    current = runner_mixin.OmniPrefixCacheManager
+    if hasattr(current, "hscache_original"):
+        return  # vLLM loads plugins once per process; be idempotent anyway
+    runner_mixin.OmniPrefixCacheManager = _build_manager(current)
