@@ -70,11 +70,15 @@ class Params:
     discard: float = 0.15
     unsaved: float = 0.0
     pad: int = 3
+    window: int = 0
+    """A hybrid layout when > 0: a sliding-window group of this many tokens (group 0)
+    beside the full-attention group (group 1), both of ``block_size``-token blocks."""
 
 
 class BatchView:
-    """The model runner's batch as vllm-omni's ``FullAttentionGroupView`` exposes it:
-    group 0's block tables, the computed tokens at the step's start, the batch order."""
+    """The model runner's batch as vllm-omni's ``FullAttentionGroupView`` exposes it: the
+    full-attention group's block tables (the last group here: group 0 of a one-group
+    layout), the computed tokens at the step's start, the batch order."""
 
     def __init__(self, block_size: int, rng: random.Random) -> None:
         self.block_size = block_size
@@ -87,15 +91,15 @@ class BatchView:
         for r in set(so.finished_req_ids) | set(so.preempted_req_ids or ()):
             self.tables.pop(r, None)
         for new in so.scheduled_new_reqs:
-            self.tables[new.req_id] = list(new.block_ids[0])
+            self.tables[new.req_id] = list(new.block_ids[-1])
             self.computed[new.req_id] = new.num_computed_tokens
         cached = so.scheduled_cached_reqs
         for i, r in enumerate(cached.req_ids):
             ids = cached.new_block_ids[i]
             if r in cached.resumed_req_ids:
-                self.tables[r] = list(ids[0])
+                self.tables[r] = list(ids[-1])
             elif ids is not None:
-                self.tables[r].extend(ids[0])
+                self.tables[r].extend(ids[-1])
             self.computed[r] = cached.num_computed_tokens[i]
         self.order = list(so.num_scheduled_tokens)
         self._rng.shuffle(self.order)
@@ -170,6 +174,7 @@ def run_sequence(
     after_first_save: Callable[[list[Side]], None] | None = None,
 ) -> Counts:
     """Drives one seeded sequence through vLLM 0.30's scheduler and every side."""
+    from hscache.testing.kv_cache import full_attention, kv_cache_config, sliding_window
     from hscache.testing.offline_scheduler import make_scheduler, stub_runner_output
     from hscache.testing.requests import make_request
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -177,9 +182,14 @@ def run_sequence(
 
     rng = random.Random(params.seed)
     bs = params.block_size
+    layout: Any = params.num_blocks
+    if params.window:
+        layout = kv_cache_config(
+            [sliding_window(bs, params.window), full_attention(bs)], params.num_blocks
+        )
     sched = make_scheduler(
         Scheduler,
-        params.num_blocks,
+        layout,
         block_size=bs,
         max_num_batched_tokens=params.max_num_batched_tokens,
         max_num_seqs=params.max_num_seqs,
@@ -346,7 +356,7 @@ def _same_step_hits(so: Any, block_size: int) -> int:
     fresh: set[int] = set()
     hits = 0
     for new in so.scheduled_new_reqs:
-        blocks = new.block_ids[0]
+        blocks = new.block_ids[-1]
         cut = new.num_computed_tokens // block_size
         if any(b in fresh for b in blocks[:cut]):
             hits += 1

@@ -11,6 +11,8 @@ oracle. vLLM 0.30's real ``Scheduler`` produces the ``SchedulerOutput``s (``step
   outputs are never saved leave hashed blocks without rows; hscache refuses those hits
   (``UnservableHitError``) and every row it serves equals the oracle (vllm-omni 0.30 serves
   a previous tenant's rows for some of them: printed, not asserted).
+- ``test_hybrid_layout_against_recomputation``: beyond vllm-omni (one KV-cache group
+  only), a sliding-window + full-attention layout, against the recomputed oracle.
 - ``test_rule_mutants_are_caught``: each broken rule of hscache's slot mirror makes one of
   the two comparisons fail.
 
@@ -58,7 +60,9 @@ def _hscache_side(view: BatchView, p: Params) -> Side:
     from vllm_omni.core.prefix_cache import ModelCachePolicy, PrefixCacheConfig
 
     cfg = PrefixCacheConfig(num_blocks=p.num_blocks, block_size=p.block_size)
-    cache = OmniHiddenStateCache(cfg, view, settings=OmniSettings(storage="cpu"))
+    cache = OmniHiddenStateCache(
+        cfg, view, settings=OmniSettings(storage="cpu"), kv_cache_group=1 if p.window else 0
+    )
     cache.register_policy(ModelCachePolicy(deferred_keys=DEFERRED_KEYS))
     return Side("hscache", cache)
 
@@ -121,6 +125,45 @@ def test_unsaved_steps(seed: int) -> None:
     ours = [m for m in counts.mismatches if " hscache " in m]
     print(_summary(counts), "vllm-omni wrong:", len(counts.mismatches) - len(ours))
     assert not ours, "\n".join(ours[:10])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_hybrid_layout_against_recomputation(seed: int) -> None:
+    """Beyond vllm-omni (it refuses more than one KV-cache group): a sliding-window group
+    beside the full-attention one; hscache follows the full-attention group's tables and
+    every materialized row equals the recomputed oracle."""
+    from hscache.testing.kv_cache import full_attention, group, sliding_window
+    from vllm_omni.core.prefix_cache import (
+        OmniPrefixCacheUnmatchError,
+        check_prefix_cache_kv_groups,
+    )
+
+    with pytest.raises(OmniPrefixCacheUnmatchError):
+        check_prefix_cache_kv_groups([group(sliding_window(4, 8)), group(full_attention(4))])
+    p = _params(seed, window=8, num_blocks=20 if seed % 2 else 32)
+    counts = run_sequence(p, lambda v: [_hscache_side(v, p)])
+    print(_summary(counts))
+    assert not counts.mismatches, "\n".join(counts.mismatches[:10])
+    assert not counts.refused, counts.refused
+    assert counts.hit_requests > 0
+
+
+def test_hybrid_layout_wrong_group_is_caught() -> None:
+    """Following the sliding-window group (vllm-omni's group 0) instead: its tables put the
+    null block where the window dropped positions; hscache refuses those hits (the test
+    above would fail) and still serves no wrong row."""
+    from vllm_omni.core.prefix_cache import PrefixCacheConfig
+
+    p = _params(0, window=8, num_blocks=32)
+
+    def wrong(view: BatchView) -> list[Side]:
+        cfg = PrefixCacheConfig(num_blocks=p.num_blocks, block_size=p.block_size)
+        cache = OmniHiddenStateCache(cfg, view, settings=OmniSettings(storage="cpu"))
+        return [Side("hscache", cache)]
+
+    counts = run_sequence(p, wrong)
+    assert counts.refused.get("hscache", 0) > 0
+    assert not counts.mismatches, "\n".join(counts.mismatches[:10])
 
 
 def _mutant_side(name: str):

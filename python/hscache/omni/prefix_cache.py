@@ -150,6 +150,10 @@ class OmniHiddenStateCache:
     ``view`` has ``batch_req_ids()``, the runner's batch order after its state update
     (vllm-omni's ``FullAttentionGroupView``). ``eager`` is accepted for vllm-omni's signature
     and ignored (nothing here is asynchronous). ``settings`` default to the environment.
+    ``kv_cache_group``: the KV-cache group whose block tables index the rows, the one that
+    carries full-attention positions (:func:`hscache.hidden_states.full_attention_group`);
+    vllm-omni knows group 0 of a one-group model only, hscache serves hybrid layouts too
+    (``config.block_size`` is then that group's block size).
     """
 
     def __init__(
@@ -159,8 +163,10 @@ class OmniHiddenStateCache:
         *,
         eager: bool | None = None,
         settings: OmniSettings | None = None,
+        kv_cache_group: int = 0,
     ) -> None:
         del eager
+        self._kv_cache_group = kv_cache_group
         self._num_blocks = int(config.num_blocks)
         self._block_size = int(config.block_size)
         if self._num_blocks <= 0 or self._block_size <= 0:
@@ -394,6 +400,7 @@ class OmniHiddenStateCache:
             self._block_size,
             {k.name: (k.width, k.dtype) for k in keys.values()},
             where,
+            kv_cache_group=self._kv_cache_group,
             pin_memory=pin,
         )
         for so in self._backlog:
