@@ -34,6 +34,9 @@ MM_KEYS: dict[str, tuple[int, torch.dtype]] = {
     "talker.audio": (2, torch.float16),
 }
 DEFERRED_KEYS = frozenset({"talker.audio"})
+# Outputs that are not one row per token (passed through per request, not cached): a 1-D
+# per-token tensor, a list, a per-request tensor. Compared across the caches only.
+PASS_KEYS = ("meta.token_flags", "meta.items", "meta.per_request")
 VOCAB = 4000  # token ids stay below this: toy rows are exact in float32 and float16
 
 
@@ -157,9 +160,9 @@ class Side:
         self.name = name
         self.cache = cache
 
-    def materialize(self, step_id: int, req_ids: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    def materialize(self, step_id: int, req_ids: list[str]) -> dict[str, dict[str, Any]]:
         out = self.cache.materialize(step_id, req_ids)
-        rows: dict[str, dict[str, torch.Tensor]] = {}
+        rows: dict[str, dict[str, Any]] = {}
         if out.hidden_states is not None:
             rows["__hidden_states__"] = dict(out.hidden_states)
         for key, per_req in out.mm_outputs.items():
@@ -206,7 +209,7 @@ def run_sequence(
     first_saved = False
 
     def compare(rec: StepRecord, req_ids: list[str]) -> None:
-        results: dict[str, dict[str, dict[str, torch.Tensor]] | Exception] = {}
+        results: dict[str, dict[str, dict[str, Any]] | Exception] = {}
         for side in sides:
             try:
                 results[side.name] = side.materialize(rec.step_ids[side.name], req_ids)
@@ -237,6 +240,11 @@ def run_sequence(
                             f"{None if got is None else tuple(got.shape)}, want "
                             f"{tuple(want.shape)} from position {start}"
                         )
+            served = [res for res in results.values() if not isinstance(res, Exception)]
+            for key in PASS_KEYS:
+                values = [res.get(key, {}).get(r) for res in served]
+                if any(not _same(values[0], v) for v in values[1:]):
+                    counts.mismatches.append(f"step {counts.steps} {r} {key}: {values}")
 
     for _ in range(params.steps):
         counts.steps += 1
@@ -314,10 +322,15 @@ def run_sequence(
                     [t, torch.full((padded - n, t.shape[1]), -1, dtype=t.dtype)]
                 )
             hidden = outputs.pop("__hidden_states__")
+            passed: dict[str, Any] = {
+                "meta.token_flags": torch.arange(n) % 3,
+                "meta.items": [f"item{counts.steps}-{i}" for i in range(len(order))],
+                "meta.per_request": torch.arange(len(order)) * 10,
+            }
             for side in sides:
                 rec.step_ids[side.name] = side.cache.save_outputs(
                     hidden.clone(),
-                    {k: v.clone() for k, v in outputs.items()},
+                    {**{k: v.clone() for k, v in outputs.items()}, **passed},
                     num_tokens_unpadded=n,
                     num_tokens_padded=padded,
                 )
@@ -362,3 +375,19 @@ def _same_step_hits(so: Any, block_size: int) -> int:
             hits += 1
         fresh.update(blocks[cut:])
     return hits
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Deep equality of pass-through values (tensors by value and dtype)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and torch.equal(a, b)
+        )
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return bool(a == b)
