@@ -66,7 +66,9 @@ def rows(n: int, base: float) -> torch.Tensor:
 def make() -> tuple[OmniHiddenStateCache, View]:
     view = View()
     cache = OmniHiddenStateCache(
-        NS(num_blocks=8, block_size=BS), view, settings=OmniSettings(storage="cpu")
+        NS(num_blocks=8, block_size=BS),
+        view,
+        settings=OmniSettings(storage="cpu", step_wait_s=0.05),
     )
     return cache, view
 
@@ -229,3 +231,28 @@ def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HSCACHE_OMNI_PREFIX_CACHE")
     assert not install()  # off: nothing is touched
     assert "HSCACHE_OMNI_PREFIX_CACHE" not in os.environ
+
+
+def test_materialize_on_another_thread_while_saving() -> None:
+    """vllm-omni's async output thread materializes step N while the engine saves N + 1."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    view = View()
+    cache = OmniHiddenStateCache(
+        NS(num_blocks=8, block_size=BS), view, settings=OmniSettings(storage="cpu")
+    )
+    futures = []
+    with ThreadPoolExecutor(1) as pool:
+        for i in range(60):
+            r = f"r{i}"
+            block = i % 7 + 1
+            prev = (f"r{i - 1}",) if i else ()
+            so = sched(new=((r, [block], 0, 4),), finished=prev)
+            x = rows(4, float(i * 100))
+            sid = step(cache, view, so, x, **{"mm.codes": x})
+            futures.append((pool.submit(cache.materialize, sid, [r]), r, x))
+        for fut, r, x in futures:
+            out = fut.result()
+            assert out.hidden_states is not None
+            assert torch.equal(out.hidden_states[r], x)
+    assert cache.unconsumed_steps() == []

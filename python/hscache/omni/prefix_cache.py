@@ -39,6 +39,8 @@ pinned host memory, on the outputs' device, or in pageable host memory;
 from __future__ import annotations
 
 import math
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -190,6 +192,11 @@ class OmniHiddenStateCache:
         # Which step ids may be consumed (Rust: issued here, once, at most `limit` waiting);
         # `_steps` holds their rows.
         self._ledger = StepLedger(limit=self._settings.max_unconsumed_steps)
+        # materialize / discard_step may run on vllm-omni's async output thread while the
+        # engine thread saves the next step: the ledger and `_steps` change under this lock
+        # (materialize reads only the step's own tensors, never the mirror or the storage).
+        self._lock = threading.Lock()
+        self._consumed = threading.Condition(self._lock)
         self._steps: dict[int, _SavedStep] = {}
 
     # ------------------------------------------------------------------ properties
@@ -256,10 +263,7 @@ class OmniHiddenStateCache:
         so = self._pending
         if so is None:
             raise InvalidArgumentError("save_outputs without new_step_starts for this step")
-        try:
-            self._ledger.check_room()
-        except InvalidArgumentError as e:
-            raise StepIdError(str(e)) from None
+        self._wait_for_room()
         n = int(num_tokens_unpadded)
         scheduled: Mapping[str, int] = so.num_scheduled_tokens
         order = [r for r in self._view.batch_req_ids() if scheduled.get(r, 0) > 0]
@@ -279,7 +283,6 @@ class OmniHiddenStateCache:
             start += scheduled[r]
         # Everything checked: change state.
         self._pending = None
-        step_id = self._ledger.issue()
         saved = _SavedStep(spans=spans, rows={}, hits={}, leftover=_host_copy(rest))
         if not n or not keys:
             self._plan_unsaved(so)
@@ -288,26 +291,31 @@ class OmniHiddenStateCache:
                 self._build(keys, rows)
             assert self._cache is not None
             self._serve(so, order, rows, saved)
-        self._steps[step_id] = saved
+        with self._lock:  # room was checked above; consumers only make more
+            step_id = self._ledger.issue()
+            self._steps[step_id] = saved
         return step_id
 
     def materialize(self, step_id: int, req_ids: Sequence[str]) -> StageOutputs:
         """Per-request rows of a saved step (see the module doc); consumes ``step_id``."""
-        saved = self._saved(step_id)
         req_ids = list(req_ids)
-        unknown = [r for r in req_ids if r not in saved.spans]
-        if unknown:
-            raise UnknownRequestError(
-                f"materialize(step {step_id}): {unknown[:8]} were not in the step's batch"
-            )
-        bad = [r for r in req_ids if r in saved.unservable]
-        if bad:
-            raise UnservableHitError(
-                f"step {step_id}: the prefix hits of {bad[:8]} could not be served "
-                f"({saved.unservable[bad[0]]})"
-            )
-        self._ledger.consume(step_id)
-        del self._steps[step_id]
+        with self._lock:
+            saved = self._saved(step_id)
+            unknown = [r for r in req_ids if r not in saved.spans]
+            if unknown:
+                raise UnknownRequestError(
+                    f"materialize(step {step_id}): {unknown[:8]} were not in the step's batch"
+                )
+            bad = [r for r in req_ids if r in saved.unservable]
+            if bad:
+                raise UnservableHitError(
+                    f"step {step_id}: the prefix hits of {bad[:8]} could not be served "
+                    f"({saved.unservable[bad[0]]})"
+                )
+            self._ledger.consume(step_id)
+            del self._steps[step_id]
+            self._consumed.notify_all()
+            self._consumed.notify_all()
         hidden: dict[str, torch.Tensor] | None = None
         mm: dict[str, dict[str, Any]] = {}
         for name, key in self._keys.items():
@@ -333,14 +341,33 @@ class OmniHiddenStateCache:
 
     def discard_step(self, step_id: int) -> None:
         """Consumes ``step_id`` without reading it (its rows stay cached)."""
-        self._saved(step_id)
-        self._ledger.consume(step_id)
-        del self._steps[step_id]
+        with self._lock:
+            self._saved(step_id)
+            self._ledger.consume(step_id)
+            del self._steps[step_id]
 
     def shutdown(self) -> None:
         """Nothing runs in the background; kept for vllm-omni's interface."""
 
     # ------------------------------------------------------------------ internals
+
+    def _wait_for_room(self) -> None:
+        """Waits (up to ``step_wait_s``) until fewer than ``max_unconsumed_steps`` saved
+        steps are unconsumed: the async output thread may be a step behind."""
+        deadline = time.monotonic() + self._settings.step_wait_s
+        with self._consumed:
+            while True:
+                try:
+                    self._ledger.check_room()
+                    return
+                except InvalidArgumentError as e:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise StepIdError(
+                            f"{e} (waited {self._settings.step_wait_s} s for a "
+                            "materialize or discard_step)"
+                        ) from None
+                    self._consumed.wait(left)
 
     def _saved(self, step_id: object) -> _SavedStep:
         """The rows of an outstanding step; ``StepIdError`` for any other id."""

@@ -16,7 +16,9 @@ vllm-omni deploy YAML sets it per stage with ``env:`` / ``runtime: env:``):
   no copies, accelerator memory) or ``cpu`` (pageable host memory; what ``pinned`` becomes
   without an accelerator).
 - ``HSCACHE_OMNI_MAX_UNCONSUMED_STEPS``: how many saved steps may wait for ``materialize``
-  or ``discard_step`` at once (default 4, vllm-omni's staging depth); one more is a
+  or ``discard_step`` at once (default 4, vllm-omni's staging depth). A save beyond it
+  waits for one (the async output thread may be behind) up to
+  ``HSCACHE_OMNI_STEP_WAIT_S`` seconds (default 30, vllm-omni's), then raises
   :class:`hscache.omni.StepIdError`, the sign of a step id never consumed.
 """
 
@@ -44,6 +46,7 @@ class OmniSettings:
     enabled: bool = False
     storage: Storage = "pinned"
     max_unconsumed_steps: int = 4
+    step_wait_s: float = 30.0
 
     @classmethod
     def from_env(cls) -> OmniSettings:
@@ -62,7 +65,15 @@ class OmniSettings:
             raise InvalidArgumentError(
                 f"HSCACHE_OMNI_MAX_UNCONSUMED_STEPS={steps!r}; expected >= 1"
             )
+        wait = os.environ.get("HSCACHE_OMNI_STEP_WAIT_S", "30")
+        try:
+            step_wait_s = float(wait)
+        except ValueError:
+            step_wait_s = -1.0
+        if not step_wait_s >= 0:
+            raise InvalidArgumentError(f"HSCACHE_OMNI_STEP_WAIT_S={wait!r}; expected >= 0")
         return cls(
+            step_wait_s=step_wait_s,
             enabled=enabled in ("1", "true", "yes", "on"),
             storage=storage,
             max_unconsumed_steps=max_steps,
