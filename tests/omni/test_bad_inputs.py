@@ -256,3 +256,21 @@ def test_materialize_on_another_thread_while_saving() -> None:
             assert out.hidden_states is not None
             assert torch.equal(out.hidden_states[r], x)
     assert cache.unconsumed_steps() == []
+
+
+def test_model_without_per_token_outputs_keeps_nothing() -> None:
+    """A policy without hidden states and no per-token mm: nothing cached, no backlog
+    growing, and a per-token key appearing later is refused."""
+    cache, view = make()
+    cache.register_policy(NS(needs_full_hidden_states=False))
+    for i in range(3):
+        sid = step(cache, view, sched(new=((f"r{i}", [i + 1], 0, 2),)), rows(2, 0.0))
+        out = cache.materialize(sid, [f"r{i}"])
+        assert out.hidden_states is None and out.mm_outputs == {}
+    assert cache.cache is None and cache.bytes_per_token() == 0
+    cache.new_step_starts(sched(new=(("x", [5], 0, 2),)))
+    view.order = ["x"]
+    with pytest.raises(UnsupportedOutputError):
+        cache.save_outputs(
+            rows(2, 0.0), {"mm.codes": rows(2, 0.0)}, num_tokens_unpadded=2, num_tokens_padded=2
+        )

@@ -185,6 +185,9 @@ class OmniHiddenStateCache:
         # SchedulerOutputs seen before the cache exists (it is built on the first saved
         # step with rows, when the outputs' widths are known); replayed into its mirror.
         self._backlog: list[Any] = []
+        # The first saved step with rows had no per-token output: nothing is ever cached
+        # (and no backlog kept).
+        self._keyless = False
         # This step's SchedulerOutput, planned at save (the batch order is known then).
         self._pending: Any = None
         self._live: set[str] = set()
@@ -284,6 +287,9 @@ class OmniHiddenStateCache:
         # Everything checked: change state.
         self._pending = None
         saved = _SavedStep(spans=spans, rows={}, hits={}, leftover=_host_copy(rest))
+        if n and not keys and self._cache is None and not self._keyless:
+            self._keyless = True
+            self._backlog.clear()
         if not n or not keys:
             self._plan_unsaved(so)
         else:
@@ -385,6 +391,8 @@ class OmniHiddenStateCache:
 
     def _plan_unsaved(self, so: Any) -> None:
         """Applies a step nothing was saved for: its tables count, its rows do not."""
+        if self._keyless:
+            return
         if self._cache is None:
             self._backlog.append(so)
         else:
@@ -397,6 +405,11 @@ class OmniHiddenStateCache:
             name: _Key(name, tuple(int(d) for d in t.shape[1:]), t.dtype)
             for name, t in rows.items()
         }
+        if self._keyless and found:
+            raise UnsupportedOutputError(
+                f"per-token outputs {sorted(found)}; the first saved step had none, so "
+                "this cache holds none"
+            )
         if self._cache is None:
             return found
         if found.keys() != self._keys.keys():
