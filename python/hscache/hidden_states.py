@@ -114,7 +114,8 @@ class HiddenStateCache:
     KV-sharing skip layers (written only for the tokens those layers computed under fast
     prefill). ``kv_cache_group`` picks the KV-cache group whose block tables index the rows
     (:func:`full_attention_group`); one group suffices because hidden states are one row per
-    token.
+    token. ``pin_memory`` (a CPU ``device`` only) page-locks the storage, so that rows move
+    between it and an accelerator without a bounce buffer.
     """
 
     def __init__(
@@ -126,6 +127,7 @@ class HiddenStateCache:
         *,
         kv_cache_group: int = 0,
         skip_layer_keys: Collection[str] = (),
+        pin_memory: bool = False,
     ) -> None:
         if not keys:
             raise InvalidArgumentError("declare at least one key: keys={'hidden': (D, dtype)}")
@@ -163,7 +165,9 @@ class HiddenStateCache:
             self._tensors: dict[str, torch.Tensor] = {
                 # Zeroed, i.e. committed now: no first-touch page faults on the hot path
                 # and no out-of-memory mid-serving. Zeros are never served.
-                name: torch.zeros((num_slots, width), dtype=dtype, device=device)
+                name: torch.zeros(
+                    (num_slots, width), dtype=dtype, device=device, pin_memory=pin_memory
+                )
                 for name, (width, dtype) in specs.items()
             }
         except RuntimeError as e:  # torch's CPU and CUDA allocation failures

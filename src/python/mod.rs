@@ -26,6 +26,7 @@ mod prefill_skip;
 mod retention;
 mod slot_facts;
 mod slots;
+mod step_ledger;
 
 // Sibling modules address it as `super::buffers`.
 pub(crate) use convert::buffers;
@@ -93,6 +94,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::PyKVCacheCore>()?;
     m.add_class::<slots::PySlotMirror>()?;
     m.add_class::<slots::PySlotReads>()?;
+    m.add_class::<step_ledger::PyStepLedger>()?;
     m.add_function(wrap_pyfunction!(prefill_skip::prefill_skip, m)?)?;
     m.add_class::<encoder_cache::PyEncoderCacheCore>()?;
     m.add_class::<encoder_decoder::PyEncoderDecoderCacheCore>()?;

@@ -444,6 +444,19 @@ impl PySlotMirror {
             .write("revalidate", |c| Ok(c.revalidate(&mut reads.reads)?))
     }
 
+    /// Test only: breaks one of the mirror's rules (a name of `_rule_mutants()`), so
+    /// that a differential proves it notices; the mirror must then be thrown away.
+    fn _break_rule(&mut self, name: &str) -> PyResult<()> {
+        self.core
+            .write("_break_rule", |c| Ok(c.break_rule_for_tests(name)?))
+    }
+
+    /// The names `_break_rule` accepts.
+    #[staticmethod]
+    fn _rule_mutants() -> Vec<&'static str> {
+        SlotMirror::RULE_MUTANTS.to_vec()
+    }
+
     /// `(version, leading rows written in it)` of a block (keys of every layer).
     fn block_state(&self, block_id: BlockIdInt) -> PyResult<(u64, usize)> {
         let b = self::block_id(block_id.0)?;

@@ -144,17 +144,11 @@ impl SlotMirror {
                     .map_or_else(|| "none".to_string(), |s| s.to_string())
             )));
         }
-        #[cfg(test)]
         let reads = if self.faults.reads_before_writes {
             let reads = self.validate_reads(step.step_id);
             self.count_writes();
             reads
         } else {
-            self.count_writes();
-            self.validate_reads(step.step_id)
-        };
-        #[cfg(not(test))]
-        let reads = {
             self.count_writes();
             self.validate_reads(step.step_id)
         };
@@ -168,10 +162,7 @@ impl SlotMirror {
     /// Counts the pending step's rows as written (both key classes).
     pub(super) fn count_writes(&mut self) {
         let bs = self.bs;
-        #[cfg(test)]
         let ignore_skip = self.faults.ignore_skip;
-        #[cfg(not(test))]
-        let ignore_skip = false;
         for p in &self.pending {
             let table: &[BlockId] = match p.single_block {
                 Some(_) => &[],

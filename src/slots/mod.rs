@@ -80,6 +80,7 @@
 //! window skipped or keep one state block, so a plan over such a group fails.
 
 mod commit;
+mod ledger;
 mod plan;
 #[cfg(test)]
 mod tests;
@@ -91,6 +92,7 @@ use crate::request_table::{RequestHandle, RequestTable};
 use crate::types::BlockId;
 
 pub use commit::{ReadEntry, StepReads};
+pub use ledger::StepLedger;
 pub use plan::{Assignment, PrefillSkipRequest, ScheduledRequest, StepInput};
 
 /// The block size, with shift / mask for the (usual) power of two: a decode step maps
@@ -220,8 +222,10 @@ struct RequestSlots {
 
 static NEXT_MIRROR_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
-/// Deliberate defects, for tests that must fail on a broken mirror.
-#[cfg(test)]
+/// Deliberate defects, for tests that must fail on a broken mirror: the Rust tests and
+/// the differential against vllm-omni's cache (`SlotMirror::break_rule_for_tests`, the
+/// binding's `_break_rule`). Always compiled, like the manager's invariant mutants: one
+/// predictable branch per bump and commit.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Faults {
     /// Reuse does not bump the version (stale rows of the previous owner stay valid).
@@ -258,7 +262,6 @@ pub struct SlotMirror {
     has_prefill_skip: bool,
     plan_buf: plan::Plan,
     stats: SlotStats,
-    #[cfg(test)]
     faults: Faults,
 }
 
@@ -298,7 +301,6 @@ impl SlotMirror {
             has_prefill_skip: false,
             plan_buf: plan::Plan::default(),
             stats: SlotStats::default(),
-            #[cfg(test)]
             faults: Faults::default(),
         })
     }
@@ -307,6 +309,35 @@ impl SlotMirror {
     pub(crate) fn with_faults(mut self, faults: Faults) -> Self {
         self.faults = faults;
         self
+    }
+
+    /// The rule names [`Self::break_rule_for_tests`] accepts.
+    pub const RULE_MUTANTS: [&'static str; 5] = [
+        "no_bump",
+        "reads_before_writes",
+        "uncommitted_written",
+        "trust_connector",
+        "ignore_skip",
+    ];
+
+    /// Test only: breaks one of the mirror's rules (a name of [`Self::RULE_MUTANTS`]),
+    /// so that a differential can prove it notices; the mirror must then be thrown away.
+    pub fn break_rule_for_tests(&mut self, name: &str) -> Result<()> {
+        let f = &mut self.faults;
+        match name {
+            "no_bump" => f.no_bump = true,
+            "reads_before_writes" => f.reads_before_writes = true,
+            "uncommitted_written" => f.uncommitted_written = true,
+            "trust_connector" => f.trust_connector = true,
+            "ignore_skip" => f.ignore_skip = true,
+            _ => {
+                return Err(Error::InvalidArgument(format!(
+                    "no slot-mirror rule mutant {name:?} (known: {:?})",
+                    Self::RULE_MUTANTS
+                )))
+            }
+        }
+        Ok(())
     }
 
     /// This mirror's id: plans and reads carry it, and other mirrors refuse them.
@@ -433,7 +464,6 @@ impl SlotMirror {
     }
 
     fn bump(&mut self, block_id: BlockId) {
-        #[cfg(test)]
         if self.faults.no_bump {
             return;
         }

@@ -343,7 +343,6 @@ impl SlotMirror {
     fn apply(&mut self, input: &StepInput<'_>, plan: &mut Plan) {
         if self.pending_step.is_some() {
             self.stats.uncommitted_steps += 1;
-            #[cfg(test)]
             if self.faults.uncommitted_written {
                 self.count_writes();
             }
@@ -383,7 +382,6 @@ impl SlotMirror {
                     slots.num_prompt_tokens = num_prompt_tokens;
                     let first_fresh = self.bs.div(p.compute_start);
                     for &b in &block_ids[p.loaded_from.min(first_fresh)..first_fresh] {
-                        #[cfg(test)]
                         if self.faults.trust_connector {
                             continue;
                         }

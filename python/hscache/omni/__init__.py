@@ -1,0 +1,39 @@
+"""hscache inside vllm-omni: its hidden-state prefix cache served by hscache.
+
+vllm-omni's AR model runners drive a prefix cache for hidden states and per-token
+multimodal outputs through a small interface (``PrefixCacheRunnerMixin``, vllm-omni 0.30):
+``register_policy``, per step ``new_step_starts(scheduler_output)``, ``save_outputs(...)``
+returning a step id, and exactly one ``materialize(step_id, req_ids)`` or
+``discard_step(step_id)`` for it. :class:`OmniHiddenStateCache` implements it on
+:class:`hscache.hidden_states.HiddenStateCache`, whose Rust slot mirror (``src/slots/``)
+decides which rows are valid for whom; this package is glue: it parses nothing vLLM's
+``SchedulerOutput`` carries (the mirror does), holds the consume-once step table and shapes
+the results the way vllm-omni's runners expect them.
+
+Switching it on: ``HSCACHE_OMNI_PREFIX_CACHE=1`` in a stage's environment (a deploy YAML's
+per-stage ``env:``), read through hscache's vLLM plugin :func:`register`, or :func:`install`
+in code, makes vllm-omni's runners build :class:`OmniHiddenStateCache` where they would
+build their own ``OmniPrefixCacheManager`` (see :mod:`hscache.omni.settings`); prefix
+caching itself stays vllm-omni's per-stage ``enable_prefix_caching``. Importing this
+package needs neither vllm nor vllm-omni, and never imports :mod:`hscache.vllm` (the
+KV-manager drop-in).
+"""
+
+from hscache.omni.errors import (
+    StepIdError,
+    UnservableHitError,
+    UnsupportedOutputError,
+)
+from hscache.omni.prefix_cache import OmniHiddenStateCache, StageOutputs
+from hscache.omni.settings import OmniSettings, install, register
+
+__all__ = [
+    "OmniHiddenStateCache",
+    "OmniSettings",
+    "StageOutputs",
+    "StepIdError",
+    "UnservableHitError",
+    "UnsupportedOutputError",
+    "install",
+    "register",
+]

@@ -1,0 +1,505 @@
+"""``OmniHiddenStateCache``: vllm-omni's prefix-cache interface on hscache's hidden-state cache.
+
+vllm-omni 0.30's runners (``PrefixCacheRunnerMixin``) build their cache as
+``cls(PrefixCacheConfig, FullAttentionGroupView)``, call ``register_policy`` once, and per
+real step: ``new_step_starts(scheduler_output)`` before the runner drops finished requests,
+the forward pass, ``save_outputs(hidden_states, mm_outputs, num_tokens_unpadded=,
+num_tokens_padded=)`` which returns a step id, then exactly one of ``materialize(step_id,
+req_ids)`` (possibly a step late, on the async output thread) or ``discard_step(step_id)``.
+
+What ``materialize`` returns, per request of the saved step (vllm-omni's contract, which this
+class keeps so that a runner's payloads are identical): a request on its first schedule
+(``scheduled_new_reqs``, not yet live) with a prefix hit gets ``[cached prefix | this
+step's rows]``, positions ``0 .. num_computed + num_scheduled``; every other request (no hit,
+a later prefill chunk, a decode step, a request resumed after preemption) gets this step's
+rows only. Per-token outputs are the hidden states (``__hidden_states__``, unless the
+model's policy opts out) and every multimodal output whose first dimension is the step's
+token count (vllm-omni's JOIN_NEXT_STEP and JOIN_ON_FINISH keys alike: both are readable by
+hits from the step that saved them, so both are written at save); other multimodal outputs
+are passed through per request as vllm-omni does.
+
+Who decides what: hscache's Rust slot mirror (``src/slots/``) takes the step's facts from
+the ``SchedulerOutput`` itself (new requests' tables and hits, running requests' new
+blocks, resumptions, finishes and preemptions), bumps the version of every block assigned
+fresh, lays out and checks the step's write slots, counts the rows written and validates
+every hit against the versions: a hit whose rows were not all written in their blocks'
+current versions is a miss, which this class reports as :class:`UnservableHitError`
+(never zeros, never another request's rows). A Rust ``StepLedger`` decides which step ids
+may be consumed (issued here, not consumed yet, at most ``max_unconsumed_steps`` waiting).
+Hits are gathered when the step is saved,
+after its writes (same-step hits read the rows this step wrote), so a materialize one step
+late is unaffected by blocks reused in between.
+
+Storage (:class:`hscache.omni.settings.OmniSettings`): the cache is allocated on the first
+saved step with rows, one ``(num_blocks * block_size, width)`` tensor per per-token key, in
+pinned host memory, on the outputs' device, or in pageable host memory;
+``bytes_per_token`` is the memory one KV slot costs. Results are host tensors, as vllm-omni's.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from hscache._core import StepLedger
+from hscache.exceptions import InvalidArgumentError, UnknownRequestError
+from hscache.hidden_states import HiddenStateCache
+from hscache.omni.errors import StepIdError, UnservableHitError, UnsupportedOutputError
+from hscache.omni.settings import OmniSettings
+
+__all__ = ["HIDDEN_KEY", "OmniHiddenStateCache", "StageOutputs"]
+
+HIDDEN_KEY = "__hidden_states__"
+"""The hidden states' key, vllm-omni's name for it."""
+
+
+class StageOutputs(NamedTuple):
+    """What ``materialize`` returns (the fields of vllm-omni's ``StageCacheOutputs``)."""
+
+    hidden_states: dict[str, torch.Tensor] | None
+    """``req_id -> rows``, or None when the model's policy does not cache hidden states."""
+    mm_outputs: dict[str, dict[str, Any]]
+    """``key -> req_id -> rows`` (per-token keys) or the request's element (the others)."""
+
+
+@dataclass
+class _Key:
+    """One per-token output: its cache key, the trailing shape of a row, its dtype."""
+
+    name: str
+    row_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def width(self) -> int:
+        return math.prod(self.row_shape)
+
+
+@dataclass
+class _SavedStep:
+    """A saved step, until materialized or discarded."""
+
+    spans: dict[str, tuple[int, int]]
+    """``req_id -> [start, end)`` of its rows in ``rows``, in the save-time batch order."""
+    rows: dict[str, torch.Tensor]
+    """``key -> this step's rows`` (host copies)."""
+    hits: dict[str, dict[str, torch.Tensor]]
+    """``req_id -> key -> full rows`` of the requests whose hit was served."""
+    unservable: dict[str, str] = field(default_factory=dict)
+    """``req_id -> why`` for hits the mirror refused."""
+    leftover: dict[str, Any] = field(default_factory=dict)
+    """Outputs that are not one row per token, passed through."""
+
+
+def _split(
+    hidden_states: torch.Tensor | None,
+    mm_outputs: Mapping[str, Any] | None,
+    n: int,
+    padded: int,
+    cache_hidden: bool,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``(per-token outputs, the rest)``; per-token ones cut to the step's ``n`` rows."""
+    rows: dict[str, torch.Tensor] = {}
+    rest: dict[str, Any] = {}
+    if cache_hidden and hidden_states is not None and n > 0:
+        if not isinstance(hidden_states, torch.Tensor):
+            raise InvalidArgumentError(
+                f"hidden_states is a {type(hidden_states).__name__}; expected a torch.Tensor"
+            )
+        if hidden_states.ndim < 2 or hidden_states.shape[0] < n:
+            raise InvalidArgumentError(
+                f"hidden_states has shape {tuple(hidden_states.shape)}; expected ({n}, width)"
+            )
+        rows[HIDDEN_KEY] = hidden_states[:n]
+    for key, val in (mm_outputs or {}).items():
+        if not isinstance(key, str) or key == HIDDEN_KEY:
+            raise InvalidArgumentError(f"multimodal output key {key!r} is not a flat name")
+        if (
+            n > 0
+            and isinstance(val, torch.Tensor)
+            and val.ndim >= 2
+            and int(val.shape[0]) in (n, padded)
+        ):
+            rows[key] = val[:n]
+        else:
+            rest[key] = val
+    return rows, rest
+
+
+def _host_copy(val: Any) -> Any:
+    """A host copy of every tensor in ``val`` (the runner reuses its output buffers)."""
+    if isinstance(val, torch.Tensor):
+        return val.detach().to("cpu", copy=True)
+    if isinstance(val, Mapping):
+        return {k: _host_copy(v) for k, v in val.items()}
+    if isinstance(val, list):
+        return [_host_copy(v) for v in val]
+    if isinstance(val, tuple):
+        return tuple(_host_copy(v) for v in val)
+    return val
+
+
+class OmniHiddenStateCache:
+    """vllm-omni's prefix-cache manager interface served by :class:`HiddenStateCache`.
+
+    ``config`` has ``num_blocks`` and ``block_size`` (vllm-omni's ``PrefixCacheConfig``);
+    ``view`` has ``batch_req_ids()``, the runner's batch order after its state update
+    (vllm-omni's ``FullAttentionGroupView``). ``eager`` is accepted for vllm-omni's signature
+    and ignored (nothing here is asynchronous). ``settings`` default to the environment.
+    ``kv_cache_group``: the KV-cache group whose block tables index the rows, the one that
+    carries full-attention positions (:func:`hscache.hidden_states.full_attention_group`);
+    vllm-omni knows group 0 of a one-group model only, hscache serves hybrid layouts too
+    (``config.block_size`` is then that group's block size).
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        view: Any,
+        *,
+        eager: bool | None = None,
+        settings: OmniSettings | None = None,
+        kv_cache_group: int = 0,
+    ) -> None:
+        del eager
+        self._kv_cache_group = kv_cache_group
+        self._num_blocks = int(config.num_blocks)
+        self._block_size = int(config.block_size)
+        if self._num_blocks <= 0 or self._block_size <= 0:
+            raise InvalidArgumentError(
+                f"num_blocks={self._num_blocks}, block_size={self._block_size}: both must be > 0"
+            )
+        if not callable(getattr(view, "batch_req_ids", None)):
+            raise InvalidArgumentError("view must have batch_req_ids() (the runner's batch)")
+        self._view = view
+        self._settings = settings or OmniSettings.from_env()
+        self._cache_hidden = True
+        self._cache: HiddenStateCache | None = None
+        self._keys: dict[str, _Key] = {}
+        # SchedulerOutputs seen before the cache exists (it is built on the first saved
+        # step with rows, when the outputs' widths are known); replayed into its mirror.
+        self._backlog: list[Any] = []
+        # The first saved step with rows had no per-token output: nothing is ever cached
+        # (and no backlog kept).
+        self._keyless = False
+        # This step's SchedulerOutput, planned at save (the batch order is known then).
+        self._pending: Any = None
+        self._live: set[str] = set()
+        self._first_hits: set[str] = set()
+        # Which step ids may be consumed (Rust: issued here, once, at most `limit` waiting);
+        # `_steps` holds their rows.
+        self._ledger = StepLedger(limit=self._settings.max_unconsumed_steps)
+        # materialize / discard_step may run on vllm-omni's async output thread while the
+        # engine thread saves the next step: the ledger and `_steps` change under this lock
+        # (materialize reads only the step's own tensors, never the mirror or the storage).
+        self._lock = threading.Lock()
+        self._consumed = threading.Condition(self._lock)
+        self._steps: dict[int, _SavedStep] = {}
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def cache(self) -> HiddenStateCache | None:
+        """The hidden-state cache (None until the first saved step with rows)."""
+        return self._cache
+
+    def bytes_per_token(self) -> int:
+        """Bytes one KV slot costs, all per-token keys together (0 before the cache exists)."""
+        return 0 if self._cache is None else self._cache.bytes_per_token()
+
+    def unconsumed_steps(self) -> list[int]:
+        """Saved step ids not yet materialized or discarded."""
+        return self._ledger.outstanding()
+
+    # ------------------------------------------------------------------ interface
+
+    def register_policy(self, policy: Any) -> None:
+        """Takes the model's ``ModelCachePolicy``: whether hidden states are cached
+        (``needs_full_hidden_states``). Its ``deferred_keys`` (JOIN_ON_FINISH) need nothing
+        different here: they are written at save like every per-token key."""
+        cache_hidden = bool(getattr(policy, "needs_full_hidden_states", True))
+        if self._cache is not None and cache_hidden != self._cache_hidden:
+            raise InvalidArgumentError("register_policy after the first saved step")
+        self._cache_hidden = cache_hidden
+
+    def new_step_starts(self, scheduler_output: Any) -> None:
+        """Takes one step's ``SchedulerOutput`` (before the runner updates its batch)."""
+        finished = set(getattr(scheduler_output, "finished_req_ids", None) or ())
+        live = self._live - finished
+        first_hits: set[str] = set()
+        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+            req_id = new.req_id
+            if req_id in live:
+                continue  # a continuation: vllm-omni serves no prefix again
+            live.add(req_id)
+            hit = int(new.num_computed_tokens or 0)
+            if hit:
+                if hit % self._block_size:
+                    raise InvalidArgumentError(
+                        f"request {req_id!r}: a hit of {hit} tokens is not block aligned "
+                        f"(block_size {self._block_size}); KV-connector loads are not served"
+                    )
+                first_hits.add(req_id)
+        # Everything checked: apply. A step never saved is planned without a write (its
+        # rows count as never written) before this one.
+        if self._pending is not None:
+            self._plan_unsaved(self._pending)
+        self._pending = scheduler_output
+        self._live = live
+        self._first_hits = first_hits
+
+    def save_outputs(
+        self,
+        hidden_states: torch.Tensor | None,
+        mm_outputs: Mapping[str, Any] | None,
+        *,
+        num_tokens_unpadded: int,
+        num_tokens_padded: int,
+    ) -> int:
+        """Writes this step's rows, serves its hits; returns the step id to consume."""
+        so = self._pending
+        if so is None:
+            raise InvalidArgumentError("save_outputs without new_step_starts for this step")
+        self._wait_for_room()
+        n = int(num_tokens_unpadded)
+        scheduled: Mapping[str, int] = so.num_scheduled_tokens
+        order = [r for r in self._view.batch_req_ids() if scheduled.get(r, 0) > 0]
+        if n != sum(scheduled[r] for r in order) or len(order) != len(scheduled):
+            raise InvalidArgumentError(
+                f"num_tokens_unpadded={n} with {len(order)} of {len(scheduled)} scheduled "
+                f"requests in the batch ({sum(scheduled.values())} tokens scheduled)"
+            )
+        rows, rest = _split(
+            hidden_states, mm_outputs, n, int(num_tokens_padded), self._cache_hidden
+        )
+        keys = self._check_keys(rows) if n else {}
+        spans: dict[str, tuple[int, int]] = {}
+        start = 0
+        for r in order:
+            spans[r] = (start, start + scheduled[r])
+            start += scheduled[r]
+        # Everything checked: change state.
+        self._pending = None
+        saved = _SavedStep(spans=spans, rows={}, hits={}, leftover=_host_copy(rest))
+        if n and not keys and self._cache is None and not self._keyless:
+            self._keyless = True
+            self._backlog.clear()
+        if not n or not keys:
+            self._plan_unsaved(so)
+        else:
+            if self._cache is None:
+                self._build(keys, rows)
+            assert self._cache is not None
+            self._serve(so, order, rows, saved)
+        with self._lock:  # room was checked above; consumers only make more
+            step_id = self._ledger.issue()
+            self._steps[step_id] = saved
+        return step_id
+
+    def materialize(self, step_id: int, req_ids: Sequence[str]) -> StageOutputs:
+        """Per-request rows of a saved step (see the module doc); consumes ``step_id``."""
+        req_ids = list(req_ids)
+        with self._lock:
+            saved = self._saved(step_id)
+            unknown = [r for r in req_ids if r not in saved.spans]
+            if unknown:
+                raise UnknownRequestError(
+                    f"materialize(step {step_id}): {unknown[:8]} were not in the step's batch"
+                )
+            bad = [r for r in req_ids if r in saved.unservable]
+            if bad:
+                raise UnservableHitError(
+                    f"step {step_id}: the prefix hits of {bad[:8]} could not be served "
+                    f"({saved.unservable[bad[0]]})"
+                )
+            self._ledger.consume(step_id)
+            del self._steps[step_id]
+            self._consumed.notify_all()
+            self._consumed.notify_all()
+        hidden: dict[str, torch.Tensor] | None = None
+        mm: dict[str, dict[str, Any]] = {}
+        for name, key in self._keys.items():
+            step_rows = saved.rows.get(name)
+            if step_rows is None:
+                continue
+            per_req: dict[str, torch.Tensor] = {}
+            for r in req_ids:
+                full = saved.hits.get(r)
+                if full is not None:
+                    t = full[name]
+                else:
+                    begin, end = saved.spans[r]
+                    t = step_rows[begin:end]
+                per_req[r] = t.reshape(t.shape[0], *key.row_shape)
+            if name == HIDDEN_KEY:
+                hidden = per_req
+            else:
+                mm[name] = per_req
+        if saved.leftover:
+            self._pass_through(saved, req_ids, mm)
+        return StageOutputs(hidden_states=hidden, mm_outputs=mm)
+
+    def discard_step(self, step_id: int) -> None:
+        """Consumes ``step_id`` without reading it (its rows stay cached)."""
+        with self._lock:
+            self._saved(step_id)
+            self._ledger.consume(step_id)
+            del self._steps[step_id]
+
+    def shutdown(self) -> None:
+        """Nothing runs in the background; kept for vllm-omni's interface."""
+
+    # ------------------------------------------------------------------ internals
+
+    def _wait_for_room(self) -> None:
+        """Waits (up to ``step_wait_s``) until fewer than ``max_unconsumed_steps`` saved
+        steps are unconsumed: the async output thread may be a step behind."""
+        deadline = time.monotonic() + self._settings.step_wait_s
+        with self._consumed:
+            while True:
+                try:
+                    self._ledger.check_room()
+                    return
+                except InvalidArgumentError as e:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise StepIdError(
+                            f"{e} (waited {self._settings.step_wait_s} s for a "
+                            "materialize or discard_step)"
+                        ) from None
+                    self._consumed.wait(left)
+
+    def _saved(self, step_id: object) -> _SavedStep:
+        """The rows of an outstanding step; ``StepIdError`` for any other id."""
+        if (
+            isinstance(step_id, int)
+            and not isinstance(step_id, bool)
+            and step_id > 0
+            and step_id in self._ledger
+        ):
+            return self._steps[step_id]
+        raise StepIdError(
+            f"step id {step_id!r} is not an unconsumed step of this cache (consumed "
+            f"already, never saved, or another cache's); unconsumed: {self.unconsumed_steps()}"
+        )
+
+    def _plan_unsaved(self, so: Any) -> None:
+        """Applies a step nothing was saved for: its tables count, its rows do not."""
+        if self._keyless:
+            return
+        if self._cache is None:
+            self._backlog.append(so)
+        else:
+            self._cache.update_from_scheduler_output(so)
+
+    def _check_keys(self, rows: Mapping[str, torch.Tensor]) -> dict[str, _Key]:
+        """The step's per-token keys, checked against the cache's (same names, row
+        shapes and dtypes)."""
+        found = {
+            name: _Key(name, tuple(int(d) for d in t.shape[1:]), t.dtype)
+            for name, t in rows.items()
+        }
+        if self._keyless and found:
+            raise UnsupportedOutputError(
+                f"per-token outputs {sorted(found)}; the first saved step had none, so "
+                "this cache holds none"
+            )
+        if self._cache is None:
+            return found
+        if found.keys() != self._keys.keys():
+            raise UnsupportedOutputError(
+                f"per-token outputs {sorted(found)}; the cache holds {sorted(self._keys)} "
+                "(every step must carry the keys of the first saved step)"
+            )
+        for name, key in found.items():
+            want = self._keys[name]
+            if key.row_shape != want.row_shape or key.dtype != want.dtype:
+                raise InvalidArgumentError(
+                    f"outputs[{name!r}]: rows {key.row_shape} {key.dtype}; the cache holds "
+                    f"{want.row_shape} {want.dtype}"
+                )
+        return found
+
+    def _build(self, keys: dict[str, _Key], rows: Mapping[str, torch.Tensor]) -> None:
+        storage = self._settings.storage
+        device = next(iter(rows.values())).device
+        pin = False
+        if storage == "device":
+            where: torch.device = device
+        else:
+            where = torch.device("cpu")
+            pin = storage == "pinned" and torch.cuda.is_available()
+        cache = HiddenStateCache(
+            self._num_blocks,
+            self._block_size,
+            {k.name: (k.width, k.dtype) for k in keys.values()},
+            where,
+            kv_cache_group=self._kv_cache_group,
+            pin_memory=pin,
+        )
+        for so in self._backlog:
+            cache.update_from_scheduler_output(so)
+        self._backlog.clear()
+        self._cache = cache
+        self._keys = keys
+
+    def _serve(
+        self,
+        so: Any,
+        order: list[str],
+        rows: Mapping[str, torch.Tensor],
+        saved: _SavedStep,
+    ) -> None:
+        """Plans, writes and commits the step in the mirror; gathers its served hits."""
+        cache = self._cache
+        assert cache is not None
+        flat = {name: t.reshape(t.shape[0], -1) for name, t in rows.items()}
+        plan = cache.update_from_scheduler_output(so, order=order)
+        if plan.num_rows != next(iter(flat.values())).shape[0]:
+            raise InvalidArgumentError(
+                f"the step has {next(iter(flat.values())).shape[0]} rows; the mirror "
+                f"planned {plan.num_rows}"
+            )
+        step_rows = cache.write_and_gather(plan, flat)
+        served = set(step_rows.hits)
+        misses = set(step_rows.misses)
+        for r in order:
+            if r not in self._first_hits:
+                continue
+            if r in served:
+                saved.hits[r] = {name: step_rows.rows(r, name).cpu() for name in flat}
+            else:
+                why = "rows not written in the blocks' current versions"
+                saved.unservable[r] = why if r in misses else "no hit was planned"
+        saved.rows = {name: t.detach().to("cpu", copy=True) for name, t in flat.items()}
+
+    def _pass_through(
+        self, saved: _SavedStep, req_ids: list[str], mm: dict[str, dict[str, Any]]
+    ) -> None:
+        """The outputs that are not one row per token, per request, as vllm-omni splits them."""
+        try:
+            from vllm_omni.utils.mm_outputs import to_payload_element
+        except ImportError:  # without vllm-omni: the whole value for every request
+            for key, val in saved.leftover.items():
+                mm[key] = dict.fromkeys(req_ids, val)
+            return
+        order = list(saved.spans)
+        total = sum(e - s for s, e in saved.spans.values())
+        for key, val in saved.leftover.items():
+            mm[key] = {
+                r: to_payload_element(
+                    val,
+                    order.index(r),
+                    start=saved.spans[r][0],
+                    end=saved.spans[r][1],
+                    pass_lists_through=True,
+                    seq_len=total,
+                )
+                for r in req_ids
+            }

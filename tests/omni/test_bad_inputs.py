@@ -1,0 +1,276 @@
+"""Bad input to ``OmniHiddenStateCache``: a typed error, the cache unchanged, never zeros or
+another request's rows. Needs neither vLLM nor vllm-omni (``SchedulerOutput``-shaped
+namespaces carry the facts the slot mirror reads), so it runs in every environment."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace as NS
+from typing import Any
+
+import pytest
+import torch
+from hscache.exceptions import InvalidArgumentError, UnknownRequestError
+from hscache.omni import (
+    OmniHiddenStateCache,
+    OmniSettings,
+    StepIdError,
+    UnservableHitError,
+    UnsupportedOutputError,
+    install,
+)
+
+BS = 4
+W = 3
+
+
+class View:
+    def __init__(self) -> None:
+        self.order: list[str] = []
+
+    def batch_req_ids(self) -> list[str]:
+        return list(self.order)
+
+
+def sched(
+    new: tuple[tuple[str, list[int], int, int], ...] = (),
+    cont: tuple[tuple[str, list[int] | None, int, int], ...] = (),
+    finished: tuple[str, ...] = (),
+) -> Any:
+    """A ``SchedulerOutput``-shaped step: ``new`` (id, blocks, computed, scheduled),
+    ``cont`` (id, new blocks, computed, scheduled)."""
+    return NS(
+        scheduled_new_reqs=[
+            NS(req_id=r, block_ids=(b,), num_computed_tokens=nc, prompt_token_ids=None)
+            for r, b, nc, _ in new
+        ],
+        scheduled_cached_reqs=NS(
+            req_ids=[r for r, *_ in cont],
+            resumed_req_ids=set(),
+            new_block_ids=[None if b is None else (b,) for _, b, _, _ in cont],
+            num_computed_tokens=[nc for _, _, nc, _ in cont],
+        ),
+        num_scheduled_tokens={r: n for r, _, _, n in (*new, *cont)},
+        finished_req_ids=set(finished),
+        preempted_req_ids=None,
+        new_block_ids_to_zero=None,
+        kv_connector_metadata=None,
+        scheduled_spec_decode_tokens={},
+    )
+
+
+def rows(n: int, base: float) -> torch.Tensor:
+    return base + torch.arange(n * W, dtype=torch.float32).reshape(n, W)
+
+
+def make() -> tuple[OmniHiddenStateCache, View]:
+    view = View()
+    cache = OmniHiddenStateCache(
+        NS(num_blocks=8, block_size=BS),
+        view,
+        settings=OmniSettings(storage="cpu", step_wait_s=0.05),
+    )
+    return cache, view
+
+
+def step(
+    cache: OmniHiddenStateCache, view: View, so: Any, hidden: torch.Tensor, **mm: torch.Tensor
+) -> int:
+    cache.new_step_starts(so)
+    view.order = list(so.num_scheduled_tokens)
+    n = hidden.shape[0]
+    return cache.save_outputs(hidden, mm, num_tokens_unpadded=n, num_tokens_padded=n)
+
+
+def warm() -> tuple[OmniHiddenStateCache, View, torch.Tensor]:
+    """``a`` prefilled 8 tokens into blocks 1, 2 and finished; its step materialized."""
+    cache, view = make()
+    a = rows(8, 0.0)
+    sid = step(cache, view, sched(new=(("a", [1, 2], 0, 8),)), a, **{"mm.codes": a * 2})
+    cache.materialize(sid, ["a"])
+    return cache, view, a
+
+
+def test_hit_served_then_step_consumed_once() -> None:
+    cache, view, a = warm()
+    b_new = rows(2, 100.0)
+    sid = step(
+        cache,
+        view,
+        sched(new=(("b", [1, 2, 3], 8, 2),), finished=("a",)),
+        b_new,
+        **{"mm.codes": b_new * 2},
+    )
+    out = cache.materialize(sid, ["b"])
+    assert out.hidden_states is not None
+    assert torch.equal(out.hidden_states["b"], torch.cat([a, b_new]))
+    assert torch.equal(out.mm_outputs["mm.codes"]["b"], torch.cat([a, b_new]) * 2)
+    with pytest.raises(StepIdError):
+        cache.materialize(sid, ["b"])
+    with pytest.raises(StepIdError):
+        cache.discard_step(sid)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        rows(3, 0.0),  # too few rows
+        rows(4, 0.0).to(torch.float64),  # wrong dtype
+        torch.zeros(4, W + 1),  # wrong width
+        torch.zeros(4),  # not rows
+    ],
+)
+def test_wrong_rows_are_refused_and_change_nothing(bad: torch.Tensor) -> None:
+    cache, view, a = warm()
+    assert cache.cache is not None
+    before = cache.cache.tensor("__hidden_states__").clone()
+    stats = cache.cache.stats()
+    so = sched(new=(("b", [1, 2, 3], 8, 4),), finished=("a",))
+    cache.new_step_starts(so)
+    view.order = ["b"]
+    with pytest.raises(InvalidArgumentError):
+        cache.save_outputs(
+            bad, {"mm.codes": rows(4, 0.0)}, num_tokens_unpadded=4, num_tokens_padded=4
+        )
+    assert torch.equal(cache.cache.tensor("__hidden_states__"), before)
+    assert cache.cache.stats() == stats
+    # The same step saved right: b is served a's rows, nothing else.
+    good = rows(4, 50.0)
+    sid = cache.save_outputs(
+        good, {"mm.codes": good * 2}, num_tokens_unpadded=4, num_tokens_padded=4
+    )
+    out = cache.materialize(sid, ["b"])
+    assert out.hidden_states is not None
+    assert torch.equal(out.hidden_states["b"], torch.cat([a, good]))
+
+
+def test_missing_or_new_key_is_refused() -> None:
+    cache, view, _ = warm()
+    so = sched(new=(("b", [3], 0, 2),), finished=("a",))
+    cache.new_step_starts(so)
+    view.order = ["b"]
+    with pytest.raises(UnsupportedOutputError):
+        cache.save_outputs(rows(2, 0.0), {}, num_tokens_unpadded=2, num_tokens_padded=2)
+    with pytest.raises(UnsupportedOutputError):
+        cache.save_outputs(
+            rows(2, 0.0),
+            {"mm.codes": rows(2, 0.0), "mm.other": rows(2, 0.0)},
+            num_tokens_unpadded=2,
+            num_tokens_padded=2,
+        )
+    assert cache.unconsumed_steps() == []
+
+
+def test_unknown_request_and_foreign_step_ids() -> None:
+    cache, view, _ = warm()
+    other, other_view = make()
+    sid_other = step(other, other_view, sched(new=(("x", [1], 0, 2),)), rows(2, 0.0))
+    sid = step(
+        cache, view, sched(new=(("b", [3], 0, 2),)), rows(2, 0.0), **{"mm.codes": rows(2, 0.0)}
+    )
+    with pytest.raises(UnknownRequestError):
+        cache.materialize(sid, ["b", "nobody"])
+    with pytest.raises(StepIdError):
+        cache.materialize(sid_other, ["x"])  # another cache's step
+    for never in (12345678, -1, 0, True, "1"):
+        with pytest.raises(StepIdError):
+            cache.discard_step(never)  # type: ignore[arg-type]
+    assert cache.unconsumed_steps() == [sid]  # nothing was consumed by the refusals
+    cache.discard_step(sid)
+    other.discard_step(sid_other)
+
+
+def test_steps_never_consumed_are_refused() -> None:
+    cache, view = make()
+    ids = []
+    for i in range(4):  # the default limit
+        ids.append(step(cache, view, sched(new=((f"r{i}", [i + 1], 0, 1),)), rows(1, 0.0)))
+    cache.new_step_starts(sched(new=(("r9", [6], 0, 1),)))
+    view.order = ["r9"]
+    with pytest.raises(StepIdError):
+        cache.save_outputs(rows(1, 0.0), {}, num_tokens_unpadded=1, num_tokens_padded=1)
+    cache.discard_step(ids[0])
+    cache.save_outputs(rows(1, 0.0), {}, num_tokens_unpadded=1, num_tokens_padded=1)
+
+
+def test_hit_on_unwritten_rows_is_refused_not_zeros() -> None:
+    """a's step is never saved (its rows never written); b hits a's blocks: refused."""
+    cache, view, _ = warm()
+    cache.new_step_starts(sched(new=(("c", [4, 5], 0, 8),), finished=("a",)))  # never saved
+    so = sched(new=(("d", [4, 5, 6], 8, 1),), finished=("c",))
+    d = rows(1, 7.0)
+    sid = step(cache, view, so, d, **{"mm.codes": d})
+    with pytest.raises(UnservableHitError):
+        cache.materialize(sid, ["d"])
+    assert cache.unconsumed_steps() == [sid]
+    cache.discard_step(sid)
+
+
+def test_non_aligned_hit_is_refused_before_anything_changes() -> None:
+    cache, _, _ = warm()
+    with pytest.raises(InvalidArgumentError):
+        cache.new_step_starts(sched(new=(("b", [1, 2, 3], 6, 2),)))
+
+
+def test_batch_that_does_not_match_the_step_is_refused() -> None:
+    cache, view, _ = warm()
+    cache.new_step_starts(sched(new=(("b", [3], 0, 2), ("c", [4], 0, 2))))
+    view.order = ["b"]  # c is missing from the runner's batch
+    with pytest.raises(InvalidArgumentError):
+        cache.save_outputs(rows(4, 0.0), {}, num_tokens_unpadded=4, num_tokens_padded=4)
+
+
+def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HSCACHE_OMNI_STORAGE", "nowhere")
+    with pytest.raises(InvalidArgumentError):
+        OmniSettings.from_env()
+    monkeypatch.setenv("HSCACHE_OMNI_STORAGE", "device")
+    monkeypatch.setenv("HSCACHE_OMNI_PREFIX_CACHE", "1")
+    s = OmniSettings.from_env()
+    assert s.enabled and s.storage == "device"
+    monkeypatch.delenv("HSCACHE_OMNI_PREFIX_CACHE")
+    assert not install()  # off: nothing is touched
+    assert "HSCACHE_OMNI_PREFIX_CACHE" not in os.environ
+
+
+def test_materialize_on_another_thread_while_saving() -> None:
+    """vllm-omni's async output thread materializes step N while the engine saves N + 1."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    view = View()
+    cache = OmniHiddenStateCache(
+        NS(num_blocks=8, block_size=BS), view, settings=OmniSettings(storage="cpu")
+    )
+    futures = []
+    with ThreadPoolExecutor(1) as pool:
+        for i in range(60):
+            r = f"r{i}"
+            block = i % 7 + 1
+            prev = (f"r{i - 1}",) if i else ()
+            so = sched(new=((r, [block], 0, 4),), finished=prev)
+            x = rows(4, float(i * 100))
+            sid = step(cache, view, so, x, **{"mm.codes": x})
+            futures.append((pool.submit(cache.materialize, sid, [r]), r, x))
+        for fut, r, x in futures:
+            out = fut.result()
+            assert out.hidden_states is not None
+            assert torch.equal(out.hidden_states[r], x)
+    assert cache.unconsumed_steps() == []
+
+
+def test_model_without_per_token_outputs_keeps_nothing() -> None:
+    """A policy without hidden states and no per-token mm: nothing cached, no backlog
+    growing, and a per-token key appearing later is refused."""
+    cache, view = make()
+    cache.register_policy(NS(needs_full_hidden_states=False))
+    for i in range(3):
+        sid = step(cache, view, sched(new=((f"r{i}", [i + 1], 0, 2),)), rows(2, 0.0))
+        out = cache.materialize(sid, [f"r{i}"])
+        assert out.hidden_states is None and out.mm_outputs == {}
+    assert cache.cache is None and cache.bytes_per_token() == 0
+    cache.new_step_starts(sched(new=(("x", [5], 0, 2),)))
+    view.order = ["x"]
+    with pytest.raises(UnsupportedOutputError):
+        cache.save_outputs(
+            rows(2, 0.0), {"mm.codes": rows(2, 0.0)}, num_tokens_unpadded=2, num_tokens_padded=2
+        )

@@ -1,0 +1,194 @@
+"""Differential: hscache's ``OmniHiddenStateCache`` against vllm-omni 0.30's own
+``OmniPrefixCacheManager`` (the reference), step by step, and both against an exact toy
+oracle. vLLM 0.30's real ``Scheduler`` produces the ``SchedulerOutput``s (``steps.py``).
+
+- ``test_matches_vllm_omni``: every materialized request's hidden states and per-token
+  multimodal outputs (an immediate and a deferred key) are identical across the two caches
+  and equal the oracle, and every pass-through output (not one row per token) is identical
+  across the two, over sequences with same-step hits, block reuse in a small pool,
+  aborts, discarded steps, preemption and resumption, chunked prefill and materialize one
+  step late; neither cache refuses anything.
+- ``test_unsaved_steps``: beyond vllm-omni's runners (which save every step): steps whose
+  outputs are never saved leave hashed blocks without rows; hscache refuses those hits
+  (``UnservableHitError``) and every row it serves equals the oracle (vllm-omni 0.30 serves
+  a previous tenant's rows for some of them: printed, not asserted).
+- ``test_hybrid_layout_against_recomputation``: beyond vllm-omni (one KV-cache group
+  only), a sliding-window + full-attention layout, against the recomputed oracle.
+- ``test_rule_mutants_are_caught``: each broken rule of hscache's slot mirror makes one of
+  the two comparisons fail.
+
+Needs vllm-omni 0.30 on vLLM 0.30 (``scripts/omni_env.sh``); skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+pytest.importorskip(
+    "vllm_omni.core.prefix_cache",
+    reason="needs vllm-omni 0.30 (the environment of scripts/omni_env.sh)",
+)
+
+from hscache.omni import OmniHiddenStateCache, OmniSettings
+
+from tests.omni.steps import DEFERRED_KEYS, BatchView, Counts, Params, Side, run_sequence
+
+# HSCACHE_OMNI_DIFF_SEEDS=<n> runs more sequences (a deeper run than the default).
+SEEDS = range(int(os.environ.get("HSCACHE_OMNI_DIFF_SEEDS", "24")))
+
+
+def _omni_side(view: BatchView, p: Params) -> Side:
+    from vllm_omni.core.prefix_cache import (
+        ModelCachePolicy,
+        OmniPrefixCacheManager,
+        PrefixCacheConfig,
+    )
+
+    cfg = PrefixCacheConfig(
+        num_blocks=p.num_blocks,
+        block_size=p.block_size,
+        staging_capacity_tokens=p.max_num_batched_tokens,
+    )
+    manager = OmniPrefixCacheManager(cfg, view)
+    manager.register_policy(ModelCachePolicy(deferred_keys=DEFERRED_KEYS))
+    return Side("vllm-omni", manager)
+
+
+def _hscache_side(view: BatchView, p: Params) -> Side:
+    from vllm_omni.core.prefix_cache import ModelCachePolicy, PrefixCacheConfig
+
+    cfg = PrefixCacheConfig(num_blocks=p.num_blocks, block_size=p.block_size)
+    cache = OmniHiddenStateCache(
+        cfg, view, settings=OmniSettings(storage="cpu"), kv_cache_group=1 if p.window else 0
+    )
+    cache.register_policy(ModelCachePolicy(deferred_keys=DEFERRED_KEYS))
+    return Side("hscache", cache)
+
+
+def _params(seed: int, **kw: Any) -> Params:
+    # Alternate pool shapes: a roomy pool and one small enough to preempt and reuse.
+    if seed % 2:
+        kw.setdefault("num_blocks", 14)
+        kw.setdefault("max_num_seqs", 5)
+    return Params(seed=seed, **kw)
+
+
+def _summary(c: Counts) -> str:
+    return (
+        f"steps={c.steps} saved={c.saved} materialized={c.materialized} late={c.late} "
+        f"discarded={c.discarded} requests={c.requests_compared} rows={c.rows_compared} "
+        f"hits={c.hit_requests} same_step_hits={c.same_step_hits} chunked={c.chunked} "
+        f"preemptions={c.preemptions} resumptions={c.resumptions} aborts={c.aborts} "
+        f"refused={c.refused} mismatches={len(c.mismatches)}"
+    )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_matches_vllm_omni(seed: int) -> None:
+    p = _params(seed)
+    counts = run_sequence(p, lambda v: [_omni_side(v, p), _hscache_side(v, p)])
+    print(_summary(counts))
+    assert not counts.mismatches, "\n".join(counts.mismatches[:10])
+    assert not counts.refused, counts.refused
+    assert counts.rows_compared > 0 and counts.hit_requests > 0
+
+
+def test_sequences_cover_the_hard_cases() -> None:
+    """The seeds together exercise every case the differential claims to cover."""
+    total = Counts()
+    for seed in SEEDS:
+        p = _params(seed, steps=25)
+        c = run_sequence(p, lambda v, p=p: [_hscache_side(v, p)])
+        for name in (
+            "same_step_hits",
+            "preemptions",
+            "resumptions",
+            "aborts",
+            "chunked",
+            "late",
+            "discarded",
+            "hit_requests",
+        ):
+            setattr(total, name, getattr(total, name) + getattr(c, name))
+    print(_summary(total))
+    for name in ("same_step_hits", "preemptions", "resumptions", "aborts", "chunked", "late"):
+        assert getattr(total, name) > 0, name
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_unsaved_steps(seed: int) -> None:
+    """hscache serves no wrong row; vllm-omni's wrong rows are reported, not asserted."""
+    p = _params(seed, unsaved=0.3, late=0.0)
+    counts = run_sequence(p, lambda v: [_omni_side(v, p), _hscache_side(v, p)])
+    ours = [m for m in counts.mismatches if " hscache " in m]
+    print(_summary(counts), "vllm-omni wrong:", len(counts.mismatches) - len(ours))
+    assert not ours, "\n".join(ours[:10])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_hybrid_layout_against_recomputation(seed: int) -> None:
+    """Beyond vllm-omni (it refuses more than one KV-cache group): a sliding-window group
+    beside the full-attention one; hscache follows the full-attention group's tables and
+    every materialized row equals the recomputed oracle."""
+    from hscache.testing.kv_cache import full_attention, group, sliding_window
+    from vllm_omni.core.prefix_cache import (
+        OmniPrefixCacheUnmatchError,
+        check_prefix_cache_kv_groups,
+    )
+
+    with pytest.raises(OmniPrefixCacheUnmatchError):
+        check_prefix_cache_kv_groups([group(sliding_window(4, 8)), group(full_attention(4))])
+    p = _params(seed, window=8, num_blocks=20 if seed % 2 else 32)
+    counts = run_sequence(p, lambda v: [_hscache_side(v, p)])
+    print(_summary(counts))
+    assert not counts.mismatches, "\n".join(counts.mismatches[:10])
+    assert not counts.refused, counts.refused
+    assert counts.hit_requests > 0
+
+
+def test_hybrid_layout_wrong_group_is_caught() -> None:
+    """Following the sliding-window group (vllm-omni's group 0) instead: its tables put the
+    null block where the window dropped positions; hscache refuses those hits (the test
+    above would fail) and still serves no wrong row."""
+    from vllm_omni.core.prefix_cache import PrefixCacheConfig
+
+    p = _params(0, window=8, num_blocks=32)
+
+    def wrong(view: BatchView) -> list[Side]:
+        cfg = PrefixCacheConfig(num_blocks=p.num_blocks, block_size=p.block_size)
+        cache = OmniHiddenStateCache(cfg, view, settings=OmniSettings(storage="cpu"))
+        return [Side("hscache", cache)]
+
+    counts = run_sequence(p, wrong)
+    assert counts.refused.get("hscache", 0) > 0
+    assert not counts.mismatches, "\n".join(counts.mismatches[:10])
+
+
+def _mutant_side(name: str):
+    def after_first_save(sides: list[Side]) -> None:
+        for side in sides:
+            if side.name == "hscache":
+                side.cache.cache.mirror._break_rule(name)
+
+    return after_first_save
+
+
+@pytest.mark.parametrize(
+    ("mutant", "unsaved"),
+    [("reads_before_writes", 0.0), ("no_bump", 0.3), ("uncommitted_written", 0.3)],
+)
+def test_rule_mutants_are_caught(mutant: str, unsaved: float) -> None:
+    caught = 0
+    for seed in range(4):
+        p = _params(seed, unsaved=unsaved, late=0.0)
+        make = (
+            (lambda v, p=p: [_omni_side(v, p), _hscache_side(v, p)])
+            if not unsaved
+            else (lambda v, p=p: [_hscache_side(v, p)])
+        )
+        counts = run_sequence(p, make, after_first_save=_mutant_side(mutant))
+        caught += len(counts.mismatches) + counts.refused.get("hscache", 0) * (not unsaved)
+    assert caught > 0, f"mutant {mutant} went unnoticed"
