@@ -13,10 +13,10 @@ the results the way vllm-omni's runners expect them.
 Switching it on: ``HSCACHE_OMNI_PREFIX_CACHE=1`` in a stage's environment (a deploy YAML's
 per-stage ``env:``), read through hscache's vLLM plugin :func:`register`, or :func:`install`
 in code, makes vllm-omni's runners build :class:`OmniHiddenStateCache` where they would
-build their own ``OmniPrefixCacheManager`` (see :mod:`hscache.omni.settings`); prefix
-caching itself stays vllm-omni's per-stage ``enable_prefix_caching``. Importing this
-package needs neither vllm nor vllm-omni, and never imports :mod:`hscache.vllm` (the
-KV-manager drop-in).
+build their own ``OmniPrefixCacheManager`` (see :mod:`hscache.omni.switch` and
+:mod:`hscache.omni.settings`); prefix caching itself stays vllm-omni's per-stage
+``enable_prefix_caching``. Importing this package needs neither vllm nor vllm-omni, and
+never imports :mod:`hscache.vllm` (the KV-manager drop-in).
 """
 
 from hscache.omni.errors import (
@@ -25,7 +25,8 @@ from hscache.omni.errors import (
     UnsupportedOutputError,
 )
 from hscache.omni.prefix_cache import OmniHiddenStateCache, StageOutputs
-from hscache.omni.settings import OmniSettings, install, register
+from hscache.omni.settings import OmniSettings
+from hscache.omni.switch import install, register
 
 __all__ = [
     "OmniHiddenStateCache",
