@@ -63,7 +63,7 @@ class VllmProfile:
     """What hscache must do for one supported vLLM release series."""
 
     series: str
-    """``"0.33"`` or ``"0.32"``."""
+    """``"0.33"``, ``"0.32"`` or ``"0.30"``."""
     version: str
     """The installed version string (``vllm.__version__``)."""
     hash_lookahead: bool
@@ -87,6 +87,36 @@ class VllmProfile:
     async_cache_blocks_in_scheduler: bool
     """Async scheduling caches blocks in ``Scheduler.update_from_output`` (0.33) rather
     than in ``AsyncScheduler._update_request_with_output`` (0.32)."""
+    counts_common_prefix_blocks: bool = False
+    """``get_num_common_prefix_blocks`` (which the Scheduler calls every step for cascade
+    attention) counts, per full-attention group, the leading blocks of a running request
+    that every request holding blocks shares (0.30, 0.31); 0.32 and 0.33 deprecated it
+    and answer ``[0]`` per group. The core counts over its reference counts."""
+    mamba_prefix_keyword: str = "enable_mamba_shared_prefix_checkpoint"
+    """The manager's Mamba prefix keyword, which the Scheduler passes and whose value it
+    reads back as the attribute without ``enable_``: 0.33 / 0.32's
+    ``enable_mamba_shared_prefix_checkpoint``, 0.30's
+    ``enable_mamba_fine_grained_prefix_cache``."""
+    mamba_rules_implemented: bool = True
+    """The core implements this release's Mamba caching rules. vLLM 0.30's older ones
+    (checkpoint alignment, spec-block cap, transient checkpoints, partial tails) are not:
+    a layout with a Mamba group stays on vLLM's manager (logged; ``HSCACHE_STRICT=1``
+    refuses it)."""
+    hisparse_residency_updates: bool = True
+    """HiSparse's scheduler side takes residency updates (``SparseKVResidencyUpdate``,
+    0.32 / 0.33), which the core implements. vLLM 0.30 rewrites residency through the
+    tables: its HiSparse layouts stay on vLLM's manager (logged; strict refuses)."""
+    spec_dcp_sharded_field: bool = True
+    """KV-cache specs say whether DCP shards them (``dcp_sharded``); vLLM 0.30's specs
+    have no such field and DCP shards full attention (``FullAttentionSpec``, MLA
+    included; ``dcp_world_size_for_kv_cache_spec``)."""
+    extra_keys_form: str = "tagged"
+    """How block-hash extra keys are written, handed to the core's block hasher
+    (``RequestBlockHasher(extra_keys=...)``, ``ExtraKeysForm`` in ``src/extra_keys.rs``):
+    ``"tagged"`` (0.31 and later: ``("lora", name, path)``, ``("mm", identifier,
+    offset)``, ``("cache_salt", salt)``, ``("prompt_embeds", digest)``) or ``"untagged"``
+    (0.30: the LoRA name alone, ``(identifier, offset)``, the bare salt and digest, and a
+    hashing call that starts past token 0 scans multimodal items from the last one)."""
 
     def drops_eagle_block(self, use_eagle: bool, is_eagle_group: bool) -> bool:
         """Whether a one-group manager drops the last block of a hit (EAGLE), given the
@@ -115,6 +145,18 @@ _V032 = VllmProfile(
     async_cache_blocks_in_scheduler=False,
 )
 
+_V030 = dataclasses.replace(
+    _V032,
+    series="0.30",
+    version="0.30.0",
+    counts_common_prefix_blocks=True,
+    mamba_prefix_keyword="enable_mamba_fine_grained_prefix_cache",
+    mamba_rules_implemented=False,
+    hisparse_residency_updates=False,
+    spec_dcp_sharded_field=False,
+    extra_keys_form="untagged",
+)
+
 _RELEASE = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)(.*)$")
 
 
@@ -134,6 +176,8 @@ def profile_for(version: str) -> VllmProfile | None:
         base = _V033
     elif (major, minor) == (0, 32):
         base = _V032
+    elif (major, minor) == (0, 30):
+        base = _V030
     else:
         return None
     return dataclasses.replace(base, version=version)
