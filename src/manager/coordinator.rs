@@ -587,6 +587,41 @@ impl KVCacheCoordinator {
         self.requests.get_with_slot(request_id)
     }
 
+    /// vLLM 0.30 / 0.31's `get_num_common_prefix_blocks` (cascade attention), into
+    /// `out` (one entry per group): the leading blocks of `request_id`'s table whose
+    /// reference count (vLLM's, [`BlockPool::vllm_ref_cnt`]) equals the number of
+    /// requests holding a table, i.e. blocks every such request shares. Groups whose
+    /// vLLM manager answers 0 (sliding window, chunked local, circular buffer, Mamba,
+    /// cross attention, HiSparse resident / hot) and the no-prefix-cache coordinator
+    /// answer 0. An unknown request has an empty table: 0 (vLLM's `defaultdict` would
+    /// also start holding an empty table for it; its Scheduler only asks about a
+    /// running request, which always holds one).
+    pub fn num_common_prefix_blocks(&self, request_id: &str, out: &mut Vec<usize>) {
+        out.clear();
+        let holders = i64::try_from(self.requests.len()).unwrap_or(i64::MAX);
+        for (g, m) in self.managers.iter().enumerate() {
+            let counted = self.kind != CoordinatorKind::NoPrefixCache
+                && matches!(
+                    m.base().spec.kind,
+                    ManagerKind::FullAttention
+                        | ManagerKind::SinkFullAttention { .. }
+                        | ManagerKind::Rswa { .. }
+                        | ManagerKind::HiSparseSource { .. }
+                );
+            if !counted {
+                out.push(0);
+                continue;
+            }
+            let pool = self.pool_of(g);
+            let n = self
+                .blocks(request_id, g)
+                .iter()
+                .take_while(|&&b| pool.vllm_ref_cnt(b) == holders)
+                .count();
+            out.push(n);
+        }
+    }
+
     /// The table of `request_id` in group `g` (empty if unknown).
     #[inline]
     pub fn blocks(&self, request_id: &str, g: usize) -> &[BlockId] {

@@ -40,13 +40,19 @@ impl VllmRules {
         skip_keyed_mamba_checkpoint: false,
     };
 
-    /// The rules of a release series (`"0.33"` or `"0.32"`).
+    /// vLLM 0.30.x: the pool decides as 0.32 does (same null-block counting, junction
+    /// and Mamba re-caching; read from 0.30.0's `block_pool.py` and managers). Its
+    /// untagged block-hash keys are a hasher setting (`ExtraKeysForm`), not a pool rule.
+    pub const V030: Self = Self::V032;
+
+    /// The rules of a release series (`"0.33"`, `"0.32"` or `"0.30"`).
     pub fn for_series(series: &str) -> Result<Self> {
         match series {
             "0.33" => Ok(Self::V033),
             "0.32" => Ok(Self::V032),
+            "0.30" => Ok(Self::V030),
             other => Err(Error::InvalidArgument(format!(
-                "vllm_series must be \"0.33\" or \"0.32\", got {other:?}"
+                "vllm_series must be \"0.33\", \"0.32\" or \"0.30\", got {other:?}"
             ))),
         }
     }
@@ -114,6 +120,7 @@ mod tests {
     fn series_names() {
         assert_eq!(VllmRules::for_series("0.32").ok(), Some(VllmRules::V032));
         assert_eq!(VllmRules::for_series("0.33").ok(), Some(VllmRules::V033));
+        assert_eq!(VllmRules::for_series("0.30").ok(), Some(VllmRules::V032));
         assert!(VllmRules::for_series("0.31").is_err());
         assert_eq!(VllmRules::default(), VllmRules::V033);
     }
