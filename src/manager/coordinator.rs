@@ -593,22 +593,35 @@ impl KVCacheCoordinator {
     /// requests holding a table, i.e. blocks every such request shares. Groups whose
     /// vLLM manager answers 0 (sliding window, chunked local, circular buffer, Mamba,
     /// cross attention, HiSparse resident / hot) and the no-prefix-cache coordinator
-    /// answer 0. An unknown request has an empty table: 0 (vLLM's `defaultdict` would
-    /// also start holding an empty table for it; its Scheduler only asks about a
-    /// running request, which always holds one).
-    pub fn num_common_prefix_blocks(&self, request_id: &str, out: &mut Vec<usize>) {
+    /// answer 0.
+    ///
+    /// vLLM's counting managers read `req_to_blocks[request_id]`, a `defaultdict`: an
+    /// unknown request then holds an empty table until it is freed, and counts as a
+    /// holder from then on. The core does the same (an empty state), so later answers
+    /// stay vLLM's.
+    pub fn num_common_prefix_blocks(&mut self, request_id: &str, out: &mut Vec<usize>) {
         out.clear();
+        let counts = |m: &dyn SingleTypeManager| {
+            matches!(
+                m.base().spec.kind,
+                ManagerKind::FullAttention
+                    | ManagerKind::SinkFullAttention { .. }
+                    | ManagerKind::Rswa { .. }
+                    | ManagerKind::HiSparseSource { .. }
+            )
+        };
+        if self.kind == CoordinatorKind::NoPrefixCache
+            || !self.managers.iter().any(|m| counts(m.as_ref()))
+        {
+            out.resize(self.managers.len(), 0);
+            return;
+        }
+        if self.requests.get(request_id).is_none() {
+            self.state_mut(request_id);
+        }
         let holders = i64::try_from(self.requests.len()).unwrap_or(i64::MAX);
         for (g, m) in self.managers.iter().enumerate() {
-            let counted = self.kind != CoordinatorKind::NoPrefixCache
-                && matches!(
-                    m.base().spec.kind,
-                    ManagerKind::FullAttention
-                        | ManagerKind::SinkFullAttention { .. }
-                        | ManagerKind::Rswa { .. }
-                        | ManagerKind::HiSparseSource { .. }
-                );
-            if !counted {
+            if !counts(m.as_ref()) {
                 out.push(0);
                 continue;
             }

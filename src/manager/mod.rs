@@ -1461,6 +1461,12 @@ impl KVCacheManager {
         estimate.unwrap_or(0)
     }
 
+    /// vLLM 0.30's `get_num_common_prefix_blocks` (see
+    /// [`KVCacheCoordinator::num_common_prefix_blocks`]).
+    pub fn num_common_prefix_blocks(&mut self, request_id: &str, out: &mut Vec<usize>) {
+        self.coordinator.num_common_prefix_blocks(request_id, out);
+    }
+
     /// vLLM's `truncate_computed_blocks`: group `g`'s first blocks covering
     /// `num_computed_tokens` (Mamba may have fewer); pure.
     pub fn truncate_computed_blocks(
