@@ -294,6 +294,24 @@ def test_mamba_caching_outside_align_follows_the_profile() -> None:
         assert type(KVCacheManager(**kw)) is VllmKVCacheManager  # the logged fallback
 
 
+def test_mamba_align_layout_follows_the_profiles_mamba_rules(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An align-mode Mamba layout runs on hscache where the core implements the installed
+    vLLM's Mamba rules (0.32, 0.33); on 0.30 it stays on vLLM's manager (logged), and
+    ``HSCACHE_STRICT=1`` refuses it with the reason."""
+    from hscache.exceptions import UnsupportedConfigError
+
+    config = kc.kv_cache_config([kc.full_attention(16), kc.mamba(16, mode="align")], 40)
+    kw = manager_kwargs(40, kv_cache_config=config)
+    served = type(KVCacheManager(**kw)) is KVCacheManager
+    assert served == PROFILE.mamba_rules_implemented
+    if not served:
+        monkeypatch.setenv("HSCACHE_STRICT", "1")
+        with pytest.raises(UnsupportedConfigError, match="Mamba caching rules"):
+            KVCacheManager(**kw)
+
+
 def _events(m: Any) -> list[bytes]:
     return [msgspec.msgpack.encode(e) for e in m.take_events()]
 

@@ -763,7 +763,13 @@ impl KVCacheCoordinator {
                         bs,
                         self.enable_partial_hash_hits && sg.supports_fine_grained,
                     );
-                    max_length = (curr + margin).min(num_hashed_tokens);
+                    // vLLM 0.30 caps the probe at the hit cap, 0.32 / 0.33 at the hashes.
+                    let cap = if self.pool.vllm_rules().eagle_probe_capped_at_max_hit {
+                        max_cache_hit_length
+                    } else {
+                        num_hashed_tokens
+                    };
+                    max_length = (curr + margin).min(cap);
                 }
                 let (found, new_hit) = self.spec_group_hit(sg, block_hashes, max_length, drop)?;
                 if drop {
@@ -825,7 +831,9 @@ impl KVCacheCoordinator {
         for sg in &self.attention_groups {
             let first = sg.group_ids[0] as usize;
             let mut lookup = max_cache_hit_length;
-            if sg.use_eagle && !sg.is_mamba {
+            // vLLM 0.30 looks each group up at the cap itself, EAGLE or not.
+            let probes = !self.pool.vllm_rules().eagle_probe_capped_at_max_hit;
+            if probes && sg.use_eagle && !sg.is_mamba {
                 let bs = self.managers[first].base().block_size;
                 let margin = self.eagle_proof_margin(
                     bs,

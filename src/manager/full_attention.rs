@@ -100,13 +100,23 @@ pub fn partial_tail_boundary(
         return None;
     }
     // A resend matches at most `prompt - 1` tokens; EAGLE lookups read the whole
-    // prompt before dropping a hash unit.
-    let limit = if base.use_eagle {
-        num_prompt_tokens
+    // prompt before dropping a hash unit. vLLM 0.30 keys the whole prompt's last hash
+    // boundary (it asserts the hash exists; the core skips a boundary past the
+    // request's hashes instead).
+    let boundary = if base.partial_tail_at_prompt_floor {
+        let b = num_prompt_tokens / hash_block_size;
+        if b > num_hashes {
+            return None;
+        }
+        b * hash_block_size
     } else {
-        num_prompt_tokens.saturating_sub(1)
+        let limit = if base.use_eagle {
+            num_prompt_tokens
+        } else {
+            num_prompt_tokens.saturating_sub(1)
+        };
+        (limit / hash_block_size).min(num_hashes) * hash_block_size
     };
-    let boundary = (limit / hash_block_size).min(num_hashes) * hash_block_size;
     (boundary != 0 && boundary <= num_tokens && boundary % base.block_size != 0).then_some(boundary)
 }
 

@@ -47,6 +47,9 @@ HAS_PREFILL_END = (
 )
 # hscache serves Mamba layouts on this vLLM (not 0.30: its older Mamba rules stay vLLM's).
 MAMBA_SERVED = require().mamba_rules_implemented
+# The manager attribute the Scheduler reads back: mamba_shared_prefix_checkpoint (0.32, 0.33)
+# or mamba_fine_grained_prefix_cache (0.30).
+MAMBA_PREFIX_ATTR = require().mamba_prefix_keyword.removeprefix("enable_")
 HAS_SKIP_ZEROING = (
     "skip_zeroing_group_ids" in inspect.signature(ReferenceKVCacheManager.allocate_slots).parameters
 )

@@ -83,13 +83,6 @@ def unsupported_reason(
     """
     if env_flag("HSCACHE_DISABLE"):
         return "HSCACHE_DISABLE is set"
-    if enable_caching and not _PROFILE.mamba_caching_needs_align:
-        # vLLM 0.32 prefix-caches Mamba groups in every mode (0.33 asserts 'align'); the
-        # core implements align-mode caching only, so 0.32 keeps serving the others.
-        for i, group in enumerate(config.kv_cache_groups):
-            mode = getattr(group.kv_cache_spec, "mamba_cache_mode", "align")
-            if _KINDS.get(manager_class(group)) == "mamba" and mode != "align":
-                return f"group {i}: vLLM 0.32 prefix-caches Mamba in mamba_cache_mode={mode!r}"
     if not _PROFILE.mamba_rules_implemented:
         for i, group in enumerate(config.kv_cache_groups):
             if _KINDS.get(manager_class(group)) == "mamba":
@@ -98,6 +91,13 @@ def unsupported_reason(
         for i, group in enumerate(config.kv_cache_groups):
             if manager_class(group) is stm.HiSparseSourceManager:
                 return f"group {i}: vLLM {_PROFILE.version}'s HiSparse residency"
+    if enable_caching and not _PROFILE.mamba_caching_needs_align:
+        # vLLM 0.32 prefix-caches Mamba groups in every mode (0.33 asserts 'align'); the
+        # core implements align-mode caching only, so 0.32 keeps serving the others.
+        for i, group in enumerate(config.kv_cache_groups):
+            mode = getattr(group.kv_cache_spec, "mamba_cache_mode", "align")
+            if _KINDS.get(manager_class(group)) == "mamba" and mode != "align":
+                return f"group {i}: vLLM 0.32 prefix-caches Mamba in mamba_cache_mode={mode!r}"
     classes = []
     for i, group in enumerate(config.kv_cache_groups):
         spec = group.kv_cache_spec
