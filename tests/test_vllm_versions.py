@@ -312,6 +312,35 @@ def test_mamba_align_layout_follows_the_profiles_mamba_rules(
             KVCacheManager(**kw)
 
 
+def test_hit_only_step_and_zeroing_ids_equal_the_installed_vllms() -> None:
+    """A step with no new tokens that only adopts a local hit: 0.32 / 0.33 accept it, 0.30
+    raises ``ValueError``. And 0.30's ``get_zeroing_block_ids_in_range`` (async KV loads)
+    answers vLLM's block ids, where the installed vLLM has it."""
+    config = kc.full_attention_config(16, 4, needs_zeroing=True)
+    has_zeroing_query = hasattr(VllmKVCacheManager, "get_zeroing_block_ids_in_range")
+    results = []
+    for cls in (KVCacheManager, VllmKVCacheManager):
+        m = cls(**manager_kwargs(16, kv_cache_config=config))
+        first = _make_request("a", list(range(12)), hash_block_size=4)
+        blocks, hit, _ = m.get_computed_blocks(first)
+        assert m.allocate_slots(first, 12, hit, blocks) is not None
+        again = _make_request("b", [*range(12), 5], hash_block_size=4)
+        blocks, hit, _ = m.get_computed_blocks(again)
+        try:
+            outcome = m.allocate_slots(again, 0, hit, blocks) is not None
+        except ValueError:
+            outcome = "ValueError"
+        zeroing = (
+            [m.get_zeroing_block_ids_in_range("a", s, e) for s, e in [(0, 12), (2, 9), (8, 8)]]
+            if has_zeroing_query
+            else None
+        )
+        results.append((hit, outcome, zeroing))
+    assert results[0] == results[1]
+    assert results[0][0] == 12
+    assert (results[0][1] == "ValueError") == (PROFILE.series == "0.30")
+
+
 def _events(m: Any) -> list[bytes]:
     return [msgspec.msgpack.encode(e) for e in m.take_events()]
 

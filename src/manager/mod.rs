@@ -634,9 +634,11 @@ impl KVCacheManager {
     ) -> Result<bool> {
         self.guard()?;
         // ---- plan: validate, read, decide what to read for caching ----
+        // vLLM 0.30 also refuses a step that only adopts local hits.
+        let strict = self.vllm_rules().zero_new_tokens_needs_external;
         if args.num_new_tokens == 0
             && args.num_external_computed_tokens == 0
-            && args.num_new_computed_tokens == 0
+            && (strict || args.num_new_computed_tokens == 0)
         {
             return Err(Error::InvalidArgument(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"

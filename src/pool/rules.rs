@@ -33,6 +33,9 @@ pub struct VllmRules {
     /// candidate hit) is capped at `max_cache_hit_length`, and the per-group lookup
     /// (connectors) probes no further than it; 0.32 / 0.33 cap at the hashed tokens.
     pub eagle_probe_capped_at_max_hit: bool,
+    /// vLLM 0.30: `allocate_slots` with no new tokens is an error unless it allocates
+    /// for external computed tokens (0.32 / 0.33 also accept adopting local hits).
+    pub zero_new_tokens_needs_external: bool,
 }
 
 impl VllmRules {
@@ -43,6 +46,7 @@ impl VllmRules {
         skip_keyed_mamba_checkpoint: true,
         partial_tail_at_prompt_floor: false,
         eagle_probe_capped_at_max_hit: false,
+        zero_new_tokens_needs_external: false,
     };
     /// vLLM 0.32.x.
     pub const V032: Self = Self {
@@ -51,6 +55,7 @@ impl VllmRules {
         skip_keyed_mamba_checkpoint: false,
         partial_tail_at_prompt_floor: false,
         eagle_probe_capped_at_max_hit: false,
+        zero_new_tokens_needs_external: false,
     };
 
     /// vLLM 0.30.x: the pool decides as 0.32 does (same null-block counting, junction
@@ -61,6 +66,7 @@ impl VllmRules {
     pub const V030: Self = Self {
         partial_tail_at_prompt_floor: true,
         eagle_probe_capped_at_max_hit: true,
+        zero_new_tokens_needs_external: true,
         ..Self::V032
     };
 

@@ -400,6 +400,19 @@ class KVCacheManager(KVCacheCore):
             return self.num_common_prefix_blocks(running_request_id)
         return [0] * self.num_kv_cache_groups
 
+    def get_zeroing_block_ids_in_range(
+        self, request_id: str, start_token: int, end_token: int
+    ) -> list[int]:
+        """vLLM 0.30's query for async KV loads: the request's block ids covering
+        ``[start_token, end_token)`` in the groups whose new blocks the worker zeroes."""
+        tables = self.get_block_ids(request_id)
+        ids: list[int] = []
+        for g, manager in enumerate(self.coordinator.single_type_managers):
+            if manager.records_new_block_ids:
+                size = manager.block_size
+                ids.extend(tables[g][start_token // size : -(-end_token // size)])
+        return ids
+
     # -- batched running-set calls (hscache only) ---------------------------------------
 
     def allocate_slots_batch(
