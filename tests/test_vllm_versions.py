@@ -499,7 +499,7 @@ def test_plugin_with_an_unsupported_vllm_does_nothing_without_a_traceback(flag: 
     assert "Traceback" not in text
     lines = [line for line in text.splitlines() if "hscache" in line]
     if flag == "1":
-        assert len(lines) == 1 and "0.33.0 or 0.32.x" in lines[0] and "0.31.0" in lines[0]
+        assert len(lines) == 1 and version.SUPPORTED_TEXT in lines[0] and "0.31.0" in lines[0]
     else:
         assert lines == []
 
@@ -517,8 +517,9 @@ def test_scheduler_cls_with_an_unsupported_vllm_fails_with_a_clear_message() -> 
     """
     )
     assert out.returncode == 0, out.stderr
-    assert "RAISED hscache supports vLLM 0.33.0 or 0.32.x; the installed vLLM is 0.31.0" in (
-        out.stdout
+    assert (
+        "RAISED hscache supports vLLM 0.33.0, 0.32.x or 0.30.x; the installed vLLM is 0.31.0"
+        in (out.stdout)
     )
 
 

