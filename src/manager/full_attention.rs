@@ -234,3 +234,42 @@ impl SingleTypeManager for FullAttentionManager {
         super::single_type::base_is_steady(self, req, q.num_tokens, q.processed_computed_tokens)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::manager::spec::GroupSpec;
+
+    fn base(block_size: usize, hash_block_size: usize, prompt_floor: bool) -> ManagerBase {
+        let mut b = ManagerBase::new(
+            GroupSpec::full_attention(block_size),
+            0,
+            true,
+            block_size,
+            hash_block_size,
+            1,
+            1,
+            false,
+        );
+        b.partial_tail_at_prompt_floor = prompt_floor;
+        b
+    }
+
+    #[test]
+    fn partial_tail_boundary_follows_the_rules() {
+        // Blocks of 16, hashes of 4, a 24-token prompt with 6 hashes, all computed.
+        let (b033, b030) = (base(16, 4, false), base(16, 4, true));
+        // 0.32 / 0.33: (24 - 1) / 4 = 5 hash blocks; 0.30: 24 / 4 = 6.
+        assert_eq!(partial_tail_boundary(&b033, 4, 24, 6, 24), Some(20));
+        assert_eq!(partial_tail_boundary(&b030, 4, 24, 6, 24), Some(24));
+        // A 32-token prompt: 0.30's boundary is block aligned (no partial entry),
+        // 0.33 stops one hash block short of it.
+        assert_eq!(partial_tail_boundary(&b030, 4, 32, 8, 32), None);
+        assert_eq!(partial_tail_boundary(&b033, 4, 32, 8, 32), Some(28));
+        // Past the request's hashes: 0.33 caps, the core skips 0.30's (vLLM asserts).
+        assert_eq!(partial_tail_boundary(&b033, 4, 24, 5, 24), Some(20));
+        assert_eq!(partial_tail_boundary(&b030, 4, 24, 5, 24), None);
+        // Not yet computed: nothing to register.
+        assert_eq!(partial_tail_boundary(&b030, 4, 24, 6, 20), None);
+    }
+}
