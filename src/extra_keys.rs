@@ -18,6 +18,12 @@
 //! - With `L` lookahead tokens the keys cover `[start, end + L)` and the extra-keys
 //!   value is `(E, t_end, …, t_end+L-1)`; the multimodal index rewinds to the first item
 //!   still open at the block end.
+//! - Two forms ([`ExtraKeysForm`]), chosen per hasher from the version profile:
+//!   **tagged** (vLLM 0.31 and later; above) and **untagged** (vLLM 0.30): the same keys
+//!   in the same order but bare, i.e. the LoRA name alone (no path), `(identifier,
+//!   offset - block_start)`, the salt alone and the digest alone; and a call whose first
+//!   new block starts past token 0 scans multimodal items from the *last* item (0.30's
+//!   `curr_mm_idx = -1`), so an earlier item still open there is not keyed.
 //! - Differs from vLLM: a negative `start_mm_idx` ("from the end") is not accepted (the
 //!   request hasher never passes one); malformed positions are rejected when the
 //!   features are built ([`MmFeature::new`]) and a scanned item without identifier is an
@@ -61,6 +67,52 @@ impl Default for TagIds {
     }
 }
 
+/// How the keys of a block are written (a field of the version profile, never a
+/// version check).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ExtraKeysForm {
+    /// Each key is a tuple led by its tag string (`("mm", identifier, offset)` ...),
+    /// and a later call's multimodal scan starts at the first item still open
+    /// ([`initial_mm_index`]). vLLM 0.31 and later.
+    #[default]
+    Tagged,
+    /// Bare keys: the LoRA name, `(identifier, offset)`, the salt, the embeddings
+    /// digest; a later call's multimodal scan starts at the last item. vLLM 0.30.
+    Untagged,
+}
+
+impl ExtraKeysForm {
+    /// The form's name as the Python profile spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            ExtraKeysForm::Tagged => "tagged",
+            ExtraKeysForm::Untagged => "untagged",
+        }
+    }
+
+    /// The form named `name` (`"tagged"` or `"untagged"`).
+    pub fn from_name(name: &str) -> Result<Self> {
+        match name {
+            "tagged" => Ok(ExtraKeysForm::Tagged),
+            "untagged" => Ok(ExtraKeysForm::Untagged),
+            other => Err(Error::InvalidArgument(format!(
+                "unknown extra-keys form {other:?}: expected \"tagged\" or \"untagged\""
+            ))),
+        }
+    }
+
+    /// The multimodal index the request hasher starts from when the call's first new
+    /// block starts at `start`: [`initial_mm_index`] when tagged; untagged, 0 at
+    /// token 0 and otherwise the last item (0.30 resolves its `-1` to it).
+    pub fn initial_mm_index(self, features: &[MmFeature<'_>], start: usize) -> usize {
+        match self {
+            ExtraKeysForm::Tagged => initial_mm_index(features, start),
+            ExtraKeysForm::Untagged if start == 0 => 0,
+            ExtraKeysForm::Untagged => features.len().saturating_sub(1),
+        }
+    }
+}
+
 /// One extra key of a block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ExtraKey<'a> {
@@ -75,7 +127,11 @@ pub enum ExtraKey<'a> {
 }
 
 impl ExtraKey<'_> {
-    fn encode<E: Encoder>(&self, e: &mut E, tags: &TagIds) {
+    fn encode<E: Encoder>(&self, e: &mut E, tags: &TagIds, form: ExtraKeysForm) {
+        if form == ExtraKeysForm::Untagged {
+            self.encode_untagged(e);
+            return;
+        }
         match self {
             ExtraKey::Lora { name, path } => {
                 if e.begin_tuple(3, ObjId::UNIQUE) {
@@ -109,6 +165,23 @@ impl ExtraKey<'_> {
             }
         }
     }
+
+    /// [`ExtraKeysForm::Untagged`]: the bare value; a multimodal key is the fresh
+    /// tuple `(identifier, offset)`. The LoRA path is not part of the key.
+    fn encode_untagged<E: Encoder>(&self, e: &mut E) {
+        match self {
+            ExtraKey::Lora { name, .. } => e.atom(name),
+            ExtraKey::Mm { identifier, offset } => {
+                if e.begin_tuple(2, ObjId::UNIQUE) {
+                    e.atom(identifier);
+                    e.int(i128::from(*offset));
+                    e.end_tuple(2, ObjId::UNIQUE);
+                }
+            }
+            ExtraKey::CacheSalt(salt) => e.atom(salt),
+            ExtraKey::PromptEmbeds(digest) => e.bytes(digest, ObjId::UNIQUE),
+        }
+    }
 }
 
 /// The extra-keys value of one block, as vLLM passes it to `hash_block_tokens`:
@@ -119,6 +192,8 @@ pub struct BlockExtras<'k, 'a> {
     /// The lookahead token ids (empty without lookahead).
     pub lookahead: &'k [u32],
     pub tags: &'k TagIds,
+    /// Tagged or bare keys.
+    pub form: ExtraKeysForm,
 }
 
 /// An extra-keys value that may be `None` (the BLAKE3 scheme treats `None` specially).
@@ -133,7 +208,7 @@ impl BlockExtras<'_, '_> {
             e.none();
         } else if e.begin_tuple(self.keys.len(), ObjId::UNIQUE) {
             for k in self.keys {
-                k.encode(e, self.tags);
+                k.encode(e, self.tags, self.form);
             }
             e.end_tuple(self.keys.len(), ObjId::UNIQUE);
         }
@@ -360,6 +435,8 @@ pub fn prompt_embeds_digest(block_bytes: &[u8]) -> [u8; 32] {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hash::cbor::CborWriter;
+    use crate::hash::pickle::PickleWriter;
 
     fn feat(offset: usize, length: usize, id: &str) -> MmFeature<'_> {
         MmFeature::new(offset, length, Atom::Str(id, ObjId::UNIQUE)).expect("valid")
@@ -437,5 +514,118 @@ mod tests {
     fn overflowing_position_is_rejected() {
         assert!(MmFeature::new(usize::MAX, 1, Atom::None).is_err());
         assert!(MmFeature::new(usize::MAX / 2 + 1, 0, Atom::None).is_err());
+    }
+
+    /// The untagged block keys `("ad", (img, -3), (img, 2), "s", b"\xab" * 32)`, with
+    /// one `img` object (pickle memoizes it), as `BlockExtras` writes them.
+    fn untagged_sample(form: ExtraKeysForm, f: impl FnOnce(&BlockExtras<'_, '_>)) {
+        let img = Atom::Str("img", ObjId::new(7));
+        let keys = [
+            ExtraKey::Lora {
+                name: Atom::Str("ad", ObjId::UNIQUE),
+                path: Atom::Str("/not/keyed", ObjId::UNIQUE),
+            },
+            ExtraKey::Mm {
+                identifier: img,
+                offset: -3,
+            },
+            ExtraKey::Mm {
+                identifier: img,
+                offset: 2,
+            },
+            ExtraKey::CacheSalt(Atom::Str("s", ObjId::UNIQUE)),
+            ExtraKey::PromptEmbeds([0xab; 32]),
+        ];
+        let tags = TagIds::default();
+        f(&BlockExtras {
+            keys: &keys,
+            lookahead: &[],
+            tags: &tags,
+            form,
+        });
+    }
+
+    #[test]
+    fn untagged_keys_pickle_to_golden_bytes() {
+        let mut want: Vec<u8> = vec![
+            0x80, 0x05, // PROTO 5
+            0x95, 67, 0, 0, 0, 0, 0, 0, 0,    // FRAME 67
+            b'(', // MARK
+            0x8c, 2, b'a', b'd', 0x94, // SHORT_BINUNICODE 'ad', MEMOIZE 0 (name only)
+            0x8c, 3, b'i', b'm', b'g', 0x94, // 'img', MEMOIZE 1
+            b'J', 0xfd, 0xff, 0xff, 0xff, // BININT -3
+            0x86, 0x94, // TUPLE2, MEMOIZE 2: (img, -3), no "mm" tag
+            b'h', 1, // BINGET 1: the same img object
+            b'K', 2, // BININT1 2
+            0x86, 0x94, // TUPLE2, MEMOIZE 3
+            0x8c, 1, b's', 0x94, // bare salt 's', MEMOIZE 4
+            b'C', 32, // SHORT_BINBYTES, 32 bytes: the bare digest
+        ];
+        want.extend_from_slice(&[0xab; 32]);
+        want.extend_from_slice(&[0x94, b't', 0x94, b'.']); // MEMOIZE 5, TUPLE, MEMOIZE 6, STOP
+        untagged_sample(ExtraKeysForm::Untagged, |extras| {
+            let (mut buf, mut memo) = (Vec::new(), Vec::new());
+            let mut w = PickleWriter::new(&mut buf, &mut memo);
+            extras.encode(&mut w);
+            assert_eq!(w.finish(), want.as_slice());
+        });
+    }
+
+    #[test]
+    fn untagged_keys_cbor_to_golden_bytes() {
+        let mut want: Vec<u8> = vec![
+            0x85, // array(5)
+            0x62, b'a', b'd', // text(2) "ad"
+            0x82, 0x63, b'i', b'm', b'g', 0x22, // [ "img", -3 ]
+            0x82, 0x63, b'i', b'm', b'g', 0x02, // [ "img", 2 ] (CBOR has no memo)
+            0x61, b's', // text(1) "s"
+            0x58, 32, // bytes(32)
+        ];
+        want.extend_from_slice(&[0xab; 32]);
+        untagged_sample(ExtraKeysForm::Untagged, |extras| {
+            let mut buf = Vec::new();
+            let mut w = CborWriter::new(&mut buf);
+            extras.encode(&mut w);
+            assert_eq!(w.finish(), want.as_slice());
+        });
+    }
+
+    #[test]
+    fn tagged_and_untagged_differ_only_in_form() {
+        let mut bytes = Vec::new();
+        for form in [ExtraKeysForm::Tagged, ExtraKeysForm::Untagged] {
+            untagged_sample(form, |extras| {
+                let mut buf = Vec::new();
+                let mut w = CborWriter::new(&mut buf);
+                extras.encode(&mut w);
+                bytes.push(w.finish().to_vec());
+            });
+        }
+        assert_ne!(bytes[0], bytes[1]);
+        assert_eq!(bytes[0][..6], [0x85, 0x83, 0x64, b'l', b'o', b'r']); // ("lora", ...
+    }
+
+    #[test]
+    fn untagged_scan_of_a_later_call_starts_at_the_last_item() {
+        // An earlier item still open at token 8 is not keyed untagged (vLLM 0.30).
+        let f = [feat(0, 12, "long"), feat(6, 2, "short")];
+        assert_eq!(ExtraKeysForm::Tagged.initial_mm_index(&f, 8), 0);
+        assert_eq!(ExtraKeysForm::Untagged.initial_mm_index(&f, 8), 1);
+        assert_eq!(ExtraKeysForm::Untagged.initial_mm_index(&f, 0), 0);
+        assert_eq!(ExtraKeysForm::Untagged.initial_mm_index(&[], 8), 0);
+        let mut out = Vec::new();
+        gen_mm_extra_hash_keys(&f, 8, 12, 1, &mut out).expect("ok");
+        assert!(
+            out.is_empty(),
+            "the scan from the last item sees only items from it on"
+        );
+    }
+
+    #[test]
+    fn form_names_round_trip() {
+        for form in [ExtraKeysForm::Tagged, ExtraKeysForm::Untagged] {
+            assert_eq!(ExtraKeysForm::from_name(form.name()).expect("known"), form);
+        }
+        assert!(ExtraKeysForm::from_name("bare").is_err());
     }
 }

@@ -317,21 +317,32 @@ def _fell_back(request: Request) -> list[bytes]:
 
 
 def native_hasher(hbs: int, fn: Any, lookahead: int = 0) -> Any:
-    """hscache's hasher with its fallback replaced by a failure: proves the native path."""
-    saved = kcu.get_request_block_hasher
-    kcu.get_request_block_hasher = lambda *args: _fell_back
+    """hscache's hasher with its fallback replaced by a failure: proves the native path.
+
+    The fallback is the factory ``block_hasher`` bound at import, so that name is the
+    one replaced (replacing ``kcu.get_request_block_hasher`` would not reach it)."""
+    saved = bh._vllm_request_block_hasher
+    bh._vllm_request_block_hasher = lambda *args: _fell_back
     try:
         return bh.get_request_block_hasher(hbs, fn, lookahead)
     finally:
-        kcu.get_request_block_hasher = saved
+        bh._vllm_request_block_hasher = saved
+
+
+def vllm_hasher(hbs: int, fn: Any, lookahead: int = 0) -> Any:
+    """The installed vLLM's own request hasher (the lookahead argument only where given:
+    vLLM 0.32 and 0.30 take two arguments)."""
+    return kcu.get_request_block_hasher(hbs, fn, *((lookahead,) if lookahead else ()))
 
 
 def drive_pair(
     rng: random.Random, algo: str, hbs: int, lookahead: int, args: dict[str, Any]
 ) -> int:
+    """One random request hashed by hscache and by the installed vLLM, through appends
+    and the Scheduler's resets; the number of blocks compared at the end."""
     fn = hash_fn(algo)
     ours = make_request(args, native_hasher(hbs, fn, lookahead))
-    ref = make_request(args, kcu.get_request_block_hasher(hbs, fn, lookahead))
+    ref = make_request(args, vllm_hasher(hbs, fn, lookahead))
     assert ours.block_hashes == ref.block_hashes
     for _ in range(rng.randrange(0, 6)):
         out = [rng.randrange(2**32) for _ in range(rng.choice([1, 1, 1, 2, hbs, 3 * hbs + 1]))]

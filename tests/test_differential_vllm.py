@@ -28,8 +28,9 @@ import vllm  # noqa: F401 (a hard requirement: a broken install fails, never ski
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import vllm_diff as diff
+from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
 from vllm_diff import mutants
-from vllm_diff.config import FAMILIES
+from vllm_diff.config import FAMILIES, MAMBA_SERVED
 
 pytestmark = pytest.mark.vllm
 
@@ -336,6 +337,10 @@ def test_harness_detects_divergence(mutant):
     """Each deliberately broken manager is caught within a few traces (80 at most: the
     seeds walk every layout family, and the rarest, full_sequence_must_fit admissions
     that would not fit, shows first at seed 50)."""
+    if mutant is mutants.CachesReprefillableTokens and not hasattr(
+        KVCacheCoordinator, "get_num_cacheable_tokens"
+    ):
+        pytest.skip("this vLLM (0.30) computes the cacheable tokens inline: nothing to patch")
     for seed in range(80):
         try:
             diff.run_trace(seed, diff.config_for_seed(seed, num_ops=300), mutant)
@@ -350,6 +355,8 @@ def test_harness_detects_hybrid_divergence(mutant):
     """Each mutant of one group type (or of the groups' interplay) is caught by the traces
     of the layout family it shows in."""
     family = mutants.HYBRID[mutant]
+    if "mamba" in family and not MAMBA_SERVED:
+        pytest.skip("Mamba layouts stay on this vLLM's manager (0.30): no Mamba traces")
     seeds = [s for s in range(400) if FAMILIES[s % len(FAMILIES)] == family][:12]
     for seed in seeds:
         try:

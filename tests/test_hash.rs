@@ -14,7 +14,7 @@
 
 use hscache::extra_keys::{
     gen_mm_extra_hash_keys, generate_lookahead_block_hash_extra_keys, initial_mm_index,
-    BlockExtras, ExtraKey, MmFeature, RequestExtraKeys, TagIds,
+    BlockExtras, ExtraKey, ExtraKeysForm, MmFeature, RequestExtraKeys, TagIds,
 };
 use hscache::hash::request::{RequestBlockHasher, RequestHashInput};
 use hscache::hash::value::{Atom, ObjId, ValueSeq};
@@ -151,6 +151,7 @@ fn every_vllm_algorithm_matches_golden_values() {
                 keys,
                 lookahead,
                 tags: &tags,
+                form: ExtraKeysForm::Tagged,
             };
             parent = h.hash_block(parent.as_bytes(), tokens, &extras);
             assert_eq!(hex(parent.as_bytes()), chain[i], "{algo:?} block {i}");
@@ -181,6 +182,7 @@ fn pickle_memo_follows_object_identity() {
             keys: &keys,
             lookahead: &[],
             tags: &tags,
+            form: ExtraKeysForm::Tagged,
         };
         let got = h.hash_block(root.as_bytes(), &[1, 2], &extras);
         assert_eq!(hex(got.as_bytes()), want, "ids {id_a} {id_b}");

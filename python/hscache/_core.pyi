@@ -155,6 +155,7 @@ class KVCacheCore:
         self, request_id: str, num_computed_tokens: int
     ) -> tuple[list[int], ...]: ...
     def estimate_cached_tokens(self, request: Any) -> int: ...
+    def num_common_prefix_blocks(self, running_request_id: str) -> list[int]: ...
     def remove_skipped_blocks(
         self,
         request_id: str,
@@ -615,7 +616,12 @@ class RequestBlockHasher:
     """hscache's ``get_request_block_hasher``: the new full-block hashes of a request."""
 
     def __new__(
-        cls, algo: str, hash_block_size: int, num_hash_lookahead_tokens: int = 0
+        cls,
+        algo: str,
+        hash_block_size: int,
+        num_hash_lookahead_tokens: int = 0,
+        *,
+        extra_keys: str = "tagged",
     ) -> RequestBlockHasher: ...
     @property
     def algo(self) -> str: ...
@@ -623,6 +629,8 @@ class RequestBlockHasher:
     def hash_block_size(self) -> int: ...
     @property
     def num_hash_lookahead_tokens(self) -> int: ...
+    @property
+    def extra_keys(self) -> str: ...
     def hash_new_blocks(
         self,
         block_hashes: list[bytes],

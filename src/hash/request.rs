@@ -15,8 +15,8 @@
 use super::{resolve_parent, BlockHasher, HashAlgo};
 use crate::error::{Error, Result};
 use crate::extra_keys::{
-    generate_block_hash_extra_keys, generate_lookahead_block_hash_extra_keys, initial_mm_index,
-    BlockExtras, ExtraKey, RequestExtraKeys, TagIds,
+    generate_block_hash_extra_keys, generate_lookahead_block_hash_extra_keys, BlockExtras,
+    ExtraKey, ExtraKeysForm, RequestExtraKeys, TagIds,
 };
 use crate::types::BlockHash;
 
@@ -45,6 +45,7 @@ pub struct RequestBlockHasher {
     hash_block_size: usize,
     num_lookahead_tokens: usize,
     tags: TagIds,
+    form: ExtraKeysForm,
 }
 
 impl RequestBlockHasher {
@@ -64,7 +65,18 @@ impl RequestBlockHasher {
             hash_block_size,
             num_lookahead_tokens,
             tags: TagIds::default(),
+            form: ExtraKeysForm::default(),
         })
+    }
+
+    /// Writes the extra keys in `form` (tagged by default; see [`ExtraKeysForm`]).
+    pub fn set_extra_keys_form(&mut self, form: ExtraKeysForm) {
+        self.form = form;
+    }
+
+    /// The extra-keys form.
+    pub fn extra_keys_form(&self) -> ExtraKeysForm {
+        self.form
     }
 
     /// Uses `tags` as the identities of the tag strings (see [`TagIds`]).
@@ -126,7 +138,7 @@ impl RequestBlockHasher {
             }
         }
 
-        let mut mm_idx = initial_mm_index(input.keys.mm_features, first);
+        let mut mm_idx = self.form.initial_mm_index(input.keys.mm_features, first);
         let mut keys: Vec<ExtraKey<'_>> = Vec::new();
         let mut hashes = Vec::with_capacity(n);
         let mut parent: Option<BlockHash> = None;
@@ -160,6 +172,7 @@ impl RequestBlockHasher {
                 keys: &keys,
                 lookahead,
                 tags: &self.tags,
+                form: self.form,
             };
             let parent_bytes = match &parent {
                 Some(p) => p.as_bytes(),

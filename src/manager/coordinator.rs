@@ -581,6 +581,54 @@ impl KVCacheCoordinator {
         self.requests.get_with_slot(request_id)
     }
 
+    /// vLLM 0.30 / 0.31's `get_num_common_prefix_blocks` (cascade attention), into
+    /// `out` (one entry per group): the leading blocks of `request_id`'s table whose
+    /// reference count (vLLM's, [`BlockPool::vllm_ref_cnt`]) equals the number of
+    /// requests holding a table, i.e. blocks every such request shares. Groups whose
+    /// vLLM manager answers 0 (sliding window, chunked local, circular buffer, Mamba,
+    /// cross attention, HiSparse resident / hot) and the no-prefix-cache coordinator
+    /// answer 0.
+    ///
+    /// vLLM's counting managers read `req_to_blocks[request_id]`, a `defaultdict`: an
+    /// unknown request then holds an empty table until it is freed, and counts as a
+    /// holder from then on. The core does the same (an empty state), so later answers
+    /// stay vLLM's.
+    pub fn num_common_prefix_blocks(&mut self, request_id: &str, out: &mut Vec<usize>) {
+        out.clear();
+        let counts = |m: &dyn SingleTypeManager| {
+            matches!(
+                m.base().spec.kind,
+                ManagerKind::FullAttention
+                    | ManagerKind::SinkFullAttention { .. }
+                    | ManagerKind::Rswa { .. }
+                    | ManagerKind::HiSparseSource { .. }
+            )
+        };
+        if self.kind == CoordinatorKind::NoPrefixCache
+            || !self.managers.iter().any(|m| counts(m.as_ref()))
+        {
+            out.resize(self.managers.len(), 0);
+            return;
+        }
+        if self.requests.get(request_id).is_none() {
+            self.state_mut(request_id);
+        }
+        let holders = i64::try_from(self.requests.len()).unwrap_or(i64::MAX);
+        for (g, m) in self.managers.iter().enumerate() {
+            if !counts(m.as_ref()) {
+                out.push(0);
+                continue;
+            }
+            let pool = self.pool_of(g);
+            let n = self
+                .blocks(request_id, g)
+                .iter()
+                .take_while(|&&b| pool.vllm_ref_cnt(b) == holders)
+                .count();
+            out.push(n);
+        }
+    }
+
     /// The table of `request_id` in group `g` (empty if unknown).
     #[inline]
     pub fn blocks(&self, request_id: &str, g: usize) -> &[BlockId] {
@@ -709,7 +757,13 @@ impl KVCacheCoordinator {
                         bs,
                         self.enable_partial_hash_hits && sg.supports_fine_grained,
                     );
-                    max_length = (curr + margin).min(num_hashed_tokens);
+                    // vLLM 0.30 caps the probe at the hit cap, 0.32 / 0.33 at the hashes.
+                    let cap = if self.pool.vllm_rules().eagle_probe_capped_at_max_hit {
+                        max_cache_hit_length
+                    } else {
+                        num_hashed_tokens
+                    };
+                    max_length = (curr + margin).min(cap);
                 }
                 let (found, new_hit) = self.spec_group_hit(sg, block_hashes, max_length, drop)?;
                 if drop {
@@ -771,7 +825,9 @@ impl KVCacheCoordinator {
         for sg in &self.attention_groups {
             let first = sg.group_ids[0] as usize;
             let mut lookup = max_cache_hit_length;
-            if sg.use_eagle && !sg.is_mamba {
+            // vLLM 0.30 looks each group up at the cap itself, EAGLE or not.
+            let probes = !self.pool.vllm_rules().eagle_probe_capped_at_max_hit;
+            if probes && sg.use_eagle && !sg.is_mamba {
                 let bs = self.managers[first].base().block_size;
                 let margin = self.eagle_proof_margin(
                     bs,

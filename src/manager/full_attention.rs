@@ -100,13 +100,23 @@ pub fn partial_tail_boundary(
         return None;
     }
     // A resend matches at most `prompt - 1` tokens; EAGLE lookups read the whole
-    // prompt before dropping a hash unit.
-    let limit = if base.use_eagle {
-        num_prompt_tokens
+    // prompt before dropping a hash unit. vLLM 0.30 keys the whole prompt's last hash
+    // boundary (it asserts the hash exists; the core skips a boundary past the
+    // request's hashes instead).
+    let boundary = if base.partial_tail_at_prompt_floor {
+        let b = num_prompt_tokens / hash_block_size;
+        if b > num_hashes {
+            return None;
+        }
+        b * hash_block_size
     } else {
-        num_prompt_tokens.saturating_sub(1)
+        let limit = if base.use_eagle {
+            num_prompt_tokens
+        } else {
+            num_prompt_tokens.saturating_sub(1)
+        };
+        (limit / hash_block_size).min(num_hashes) * hash_block_size
     };
-    let boundary = (limit / hash_block_size).min(num_hashes) * hash_block_size;
     (boundary != 0 && boundary <= num_tokens && boundary % base.block_size != 0).then_some(boundary)
 }
 
@@ -222,5 +232,44 @@ impl SingleTypeManager for FullAttentionManager {
 
     fn is_steady(&self, _slot: u32, req: &GroupBlocks, q: &SteadyQuery) -> bool {
         super::single_type::base_is_steady(self, req, q.num_tokens, q.processed_computed_tokens)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::manager::spec::GroupSpec;
+
+    fn base(block_size: usize, hash_block_size: usize, prompt_floor: bool) -> ManagerBase {
+        let mut b = ManagerBase::new(
+            GroupSpec::full_attention(block_size),
+            0,
+            true,
+            block_size,
+            hash_block_size,
+            1,
+            1,
+            false,
+        );
+        b.partial_tail_at_prompt_floor = prompt_floor;
+        b
+    }
+
+    #[test]
+    fn partial_tail_boundary_follows_the_rules() {
+        // Blocks of 16, hashes of 4, a 24-token prompt with 6 hashes, all computed.
+        let (b033, b030) = (base(16, 4, false), base(16, 4, true));
+        // 0.32 / 0.33: (24 - 1) / 4 = 5 hash blocks; 0.30: 24 / 4 = 6.
+        assert_eq!(partial_tail_boundary(&b033, 4, 24, 6, 24), Some(20));
+        assert_eq!(partial_tail_boundary(&b030, 4, 24, 6, 24), Some(24));
+        // A 32-token prompt: 0.30's boundary is block aligned (no partial entry),
+        // 0.33 stops one hash block short of it.
+        assert_eq!(partial_tail_boundary(&b030, 4, 32, 8, 32), None);
+        assert_eq!(partial_tail_boundary(&b033, 4, 32, 8, 32), Some(28));
+        // Past the request's hashes: 0.33 caps, the core skips 0.30's (vLLM asserts).
+        assert_eq!(partial_tail_boundary(&b033, 4, 24, 5, 24), Some(20));
+        assert_eq!(partial_tail_boundary(&b030, 4, 24, 5, 24), None);
+        // Not yet computed: nothing to register.
+        assert_eq!(partial_tail_boundary(&b030, 4, 24, 6, 20), None);
     }
 }

@@ -636,9 +636,11 @@ impl KVCacheManager {
     ) -> Result<bool> {
         self.guard()?;
         // ---- plan: validate, read, decide what to read for caching ----
+        // vLLM 0.30 also refuses a step that only adopts local hits.
+        let strict = self.vllm_rules().zero_new_tokens_needs_external;
         if args.num_new_tokens == 0
             && args.num_external_computed_tokens == 0
-            && args.num_new_computed_tokens == 0
+            && (strict || args.num_new_computed_tokens == 0)
         {
             return Err(Error::InvalidArgument(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
@@ -1515,6 +1517,12 @@ impl KVCacheManager {
             estimate = Some(estimate.map_or(group, |e| e.min(group)));
         }
         estimate.unwrap_or(0)
+    }
+
+    /// vLLM 0.30's `get_num_common_prefix_blocks` (see
+    /// [`KVCacheCoordinator::num_common_prefix_blocks`]).
+    pub fn num_common_prefix_blocks(&mut self, request_id: &str, out: &mut Vec<usize>) {
+        self.coordinator.num_common_prefix_blocks(request_id, out);
     }
 
     /// vLLM's `truncate_computed_blocks`: group `g`'s first blocks covering

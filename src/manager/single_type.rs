@@ -97,6 +97,9 @@ pub struct ManagerBase {
     pub use_eagle: bool,
     /// Mamba shared-prefix checkpoints (set by the facade).
     pub shared_prefix_checkpoint: bool,
+    /// vLLM 0.30's partial prompt tail (`VllmRules::partial_tail_at_prompt_floor`, set
+    /// with the rules): full attention keys it at `floor(prompt / hash block)`.
+    pub partial_tail_at_prompt_floor: bool,
     pub pending_cow_copies: Vec<CowCopy>,
     pub pending_boundary_state_offloads: Vec<BoundaryOffload>,
 }
@@ -130,6 +133,7 @@ impl ManagerBase {
             new_block_ids: Vec::new(),
             use_eagle: false,
             shared_prefix_checkpoint: false,
+            partial_tail_at_prompt_floor: false,
             pending_cow_copies: Vec::new(),
             pending_boundary_state_offloads: Vec::new(),
         }

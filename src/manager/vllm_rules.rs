@@ -12,6 +12,10 @@ impl KVCacheManager {
     /// vLLM `BlockPool` too) follows the same rules.
     pub fn set_vllm_rules(&mut self, rules: VllmRules) -> Result<()> {
         self.coordinator.block_pool_mut().set_vllm_rules(rules);
+        // Rules a manager reads where it has no pool (hash-read planning).
+        for m in self.coordinator.managers.iter_mut() {
+            m.base_mut().partial_tail_at_prompt_floor = rules.partial_tail_at_prompt_floor;
+        }
         if self.host_pool().is_some() {
             self.host_pool_call(|pool| {
                 pool.set_vllm_rules(rules);

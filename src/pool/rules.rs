@@ -24,6 +24,18 @@ pub struct VllmRules {
     /// vLLM 0.33: a Mamba prompt / junction checkpoint already keyed at the same
     /// length is not cached again (0.32 re-caches it, which marks it cached this step).
     pub skip_keyed_mamba_checkpoint: bool,
+    /// vLLM 0.30: full attention registers its partial prompt tail (a block larger
+    /// than the hash block) at `floor(prompt / hash block)` hash blocks; 0.32 / 0.33
+    /// stop at `prompt - 1` tokens (the whole prompt with EAGLE) and at the hashes
+    /// the request has. Read by the managers (set on their bases with the rules).
+    pub partial_tail_at_prompt_floor: bool,
+    /// vLLM 0.30: the hybrid coordinator's EAGLE probe (one drop unit past the
+    /// candidate hit) is capped at `max_cache_hit_length`, and the per-group lookup
+    /// (connectors) probes no further than it; 0.32 / 0.33 cap at the hashed tokens.
+    pub eagle_probe_capped_at_max_hit: bool,
+    /// vLLM 0.30: `allocate_slots` with no new tokens is an error unless it allocates
+    /// for external computed tokens (0.32 / 0.33 also accept adopting local hits).
+    pub zero_new_tokens_needs_external: bool,
 }
 
 impl VllmRules {
@@ -32,21 +44,40 @@ impl VllmRules {
         null_block_ref_counted: false,
         eagle_junction_keeps_lower_block: true,
         skip_keyed_mamba_checkpoint: true,
+        partial_tail_at_prompt_floor: false,
+        eagle_probe_capped_at_max_hit: false,
+        zero_new_tokens_needs_external: false,
     };
     /// vLLM 0.32.x.
     pub const V032: Self = Self {
         null_block_ref_counted: true,
         eagle_junction_keeps_lower_block: false,
         skip_keyed_mamba_checkpoint: false,
+        partial_tail_at_prompt_floor: false,
+        eagle_probe_capped_at_max_hit: false,
+        zero_new_tokens_needs_external: false,
     };
 
-    /// The rules of a release series (`"0.33"` or `"0.32"`).
+    /// vLLM 0.30.x: the pool decides as 0.32 does (same null-block counting, junction
+    /// and Mamba re-caching; read from 0.30.0's `block_pool.py` and managers), full
+    /// attention keys its partial prompt tail at `floor(prompt / hash block)` and the
+    /// EAGLE probe stops at the hit cap. Its untagged block-hash keys are a hasher
+    /// setting (`ExtraKeysForm`), not a pool rule.
+    pub const V030: Self = Self {
+        partial_tail_at_prompt_floor: true,
+        eagle_probe_capped_at_max_hit: true,
+        zero_new_tokens_needs_external: true,
+        ..Self::V032
+    };
+
+    /// The rules of a release series (`"0.33"`, `"0.32"` or `"0.30"`).
     pub fn for_series(series: &str) -> Result<Self> {
         match series {
             "0.33" => Ok(Self::V033),
             "0.32" => Ok(Self::V032),
+            "0.30" => Ok(Self::V030),
             other => Err(Error::InvalidArgument(format!(
-                "vllm_series must be \"0.33\" or \"0.32\", got {other:?}"
+                "vllm_series must be \"0.33\", \"0.32\" or \"0.30\", got {other:?}"
             ))),
         }
     }
@@ -114,6 +145,7 @@ mod tests {
     fn series_names() {
         assert_eq!(VllmRules::for_series("0.32").ok(), Some(VllmRules::V032));
         assert_eq!(VllmRules::for_series("0.33").ok(), Some(VllmRules::V033));
+        assert_eq!(VllmRules::for_series("0.30").ok(), Some(VllmRules::V030));
         assert!(VllmRules::for_series("0.31").is_err());
         assert_eq!(VllmRules::default(), VllmRules::V033);
     }

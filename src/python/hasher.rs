@@ -26,7 +26,8 @@ use pyo3::types::{PyBytes, PyInt, PyList, PySequence, PyString, PyTuple};
 
 use super::errors::{BlockHashError, InvalidArgumentError, UnsupportedError};
 use crate::extra_keys::{
-    MmFeature, RequestExtraKeys, TagIds, TAG_CACHE_SALT, TAG_LORA, TAG_MM, TAG_PROMPT_EMBEDS,
+    ExtraKeysForm, MmFeature, RequestExtraKeys, TagIds, TAG_CACHE_SALT, TAG_LORA, TAG_MM,
+    TAG_PROMPT_EMBEDS,
 };
 use crate::hash::request::{RequestBlockHasher, RequestHashInput};
 use crate::hash::value::{Atom, ObjId, ValueSeq};
@@ -385,6 +386,9 @@ pub struct PyRequestBlockHasher {
     hash_block_size: usize,
     num_lookahead_tokens: usize,
     tags: TagIds,
+    /// Tagged (vLLM 0.31+) or untagged (0.30) keys: the version profile's
+    /// `extra_keys_form`.
+    form: ExtraKeysForm,
     /// The interned tag strings, held so that their addresses stay theirs.
     _tags: Vec<Py<PyString>>,
 }
@@ -394,6 +398,7 @@ impl PyRequestBlockHasher {
         let mut core =
             RequestBlockHasher::new(self.algo, self.hash_block_size, self.num_lookahead_tokens)?;
         core.set_tag_ids(self.tags);
+        core.set_extra_keys_form(self.form);
         Ok(core)
     }
 }
@@ -401,15 +406,17 @@ impl PyRequestBlockHasher {
 #[pymethods]
 impl PyRequestBlockHasher {
     #[new]
-    #[pyo3(signature = (algo, hash_block_size, num_hash_lookahead_tokens = 0))]
+    #[pyo3(signature = (algo, hash_block_size, num_hash_lookahead_tokens = 0, *, extra_keys = "tagged"))]
     fn new(
         py: Python<'_>,
         algo: &str,
         hash_block_size: super::convert::Int,
         #[pyo3(from_py_with = super::convert::int64)] num_hash_lookahead_tokens: i64,
+        extra_keys: &str,
     ) -> PyResult<Self> {
         let hash_block_size = hash_block_size.0;
         let algo = algo_from_name(algo)?;
+        let form = ExtraKeysForm::from_name(extra_keys)?;
         let bs = usize::try_from(hash_block_size)
             .ok()
             .filter(|&b| b > 0)
@@ -428,6 +435,7 @@ impl PyRequestBlockHasher {
             algo,
             hash_block_size: bs,
             num_lookahead_tokens: la,
+            form,
             tags: TagIds {
                 lora: id(0),
                 mm: id(1),
@@ -454,6 +462,12 @@ impl PyRequestBlockHasher {
     #[getter]
     fn num_hash_lookahead_tokens(&self) -> usize {
         self.num_lookahead_tokens
+    }
+
+    /// `"tagged"` or `"untagged"` (vLLM 0.30's bare keys and last-item scan).
+    #[getter]
+    fn extra_keys(&self) -> &'static str {
+        self.form.name()
     }
 
     /// The hashes of the new full blocks of a request (vLLM appends them to

@@ -902,6 +902,23 @@ impl PyKVCacheCore {
         })
     }
 
+    /// vLLM 0.30 / 0.31's `get_num_common_prefix_blocks`: per group, the leading blocks
+    /// of the request's table that every request holding a table shares (the glue
+    /// answers `[0]` per group for the releases that deprecated it).
+    fn num_common_prefix_blocks(
+        slf: &Bound<'_, Self>,
+        running_request_id: &str,
+    ) -> PyResult<Vec<usize>> {
+        let mut out = Vec::new();
+        slf.try_borrow_mut()?
+            .core
+            .shielded("get_num_common_prefix_blocks", |c| {
+                c.num_common_prefix_blocks(running_request_id, &mut out);
+                Ok(())
+            })?;
+        Ok(out)
+    }
+
     /// vLLM's `remove_skipped_blocks`.
     #[pyo3(signature = (request_id, processed_computed_tokens, num_prompt_tokens=None))]
     fn remove_skipped_blocks(

@@ -22,6 +22,8 @@ from typing import Any
 
 from hscache.testing.kv_cache import block_sizes, kv_cache_config
 from hscache.testing.manager import manager_kwargs as scheduler_manager_kwargs
+from hscache.vllm.version import require
+from vllm.v1.core import kv_cache_coordinator as _vllm_kvc
 from vllm.v1.core import kv_cache_manager as _vllm_kvm
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
@@ -36,6 +38,20 @@ HAS_HASH_LOOKAHEAD = (
 HAS_MAX_HIT_LEN = (
     "max_cache_hit_length"
     in inspect.signature(ReferenceKVCacheManager.get_computed_blocks).parameters
+)
+# 0.32 / 0.33's Scheduler passes prefill_end to the coordinator's reservation count; 0.30's
+# coordinator has no such keyword.
+HAS_PREFILL_END = (
+    "prefill_end"
+    in inspect.signature(_vllm_kvc.KVCacheCoordinator.get_num_blocks_to_allocate).parameters
+)
+# hscache serves Mamba layouts on this vLLM (not 0.30: its older Mamba rules stay vLLM's).
+MAMBA_SERVED = require().mamba_rules_implemented
+# The manager attribute the Scheduler reads back: mamba_shared_prefix_checkpoint (0.32, 0.33)
+# or mamba_fine_grained_prefix_cache (0.30).
+MAMBA_PREFIX_ATTR = require().mamba_prefix_keyword.removeprefix("enable_")
+HAS_SKIP_ZEROING = (
+    "skip_zeroing_group_ids" in inspect.signature(ReferenceKVCacheManager.allocate_slots).parameters
 )
 DEFAULT_CANDIDATE = "hscache.vllm:KVCacheManager"
 CANDIDATE_ENV = "HSCACHE_DIFF_CANDIDATE"
@@ -194,7 +210,20 @@ def config_for_seed(seed: int, num_ops: int = 500, **overrides) -> TraceConfig:
     """A deterministic configuration mix: the layout families of :data:`FAMILIES` in turn;
     for one full-attention group block sizes 1/4/16 in turn; tight and roomy pools,
     caching/events on and off, watermark, EAGLE, hash lookahead, spec/lookahead slots,
-    retention intervals and block metrics for the hybrid layouts."""
+    retention intervals and block metrics for the hybrid layouts.
+
+    Where hscache leaves Mamba layouts to vLLM's manager (vLLM 0.30's older Mamba rules,
+    the profile's ``mamba_rules_implemented``), a seed that draws one takes the next
+    seed's configuration instead: a trace of vLLM against itself proves nothing."""
+    cfg = _config_for_seed(seed, num_ops)
+    k = 0
+    while not MAMBA_SERVED and "mamba" in cfg.layout:
+        k += 1
+        cfg = _config_for_seed(seed + k, num_ops)
+    return dataclasses.replace(cfg, **overrides) if overrides else cfg
+
+
+def _config_for_seed(seed: int, num_ops: int) -> TraceConfig:
     family = FAMILIES[seed % len(FAMILIES)]
     if family == "fa":
         cfg = _full_attention_config(seed, num_ops)
@@ -204,7 +233,7 @@ def config_for_seed(seed: int, num_ops: int = 500, **overrides) -> TraceConfig:
         cfg = dataclasses.replace(cfg, hash_lookahead=0)
     if not HAS_MAX_HIT_LEN:
         cfg = dataclasses.replace(cfg, p_max_hit_len=0.0)
-    return dataclasses.replace(cfg, **overrides) if overrides else cfg
+    return cfg
 
 
 def _full_attention_config(seed: int, num_ops: int) -> TraceConfig:

@@ -45,6 +45,7 @@ from hscache.testing.scheduler_step import (
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
+from .config import MAMBA_PREFIX_ATTR
 from .errors import HarnessError
 from .pair import Pair
 
@@ -94,7 +95,7 @@ class Generator:
             max_num_scheduled_tokens=cfg.token_budget,
             scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
             mamba_partial_cache_hit=partial,
-            mamba_shared_prefix_checkpoint=partial and bool(ref.mamba_shared_prefix_checkpoint),
+            mamba_shared_prefix_checkpoint=partial and bool(getattr(ref, MAMBA_PREFIX_ATTR)),
             hash_block_size=self.hbs,
             mamba_has_prefill_checkpoint_blocks=mamba.ckpt_blocks > 0,
             mamba_prefill_checkpoint_alignment=mamba.ckpt_align,

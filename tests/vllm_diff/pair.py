@@ -22,7 +22,7 @@ from vllm.v1.request import Request
 
 from . import exceptions
 from .actions import render_action
-from .config import ReferenceKVCacheManager, TraceConfig
+from .config import MAMBA_PREFIX_ATTR, ReferenceKVCacheManager, TraceConfig
 from .errors import Divergence, HarnessError
 from .side import Side
 
@@ -269,7 +269,7 @@ class Pair:
             ("enable_kv_cache_events", lambda m: m.enable_kv_cache_events),
             ("watermark_blocks", lambda m: m.watermark_blocks),
             ("num_kv_cache_groups", lambda m: m.num_kv_cache_groups),
-            ("mamba_shared_prefix_checkpoint", lambda m: m.mamba_shared_prefix_checkpoint),
+            (MAMBA_PREFIX_ATTR, lambda m: getattr(m, MAMBA_PREFIX_ATTR)),
             ("kv_cache_event_metadata", lambda m: m.kv_cache_event_metadata),
             ("kv_cache_config.num_blocks", lambda m: m.kv_cache_config.num_blocks),
             ("empty_kv_cache_blocks.blocks", lambda m: m.empty_kv_cache_blocks.blocks),

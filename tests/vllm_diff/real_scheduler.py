@@ -32,6 +32,7 @@ from typing import Any
 from hscache.testing.kv_cache import kv_cache_config
 from hscache.testing.offline_scheduler import make_scheduler, stub_runner_output
 from hscache.testing.requests import init_none_hash, make_request
+from hscache.vllm import version
 from vllm.v1.request import RequestStatus
 
 from .layouts import LayoutInfo, kv_cache_groups
@@ -144,7 +145,7 @@ def build_scheduler(cfg: RealConfig) -> Any:
     cache: dict[str, Any] = {}
     if info.mamba is not None:
         cache["mamba_cache_mode"] = info.mamba.mode
-        cache["enable_mamba_shared_prefix_checkpoint"] = cfg.mamba_shared_checkpoint
+        cache[version.require().mamba_prefix_keyword] = cfg.mamba_shared_checkpoint
     if cfg.prefix_match_unit:
         cache["prefix_match_unit"] = cfg.prefix_match_unit
     cls = hscache.vllm.AsyncScheduler if cfg.async_scheduling else hscache.vllm.Scheduler

@@ -26,7 +26,14 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
-from .config import HAS_HASH_LOOKAHEAD, ReferenceKVCacheManager, TraceConfig, manager_kwargs
+from .config import (
+    HAS_HASH_LOOKAHEAD,
+    HAS_PREFILL_END,
+    HAS_SKIP_ZEROING,
+    ReferenceKVCacheManager,
+    TraceConfig,
+    manager_kwargs,
+)
 from .errors import HarnessError
 
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(PrefixCacheStats))
@@ -263,7 +270,10 @@ class Side:
                 ncb = None
             kw = dict(a.get("kw", {}))
             if "skip_zeroing_group_ids" in kw:
-                kw["skip_zeroing_group_ids"] = tuple(kw["skip_zeroing_group_ids"])
+                if HAS_SKIP_ZEROING:
+                    kw["skip_zeroing_group_ids"] = tuple(kw["skip_zeroing_group_ids"])
+                else:  # vLLM 0.30: no such keyword (nothing skips zeroing)
+                    del kw["skip_zeroing_group_ids"]
             if ncb is not None:
                 kw["new_computed_blocks"] = ncb
             return mgr.allocate_slots(req, a["n"], **kw)
@@ -351,7 +361,11 @@ class Side:
                 num_local_computed_tokens=req.num_computed_tokens,
                 num_tokens_main_model=full,
                 apply_admission_cap=True,
-                prefill_end=max(req.num_prompt_tokens, req.num_tokens - 1),
+                **(
+                    {"prefill_end": max(req.num_prompt_tokens, req.num_tokens - 1)}
+                    if HAS_PREFILL_END
+                    else {}
+                ),
             )
         if method == "record_blocks_for_zeroing":
             return mgr.record_blocks_for_zeroing(rid, a["n"])

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fetches vLLM's own test suite (tests/ of the vLLM 0.33.0 sdist, or of the version given as
-# the first argument: 0.33.0 or 0.32.0) into the cache and prints the cached tree's path:
+# the first argument: 0.33.0, 0.32.0 or 0.30.0) into the cache and prints the cached tree's path:
 #   tests/vllm_upstream/fetch_sdist.sh [VERSION]
 # ${HSCACHE_CACHE:-$HOME/.cache/hscache}/vllm-VERSION-src, holding the
 # sdist's tests/ and pyproject.toml (pytest configuration) and nothing else — in particular
@@ -19,7 +19,11 @@ VLLM_VERSION="${1:-0.33.0}"
 case "$VLLM_VERSION" in
     0.33.0) VLLM_SDIST_SHA256=f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112 ;;
     0.32.0) VLLM_SDIST_SHA256=d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad ;;
-    *) echo "[hscache] no sdist hash pinned for vLLM $VLLM_VERSION (0.33.0 or 0.32.0)" >&2; exit 2 ;;
+    0.30.0) VLLM_SDIST_SHA256=5f8f4e890c042ffa1c3e103f81c35e2d96f60a0a175ac43a4adbae7006bef62b ;;
+    *)
+        echo "[hscache] no sdist hash pinned for vLLM $VLLM_VERSION (0.33.0, 0.32.0 or 0.30.0)" >&2
+        exit 2
+        ;;
 esac
 
 cache="${HSCACHE_CACHE:-$HOME/.cache/hscache}"

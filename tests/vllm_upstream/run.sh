@@ -4,18 +4,19 @@
 # KVCacheManager swapped in (hscache_swap.py), and judges the outcome against
 # known_failures*.txt (compare.py).
 #
-#   tests/vllm_upstream/run.sh [--swap] [--vllm 0.32] [--write-known] [TEST_FILE_OR_NODE ...]
+#   tests/vllm_upstream/run.sh [--swap] [--vllm 0.32|0.30] [--write-known] [TEST_FILE_OR_NODE ...]
 #                              [-- PYTEST_ARGS]
 #
 #   --swap          HSCACHE_SWAP=1: hscache.vllm.KVCacheManager (or HSCACHE_SWAP_CLASS=mod:Class)
 #   --vllm 0.32     vLLM 0.32's tests (its sdist) in the vLLM 0.32 environment
 #                   (scripts/vllm032_env.sh); default: vLLM 0.33.0's, in scripts/env.sh's
+#   --vllm 0.30     vLLM 0.30's, in the vLLM 0.30 environment (scripts/vllm030_env.sh)
 #   --write-known   (without --swap) rewrite the known-failures list from this run
 #   TEST_FILE...    paths relative to the sdist root; default: CORE_FILES, plus
 #                   CONNECTOR_FILES for 0.33
 #
 # Exit status: 0 if every failure is an expected one, 1 otherwise. Results (JSON) and the
-# pytest log land in ${HSCACHE_CACHE:-$HOME/.cache/hscache}/vllm-upstream[-vllm032]-{base,swap}.*
+# pytest log land in ${HSCACHE_CACHE:-$HOME/.cache/hscache}/vllm-upstream[-vllm03x]-{base,swap}.*
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -84,7 +85,8 @@ while (($#)); do
             case "${1:-}" in
                 0.32 | 0.32.0) series=0.32 ;;
                 0.33 | 0.33.0) series=0.33 ;;
-                *) echo "--vllm takes 0.32 or 0.33, not '${1:-}'" >&2; exit 2 ;;
+                0.30 | 0.30.0) series=0.30 ;;
+                *) echo "--vllm takes 0.30, 0.32 or 0.33, not '${1:-}'" >&2; exit 2 ;;
             esac
             ;;
         --) shift; pytest_args=("$@"); break ;;
@@ -93,7 +95,9 @@ while (($#)); do
     esac
     shift
 done
+default_files=0
 if ((${#files[@]} == 0)); then
+    default_files=1
     files=("${CORE_FILES[@]}")
     if [[ $series == 0.33 ]]; then
         files+=("${CONNECTOR_FILES[@]}")
@@ -118,9 +122,24 @@ if [[ $series == 0.32 ]]; then
     fi
     py="$HSCACHE_PY032"
     suffix=-vllm032
+elif [[ $series == 0.30 ]]; then
+    if [[ -z "${HSCACHE_PY030:-}" ]]; then
+        # shellcheck source=../../scripts/vllm030_env.sh
+        source "$repo/scripts/vllm030_env.sh"
+    fi
+    py="$HSCACHE_PY030"
+    suffix=-vllm030
 fi
 version="$("$py" -c 'import vllm; print(vllm.__version__)')"
 src="$(bash "$here/fetch_sdist.sh" "$version")"
+if ((default_files)); then
+    # An older release lacks some of the newest test files (0.30: test_prefix_replay.py).
+    kept=()
+    for f in "${files[@]}"; do
+        if [[ -e "$src/$f" ]]; then kept+=("$f"); else echo "[hscache] vLLM $version has no $f" >&2; fi
+    done
+    files=("${kept[@]}")
+fi
 tag=base
 ((swap)) && tag=swap
 out="$HSCACHE_CACHE/vllm-upstream$suffix-$tag"

@@ -25,6 +25,12 @@ _HAS_HASH_LOOKAHEAD = (
 __all__ = ["build_manager", "manager_kwargs"]
 
 
+def _mamba_prefix_keyword() -> str:
+    from hscache.vllm.version import require
+
+    return require().mamba_prefix_keyword
+
+
 def manager_kwargs(
     kv_cache_config: KVCacheConfig,
     *,
@@ -74,7 +80,8 @@ def manager_kwargs(
         "hash_block_size": hash_block_size,
         "metrics_collector": None,
         "watermark": watermark,
-        "enable_mamba_shared_prefix_checkpoint": enable_mamba_shared_prefix_checkpoint,
+        # 0.30 names it enable_mamba_fine_grained_prefix_cache (the version profile).
+        _mamba_prefix_keyword(): enable_mamba_shared_prefix_checkpoint,
     }
     if not _HAS_HASH_LOOKAHEAD:  # vLLM 0.32: no lookahead hashing, no such keyword
         if num_hash_lookahead_tokens:

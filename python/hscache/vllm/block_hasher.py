@@ -31,7 +31,8 @@ hashing (0.32), an unknown ``HSCACHE_BLOCK_HASH_ALGO`` (``InvalidArgumentError``
 (``TypeError``).
 
 vLLM 0.32 hashes exactly as 0.33 does without lookahead (``num_hash_lookahead_tokens=0``);
-its factory takes two arguments (``hscache.vllm.version``).
+its factory takes two arguments (``hscache.vllm.version``). vLLM 0.30 has the same factory
+but writes its extra keys untagged (the profile's ``extra_keys_form``, handed to the core).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from hscache.exceptions import InvalidArgumentError, UnsupportedError
 from hscache.vllm.version import require
 
 _PROFILE = require()
+_UNTAGGED = _PROFILE.extra_keys_form == "untagged"
 logger = init_logger(__name__)
 
 __all__ = [
@@ -149,9 +151,13 @@ def _prompt_embeds_digests(
     request: Request, start: int, count: int, window: int, size: int
 ) -> list[bytes]:
     # vLLM's own per-block digest (SHA-256 of the rows [s, s + window)), memoized on
-    # the request exactly as vLLM memoizes it.
+    # the request exactly as vLLM memoizes it; its key is ("prompt_embeds", digest),
+    # or the bare digest where keys are untagged.
     gen = _kcu._gen_prompt_embeds_extra_hash_keys
-    return [gen(request, s, s + window)[0][1] for s in range(start, start + count * size, size)]
+    keys: list[Any] = [
+        gen(request, s, s + window)[0] for s in range(start, start + count * size, size)
+    ]
+    return keys if _UNTAGGED else [k[1] for k in keys]
 
 
 def get_request_block_hasher(
@@ -186,7 +192,7 @@ def get_request_block_hasher(
         return vllm_hasher
 
     hash_new_blocks = RequestBlockHasher(
-        algo, hash_block_size, num_hash_lookahead_tokens
+        algo, hash_block_size, num_hash_lookahead_tokens, extra_keys=_PROFILE.extra_keys_form
     ).hash_new_blocks
     size = hash_block_size
     window = hash_block_size + num_hash_lookahead_tokens

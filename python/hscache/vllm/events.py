@@ -32,16 +32,25 @@ from vllm.distributed.kv_events import (
     BlockRemoved,
     BlockStored,
 )
+from vllm.v1.core import kv_cache_utils as _kcu
 from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys,
     maybe_convert_block_hash,
-    to_event_extra_keys,
 )
 
 from hscache._core import EventBuilder, normalize_kv_events_mode
 from hscache.vllm.version import require
 
 _PROFILE = require()
+
+
+def _event_extra_keys(keys: list[tuple[Any, ...] | None]) -> list[Any] | None:
+    """The ``extra_keys`` of a ``BlockStored``: vLLM's ``to_event_extra_keys`` (tagged
+    keys made bare); vLLM 0.30's keys are bare already and go out as they are."""
+    if _PROFILE.extra_keys_form == "untagged":
+        return list(keys) or None
+    out: list[Any] | None = _kcu.to_event_extra_keys(keys)
+    return out
 
 
 def _check_lookahead(num_hash_lookahead_tokens: int) -> None:
@@ -166,7 +175,7 @@ def _block_stored_py(
         lora_id=lora.adapter_id if lora else None,
         medium=medium,
         lora_name=lora.name if lora else None,
-        extra_keys=to_event_extra_keys(extra_keys_list),
+        extra_keys=_event_extra_keys(extra_keys_list),
         group_idx=group_idx,
         session_id=request.session_id,
         **lookahead,

@@ -25,10 +25,10 @@ from typing import Any, overload
 from vllm.distributed.kv_events import MEDIUM_CPU, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 from vllm.v1.hisparse import coordinator as _vllm_hisparse
+from vllm.v1.hisparse import types as _hisparse_types
 from vllm.v1.hisparse.types import (
     SparseKVOffloadCommand,
     SparseKVPageTransfer,
-    SparseKVResidencyUpdate,
     SparseKVRowMirror,
 )
 
@@ -470,11 +470,12 @@ class HiSparseCoordinatorView:
     def all_context_pages_resident(self, requests: Iterable[tuple[str, int, int]]) -> bool:
         return bool(self._manager.core_hisparse_all_context_pages_resident(list(requests)))
 
-    def take_residency_updates(
-        self, request_ids: Iterable[str]
-    ) -> dict[str, SparseKVResidencyUpdate]:
+    def take_residency_updates(self, request_ids: Iterable[str]) -> dict[str, Any]:
+        # ``SparseKVResidencyUpdate`` (0.32, 0.33; vLLM 0.30 has none and its HiSparse
+        # layouts stay on vLLM's manager: ``hisparse_residency_updates`` of the profile).
+        update = _hisparse_types.SparseKVResidencyUpdate
         return {
-            rid: SparseKVResidencyUpdate(pages=list(pages), block_ids=tuple(ids))
+            rid: update(pages=list(pages), block_ids=tuple(ids))
             for rid, pages, ids in self._manager.core_hisparse_take_residency_updates(
                 list(request_ids)
             )

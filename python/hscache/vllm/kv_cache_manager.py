@@ -219,7 +219,7 @@ class KVCacheManager(KVCacheCore):
             retention_interval=config.prefix_cache_retention_interval,
             collect_metrics=params["metrics_collector"] is not None,
             enable_mamba_shared_prefix_checkpoint=bool(
-                params["enable_mamba_shared_prefix_checkpoint"]
+                params.get(_PROFILE.mamba_prefix_keyword, False)
             ),
             # The core's rules where the releases differ (null block, EAGLE, Mamba).
             vllm_series=_PROFILE.series,
@@ -243,6 +243,7 @@ class KVCacheManager(KVCacheCore):
         metrics_collector: Any = None,
         watermark: float = 0.0,
         enable_mamba_shared_prefix_checkpoint: bool = False,
+        enable_mamba_fine_grained_prefix_cache: bool = False,
         retention: str | dict[str, Any] | None = None,
         explain: bool | None = None,
         kv_events_mode: str | None = None,
@@ -308,8 +309,13 @@ class KVCacheManager(KVCacheCore):
         queue = self.block_pool.free_block_queue
         self._bind_free_list_sentinels(queue.fake_free_list_head, queue.fake_free_list_tail)
         self.coordinator = coordinator_view(self)
-        self.mamba_shared_prefix_checkpoint = bool(
-            self.core_coordinator_info()["mamba_shared_prefix_checkpoint"]
+        # The Scheduler reads the keyword's value back (0.30: a Mamba layout never gets
+        # here, see ``mamba_rules_implemented``): ``mamba_shared_prefix_checkpoint`` or
+        # ``mamba_fine_grained_prefix_cache``.
+        setattr(
+            self,
+            _PROFILE.mamba_prefix_keyword.removeprefix("enable_"),
+            bool(self.core_coordinator_info()["mamba_shared_prefix_checkpoint"]),
         )
 
     # -- stats ----------------------------------------------------------------------
@@ -387,8 +393,25 @@ class KVCacheManager(KVCacheCore):
         return events
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        """Deprecated in vLLM (cascade attention is gone): ``[0]`` per group."""
+        """Per group, the leading blocks of the request's table that every request holding
+        blocks shares (vLLM 0.30's count for cascade attention, from the core's reference
+        counts); ``[0]`` per group where vLLM deprecated it (0.32, 0.33)."""
+        if _PROFILE.counts_common_prefix_blocks:
+            return self.num_common_prefix_blocks(running_request_id)
         return [0] * self.num_kv_cache_groups
+
+    def get_zeroing_block_ids_in_range(
+        self, request_id: str, start_token: int, end_token: int
+    ) -> list[int]:
+        """vLLM 0.30's query for async KV loads: the request's block ids covering
+        ``[start_token, end_token)`` in the groups whose new blocks the worker zeroes."""
+        tables = self.get_block_ids(request_id)
+        ids: list[int] = []
+        for g, manager in enumerate(self.coordinator.single_type_managers):
+            if manager.records_new_block_ids:
+                size = manager.block_size
+                ids.extend(tables[g][start_token // size : -(-end_token // size)])
+        return ids
 
     # -- batched running-set calls (hscache only) ---------------------------------------
 

