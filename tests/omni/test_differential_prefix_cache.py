@@ -17,7 +17,7 @@ oracle. vLLM 0.30's real ``Scheduler`` produces the ``SchedulerOutput``s (``step
 - ``test_rule_mutants_are_caught``: each broken rule of hscache's slot mirror makes one of
   the two comparisons fail.
 
-Needs vllm-omni 0.30 on vLLM 0.30 (``scripts/omni_env.sh``); skipped elsewhere.
+Needs vllm-omni 0.30 on vLLM 0.30 (``scripts/vllm030_env.sh``); skipped elsewhere.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import pytest
 
 pytest.importorskip(
     "vllm_omni.core.prefix_cache",
-    reason="needs vllm-omni 0.30 (the environment of scripts/omni_env.sh)",
+    reason="needs vllm-omni 0.30 (the environment of scripts/vllm030_env.sh)",
 )
 
 from hscache.omni import OmniHiddenStateCache, OmniSettings

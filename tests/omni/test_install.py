@@ -7,7 +7,7 @@ import pytest
 
 runner_mixin = pytest.importorskip(
     "vllm_omni.core.prefix_cache.runner_mixin",
-    reason="needs vllm-omni 0.30 (the environment of scripts/omni_env.sh)",
+    reason="needs vllm-omni 0.30 (the environment of scripts/vllm030_env.sh)",
 )
 
 from hscache.omni import OmniHiddenStateCache, install  # noqa: E402
