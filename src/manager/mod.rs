@@ -64,7 +64,9 @@ use crate::pool::BlockPool;
 pub use crate::request_table::{RequestHandle, RequestTable};
 use crate::types::{cdiv, BlockHash, BlockHashSource, BlockId, NULL_BLOCK_ID};
 pub use batch::{BatchProgress, BatchStop, RunningBatch};
-pub use coordinator::{CoordinatorConfig, CoordinatorKind, KVCacheCoordinator, RequestState};
+pub use coordinator::{
+    CoordinatorConfig, CoordinatorKind, KVCacheCoordinator, NumBlocksToAllocate, RequestState,
+};
 pub use hisparse::{
     HiSparseCoordinator, HiSparseCtx, PlainPublicationRequests, PublicationRequests,
 };
@@ -121,6 +123,12 @@ pub struct GroupedBlocks<'a> {
 }
 
 impl<'a> GroupedBlocks<'a> {
+    /// No groups at all (vLLM's empty `KVCacheBlocks` singleton: no lookup result).
+    pub const EMPTY: GroupedBlocks<'static> = GroupedBlocks {
+        ids: &[],
+        ends: &[],
+    };
+
     /// Group `g`'s blocks (empty past the last group).
     #[inline]
     pub fn group(&self, g: usize) -> &'a [BlockId] {
@@ -181,6 +189,29 @@ struct CachePlan {
     hashes: PlannedHashes,
     num_prompt_tokens: usize,
     shared_prefix_boundary: usize,
+}
+
+/// What `allocate_slots`' stage 0 decided (vLLM's locals, named as there).
+struct AllocationPlan<'h> {
+    /// The hits handed back (retained groups cut to the reused tokens).
+    hits: GroupedBlocks<'h>,
+    /// A lookup result was handed back or external tokens arrive: stage 2 runs.
+    adopt: bool,
+    /// `num_local_computed_tokens`: computed tokens plus the new hits.
+    num_local: usize,
+    /// Local plus external computed tokens, and the same capped at `max_model_len`.
+    total_uncapped: usize,
+    total: usize,
+    watermark: usize,
+    /// `num_prompt_tokens`, `prefill_end`, `num_in_flight_tokens`: read only where
+    /// some group needs them, else 0.
+    prompt: usize,
+    prefill_end: usize,
+    in_flight: usize,
+    num_tokens_main_model: usize,
+    num_tokens_need_slot: usize,
+    /// What stage 3 caches (None: caching off or delayed, or no block to gain).
+    cache: Option<CachePlan>,
 }
 
 /// The core KV-cache manager (see module docs).
@@ -620,14 +651,15 @@ impl KVCacheManager {
         out: &mut Vec<BlockId>,
         ends: &mut SmallVec<[usize; 4]>,
     ) -> Result<bool> {
-        let r = self.allocate_slots_unchecked(request, args, out, ends);
+        let r = self.allocate_slots_inner(request, args, out, ends);
         if self.explain.is_some() && matches!(r, Ok(true)) {
             self.explain_cached(request);
         }
         self.after("allocate_slots", r)
     }
 
-    fn allocate_slots_unchecked<R: RequestLike>(
+    /// `allocate_slots` before the after-call check: vLLM's stages, in order.
+    fn allocate_slots_inner<R: RequestLike>(
         &mut self,
         request: &R,
         args: &AllocateSlots<'_>,
@@ -635,7 +667,54 @@ impl KVCacheManager {
         ends: &mut SmallVec<[usize; 4]>,
     ) -> Result<bool> {
         self.guard()?;
-        // ---- plan: validate, read, decide what to read for caching ----
+        self.validate_allocation(request, args)?;
+        if self.allocate_slots_in_place(request, args).is_some() {
+            self.num_steady_steps += 1;
+            let at = out.len();
+            ends.extend(std::iter::repeat_n(at, self.num_kv_cache_groups()));
+            return Ok(true);
+        }
+        let retained = args.new_computed_blocks.and_then(|given| {
+            self.retained_hits(
+                given,
+                args.num_new_computed_tokens + args.num_external_computed_tokens,
+            )
+        });
+        let hits = match &retained {
+            Some((ids, ends)) => GroupedBlocks { ids, ends },
+            None => args.new_computed_blocks.unwrap_or(GroupedBlocks::EMPTY),
+        };
+        // Stage 0: nothing has changed yet, and an `Err` leaves everything as it was.
+        let plan = self.plan_allocation(request, args, hits)?;
+        if args.full_sequence_must_fit && !self.full_sequence_fits(request, args, &plan)? {
+            return Ok(false);
+        }
+        // Stage 1: free what attention skips (even if the call then does not fit).
+        let rid = request.request_id();
+        self.free_skipped_blocks(rid, &plan)?;
+        if !self.new_blocks_fit(rid, args, &plan)? {
+            return Ok(false);
+        }
+        // Stage 2: adopt the hits, allocate the external tokens' blocks.
+        if plan.adopt {
+            self.adopt_computed_blocks(rid, args, &plan)?;
+        }
+        crate::fault::point("allocate_slots.adopted");
+        // Stage 3: the new and lookahead tokens' blocks, then caching.
+        self.allocate_new_blocks(rid, args, &plan, out, ends)?;
+        crate::fault::point("allocate_slots.cached");
+        if let Some(cache) = plan.cache {
+            self.cache_planned(rid, request.num_computed_tokens(), cache)?;
+        }
+        Ok(true)
+    }
+
+    /// The arguments' own bounds (before anything is read or changed).
+    fn validate_allocation<R: RequestLike>(
+        &self,
+        request: &R,
+        args: &AllocateSlots<'_>,
+    ) -> Result<()> {
         if args.num_new_tokens == 0
             && args.num_external_computed_tokens == 0
             && args.num_new_computed_tokens == 0
@@ -661,35 +740,23 @@ impl KVCacheManager {
                 args.num_encoder_tokens
             )));
         }
-        self.check_tokens("request.num_computed_tokens", request.num_computed_tokens())?;
-        let n_groups = self.num_kv_cache_groups();
-        if self.allocate_slots_in_place(request, args).is_some() {
-            self.num_steady_steps += 1;
-            let at = out.len();
-            ends.extend(std::iter::repeat_n(at, n_groups));
-            return Ok(true);
-        }
+        self.check_tokens("request.num_computed_tokens", request.num_computed_tokens())
+    }
+
+    /// Stage 0: checks the hits handed back, reads every request field the call
+    /// may need and plans the caching; changes nothing.
+    fn plan_allocation<'h, R: RequestLike>(
+        &mut self,
+        request: &R,
+        args: &AllocateSlots<'_>,
+        hits: GroupedBlocks<'h>,
+    ) -> Result<AllocationPlan<'h>> {
         let rid = request.request_id();
-        let no_hits = GroupedBlocks {
-            ids: &[],
-            ends: &[],
-        };
-        let mut retained: Option<(Vec<BlockId>, SmallVec<[usize; 4]>)> = None;
-        if let Some(given) = args.new_computed_blocks {
-            // Groups that kept a longer hit keep only the prefix the local and
-            // external hits cover (vLLM's `retained_hit_group_ids`).
-            let reused = args.num_new_computed_tokens + args.num_external_computed_tokens;
-            retained = self.retained_hits(given, reused);
-        }
-        let hits = match (&retained, args.new_computed_blocks) {
-            (Some((ids, ends)), Some(_)) => GroupedBlocks { ids, ends },
-            (_, given) => given.unwrap_or(no_hits),
-        };
         let adopt = args.new_computed_blocks.is_some() || args.num_external_computed_tokens > 0;
         let running = self
             .coordinator
             .request(rid)
-            .is_some_and(|s| s.groups.iter().any(|g| g.num_cached_block.is_some()));
+            .is_some_and(RequestState::is_running);
         let num_local = request.num_computed_tokens() + args.num_new_computed_tokens;
         if adopt {
             self.check_hits(rid, hits, running)?;
@@ -732,48 +799,89 @@ impl KVCacheManager {
             None
         } else {
             let adopting = (adopt && !running).then_some(num_local);
-            self.plan_cache(request, total + args.num_new_tokens, true, adopting, prompt)?
+            self.plan_cache(request, num_tokens_main_model, true, adopting, prompt)?
         };
-        let hit = |g: usize| hits.group(g);
-        if args.full_sequence_must_fit {
-            let full = request.num_tokens()?.min(max_len);
-            let need = self.coordinator.get_num_blocks_to_allocate(
-                rid,
-                full,
-                &hit,
-                args.num_encoder_tokens,
-                total,
-                num_local,
-                full,
-                true,
-                prefill_end,
-            )?;
-            if need + watermark as i64 > self.block_pool().get_num_free_blocks() as i64 {
-                return Ok(false);
-            }
-        }
-
-        // ---- stage 1: free skipped blocks, count, check the fit ----
-        if needs.in_flight_for_skip {
-            let processed = total.saturating_sub(in_flight);
-            let p = needs.prompt_for_skip.then_some(prompt);
-            let r = self.coordinator.remove_skipped_blocks(rid, processed, p);
-            self.applied(r)?;
-        }
-        let need = self.coordinator.get_num_blocks_to_allocate(
-            rid,
-            num_tokens_need_slot,
-            &hit,
-            args.num_encoder_tokens,
-            total_uncapped,
+        Ok(AllocationPlan {
+            hits,
+            adopt,
             num_local,
-            num_tokens_main_model,
-            false,
+            total_uncapped,
+            total,
+            watermark,
+            prompt,
             prefill_end,
-        );
+            in_flight,
+            num_tokens_main_model,
+            num_tokens_need_slot,
+            cache,
+        })
+    }
+
+    /// vLLM's first check with `full_sequence_must_fit`: the whole request's blocks
+    /// (admission cap applied) fit beside the watermark.
+    fn full_sequence_fits<R: RequestLike>(
+        &mut self,
+        request: &R,
+        args: &AllocateSlots<'_>,
+        plan: &AllocationPlan<'_>,
+    ) -> Result<bool> {
+        let full = request.num_tokens()?.min(self.config.max_model_len);
+        let need = self
+            .coordinator
+            .get_num_blocks_to_allocate(&NumBlocksToAllocate {
+                request_id: request.request_id(),
+                num_tokens: full,
+                hits: plan.hits,
+                num_encoder_tokens: args.num_encoder_tokens,
+                total_computed_tokens: plan.total,
+                num_local_computed_tokens: plan.num_local,
+                num_tokens_main_model: full,
+                apply_admission_cap: true,
+                prefill_end: plan.prefill_end,
+            })?;
+        Ok(need + plan.watermark as i64 <= self.block_pool().get_num_free_blocks() as i64)
+    }
+
+    /// Stage 1a: frees the blocks attention skips, counting only the tokens the
+    /// workers have processed (in-flight steps still read below the boundary).
+    fn free_skipped_blocks(&mut self, rid: &str, plan: &AllocationPlan<'_>) -> Result<()> {
+        let needs = self.coordinator.needs();
+        if !needs.in_flight_for_skip {
+            return Ok(());
+        }
+        let processed = plan.total.saturating_sub(plan.in_flight);
+        let prompt = needs.prompt_for_skip.then_some(plan.prompt);
+        let r = self
+            .coordinator
+            .remove_skipped_blocks(rid, processed, prompt);
+        self.applied(r)
+    }
+
+    /// Stage 1b: counts the blocks the call needs (new blocks and hits that sit in
+    /// the free queue) and whether they fit beside the watermark and the reserved
+    /// blocks.
+    fn new_blocks_fit(
+        &mut self,
+        rid: &str,
+        args: &AllocateSlots<'_>,
+        plan: &AllocationPlan<'_>,
+    ) -> Result<bool> {
+        let need = self
+            .coordinator
+            .get_num_blocks_to_allocate(&NumBlocksToAllocate {
+                request_id: rid,
+                num_tokens: plan.num_tokens_need_slot,
+                hits: plan.hits,
+                num_encoder_tokens: args.num_encoder_tokens,
+                total_computed_tokens: plan.total_uncapped,
+                num_local_computed_tokens: plan.num_local,
+                num_tokens_main_model: plan.num_tokens_main_model,
+                apply_admission_cap: false,
+                prefill_end: plan.prefill_end,
+            });
         let need = self.applied(need)?;
         let free = self.block_pool().get_num_free_blocks();
-        if need + watermark as i64 > free as i64 - args.reserved_blocks {
+        if need + plan.watermark as i64 > free as i64 - args.reserved_blocks {
             return Ok(false);
         }
         if need > free as i64 {
@@ -785,46 +893,70 @@ impl KVCacheManager {
                 available: free,
             });
         }
+        Ok(true)
+    }
 
-        // ---- stage 2: adopt hits, allocate external-token blocks ----
-        if adopt {
-            let skip = |g: usize| args.skip_zeroing_group_ids.contains(&(g as u32));
-            let r = self.coordinator.allocate_new_computed_blocks(
-                rid,
-                &hit,
-                num_local,
-                args.num_external_computed_tokens,
-                &skip,
-            );
-            self.applied(r)?;
-        }
-        crate::fault::point("allocate_slots.adopted");
-        // ---- stage 3: new and lookahead slots, then caching ----
+    /// Stage 2: every group adopts (touches) its hits, then allocates the external
+    /// tokens' blocks (vLLM's `allocate_new_computed_blocks`).
+    fn adopt_computed_blocks(
+        &mut self,
+        rid: &str,
+        args: &AllocateSlots<'_>,
+        plan: &AllocationPlan<'_>,
+    ) -> Result<()> {
+        let hits = plan.hits;
+        let skip = |g: usize| args.skip_zeroing_group_ids.contains(&(g as u32));
+        let r = self.coordinator.allocate_new_computed_blocks(
+            rid,
+            &|g| hits.group(g),
+            plan.num_local,
+            args.num_external_computed_tokens,
+            &skip,
+        );
+        self.applied(r)
+    }
+
+    /// Stage 3a: the new and lookahead tokens' blocks, appended to `out`.
+    fn allocate_new_blocks(
+        &mut self,
+        rid: &str,
+        args: &AllocateSlots<'_>,
+        plan: &AllocationPlan<'_>,
+        out: &mut Vec<BlockId>,
+        ends: &mut SmallVec<[usize; 4]>,
+    ) -> Result<()> {
         let start = ends.len();
         let r = self.coordinator.allocate_new_blocks(
             rid,
-            num_tokens_need_slot,
-            num_tokens_main_model,
+            plan.num_tokens_need_slot,
+            plan.num_tokens_main_model,
             args.num_encoder_tokens,
             out,
             ends,
         );
         self.applied(r)?;
-        debug_assert_eq!(ends.len() - start, n_groups);
-        crate::fault::point("allocate_slots.cached");
-        if let Some(plan) = cache {
-            let r = self.coordinator.cache_blocks(
-                rid,
-                &plan.hashes,
-                plan.num_tokens,
-                plan.num_prompt_tokens,
-                request.num_computed_tokens(),
-                plan.shared_prefix_boundary,
-            );
-            self.hash_buffer = plan.hashes.into_buffer();
-            self.applied(r)?;
-        }
-        Ok(true)
+        debug_assert_eq!(ends.len() - start, self.num_kv_cache_groups());
+        Ok(())
+    }
+
+    /// Stage 3b (and `cache_blocks`): caches what `plan` read; the hash buffer is
+    /// kept for the next call.
+    fn cache_planned(
+        &mut self,
+        rid: &str,
+        num_computed_tokens: usize,
+        plan: CachePlan,
+    ) -> Result<()> {
+        let r = self.coordinator.cache_blocks(
+            rid,
+            &plan.hashes,
+            plan.num_tokens,
+            plan.num_prompt_tokens,
+            num_computed_tokens,
+            plan.shared_prefix_boundary,
+        );
+        self.hash_buffer = plan.hashes.into_buffer();
+        self.applied(r)
     }
 
     /// Validates a lookup result handed back to `allocate_slots`: one list per
@@ -850,9 +982,7 @@ impl KVCacheManager {
             return Ok(());
         }
         if running {
-            return Err(Error::InvalidArgument(format!(
-                "request {rid:?} is already running and cannot adopt prefix hits"
-            )));
+            return Err(single_type::running_cannot_adopt(rid));
         }
         if !self.enable_caching() && hits.ids.iter().any(|&b| b != NULL_BLOCK_ID) {
             return Err(Error::InvalidArgument(
@@ -1151,14 +1281,15 @@ impl KVCacheManager {
         request: &R,
         num_computed_tokens: usize,
     ) -> Result<()> {
-        let r = self.cache_blocks_unchecked(request, num_computed_tokens);
+        let r = self.cache_blocks_inner(request, num_computed_tokens);
         if self.explain.is_some() && r.is_ok() {
             self.explain_cached(request);
         }
         self.after("cache_blocks", r)
     }
 
-    fn cache_blocks_unchecked<R: RequestLike>(
+    /// `cache_blocks` before the after-call check.
+    fn cache_blocks_inner<R: RequestLike>(
         &mut self,
         request: &R,
         num_computed_tokens: usize,
@@ -1186,16 +1317,7 @@ impl KVCacheManager {
         };
         self.coordinator
             .check_cache_fits(rid, num_computed_tokens, plan.hashes.len())?;
-        let r = self.coordinator.cache_blocks(
-            rid,
-            &plan.hashes,
-            plan.num_tokens,
-            plan.num_prompt_tokens,
-            request.num_computed_tokens(),
-            plan.shared_prefix_boundary,
-        );
-        self.hash_buffer = plan.hashes.into_buffer();
-        self.applied(r)
+        self.cache_planned(rid, request.num_computed_tokens(), plan)
     }
 
     // ---- freeing ---------------------------------------------------------------------
@@ -1619,36 +1741,17 @@ impl KVCacheManager {
 
     /// vLLM's `coordinator.get_num_blocks_to_allocate`, as the Scheduler calls it
     /// directly (async-load admission) and tests probe it.
-    #[allow(clippy::too_many_arguments)]
     pub fn coordinator_num_blocks_to_allocate(
         &mut self,
-        request_id: &str,
-        num_tokens: usize,
-        hits: GroupedBlocks<'_>,
-        num_encoder_tokens: usize,
-        total_computed_tokens: usize,
-        num_local_computed_tokens: usize,
-        num_tokens_main_model: usize,
-        apply_admission_cap: bool,
-        prefill_end: usize,
+        q: &NumBlocksToAllocate<'_>,
     ) -> Result<i64> {
         self.guard()?;
-        for g in 0..hits.ends.len() {
-            for &b in hits.group(g) {
+        for g in 0..q.hits.ends.len() {
+            for &b in q.hits.group(g) {
                 self.coordinator.pool_of(g).check_block_id(i64::from(b))?;
             }
         }
-        self.coordinator.get_num_blocks_to_allocate(
-            request_id,
-            num_tokens,
-            &|g| hits.group(g),
-            num_encoder_tokens,
-            total_computed_tokens,
-            num_local_computed_tokens,
-            num_tokens_main_model,
-            apply_admission_cap,
-            prefill_end,
-        )
+        self.coordinator.get_num_blocks_to_allocate(q)
     }
 
     /// Queues a copy-on-write pair on group `g` (what vLLM code does by appending to

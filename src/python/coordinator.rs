@@ -12,7 +12,7 @@ use super::convert::blocks::{grouped_ids, id_of};
 use super::convert::count;
 use super::convert::hashes::PyListHashes;
 use super::manager::PyKVCacheCore;
-use crate::manager::{GroupedBlocks, KVCacheCoordinator};
+use crate::manager::{GroupedBlocks, KVCacheCoordinator, NumBlocksToAllocate};
 use crate::types::BlockId;
 
 impl PyKVCacheCore {
@@ -257,17 +257,22 @@ impl PyKVCacheCore {
             ends: &ends,
         };
         let mut this = slf.try_borrow_mut()?;
-        Ok(this.core.coordinator_num_blocks_to_allocate(
-            request_id,
-            count("num_tokens", num_tokens)?,
-            hits,
-            count("num_encoder_tokens", num_encoder_tokens)?,
-            count("total_computed_tokens", total_computed_tokens)?,
-            count("num_local_computed_tokens", num_local_computed_tokens)?,
-            count("num_tokens_main_model", num_tokens_main_model)?,
-            apply_admission_cap,
-            count("prefill_end", prefill_end)?,
-        )?)
+        Ok(this
+            .core
+            .coordinator_num_blocks_to_allocate(&NumBlocksToAllocate {
+                request_id,
+                num_tokens: count("num_tokens", num_tokens)?,
+                hits,
+                num_encoder_tokens: count("num_encoder_tokens", num_encoder_tokens)?,
+                total_computed_tokens: count("total_computed_tokens", total_computed_tokens)?,
+                num_local_computed_tokens: count(
+                    "num_local_computed_tokens",
+                    num_local_computed_tokens,
+                )?,
+                num_tokens_main_model: count("num_tokens_main_model", num_tokens_main_model)?,
+                apply_admission_cap,
+                prefill_end: count("prefill_end", prefill_end)?,
+            })?)
     }
 
     /// vLLM's `coordinator.find_longest_cache_hit(block_hashes,
