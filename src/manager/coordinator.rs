@@ -31,8 +31,8 @@ use super::registry::new_manager;
 use super::request::PlannedHashes;
 pub use super::single_type::RequestState;
 use super::single_type::{
-    cache_range, running_cannot_adopt, CacheQuery, GroupBlocks, HitQuery, ManagerBase,
-    NumBlocksQuery, SingleTypeManager, SteadyQuery,
+    cache_range, null_head_len, running_cannot_adopt, CacheQuery, GroupBlocks, HitQuery,
+    ManagerBase, NumBlocksQuery, SingleTypeManager, SteadyQuery,
 };
 use super::spec::{GroupSpec, MambaCacheMode, ManagerKind};
 use super::GroupedBlocks;
@@ -1294,7 +1294,11 @@ impl KVCacheCoordinator {
             };
             for g in &state.groups {
                 // vLLM 0.32 frees the leading nulls too (the pool counts them).
-                let head = if keep_nulls { 0 } else { null_head(&g.blocks) };
+                let head = if keep_nulls {
+                    0
+                } else {
+                    null_head_len(&g.blocks)
+                };
                 scratch.extend(g.blocks[head..].iter().rev());
                 ends.push(scratch.len());
             }
@@ -1328,7 +1332,11 @@ impl KVCacheCoordinator {
         let keep_nulls = self.pool.vllm_rules().null_block_ref_counted;
         for g in &state.groups {
             // vLLM 0.32 hands back the leading nulls too.
-            let head = if keep_nulls { 0 } else { null_head(&g.blocks) };
+            let head = if keep_nulls {
+                0
+            } else {
+                null_head_len(&g.blocks)
+            };
             out.extend_from_slice(&g.blocks[head..]);
         }
         self.pop_request_state(request_id);
@@ -1569,10 +1577,4 @@ impl KVCacheCoordinator {
         }
         Ok(())
     }
-}
-
-/// Number of leading null blocks (vLLM's `null_head_len`).
-#[inline]
-fn null_head(blocks: &[BlockId]) -> usize {
-    blocks.iter().take_while(|&&b| b == NULL_BLOCK_ID).count()
 }
