@@ -62,6 +62,7 @@ use crate::error::{Error, Result};
 use crate::events::{KVCacheEvent, MetricsOp};
 use crate::pool::BlockPool;
 pub use crate::request_table::{RequestHandle, RequestTable};
+use crate::shield::Poison;
 use crate::types::{cdiv, BlockHash, BlockHashSource, BlockId, NULL_BLOCK_ID};
 pub use batch::{BatchProgress, BatchStop, RunningBatch};
 pub use coordinator::{
@@ -221,7 +222,7 @@ pub struct KVCacheManager {
     coordinator: KVCacheCoordinator,
     mamba_shared_prefix_checkpoint: bool,
     /// Set by the first apply-phase failure; every later call refuses to run.
-    poisoned: Option<String>,
+    poison: Poison,
     /// Reused buffers (hashes of a caching step, a request's blocks when freed).
     hash_buffer: Vec<BlockHash>,
     free_scratch: Vec<BlockId>,
@@ -324,7 +325,7 @@ impl KVCacheManager {
             config,
             coordinator,
             mamba_shared_prefix_checkpoint,
-            poisoned: None,
+            poison: Poison::new("KV-cache manager"),
             hash_buffer: Vec::new(),
             free_scratch: Vec::new(),
             batch_epoch: 0,
@@ -387,14 +388,14 @@ impl KVCacheManager {
 
     /// The first apply-phase failure, if the manager is poisoned.
     pub fn poisoned(&self) -> Option<&str> {
-        self.poisoned.as_deref()
+        self.poison.reason()
     }
 
     #[inline]
     fn guard(&self) -> Result<()> {
-        match &self.poisoned {
+        match self.poison.reason() {
             None => Ok(()),
-            Some(msg) => Err(Error::Poisoned(msg.clone())),
+            Some(msg) => Err(Error::Poisoned(msg.to_owned())),
         }
     }
 
@@ -403,7 +404,7 @@ impl KVCacheManager {
     fn applied<T>(&mut self, r: Result<T>) -> Result<T> {
         match r {
             Ok(v) => Ok(v),
-            Err(e) => Err(self.poison(e)),
+            Err(e) => Err(self.poisoned_by(e)),
         }
     }
 
@@ -458,14 +459,14 @@ impl KVCacheManager {
         self.guard()?;
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| op(self))) {
             Ok(r) => r,
-            Err(payload) => Err(self.poison_after_panic(what, payload.as_ref())),
+            Err(payload) => Err(self.poison.set_after_panic(what, payload.as_ref())),
         }
     }
 
     #[cold]
     #[inline(never)]
     fn after_checked<T>(&mut self, op: &'static str, r: Result<T>) -> Result<T> {
-        if self.poisoned.is_some() {
+        if self.poison.reason().is_some() {
             return r;
         }
         let checked = if self.coordinator.hisparse().is_some() {
@@ -480,31 +481,17 @@ impl KVCacheManager {
         };
         match checked {
             Ok(()) => r,
-            Err(msg) => {
-                let msg = format!("after {op}: {msg}");
-                self.poisoned = Some(msg.clone());
-                Err(Error::Invariant(format!(
-                    "{msg} (the KV-cache manager is now poisoned)"
-                )))
-            }
+            Err(msg) => Err(Error::Invariant(
+                self.poison.set(format!("after {op}: {msg}")),
+            )),
         }
     }
 
+    /// An apply-phase error poisons the manager.
     #[cold]
     #[inline(never)]
-    fn poison_after_panic(&mut self, what: &str, payload: &(dyn std::any::Any + Send)) -> Error {
-        let detail = crate::shield::panic_message(payload);
-        self.poison(Error::Internal(format!(
-            "internal panic in {what}: {detail}"
-        )))
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn poison(&mut self, e: Error) -> Error {
-        let msg = e.to_string();
-        self.poisoned = Some(msg.clone());
-        Error::Internal(format!("{msg} (the KV-cache manager is now poisoned)"))
+    fn poisoned_by(&mut self, e: Error) -> Error {
+        Error::Internal(self.poison.set(e.to_string()))
     }
 
     #[inline(always)]
