@@ -42,6 +42,7 @@ pub mod cross_attention;
 mod digest;
 mod explain;
 pub mod full_attention;
+mod grouped;
 pub mod hisparse;
 mod hit_check;
 pub mod mamba;
@@ -68,6 +69,7 @@ pub use batch::{BatchProgress, BatchStop, RunningBatch};
 pub use coordinator::{
     CoordinatorConfig, CoordinatorKind, KVCacheCoordinator, NumBlocksToAllocate, RequestState,
 };
+pub use grouped::{GroupedBlockIds, GroupedBlocks};
 pub use hisparse::{
     HiSparseCoordinator, HiSparseCtx, PlainPublicationRequests, PublicationRequests,
 };
@@ -112,34 +114,6 @@ impl KVCacheManagerConfig {
             watermark_blocks: 0,
             enable_mamba_shared_prefix_checkpoint: false,
         }
-    }
-}
-
-/// Block ids of every KV-cache group, concatenated: group `g` is
-/// `ids[ends[g - 1]..ends[g]]` (`ends[-1]` = 0).
-#[derive(Clone, Copy, Debug)]
-pub struct GroupedBlocks<'a> {
-    pub ids: &'a [BlockId],
-    pub ends: &'a [usize],
-}
-
-impl<'a> GroupedBlocks<'a> {
-    /// No groups at all (vLLM's empty `KVCacheBlocks` singleton: no lookup result).
-    pub const EMPTY: GroupedBlocks<'static> = GroupedBlocks {
-        ids: &[],
-        ends: &[],
-    };
-
-    /// Group `g`'s blocks (empty past the last group).
-    #[inline]
-    pub fn group(&self, g: usize) -> &'a [BlockId] {
-        let start = if g == 0 {
-            0
-        } else {
-            self.ends.get(g - 1).copied().unwrap_or(0)
-        };
-        let end = self.ends.get(g).copied().unwrap_or(start);
-        self.ids.get(start..end).unwrap_or(&[])
     }
 }
 
@@ -668,7 +642,7 @@ impl KVCacheManager {
             )
         });
         let hits = match &retained {
-            Some((ids, ends)) => GroupedBlocks { ids, ends },
+            Some(retained) => retained.view(),
             None => args.new_computed_blocks.unwrap_or(GroupedBlocks::EMPTY),
         };
         // Stage 0: nothing has changed yet, and an `Err` leaves everything as it was.
@@ -1082,27 +1056,21 @@ impl KVCacheManager {
 
     /// `hits` with the groups that retain a longer hit cut to the blocks of
     /// `reused` tokens; None when no group does.
-    fn retained_hits(
-        &self,
-        hits: GroupedBlocks<'_>,
-        reused: usize,
-    ) -> Option<(Vec<BlockId>, SmallVec<[usize; 4]>)> {
+    fn retained_hits(&self, hits: GroupedBlocks<'_>, reused: usize) -> Option<GroupedBlockIds> {
         let managers = self.coordinator.managers();
         if !managers.iter().any(|m| m.retains_longer_hit()) {
             return None;
         }
-        let mut ids = Vec::with_capacity(hits.ids.len());
-        let mut ends = SmallVec::new();
-        for g in 0..hits.ends.len() {
+        let mut retained = GroupedBlockIds::with_capacity(hits.ids.len());
+        for g in 0..hits.num_groups() {
             let group = hits.group(g);
             let keep = match managers.get(g) {
                 Some(m) if m.retains_longer_hit() => cdiv(reused, m.base().block_size),
                 _ => group.len(),
             };
-            ids.extend_from_slice(&group[..keep.min(group.len())]);
-            ends.push(ids.len());
+            retained.push_group(&group[..keep.min(group.len())]);
         }
-        Some((ids, ends))
+        Some(retained)
     }
 
     /// Decides whether caching `upper` tokens (capped at `num_tokens` when `cap`)
