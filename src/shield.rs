@@ -15,7 +15,7 @@
 //! ([`crate::manager::KVCacheManager::shielded`]); both word a poisoning and a
 //! caught panic alike. The manager's read-only
 //! bindings go through [`catch`] after checking that flag
-//! ([`crate::manager::KVCacheManager::read`], written in `src/manager/read_shield.rs`
+//! ([`crate::manager::KVCacheManager::read`], written in `src/manager/poison.rs`
 //! so that this module, which the manager uses, does not name the manager back).
 //! `catch_unwind` costs nothing on the path that does not panic: the wrappers add
 //! one branch on the flag.

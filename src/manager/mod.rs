@@ -1,14 +1,12 @@
 //! `KVCacheManager`: the scheduler-facing facade over the coordinator.
 //!
-//! Length: the facade is vLLM's `kv_cache_manager.py`, one method per method of its
-//! interface (with its plan/apply stages); the rules it delegates live in
-//! `coordinator.rs` and the single-type managers.
-//!
 //! Mirrors vLLM 0.33 `v1/core/kv_cache_manager.py::KVCacheManager`: the rules of
 //! the Scheduler's interface live here (when a lookup is skipped, the
 //! `num_tokens - 1` hit cap, when the watermark applies, what `allocate_slots`
 //! counts, adopts, allocates and caches); the groups' mechanics live in
-//! [`coordinator`] and the single-type managers beside it.
+//! [`coordinator`] and the single-type managers beside it. The hits handed back
+//! are checked in `hit_check.rs`; the calls vLLM code makes past the facade (its
+//! block pool, coordinator and single-type managers) are in `past_facade.rs`.
 //!
 //! `allocate_slots` follows vLLM's stages on the token layout
 //!
@@ -18,21 +16,27 @@
 //!        |<-------- to be allocated ----------->|
 //! ```
 //!
-//! 0. plan: validate every argument, read every request field the call may need
-//!    and the hashes it may cache — nothing has changed yet, and an `Err` leaves
-//!    the manager exactly as it was;
-//! 1. free the blocks attention skips (done even if the call then does not fit, as
-//!    in vLLM), count the blocks needed (new blocks + prefix hits that sit in the
-//!    free queue) and give up (`Ok(false)`) if they do not fit beside the
+//! 0. `validate_allocation`, `plan_allocation`: validate every argument, read every
+//!    request field the call may need and the hashes it may cache — nothing has
+//!    changed yet, and an `Err` leaves the manager exactly as it was
+//!    (`full_sequence_fits` is vLLM's optional first check);
+//! 1. `free_skipped_blocks` (done even if the call then does not fit, as in vLLM),
+//!    then `new_blocks_fit`: count the blocks needed (new blocks + prefix hits that
+//!    sit in the free queue) and give up (`Ok(false)`) if they do not fit beside the
 //!    watermark and the reserved blocks — hits are not touched then;
-//! 2. adopt the hits (touch) and allocate blocks for external tokens;
-//! 3. allocate blocks for the new and lookahead tokens, then cache every block
-//!    fully covered by the request's hashes, capped at `num_tokens` so draft tokens
-//!    are never cached.
+//! 2. `adopt_computed_blocks`: adopt the hits (touch) and allocate blocks for
+//!    external tokens;
+//! 3. `allocate_new_blocks` for the new and lookahead tokens, then `cache_planned`:
+//!    every block fully covered by the request's hashes, capped at `num_tokens` so
+//!    draft tokens are never cached.
+//!
+//! A running request that adopts nothing and needs no new block skips the stages
+//! (`allocate_slots_in_place`, the steady decode step); both paths decide alike.
 //!
 //! Steps 1–3 cannot fail on input. If one fails anyway (a broken invariant, e.g.
-//! blocks freed twice behind the manager's back), the manager is *poisoned*: that
-//! call and every later one raise, naming the first failure.
+//! blocks freed twice behind the manager's back), the manager is *poisoned*
+//! ([`crate::shield::Poison`]): that call and every later one raise, naming the
+//! first failure.
 
 pub mod batch;
 pub mod chunked_local;
@@ -47,7 +51,8 @@ pub mod hisparse;
 mod hit_check;
 pub mod mamba;
 pub mod mutants;
-mod read_shield;
+mod past_facade;
+mod poison;
 pub mod registry;
 pub mod request;
 pub mod rswa;
@@ -64,7 +69,7 @@ use crate::events::{KVCacheEvent, MetricsOp};
 use crate::pool::BlockPool;
 pub use crate::request_table::{RequestHandle, RequestTable};
 use crate::shield::Poison;
-use crate::types::{cdiv, BlockHash, BlockHashSource, BlockId, NULL_BLOCK_ID};
+use crate::types::{cdiv, BlockHash, BlockHashSource, BlockId};
 pub use batch::{BatchProgress, BatchStop, RunningBatch};
 pub use coordinator::{
     CoordinatorConfig, CoordinatorKind, KVCacheCoordinator, NumBlocksToAllocate, RequestState,
@@ -73,6 +78,7 @@ pub use grouped::{GroupedBlockIds, GroupedBlocks};
 pub use hisparse::{
     HiSparseCoordinator, HiSparseCtx, PlainPublicationRequests, PublicationRequests,
 };
+pub use poison::check_invariants_from_env;
 pub use request::{PlainRequest, PlannedHashes, RequestLike, RequestStatus};
 pub use single_type::{BoundaryOffload, GroupBlocks, SteadyQuery};
 pub use spec::{GroupSpec, MambaCacheMode, MambaParams, ManagerKind};
@@ -219,29 +225,6 @@ pub struct KVCacheManager {
     num_steady_steps: u64,
 }
 
-/// One more external reference to each non-null block of `ids`.
-fn add_refs(external_refs: &mut [i32], ids: &[BlockId]) {
-    for &b in ids {
-        if b != NULL_BLOCK_ID {
-            if let Some(e) = external_refs.get_mut(b as usize) {
-                *e += 1;
-            }
-        }
-    }
-}
-
-/// Whether `HSCACHE_CHECK_INVARIANTS` asks for a check after every operation
-/// (any value but empty, `0`, `false`, `no`, `off`), or this is a debug build.
-pub fn check_invariants_from_env() -> bool {
-    cfg!(debug_assertions)
-        || std::env::var("HSCACHE_CHECK_INVARIANTS").is_ok_and(|v| {
-            !matches!(
-                v.trim().to_ascii_lowercase().as_str(),
-                "" | "0" | "false" | "no" | "off"
-            )
-        })
-}
-
 impl KVCacheManager {
     /// vLLM's constructor: every assertion vLLM makes is an `Err`.
     pub fn new(config: KVCacheManagerConfig) -> Result<Self> {
@@ -360,34 +343,6 @@ impl KVCacheManager {
         self.block_pool().get_usage()
     }
 
-    /// The first apply-phase failure, if the manager is poisoned.
-    pub fn poisoned(&self) -> Option<&str> {
-        self.poison.reason()
-    }
-
-    #[inline]
-    fn guard(&self) -> Result<()> {
-        match self.poison.reason() {
-            None => Ok(()),
-            Some(msg) => Err(Error::Poisoned(msg.to_owned())),
-        }
-    }
-
-    /// An apply-phase result: an error poisons the manager.
-    #[inline(always)]
-    fn applied<T>(&mut self, r: Result<T>) -> Result<T> {
-        match r {
-            Ok(v) => Ok(v),
-            Err(e) => Err(self.poisoned_by(e)),
-        }
-    }
-
-    /// Turns the after-every-operation invariant check on or off (tests; the
-    /// default comes from [`check_invariants_from_env`]).
-    pub fn set_check_invariants(&mut self, on: bool) {
-        self.check_after_ops = on;
-    }
-
     /// Turns the steady decode step off (every `allocate_slots` call then runs vLLM's
     /// stages) or on (the default). Both decide alike; the property tests run a
     /// manager of each kind side by side to show it.
@@ -398,74 +353,6 @@ impl KVCacheManager {
     /// How many `allocate_slots` calls the steady decode step decided.
     pub fn num_steady_steps(&self) -> u64 {
         self.num_steady_steps
-    }
-
-    /// Whether every mutating call checks the invariants after it ran.
-    pub fn checks_invariants(&self) -> bool {
-        self.check_after_ops
-    }
-
-    /// The end of every mutating call: with the check on, a broken invariant
-    /// poisons the manager and replaces the result with [`Error::Invariant`].
-    /// Off, this is one predictable branch.
-    #[inline(always)]
-    fn after<T>(&mut self, op: &'static str, r: Result<T>) -> Result<T> {
-        if self.check_after_ops {
-            return self.after_checked(op, r);
-        }
-        r
-    }
-
-    /// Runs `op` (one call on the manager); a panic inside it is caught, poisons the
-    /// manager (its state may be half-updated: every later call fails with
-    /// [`Error::Poisoned`]) and comes back as [`Error::Internal`]. The Python bindings run
-    /// every mutating call through it, so that an internal panic surfaces as
-    /// `hscache.exceptions.InternalError` (a `RuntimeError`), never as pyo3's
-    /// `PanicException` with a corrupted manager left behind.
-    pub fn shielded<T>(
-        &mut self,
-        what: &str,
-        op: impl FnOnce(&mut Self) -> Result<T>,
-    ) -> Result<T> {
-        // A poisoned manager refuses every call, including those whose core method
-        // has no guard of its own (the per-step drains: `new_step_starts`,
-        // `take_new_block_ids`, ...).
-        self.guard()?;
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| op(self))) {
-            Ok(r) => r,
-            Err(payload) => Err(self.poison.set_after_panic(what, payload.as_ref())),
-        }
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn after_checked<T>(&mut self, op: &'static str, r: Result<T>) -> Result<T> {
-        if self.poison.reason().is_some() {
-            return r;
-        }
-        let checked = if self.coordinator.hisparse().is_some() {
-            // Between a HiSparse step's calls its tables may name pages it
-            // released (and lost to reuse) until the next step: check the pools'
-            // own structures only.
-            self.block_pool()
-                .check_invariants()
-                .and_then(|()| self.host_pool().map_or(Ok(()), BlockPool::check_invariants))
-        } else {
-            self.check_invariants()
-        };
-        match checked {
-            Ok(()) => r,
-            Err(msg) => Err(Error::Invariant(
-                self.poison.set(format!("after {op}: {msg}")),
-            )),
-        }
-    }
-
-    /// An apply-phase error poisons the manager.
-    #[cold]
-    #[inline(never)]
-    fn poisoned_by(&mut self, e: Error) -> Error {
-        Error::Internal(self.poison.set(e.to_string()))
     }
 
     #[inline(always)]
@@ -920,159 +807,6 @@ impl KVCacheManager {
         self.applied(r)
     }
 
-    /// Validates a lookup result handed back to `allocate_slots`: one list per
-    /// group, ids in range, ref-0 hits still in the free queue, no hits for a
-    /// running request or a request that already holds blocks, none with caching
-    /// off.
-    fn check_hits(&self, rid: &str, hits: GroupedBlocks<'_>, running: bool) -> Result<()> {
-        let n = self.num_kv_cache_groups();
-        if !hits.ends.is_empty() && hits.ends.len() != n {
-            return Err(Error::InvalidArgument(format!(
-                "new_computed_blocks has {} groups; the manager has {n}",
-                hits.ends.len()
-            )));
-        }
-        if self.coordinator.hisparse().is_some() {
-            for g in 0..hits.ends.len() {
-                self.coordinator.pool_of(g).validate_touch(hits.group(g))?;
-            }
-        } else {
-            self.block_pool().validate_touch(hits.ids)?;
-        }
-        if hits.ids.is_empty() {
-            return Ok(());
-        }
-        if running {
-            return Err(single_type::running_cannot_adopt(rid));
-        }
-        if !self.enable_caching() && hits.ids.iter().any(|&b| b != NULL_BLOCK_ID) {
-            return Err(Error::InvalidArgument(
-                "computed blocks must be empty when prefix caching is disabled".into(),
-            ));
-        }
-        if let Some(state) = self.coordinator.request(rid) {
-            for (g, m) in self.coordinator.managers().iter().enumerate() {
-                let takes_hits = !matches!(
-                    m.base().spec.kind,
-                    ManagerKind::CrossAttention | ManagerKind::CircularBuffer
-                );
-                if takes_hits && !state.groups[g].blocks.is_empty() {
-                    return Err(Error::InvalidArgument(format!(
-                        "request {rid:?} already has blocks and cannot adopt prefix hits"
-                    )));
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// The hit handed back must cover the computed tokens the caller claims for it:
-    /// in every attention group that caches, at least `num_local / block_size`
-    /// blocks (the blocks the caching plan counts as already cached). A shorter hit
-    /// (`num_new_computed_tokens` beyond the hit the lookup returned) would claim
-    /// tokens no block holds; vLLM takes it and leaves the request's cached count
-    /// past its table. Empty hits (no lookup, or a connector's external tokens) are
-    /// not checked.
-    fn check_hits_cover(&self, hits: GroupedBlocks<'_>, num_local: usize) -> Result<()> {
-        if hits.ids.is_empty() || self.coordinator.hisparse().is_some() {
-            return Ok(());
-        }
-        for (g, m) in self.coordinator.managers().iter().enumerate() {
-            let b = m.base();
-            // Attention groups' hits cover the hit (null blocks stand for what a
-            // window skips); Mamba's and the auxiliary groups' do not.
-            let full_length = matches!(
-                b.spec.kind,
-                ManagerKind::FullAttention
-                    | ManagerKind::SlidingWindow { .. }
-                    | ManagerKind::ChunkedLocal { .. }
-            );
-            let held = hits.group(g).len();
-            if full_length && b.spec.prefix_cacheable && held < num_local / b.block_size {
-                return Err(Error::InvalidArgument(format!(
-                    "{num_local} computed tokens claimed, but the hit of group {g} holds \
-                     {held} blocks of {} tokens (num_new_computed_tokens beyond the hit \
-                     handed back)",
-                    b.block_size
-                )));
-            }
-        }
-        Ok(())
-    }
-
-    /// The stale or malformed hits vLLM accepts, rejected in the checked mode
-    /// (`HSCACHE_CHECK_INVARIANTS=1`): in a full-attention group every hit block
-    /// must be a cached block (not the null block, not evicted, reset or reassigned
-    /// since the lookup: it still carries a hash), appear once, and the hit must
-    /// cover `num_new_computed_tokens`. Off by default: vLLM's own tests hand
-    /// `allocate_slots` hand-made hits.
-    #[cold]
-    #[inline(never)]
-    fn check_hits_strictly(
-        &self,
-        hits: GroupedBlocks<'_>,
-        num_new_computed_tokens: usize,
-    ) -> Result<()> {
-        if self.coordinator.hisparse().is_some() || hits.ends.is_empty() {
-            return Ok(());
-        }
-        let pool = self.block_pool();
-        for (g, m) in self.coordinator.managers().iter().enumerate() {
-            if !matches!(m.base().spec.kind, ManagerKind::FullAttention) {
-                continue;
-            }
-            let group = hits.group(g);
-            let mut seen: Vec<BlockId> = group.to_vec();
-            seen.sort_unstable();
-            if let Some(w) = seen.windows(2).find(|w| w[0] == w[1]) {
-                return Err(Error::InvalidArgument(format!(
-                    "new_computed_blocks group {g} holds block {} more than once",
-                    w[0]
-                )));
-            }
-            for &b in group {
-                if b == NULL_BLOCK_ID {
-                    return Err(Error::InvalidArgument(format!(
-                        "new_computed_blocks group {g} holds the null block"
-                    )));
-                }
-                if pool.block_hash(b).is_none() {
-                    return Err(Error::InvalidArgument(format!(
-                        "new_computed_blocks group {g}: block {b} is no longer cached \
-                         (evicted, reset or reassigned since the lookup)"
-                    )));
-                }
-            }
-            let covered = group.len().saturating_mul(m.base().block_size);
-            if num_new_computed_tokens > covered {
-                return Err(Error::InvalidArgument(format!(
-                    "num_new_computed_tokens = {num_new_computed_tokens} but the hit of \
-                     group {g} covers {covered} tokens"
-                )));
-            }
-        }
-        Ok(())
-    }
-
-    /// `hits` with the groups that retain a longer hit cut to the blocks of
-    /// `reused` tokens; None when no group does.
-    fn retained_hits(&self, hits: GroupedBlocks<'_>, reused: usize) -> Option<GroupedBlockIds> {
-        let managers = self.coordinator.managers();
-        if !managers.iter().any(|m| m.retains_longer_hit()) {
-            return None;
-        }
-        let mut retained = GroupedBlockIds::with_capacity(hits.ids.len());
-        for g in 0..hits.num_groups() {
-            let group = hits.group(g);
-            let keep = match managers.get(g) {
-                Some(m) if m.retains_longer_hit() => cdiv(reused, m.base().block_size),
-                _ => group.len(),
-            };
-            retained.push_group(&group[..keep.min(group.len())]);
-        }
-        Some(retained)
-    }
-
     /// Decides whether caching `upper` tokens (capped at `num_tokens` when `cap`)
     /// can register anything, and if so reads the request fields and hashes it
     /// needs. `adopting`: the local computed tokens of a request that adopts its
@@ -1322,7 +1056,7 @@ impl KVCacheManager {
             let host = host.clone().unwrap_or(0..0);
             for (i, &b) in out.iter().enumerate().skip(start) {
                 if !host.contains(&i) {
-                    add_refs(&mut self.external_refs, &[b]);
+                    self.add_external(&[b]);
                 }
             }
         }
@@ -1368,185 +1102,6 @@ impl KVCacheManager {
         let r = self.coordinator.reset_device_prefix_cache();
         let r = self.applied(r);
         self.after("reset_prefix_cache", r)
-    }
-
-    /// The device pool's `get_new_blocks` (then HiSparse's reuse callbacks).
-    pub fn get_new_blocks(&mut self, n: usize, out: &mut Vec<BlockId>) -> Result<()> {
-        self.guard()?;
-        let start = out.len();
-        self.coordinator.block_pool_mut().get_new_blocks(n, out)?;
-        add_refs(&mut self.external_refs, &out[start..]);
-        let r = self.coordinator.process_reused();
-        let r = self.applied(r);
-        self.after("get_new_blocks", r)
-    }
-
-    /// The device pool's `touch` (the `BlockPool` view): the caller now holds one
-    /// more reference to each block.
-    pub fn touch(&mut self, block_ids: &[BlockId]) -> Result<()> {
-        self.guard()?;
-        self.coordinator.block_pool_mut().touch(block_ids)?;
-        self.add_external(block_ids);
-        self.after("touch", Ok(()))
-    }
-
-    /// Runs `f` on HiSparse's coordinator (`Err` on other layouts); a failure or a
-    /// panic midway poisons the manager.
-    pub fn hisparse_call<T>(
-        &mut self,
-        f: impl FnOnce(&mut HiSparseCoordinator, &mut HiSparseCtx<'_>) -> Result<T>,
-    ) -> Result<T> {
-        self.shielded("a HiSparse call", |m| {
-            m.guard()?;
-            if m.coordinator.hisparse().is_none() {
-                return Err(Error::InvalidArgument(
-                    "this KV-cache layout has no HiSparse group".into(),
-                ));
-            }
-            let r = m.coordinator.with_hisparse(f);
-            let r = m.applied(r);
-            m.after("a HiSparse call", r)
-        })
-    }
-
-    /// Runs `f` on HiSparse's host pool and moves its events to the device pool's
-    /// queue (`Err` on other layouts). Pool calls validate before they change
-    /// anything, so an `Err` leaves everything as it was.
-    pub fn host_pool_call<T>(&mut self, f: impl FnOnce(&mut BlockPool) -> Result<T>) -> Result<T> {
-        self.shielded("a HiSparse host-pool call", |m| {
-            m.guard()?;
-            let host_group = m.coordinator.hisparse().map(|h| h.layout().host_group);
-            let Some(g) = host_group else {
-                return Err(Error::InvalidArgument(
-                    "this KV-cache layout has no HiSparse host pool".into(),
-                ));
-            };
-            m.coordinator
-                .with_hisparse(|_, ctx| ctx.with_host(g, None, f))
-        })
-    }
-
-    /// HiSparse publications made and dropped since the last call: `(made, dropped)`
-    /// ids; a made one's request is the request of the call that made it.
-    pub fn take_publication_changes(&mut self) -> Option<(Vec<u64>, Vec<u64>)> {
-        let h = self.coordinator.hisparse.as_deref_mut()?;
-        if !h.has_publication_changes() {
-            return None;
-        }
-        Some((h.take_publication_binds(), h.take_publication_releases()))
-    }
-
-    /// Whether HiSparse publications were made or dropped since the last look.
-    pub fn has_publication_changes(&self) -> bool {
-        self.coordinator
-            .hisparse()
-            .is_some_and(HiSparseCoordinator::has_publication_changes)
-    }
-
-    /// One group's `allocate_new_blocks`, as vLLM code may call a single-type
-    /// manager directly (the request's tables are created if absent): the new ids.
-    pub fn group_allocate_new_blocks(
-        &mut self,
-        g: usize,
-        request_id: &str,
-        num_tokens: usize,
-        num_tokens_main_model: usize,
-    ) -> Result<Vec<BlockId>> {
-        self.guard()?;
-        if g >= self.num_kv_cache_groups() {
-            return Err(Error::InvalidArgument(format!("no KV-cache group {g}")));
-        }
-        self.check_tokens("num_tokens", num_tokens)?;
-        let mut out = Vec::new();
-        let r = self.coordinator.group_allocate_new_blocks(
-            g,
-            request_id,
-            num_tokens,
-            num_tokens_main_model,
-            &mut out,
-        );
-        let r = self.applied(r);
-        self.after("allocate_new_blocks", r)?;
-        Ok(out)
-    }
-
-    /// One group's `get_num_blocks_to_allocate` (vLLM code may call a single-type
-    /// manager directly).
-    pub fn group_num_blocks_to_allocate(
-        &mut self,
-        g: usize,
-        q: &single_type::NumBlocksQuery<'_>,
-    ) -> Result<i64> {
-        self.guard()?;
-        if g >= self.num_kv_cache_groups() {
-            return Err(Error::InvalidArgument(format!("no KV-cache group {g}")));
-        }
-        self.coordinator
-            .pool_of(g)
-            .validate_touch(q.new_computed_blocks)?;
-        self.coordinator.group_num_blocks_to_allocate(g, q)
-    }
-
-    /// HiSparse's host pool, on a HiSparse layout.
-    pub fn host_pool(&self) -> Option<&BlockPool> {
-        self.host_group().map(|g| self.coordinator.pool_of(g))
-    }
-
-    /// HiSparse's source group (whose blocks are host pool blocks).
-    pub fn host_group(&self) -> Option<usize> {
-        self.coordinator.hisparse().map(|h| h.layout().host_group)
-    }
-
-    /// The pool of group `g`'s blocks (HiSparse's host pool for its source group).
-    #[inline]
-    pub fn pool_of(&self, g: usize) -> &BlockPool {
-        self.coordinator.pool_of(g)
-    }
-
-    /// Drops one reference per listed block, first = evicted first (deferred frees
-    /// through vLLM's `block_pool.free_blocks`).
-    /// In the checked mode, blocks still held by a live block table are refused
-    /// ([`KVCacheCoordinator::check_free_keeps_tables`]); vLLM accepts them.
-    pub fn free_blocks(&mut self, ordered_blocks: &[BlockId]) -> Result<()> {
-        self.guard()?;
-        if self.check_after_ops {
-            self.coordinator.check_free_keeps_tables(ordered_blocks)?;
-        }
-        let r = self
-            .coordinator
-            .block_pool_mut()
-            .free_blocks(ordered_blocks);
-        if r.is_ok() {
-            self.drop_external(ordered_blocks);
-        }
-        self.after("free_blocks", r)
-    }
-
-    /// vLLM's `free_blocks` over blocks of both HiSparse pools: the device pool's
-    /// first, then the host pool's (each in the given order).
-    pub fn free_blocks_mixed(&mut self, device: &[BlockId], host: &[BlockId]) -> Result<()> {
-        self.guard()?;
-        if !host.is_empty() {
-            let Some(g) = self.coordinator.hisparse().map(|h| h.layout().host_group) else {
-                return Err(Error::InvalidArgument("no HiSparse host pool".into()));
-            };
-            // Validate both before changing either.
-            let hp = self.coordinator.pool_of(g);
-            for &b in host {
-                hp.check_block_id(i64::from(b))?;
-            }
-        }
-        if self.check_after_ops {
-            self.coordinator.check_free_keeps_tables(device)?;
-        }
-        self.coordinator.block_pool_mut().free_blocks(device)?;
-        self.drop_external(device);
-        if host.is_empty() {
-            return self.after("free_blocks", Ok(()));
-        }
-        let r = self.host_pool_call(|pool| pool.free_blocks(host));
-        let r = self.applied(r);
-        self.after("free_blocks", r)
     }
 
     // ---- tables, estimates, hand-offs ------------------------------------------------
@@ -1662,16 +1217,6 @@ impl KVCacheManager {
             .record_blocks_for_zeroing(request_id, start_token)
     }
 
-    /// vLLM's `take_kv_cache_block_copies`: the queued copy-on-write pairs; both
-    /// endpoints hold a reference the caller frees once the copy ran.
-    pub fn take_kv_cache_block_copies(&mut self) -> Vec<(BlockId, BlockId)> {
-        let copies = self.coordinator.take_pending_cow_copies();
-        for &(src, cow) in &copies {
-            self.add_external(&[src, cow]);
-        }
-        copies
-    }
-
     /// vLLM's `take_boundary_state_offloads` (Mamba "align" only).
     pub fn take_boundary_state_offloads(&mut self) -> Vec<BoundaryOffload> {
         self.coordinator.take_boundary_state_offloads()
@@ -1694,110 +1239,8 @@ impl KVCacheManager {
         Ok(())
     }
 
-    /// vLLM's `coordinator.get_num_blocks_to_allocate`, as the Scheduler calls it
-    /// directly (async-load admission) and tests probe it.
-    pub fn coordinator_num_blocks_to_allocate(
-        &mut self,
-        q: &NumBlocksToAllocate<'_>,
-    ) -> Result<i64> {
-        self.guard()?;
-        for g in 0..q.hits.ends.len() {
-            for &b in q.hits.group(g) {
-                self.coordinator.pool_of(g).check_block_id(i64::from(b))?;
-            }
-        }
-        self.coordinator.get_num_blocks_to_allocate(q)
-    }
-
-    /// Queues a copy-on-write pair on group `g` (what vLLM code does by appending to
-    /// a manager's `_pending_cow_copies`).
-    pub fn push_cow_copy(&mut self, g: usize, pair: (BlockId, BlockId)) -> Result<()> {
-        self.guard()?;
-        self.coordinator
-            .pool_of(g)
-            .check_block_id(i64::from(pair.0))?;
-        self.coordinator
-            .pool_of(g)
-            .check_block_id(i64::from(pair.1))?;
-        self.coordinator.push_cow_copy(g, pair);
-        if self.coordinator.pool_of(g).num_gpu_blocks() == self.block_pool().num_gpu_blocks()
-            && self.host_group() != Some(g)
-        {
-            // The pair took no reference (vLLM code appended it by hand), but the
-            // invariant check counts a queued pair as holding one of each endpoint.
-            for b in [pair.0, pair.1] {
-                if let Some(e) = self.external_refs.get_mut(b as usize) {
-                    *e -= 1;
-                }
-            }
-        }
-        self.after("push_cow_copy", Ok(()))
-    }
-
-    /// vLLM code sets `coordinator.retention_interval` after construction.
-    pub fn set_retention_interval(&mut self, retention: Option<usize>) -> Result<()> {
-        self.guard()?;
-        self.coordinator.set_retention_interval(retention)
-    }
-
-    /// vLLM code sets a single-type manager's `use_eagle` after construction.
-    pub fn set_group_use_eagle(&mut self, g: usize, use_eagle: bool) -> Result<()> {
-        self.guard()?;
-        if g >= self.coordinator.managers().len() {
-            return Err(Error::InvalidArgument(format!("no KV-cache group {g}")));
-        }
-        self.coordinator.set_group_use_eagle(g, use_eagle);
-        Ok(())
-    }
-
     /// A new scheduler step starts (Mamba forgets what was cached this step).
     pub fn new_step_starts(&mut self) {
         self.coordinator.new_step_starts();
-    }
-
-    /// Every structural invariant of the pool and the request tables.
-    pub fn check_invariants(&self) -> std::result::Result<(), String> {
-        if self.coordinator.hisparse().is_some() {
-            // HiSparse pins pages outside the tables (reuse watchers, publications):
-            // ref counts are checked as an upper bound there.
-            return self.coordinator.check_invariants();
-        }
-        self.coordinator
-            .check_invariants_with(Some(&self.external_refs))
-    }
-
-    /// The external references (see the field), for the state digest and tests.
-    pub fn external_refs(&self) -> &[i32] {
-        &self.external_refs
-    }
-
-    /// Test-only: the external reference counts, mutable (invariant mutants).
-    #[doc(hidden)]
-    pub fn corrupt_external_refs_for_tests(&mut self) -> &mut Vec<i32> {
-        &mut self.external_refs
-    }
-
-    /// Test-only: the device pool, mutable, past the poison guard (invariant
-    /// mutants).
-    #[doc(hidden)]
-    pub fn corrupt_pool_for_tests(&mut self) -> &mut BlockPool {
-        self.coordinator.block_pool_mut()
-    }
-
-    fn add_external(&mut self, ids: &[BlockId]) {
-        add_refs(&mut self.external_refs, ids);
-    }
-
-    /// A reference given back through `free_blocks`: one the caller held (a free
-    /// of a block with none is a table's reference freed behind the manager's
-    /// back, which the check must see, so the count stays).
-    fn drop_external(&mut self, ids: &[BlockId]) {
-        for &b in ids {
-            if let Some(e) = self.external_refs.get_mut(b as usize) {
-                if *e > 0 {
-                    *e -= 1;
-                }
-            }
-        }
     }
 }
