@@ -10,10 +10,12 @@
 //! - both refuse to run on a poisoned object ([`Error::ObjectPoisoned`], naming the
 //!   first failure), so a caller never reads or extends state a panic left behind.
 //!
-//! The `KVCacheManager` keeps its own flag (apply-phase errors and invariant checks
-//! poison it too: [`crate::manager::KVCacheManager::shielded`]); its read-only
+//! [`Poison`] is the one poison flag: `Shielded<T>` holds one, and so does the
+//! `KVCacheManager`, whose apply-phase errors and invariant checks poison it too
+//! ([`crate::manager::KVCacheManager::shielded`]); both word a poisoning and a
+//! caught panic alike. The manager's read-only
 //! bindings go through [`catch`] after checking that flag
-//! ([`crate::manager::KVCacheManager::read`], written in `src/manager/read_shield.rs`
+//! ([`crate::manager::KVCacheManager::read`], written in `src/manager/poison.rs`
 //! so that this module, which the manager uses, does not name the manager back).
 //! `catch_unwind` costs nothing on the path that does not panic: the wrappers add
 //! one branch on the flag.
@@ -51,33 +53,76 @@ fn panicked(what: &str, payload: &(dyn std::any::Any + Send)) -> String {
     format!("internal panic in {what}: {}", panic_message(payload))
 }
 
+/// A poison flag: the first failure that may have left an object half-updated.
+/// Every later call on the object refuses to run, naming it.
+#[derive(Debug)]
+pub struct Poison {
+    /// What the object is, for messages ("KV-cache manager", "encoder cache", ...).
+    object: &'static str,
+    reason: Option<String>,
+}
+
+impl Poison {
+    pub const fn new(object: &'static str) -> Self {
+        Self {
+            object,
+            reason: None,
+        }
+    }
+
+    /// What the flag guards.
+    pub fn object(&self) -> &'static str {
+        self.object
+    }
+
+    /// Why the object refuses every call, if it is poisoned.
+    #[inline(always)]
+    pub fn reason(&self) -> Option<&str> {
+        self.reason.as_deref()
+    }
+
+    /// Poisons the object with `reason`; returns the text of the error the failing
+    /// call raises ("`reason` (the `object` is now poisoned)").
+    #[cold]
+    #[inline(never)]
+    pub fn set(&mut self, reason: String) -> String {
+        let text = format!("{reason} (the {} is now poisoned)", self.object);
+        self.reason = Some(reason);
+        text
+    }
+
+    /// A panic caught in `what` poisons the object: the [`Error::Internal`] the
+    /// call raises instead.
+    #[cold]
+    #[inline(never)]
+    pub fn set_after_panic(&mut self, what: &str, payload: &(dyn std::any::Any + Send)) -> Error {
+        Error::Internal(self.set(panicked(what, payload)))
+    }
+}
+
 /// A core object with a poison flag (see module docs).
 #[derive(Debug)]
 pub struct Shielded<T> {
     inner: T,
-    /// What the object is, for messages ("encoder cache", "block hasher", ...).
-    object: &'static str,
-    /// The first panic that may have left `inner` half-updated.
-    poisoned: Option<String>,
+    poison: Poison,
 }
 
 impl<T> Shielded<T> {
     pub fn new(inner: T, object: &'static str) -> Self {
         Self {
             inner,
-            object,
-            poisoned: None,
+            poison: Poison::new(object),
         }
     }
 
     /// Why the object refuses every call, if a panic poisoned it.
     pub fn poisoned(&self) -> Option<&str> {
-        self.poisoned.as_deref()
+        self.poison.reason()
     }
 
     #[inline(always)]
     fn guard(&self) -> Result<(), Error> {
-        match &self.poisoned {
+        match self.poison.reason() {
             None => Ok(()),
             Some(reason) => Err(self.refusal(reason)),
         }
@@ -87,7 +132,7 @@ impl<T> Shielded<T> {
     #[inline(never)]
     fn refusal(&self, reason: &str) -> Error {
         Error::ObjectPoisoned {
-            object: self.object,
+            object: self.poison.object(),
             reason: reason.to_owned(),
         }
     }
@@ -113,16 +158,8 @@ impl<T> Shielded<T> {
         self.guard()?;
         match catch_unwind(AssertUnwindSafe(|| op(&mut self.inner))) {
             Ok(r) => r,
-            Err(payload) => Err(self.poison(what, payload.as_ref()).into()),
+            Err(payload) => Err(self.poison.set_after_panic(what, payload.as_ref()).into()),
         }
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn poison(&mut self, what: &str, payload: &(dyn std::any::Any + Send)) -> Error {
-        let msg = panicked(what, payload);
-        self.poisoned = Some(msg.clone());
-        Error::Internal(format!("{msg} (the {} is now poisoned)", self.object))
     }
 
     /// The object, past the shield: for code that cannot panic (plain field reads,

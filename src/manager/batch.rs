@@ -201,20 +201,7 @@ impl KVCacheManager {
             }
             let upper = batch.num_computed_tokens[i].min(max_model_len) + batch.num_new_tokens[i];
             let state = self.coordinator.requests.get_by_handle(handle);
-            let may = caching
-                && self
-                    .coordinator
-                    .managers()
-                    .iter()
-                    .enumerate()
-                    .any(|(g, m)| {
-                        let cached = state
-                            .and_then(|s| s.groups.get(g))
-                            .and_then(|gb| gb.num_cached_block)
-                            .unwrap_or(0);
-                        self.coordinator.get_num_cacheable_tokens(upper, g) / m.base().block_size
-                            > cached
-                    });
+            let may = caching && self.may_cache(state, upper, None);
             if may {
                 may_cache.push(i);
             }

@@ -31,15 +31,67 @@ use super::registry::new_manager;
 use super::request::PlannedHashes;
 pub use super::single_type::RequestState;
 use super::single_type::{
-    cache_range, CacheQuery, GroupBlocks, HitQuery, ManagerBase, NumBlocksQuery, SingleTypeManager,
-    SteadyQuery,
+    cache_range, null_head_len, running_cannot_adopt, CacheQuery, GroupBlocks, HitQuery,
+    ManagerBase, NumBlocksQuery, SingleTypeManager, SteadyQuery,
 };
 use super::spec::{GroupSpec, MambaCacheMode, ManagerKind};
+use super::GroupedBlocks;
 use crate::error::{Error, Result};
 use crate::events::KVCacheEvent;
 use crate::pool::BlockPool;
 use crate::request_table::RequestTable;
 use crate::types::{cdiv, BlockHashSource, BlockId, NULL_BLOCK_ID};
+
+/// vLLM's coordinator-level `get_num_blocks_to_allocate` arguments, for every
+/// group at once; [`Self::group_query`] is what one group's manager sees.
+#[derive(Clone, Copy, Debug)]
+pub struct NumBlocksToAllocate<'a> {
+    pub request_id: &'a str,
+    pub num_tokens: usize,
+    /// Each group's prefix hits.
+    pub hits: GroupedBlocks<'a>,
+    /// What a cross-attention group counts instead of `num_tokens`.
+    pub num_encoder_tokens: usize,
+    pub total_computed_tokens: usize,
+    pub num_local_computed_tokens: usize,
+    pub num_tokens_main_model: usize,
+    pub apply_admission_cap: bool,
+    /// Where the prefill ends (read only with a retention interval of 0).
+    pub prefill_end: usize,
+}
+
+impl<'a> NumBlocksToAllocate<'a> {
+    /// Group `g`'s query: a `cross` attention group counts the encoder tokens and
+    /// adopts nothing; `prefill_end` counts only where `retention_applies`.
+    fn group_query(&self, g: usize, cross: bool, retention_applies: bool) -> NumBlocksQuery<'a> {
+        if cross {
+            return NumBlocksQuery {
+                request_id: self.request_id,
+                num_tokens: self.num_encoder_tokens,
+                new_computed_blocks: &[],
+                total_computed_tokens: 0,
+                num_local_computed_tokens: 0,
+                num_tokens_main_model: self.num_encoder_tokens,
+                apply_admission_cap: self.apply_admission_cap,
+                prefill_end: 0,
+            };
+        }
+        NumBlocksQuery {
+            request_id: self.request_id,
+            num_tokens: self.num_tokens,
+            new_computed_blocks: self.hits.group(g),
+            total_computed_tokens: self.total_computed_tokens,
+            num_local_computed_tokens: self.num_local_computed_tokens,
+            num_tokens_main_model: self.num_tokens_main_model,
+            apply_admission_cap: self.apply_admission_cap,
+            prefill_end: if retention_applies {
+                self.prefill_end
+            } else {
+                0
+            },
+        }
+    }
+}
 
 /// Which of vLLM's coordinators this is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -888,26 +940,9 @@ impl KVCacheCoordinator {
 
     // ---- allocation ----------------------------------------------------------------
 
-    /// vLLM's `get_num_blocks_to_allocate`, summed over the groups (`hits[g]` are
-    /// group `g`'s prefix hits).
-    #[allow(clippy::too_many_arguments)]
-    pub fn get_num_blocks_to_allocate<'h>(
-        &mut self,
-        request_id: &str,
-        num_tokens: usize,
-        hits: &dyn Fn(usize) -> &'h [BlockId],
-        num_encoder_tokens: usize,
-        total_computed_tokens: usize,
-        num_local_computed_tokens: usize,
-        num_tokens_main_model: usize,
-        apply_admission_cap: bool,
-        prefill_end: usize,
-    ) -> Result<i64> {
-        let prefill_end = if self.retention_interval == Some(0) {
-            prefill_end
-        } else {
-            0
-        };
+    /// vLLM's `get_num_blocks_to_allocate`, summed over the groups.
+    pub fn get_num_blocks_to_allocate(&mut self, q: &NumBlocksToAllocate<'_>) -> Result<i64> {
+        let request_id = q.request_id;
         // Mamba "align" keeps per-request state from here on (vLLM's defaultdict
         // creates the request's entry too).
         let slot = if self.mamba_align {
@@ -915,34 +950,15 @@ impl KVCacheCoordinator {
         } else {
             self.requests.get_mut_with_slot(request_id).map(|(s, _)| s)
         };
+        let retention_applies = self.retention_interval == Some(0);
         let state = self.requests.get(request_id);
         let mut total: i64 = 0;
         for (g, m) in self.managers.iter_mut().enumerate() {
             let req = state.and_then(|s| s.groups.get(g));
-            let q = if m.base().spec.kind == ManagerKind::CrossAttention {
-                NumBlocksQuery {
-                    request_id,
-                    num_tokens: num_encoder_tokens,
-                    new_computed_blocks: &[],
-                    total_computed_tokens: 0,
-                    num_local_computed_tokens: 0,
-                    num_tokens_main_model: num_encoder_tokens,
-                    apply_admission_cap,
-                    prefill_end: 0,
-                }
-            } else {
-                NumBlocksQuery {
-                    request_id,
-                    num_tokens,
-                    new_computed_blocks: hits(g),
-                    total_computed_tokens,
-                    num_local_computed_tokens,
-                    num_tokens_main_model,
-                    apply_admission_cap,
-                    prefill_end,
-                }
-            };
-            total += m.get_num_blocks_to_allocate(&self.pool, slot.unwrap_or(u32::MAX), req, &q)?;
+            let cross = m.base().spec.kind == ManagerKind::CrossAttention;
+            let gq = q.group_query(g, cross, retention_applies);
+            total +=
+                m.get_num_blocks_to_allocate(&self.pool, slot.unwrap_or(u32::MAX), req, &gq)?;
         }
         Ok(total)
     }
@@ -971,11 +987,9 @@ impl KVCacheCoordinator {
         let (_, state) = self
             .requests
             .get_or_insert_with_slot(request_id, || Self::new_state(spare, n));
-        if state.groups.iter().any(|g| g.num_cached_block.is_some()) {
+        if state.is_running() {
             if (0..n).any(|g| !hits(g).is_empty()) {
-                return Err(Error::InvalidArgument(format!(
-                    "request {request_id:?} is already running and cannot adopt prefix hits"
-                )));
+                return Err(running_cannot_adopt(request_id));
             }
             return Ok(());
         }
@@ -1336,7 +1350,11 @@ impl KVCacheCoordinator {
             };
             for g in &state.groups {
                 // vLLM 0.32 frees the leading nulls too (the pool counts them).
-                let head = if keep_nulls { 0 } else { null_head(&g.blocks) };
+                let head = if keep_nulls {
+                    0
+                } else {
+                    null_head_len(&g.blocks)
+                };
                 scratch.extend(g.blocks[head..].iter().rev());
                 ends.push(scratch.len());
             }
@@ -1370,7 +1388,11 @@ impl KVCacheCoordinator {
         let keep_nulls = self.pool.vllm_rules().null_block_ref_counted;
         for g in &state.groups {
             // vLLM 0.32 hands back the leading nulls too.
-            let head = if keep_nulls { 0 } else { null_head(&g.blocks) };
+            let head = if keep_nulls {
+                0
+            } else {
+                null_head_len(&g.blocks)
+            };
             out.extend_from_slice(&g.blocks[head..]);
         }
         self.pop_request_state(request_id);
@@ -1611,10 +1633,4 @@ impl KVCacheCoordinator {
         }
         Ok(())
     }
-}
-
-/// Number of leading null blocks (vLLM's `null_head_len`).
-#[inline]
-fn null_head(blocks: &[BlockId]) -> usize {
-    blocks.iter().take_while(|&&b| b == NULL_BLOCK_ID).count()
 }

@@ -1,14 +1,12 @@
 //! `KVCacheManager`: the scheduler-facing facade over the coordinator.
 //!
-//! Length: the facade is vLLM's `kv_cache_manager.py`, one method per method of its
-//! interface (with its plan/apply stages); the rules it delegates live in
-//! `coordinator.rs` and the single-type managers.
-//!
 //! Mirrors vLLM 0.33 `v1/core/kv_cache_manager.py::KVCacheManager`: the rules of
 //! the Scheduler's interface live here (when a lookup is skipped, the
 //! `num_tokens - 1` hit cap, when the watermark applies, what `allocate_slots`
 //! counts, adopts, allocates and caches); the groups' mechanics live in
-//! [`coordinator`] and the single-type managers beside it.
+//! [`coordinator`] and the single-type managers beside it. The hits handed back
+//! are checked in `hit_check.rs`; the calls vLLM code makes past the facade (its
+//! block pool, coordinator and single-type managers) are in `past_facade.rs`.
 //!
 //! `allocate_slots` follows vLLM's stages on the token layout
 //!
@@ -18,21 +16,27 @@
 //!        |<-------- to be allocated ----------->|
 //! ```
 //!
-//! 0. plan: validate every argument, read every request field the call may need
-//!    and the hashes it may cache — nothing has changed yet, and an `Err` leaves
-//!    the manager exactly as it was;
-//! 1. free the blocks attention skips (done even if the call then does not fit, as
-//!    in vLLM), count the blocks needed (new blocks + prefix hits that sit in the
-//!    free queue) and give up (`Ok(false)`) if they do not fit beside the
+//! 0. `validate_allocation`, `plan_allocation`: validate every argument, read every
+//!    request field the call may need and the hashes it may cache — nothing has
+//!    changed yet, and an `Err` leaves the manager exactly as it was
+//!    (`full_sequence_fits` is vLLM's optional first check);
+//! 1. `free_skipped_blocks` (done even if the call then does not fit, as in vLLM),
+//!    then `new_blocks_fit`: count the blocks needed (new blocks + prefix hits that
+//!    sit in the free queue) and give up (`Ok(false)`) if they do not fit beside the
 //!    watermark and the reserved blocks — hits are not touched then;
-//! 2. adopt the hits (touch) and allocate blocks for external tokens;
-//! 3. allocate blocks for the new and lookahead tokens, then cache every block
-//!    fully covered by the request's hashes, capped at `num_tokens` so draft tokens
-//!    are never cached.
+//! 2. `adopt_computed_blocks`: adopt the hits (touch) and allocate blocks for
+//!    external tokens;
+//! 3. `allocate_new_blocks` for the new and lookahead tokens, then `cache_planned`:
+//!    every block fully covered by the request's hashes, capped at `num_tokens` so
+//!    draft tokens are never cached.
+//!
+//! A running request that adopts nothing and needs no new block skips the stages
+//! (`allocate_slots_in_place`, the steady decode step); both paths decide alike.
 //!
 //! Steps 1–3 cannot fail on input. If one fails anyway (a broken invariant, e.g.
-//! blocks freed twice behind the manager's back), the manager is *poisoned*: that
-//! call and every later one raise, naming the first failure.
+//! blocks freed twice behind the manager's back), the manager is *poisoned*
+//! ([`crate::shield::Poison`]): that call and every later one raise, naming the
+//! first failure.
 
 pub mod batch;
 pub mod chunked_local;
@@ -42,11 +46,13 @@ pub mod cross_attention;
 mod digest;
 mod explain;
 pub mod full_attention;
+mod grouped;
 pub mod hisparse;
 mod hit_check;
 pub mod mamba;
 pub mod mutants;
-mod read_shield;
+mod past_facade;
+mod poison;
 pub mod registry;
 pub mod request;
 pub mod rswa;
@@ -54,6 +60,7 @@ pub mod single_type;
 pub mod sink;
 pub mod sliding_window;
 pub mod spec;
+mod steady;
 mod vllm_rules;
 
 use smallvec::SmallVec;
@@ -62,12 +69,17 @@ use crate::error::{Error, Result};
 use crate::events::{KVCacheEvent, MetricsOp};
 use crate::pool::BlockPool;
 pub use crate::request_table::{RequestHandle, RequestTable};
-use crate::types::{cdiv, BlockHash, BlockHashSource, BlockId, NULL_BLOCK_ID};
+use crate::shield::Poison;
+use crate::types::{cdiv, BlockHash, BlockHashSource, BlockId};
 pub use batch::{BatchProgress, BatchStop, RunningBatch};
-pub use coordinator::{CoordinatorConfig, CoordinatorKind, KVCacheCoordinator, RequestState};
+pub use coordinator::{
+    CoordinatorConfig, CoordinatorKind, KVCacheCoordinator, NumBlocksToAllocate, RequestState,
+};
+pub use grouped::{GroupedBlockIds, GroupedBlocks};
 pub use hisparse::{
     HiSparseCoordinator, HiSparseCtx, PlainPublicationRequests, PublicationRequests,
 };
+pub use poison::check_invariants_from_env;
 pub use request::{PlainRequest, PlannedHashes, RequestLike, RequestStatus};
 pub use single_type::{BoundaryOffload, GroupBlocks, SteadyQuery};
 pub use spec::{GroupSpec, MambaCacheMode, MambaParams, ManagerKind};
@@ -109,28 +121,6 @@ impl KVCacheManagerConfig {
             watermark_blocks: 0,
             enable_mamba_shared_prefix_checkpoint: false,
         }
-    }
-}
-
-/// Block ids of every KV-cache group, concatenated: group `g` is
-/// `ids[ends[g - 1]..ends[g]]` (`ends[-1]` = 0).
-#[derive(Clone, Copy, Debug)]
-pub struct GroupedBlocks<'a> {
-    pub ids: &'a [BlockId],
-    pub ends: &'a [usize],
-}
-
-impl<'a> GroupedBlocks<'a> {
-    /// Group `g`'s blocks (empty past the last group).
-    #[inline]
-    pub fn group(&self, g: usize) -> &'a [BlockId] {
-        let start = if g == 0 {
-            0
-        } else {
-            self.ends.get(g - 1).copied().unwrap_or(0)
-        };
-        let end = self.ends.get(g).copied().unwrap_or(start);
-        self.ids.get(start..end).unwrap_or(&[])
     }
 }
 
@@ -183,6 +173,29 @@ struct CachePlan {
     shared_prefix_boundary: usize,
 }
 
+/// What `allocate_slots`' stage 0 decided (vLLM's locals, named as there).
+struct AllocationPlan<'h> {
+    /// The hits handed back (retained groups cut to the reused tokens).
+    hits: GroupedBlocks<'h>,
+    /// A lookup result was handed back or external tokens arrive: stage 2 runs.
+    adopt: bool,
+    /// `num_local_computed_tokens`: computed tokens plus the new hits.
+    num_local: usize,
+    /// Local plus external computed tokens, and the same capped at `max_model_len`.
+    total_uncapped: usize,
+    total: usize,
+    watermark: usize,
+    /// `num_prompt_tokens`, `prefill_end`, `num_in_flight_tokens`: read only where
+    /// some group needs them, else 0.
+    prompt: usize,
+    prefill_end: usize,
+    in_flight: usize,
+    num_tokens_main_model: usize,
+    num_tokens_need_slot: usize,
+    /// What stage 3 caches (None: caching off or delayed, or no block to gain).
+    cache: Option<CachePlan>,
+}
+
 /// The core KV-cache manager (see module docs).
 #[derive(Debug)]
 pub struct KVCacheManager {
@@ -190,7 +203,7 @@ pub struct KVCacheManager {
     coordinator: KVCacheCoordinator,
     mamba_shared_prefix_checkpoint: bool,
     /// Set by the first apply-phase failure; every later call refuses to run.
-    poisoned: Option<String>,
+    poison: Poison,
     /// Reused buffers (hashes of a caching step, a request's blocks when freed).
     hash_buffer: Vec<BlockHash>,
     free_scratch: Vec<BlockId>,
@@ -211,29 +224,6 @@ pub struct KVCacheManager {
     steady_decode: bool,
     /// `allocate_slots` calls the steady decode step decided.
     num_steady_steps: u64,
-}
-
-/// One more external reference to each non-null block of `ids`.
-fn add_refs(external_refs: &mut [i32], ids: &[BlockId]) {
-    for &b in ids {
-        if b != NULL_BLOCK_ID {
-            if let Some(e) = external_refs.get_mut(b as usize) {
-                *e += 1;
-            }
-        }
-    }
-}
-
-/// Whether `HSCACHE_CHECK_INVARIANTS` asks for a check after every operation
-/// (any value but empty, `0`, `false`, `no`, `off`), or this is a debug build.
-pub fn check_invariants_from_env() -> bool {
-    cfg!(debug_assertions)
-        || std::env::var("HSCACHE_CHECK_INVARIANTS").is_ok_and(|v| {
-            !matches!(
-                v.trim().to_ascii_lowercase().as_str(),
-                "" | "0" | "false" | "no" | "off"
-            )
-        })
 }
 
 impl KVCacheManager {
@@ -293,7 +283,7 @@ impl KVCacheManager {
             config,
             coordinator,
             mamba_shared_prefix_checkpoint,
-            poisoned: None,
+            poison: Poison::new("KV-cache manager"),
             hash_buffer: Vec::new(),
             free_scratch: Vec::new(),
             batch_epoch: 0,
@@ -352,128 +342,6 @@ impl KVCacheManager {
     /// KV-cache usage in `[0, 1]`.
     pub fn usage(&self) -> f64 {
         self.block_pool().get_usage()
-    }
-
-    /// The first apply-phase failure, if the manager is poisoned.
-    pub fn poisoned(&self) -> Option<&str> {
-        self.poisoned.as_deref()
-    }
-
-    #[inline]
-    fn guard(&self) -> Result<()> {
-        match &self.poisoned {
-            None => Ok(()),
-            Some(msg) => Err(Error::Poisoned(msg.clone())),
-        }
-    }
-
-    /// An apply-phase result: an error poisons the manager.
-    #[inline(always)]
-    fn applied<T>(&mut self, r: Result<T>) -> Result<T> {
-        match r {
-            Ok(v) => Ok(v),
-            Err(e) => Err(self.poison(e)),
-        }
-    }
-
-    /// Turns the after-every-operation invariant check on or off (tests; the
-    /// default comes from [`check_invariants_from_env`]).
-    pub fn set_check_invariants(&mut self, on: bool) {
-        self.check_after_ops = on;
-    }
-
-    /// Turns the steady decode step off (every `allocate_slots` call then runs vLLM's
-    /// stages) or on (the default). Both decide alike; the property tests run a
-    /// manager of each kind side by side to show it.
-    pub fn set_steady_decode(&mut self, on: bool) {
-        self.steady_decode = on;
-    }
-
-    /// How many `allocate_slots` calls the steady decode step decided.
-    pub fn num_steady_steps(&self) -> u64 {
-        self.num_steady_steps
-    }
-
-    /// Whether every mutating call checks the invariants after it ran.
-    pub fn checks_invariants(&self) -> bool {
-        self.check_after_ops
-    }
-
-    /// The end of every mutating call: with the check on, a broken invariant
-    /// poisons the manager and replaces the result with [`Error::Invariant`].
-    /// Off, this is one predictable branch.
-    #[inline(always)]
-    fn after<T>(&mut self, op: &'static str, r: Result<T>) -> Result<T> {
-        if self.check_after_ops {
-            return self.after_checked(op, r);
-        }
-        r
-    }
-
-    /// Runs `op` (one call on the manager); a panic inside it is caught, poisons the
-    /// manager (its state may be half-updated: every later call fails with
-    /// [`Error::Poisoned`]) and comes back as [`Error::Internal`]. The Python bindings run
-    /// every mutating call through it, so that an internal panic surfaces as
-    /// `hscache.exceptions.InternalError` (a `RuntimeError`), never as pyo3's
-    /// `PanicException` with a corrupted manager left behind.
-    pub fn shielded<T>(
-        &mut self,
-        what: &str,
-        op: impl FnOnce(&mut Self) -> Result<T>,
-    ) -> Result<T> {
-        // A poisoned manager refuses every call, including those whose core method
-        // has no guard of its own (the per-step drains: `new_step_starts`,
-        // `take_new_block_ids`, ...).
-        self.guard()?;
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| op(self))) {
-            Ok(r) => r,
-            Err(payload) => Err(self.poison_after_panic(what, payload.as_ref())),
-        }
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn after_checked<T>(&mut self, op: &'static str, r: Result<T>) -> Result<T> {
-        if self.poisoned.is_some() {
-            return r;
-        }
-        let checked = if self.coordinator.hisparse().is_some() {
-            // Between a HiSparse step's calls its tables may name pages it
-            // released (and lost to reuse) until the next step: check the pools'
-            // own structures only.
-            self.block_pool()
-                .check_invariants()
-                .and_then(|()| self.host_pool().map_or(Ok(()), BlockPool::check_invariants))
-        } else {
-            self.check_invariants()
-        };
-        match checked {
-            Ok(()) => r,
-            Err(msg) => {
-                let msg = format!("after {op}: {msg}");
-                self.poisoned = Some(msg.clone());
-                Err(Error::Invariant(format!(
-                    "{msg} (the KV-cache manager is now poisoned)"
-                )))
-            }
-        }
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn poison_after_panic(&mut self, what: &str, payload: &(dyn std::any::Any + Send)) -> Error {
-        let detail = crate::shield::panic_message(payload);
-        self.poison(Error::Internal(format!(
-            "internal panic in {what}: {detail}"
-        )))
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn poison(&mut self, e: Error) -> Error {
-        let msg = e.to_string();
-        self.poisoned = Some(msg.clone());
-        Error::Internal(format!("{msg} (the KV-cache manager is now poisoned)"))
     }
 
     #[inline(always)]
@@ -620,14 +488,15 @@ impl KVCacheManager {
         out: &mut Vec<BlockId>,
         ends: &mut SmallVec<[usize; 4]>,
     ) -> Result<bool> {
-        let r = self.allocate_slots_unchecked(request, args, out, ends);
+        let r = self.allocate_slots_inner(request, args, out, ends);
         if self.explain.is_some() && matches!(r, Ok(true)) {
             self.explain_cached(request);
         }
         self.after("allocate_slots", r)
     }
 
-    fn allocate_slots_unchecked<R: RequestLike>(
+    /// `allocate_slots` before the after-call check: vLLM's stages, in order.
+    fn allocate_slots_inner<R: RequestLike>(
         &mut self,
         request: &R,
         args: &AllocateSlots<'_>,
@@ -635,7 +504,54 @@ impl KVCacheManager {
         ends: &mut SmallVec<[usize; 4]>,
     ) -> Result<bool> {
         self.guard()?;
-        // ---- plan: validate, read, decide what to read for caching ----
+        self.validate_allocation(request, args)?;
+        if self.allocate_slots_in_place(request, args).is_some() {
+            self.num_steady_steps += 1;
+            let at = out.len();
+            ends.extend(std::iter::repeat_n(at, self.num_kv_cache_groups()));
+            return Ok(true);
+        }
+        let retained = args.new_computed_blocks.and_then(|given| {
+            self.retained_hits(
+                given,
+                args.num_new_computed_tokens + args.num_external_computed_tokens,
+            )
+        });
+        let hits = match &retained {
+            Some(retained) => retained.view(),
+            None => args.new_computed_blocks.unwrap_or(GroupedBlocks::EMPTY),
+        };
+        // Stage 0: nothing has changed yet, and an `Err` leaves everything as it was.
+        let plan = self.plan_allocation(request, args, hits)?;
+        if args.full_sequence_must_fit && !self.full_sequence_fits(request, args, &plan)? {
+            return Ok(false);
+        }
+        // Stage 1: free what attention skips (even if the call then does not fit).
+        let rid = request.request_id();
+        self.free_skipped_blocks(rid, &plan)?;
+        if !self.new_blocks_fit(rid, args, &plan)? {
+            return Ok(false);
+        }
+        // Stage 2: adopt the hits, allocate the external tokens' blocks.
+        if plan.adopt {
+            self.adopt_computed_blocks(rid, args, &plan)?;
+        }
+        crate::fault::point("allocate_slots.adopted");
+        // Stage 3: the new and lookahead tokens' blocks, then caching.
+        self.allocate_new_blocks(rid, args, &plan, out, ends)?;
+        crate::fault::point("allocate_slots.cached");
+        if let Some(cache) = plan.cache {
+            self.cache_planned(rid, request.num_computed_tokens(), cache)?;
+        }
+        Ok(true)
+    }
+
+    /// The arguments' own bounds (before anything is read or changed).
+    fn validate_allocation<R: RequestLike>(
+        &self,
+        request: &R,
+        args: &AllocateSlots<'_>,
+    ) -> Result<()> {
         // vLLM 0.30 also refuses a step that only adopts local hits.
         let strict = self.vllm_rules().zero_new_tokens_needs_external;
         if args.num_new_tokens == 0
@@ -663,35 +579,23 @@ impl KVCacheManager {
                 args.num_encoder_tokens
             )));
         }
-        self.check_tokens("request.num_computed_tokens", request.num_computed_tokens())?;
-        let n_groups = self.num_kv_cache_groups();
-        if self.allocate_slots_in_place(request, args).is_some() {
-            self.num_steady_steps += 1;
-            let at = out.len();
-            ends.extend(std::iter::repeat_n(at, n_groups));
-            return Ok(true);
-        }
+        self.check_tokens("request.num_computed_tokens", request.num_computed_tokens())
+    }
+
+    /// Stage 0: checks the hits handed back, reads every request field the call
+    /// may need and plans the caching; changes nothing.
+    fn plan_allocation<'h, R: RequestLike>(
+        &mut self,
+        request: &R,
+        args: &AllocateSlots<'_>,
+        hits: GroupedBlocks<'h>,
+    ) -> Result<AllocationPlan<'h>> {
         let rid = request.request_id();
-        let no_hits = GroupedBlocks {
-            ids: &[],
-            ends: &[],
-        };
-        let mut retained: Option<(Vec<BlockId>, SmallVec<[usize; 4]>)> = None;
-        if let Some(given) = args.new_computed_blocks {
-            // Groups that kept a longer hit keep only the prefix the local and
-            // external hits cover (vLLM's `retained_hit_group_ids`).
-            let reused = args.num_new_computed_tokens + args.num_external_computed_tokens;
-            retained = self.retained_hits(given, reused);
-        }
-        let hits = match (&retained, args.new_computed_blocks) {
-            (Some((ids, ends)), Some(_)) => GroupedBlocks { ids, ends },
-            (_, given) => given.unwrap_or(no_hits),
-        };
         let adopt = args.new_computed_blocks.is_some() || args.num_external_computed_tokens > 0;
         let running = self
             .coordinator
             .request(rid)
-            .is_some_and(|s| s.groups.iter().any(|g| g.num_cached_block.is_some()));
+            .is_some_and(RequestState::is_running);
         let num_local = request.num_computed_tokens() + args.num_new_computed_tokens;
         if adopt {
             self.check_hits(rid, hits, running)?;
@@ -734,48 +638,89 @@ impl KVCacheManager {
             None
         } else {
             let adopting = (adopt && !running).then_some(num_local);
-            self.plan_cache(request, total + args.num_new_tokens, true, adopting, prompt)?
+            self.plan_cache(request, num_tokens_main_model, true, adopting, prompt)?
         };
-        let hit = |g: usize| hits.group(g);
-        if args.full_sequence_must_fit {
-            let full = request.num_tokens()?.min(max_len);
-            let need = self.coordinator.get_num_blocks_to_allocate(
-                rid,
-                full,
-                &hit,
-                args.num_encoder_tokens,
-                total,
-                num_local,
-                full,
-                true,
-                prefill_end,
-            )?;
-            if need + watermark as i64 > self.block_pool().get_num_free_blocks() as i64 {
-                return Ok(false);
-            }
-        }
-
-        // ---- stage 1: free skipped blocks, count, check the fit ----
-        if needs.in_flight_for_skip {
-            let processed = total.saturating_sub(in_flight);
-            let p = needs.prompt_for_skip.then_some(prompt);
-            let r = self.coordinator.remove_skipped_blocks(rid, processed, p);
-            self.applied(r)?;
-        }
-        let need = self.coordinator.get_num_blocks_to_allocate(
-            rid,
-            num_tokens_need_slot,
-            &hit,
-            args.num_encoder_tokens,
-            total_uncapped,
+        Ok(AllocationPlan {
+            hits,
+            adopt,
             num_local,
-            num_tokens_main_model,
-            false,
+            total_uncapped,
+            total,
+            watermark,
+            prompt,
             prefill_end,
-        );
+            in_flight,
+            num_tokens_main_model,
+            num_tokens_need_slot,
+            cache,
+        })
+    }
+
+    /// vLLM's first check with `full_sequence_must_fit`: the whole request's blocks
+    /// (admission cap applied) fit beside the watermark.
+    fn full_sequence_fits<R: RequestLike>(
+        &mut self,
+        request: &R,
+        args: &AllocateSlots<'_>,
+        plan: &AllocationPlan<'_>,
+    ) -> Result<bool> {
+        let full = request.num_tokens()?.min(self.config.max_model_len);
+        let need = self
+            .coordinator
+            .get_num_blocks_to_allocate(&NumBlocksToAllocate {
+                request_id: request.request_id(),
+                num_tokens: full,
+                hits: plan.hits,
+                num_encoder_tokens: args.num_encoder_tokens,
+                total_computed_tokens: plan.total,
+                num_local_computed_tokens: plan.num_local,
+                num_tokens_main_model: full,
+                apply_admission_cap: true,
+                prefill_end: plan.prefill_end,
+            })?;
+        Ok(need + plan.watermark as i64 <= self.block_pool().get_num_free_blocks() as i64)
+    }
+
+    /// Stage 1a: frees the blocks attention skips, counting only the tokens the
+    /// workers have processed (in-flight steps still read below the boundary).
+    fn free_skipped_blocks(&mut self, rid: &str, plan: &AllocationPlan<'_>) -> Result<()> {
+        let needs = self.coordinator.needs();
+        if !needs.in_flight_for_skip {
+            return Ok(());
+        }
+        let processed = plan.total.saturating_sub(plan.in_flight);
+        let prompt = needs.prompt_for_skip.then_some(plan.prompt);
+        let r = self
+            .coordinator
+            .remove_skipped_blocks(rid, processed, prompt);
+        self.applied(r)
+    }
+
+    /// Stage 1b: counts the blocks the call needs (new blocks and hits that sit in
+    /// the free queue) and whether they fit beside the watermark and the reserved
+    /// blocks.
+    fn new_blocks_fit(
+        &mut self,
+        rid: &str,
+        args: &AllocateSlots<'_>,
+        plan: &AllocationPlan<'_>,
+    ) -> Result<bool> {
+        let need = self
+            .coordinator
+            .get_num_blocks_to_allocate(&NumBlocksToAllocate {
+                request_id: rid,
+                num_tokens: plan.num_tokens_need_slot,
+                hits: plan.hits,
+                num_encoder_tokens: args.num_encoder_tokens,
+                total_computed_tokens: plan.total_uncapped,
+                num_local_computed_tokens: plan.num_local,
+                num_tokens_main_model: plan.num_tokens_main_model,
+                apply_admission_cap: false,
+                prefill_end: plan.prefill_end,
+            });
         let need = self.applied(need)?;
         let free = self.block_pool().get_num_free_blocks();
-        if need + watermark as i64 > free as i64 - args.reserved_blocks {
+        if need + plan.watermark as i64 > free as i64 - args.reserved_blocks {
             return Ok(false);
         }
         if need > free as i64 {
@@ -787,207 +732,70 @@ impl KVCacheManager {
                 available: free,
             });
         }
+        Ok(true)
+    }
 
-        // ---- stage 2: adopt hits, allocate external-token blocks ----
-        if adopt {
-            let skip = |g: usize| args.skip_zeroing_group_ids.contains(&(g as u32));
-            let r = self.coordinator.allocate_new_computed_blocks(
-                rid,
-                &hit,
-                num_local,
-                args.num_external_computed_tokens,
-                &skip,
-            );
-            self.applied(r)?;
-        }
-        crate::fault::point("allocate_slots.adopted");
-        // ---- stage 3: new and lookahead slots, then caching ----
+    /// Stage 2: every group adopts (touches) its hits, then allocates the external
+    /// tokens' blocks (vLLM's `allocate_new_computed_blocks`).
+    fn adopt_computed_blocks(
+        &mut self,
+        rid: &str,
+        args: &AllocateSlots<'_>,
+        plan: &AllocationPlan<'_>,
+    ) -> Result<()> {
+        let hits = plan.hits;
+        let skip = |g: usize| args.skip_zeroing_group_ids.contains(&(g as u32));
+        let r = self.coordinator.allocate_new_computed_blocks(
+            rid,
+            &|g| hits.group(g),
+            plan.num_local,
+            args.num_external_computed_tokens,
+            &skip,
+        );
+        self.applied(r)
+    }
+
+    /// Stage 3a: the new and lookahead tokens' blocks, appended to `out`.
+    fn allocate_new_blocks(
+        &mut self,
+        rid: &str,
+        args: &AllocateSlots<'_>,
+        plan: &AllocationPlan<'_>,
+        out: &mut Vec<BlockId>,
+        ends: &mut SmallVec<[usize; 4]>,
+    ) -> Result<()> {
         let start = ends.len();
         let r = self.coordinator.allocate_new_blocks(
             rid,
-            num_tokens_need_slot,
-            num_tokens_main_model,
+            plan.num_tokens_need_slot,
+            plan.num_tokens_main_model,
             args.num_encoder_tokens,
             out,
             ends,
         );
         self.applied(r)?;
-        debug_assert_eq!(ends.len() - start, n_groups);
-        crate::fault::point("allocate_slots.cached");
-        if let Some(plan) = cache {
-            let r = self.coordinator.cache_blocks(
-                rid,
-                &plan.hashes,
-                plan.num_tokens,
-                plan.num_prompt_tokens,
-                request.num_computed_tokens(),
-                plan.shared_prefix_boundary,
-            );
-            self.hash_buffer = plan.hashes.into_buffer();
-            self.applied(r)?;
-        }
-        Ok(true)
-    }
-
-    /// Validates a lookup result handed back to `allocate_slots`: one list per
-    /// group, ids in range, ref-0 hits still in the free queue, no hits for a
-    /// running request or a request that already holds blocks, none with caching
-    /// off.
-    fn check_hits(&self, rid: &str, hits: GroupedBlocks<'_>, running: bool) -> Result<()> {
-        let n = self.num_kv_cache_groups();
-        if !hits.ends.is_empty() && hits.ends.len() != n {
-            return Err(Error::InvalidArgument(format!(
-                "new_computed_blocks has {} groups; the manager has {n}",
-                hits.ends.len()
-            )));
-        }
-        if self.coordinator.hisparse().is_some() {
-            for g in 0..hits.ends.len() {
-                self.coordinator.pool_of(g).validate_touch(hits.group(g))?;
-            }
-        } else {
-            self.block_pool().validate_touch(hits.ids)?;
-        }
-        if hits.ids.is_empty() {
-            return Ok(());
-        }
-        if running {
-            return Err(Error::InvalidArgument(format!(
-                "request {rid:?} is already running and cannot adopt prefix hits"
-            )));
-        }
-        if !self.enable_caching() && hits.ids.iter().any(|&b| b != NULL_BLOCK_ID) {
-            return Err(Error::InvalidArgument(
-                "computed blocks must be empty when prefix caching is disabled".into(),
-            ));
-        }
-        if let Some(state) = self.coordinator.request(rid) {
-            for (g, m) in self.coordinator.managers().iter().enumerate() {
-                let takes_hits = !matches!(
-                    m.base().spec.kind,
-                    ManagerKind::CrossAttention | ManagerKind::CircularBuffer
-                );
-                if takes_hits && !state.groups[g].blocks.is_empty() {
-                    return Err(Error::InvalidArgument(format!(
-                        "request {rid:?} already has blocks and cannot adopt prefix hits"
-                    )));
-                }
-            }
-        }
+        debug_assert_eq!(ends.len() - start, self.num_kv_cache_groups());
         Ok(())
     }
 
-    /// The hit handed back must cover the computed tokens the caller claims for it:
-    /// in every attention group that caches, at least `num_local / block_size`
-    /// blocks (the blocks the caching plan counts as already cached). A shorter hit
-    /// (`num_new_computed_tokens` beyond the hit the lookup returned) would claim
-    /// tokens no block holds; vLLM takes it and leaves the request's cached count
-    /// past its table. Empty hits (no lookup, or a connector's external tokens) are
-    /// not checked.
-    fn check_hits_cover(&self, hits: GroupedBlocks<'_>, num_local: usize) -> Result<()> {
-        if hits.ids.is_empty() || self.coordinator.hisparse().is_some() {
-            return Ok(());
-        }
-        for (g, m) in self.coordinator.managers().iter().enumerate() {
-            let b = m.base();
-            // Attention groups' hits cover the hit (null blocks stand for what a
-            // window skips); Mamba's and the auxiliary groups' do not.
-            let full_length = matches!(
-                b.spec.kind,
-                ManagerKind::FullAttention
-                    | ManagerKind::SlidingWindow { .. }
-                    | ManagerKind::ChunkedLocal { .. }
-            );
-            let held = hits.group(g).len();
-            if full_length && b.spec.prefix_cacheable && held < num_local / b.block_size {
-                return Err(Error::InvalidArgument(format!(
-                    "{num_local} computed tokens claimed, but the hit of group {g} holds \
-                     {held} blocks of {} tokens (num_new_computed_tokens beyond the hit \
-                     handed back)",
-                    b.block_size
-                )));
-            }
-        }
-        Ok(())
-    }
-
-    /// The stale or malformed hits vLLM accepts, rejected in the checked mode
-    /// (`HSCACHE_CHECK_INVARIANTS=1`): in a full-attention group every hit block
-    /// must be a cached block (not the null block, not evicted, reset or reassigned
-    /// since the lookup: it still carries a hash), appear once, and the hit must
-    /// cover `num_new_computed_tokens`. Off by default: vLLM's own tests hand
-    /// `allocate_slots` hand-made hits.
-    #[cold]
-    #[inline(never)]
-    fn check_hits_strictly(
-        &self,
-        hits: GroupedBlocks<'_>,
-        num_new_computed_tokens: usize,
+    /// Stage 3b (and `cache_blocks`): caches what `plan` read; the hash buffer is
+    /// kept for the next call.
+    fn cache_planned(
+        &mut self,
+        rid: &str,
+        num_computed_tokens: usize,
+        plan: CachePlan,
     ) -> Result<()> {
-        if self.coordinator.hisparse().is_some() || hits.ends.is_empty() {
-            return Ok(());
-        }
-        let pool = self.block_pool();
-        for (g, m) in self.coordinator.managers().iter().enumerate() {
-            if !matches!(m.base().spec.kind, ManagerKind::FullAttention) {
-                continue;
-            }
-            let group = hits.group(g);
-            let mut seen: Vec<BlockId> = group.to_vec();
-            seen.sort_unstable();
-            if let Some(w) = seen.windows(2).find(|w| w[0] == w[1]) {
-                return Err(Error::InvalidArgument(format!(
-                    "new_computed_blocks group {g} holds block {} more than once",
-                    w[0]
-                )));
-            }
-            for &b in group {
-                if b == NULL_BLOCK_ID {
-                    return Err(Error::InvalidArgument(format!(
-                        "new_computed_blocks group {g} holds the null block"
-                    )));
-                }
-                if pool.block_hash(b).is_none() {
-                    return Err(Error::InvalidArgument(format!(
-                        "new_computed_blocks group {g}: block {b} is no longer cached \
-                         (evicted, reset or reassigned since the lookup)"
-                    )));
-                }
-            }
-            let covered = group.len().saturating_mul(m.base().block_size);
-            if num_new_computed_tokens > covered {
-                return Err(Error::InvalidArgument(format!(
-                    "num_new_computed_tokens = {num_new_computed_tokens} but the hit of \
-                     group {g} covers {covered} tokens"
-                )));
-            }
-        }
-        Ok(())
-    }
-
-    /// `hits` with the groups that retain a longer hit cut to the blocks of
-    /// `reused` tokens; None when no group does.
-    fn retained_hits(
-        &self,
-        hits: GroupedBlocks<'_>,
-        reused: usize,
-    ) -> Option<(Vec<BlockId>, SmallVec<[usize; 4]>)> {
-        let managers = self.coordinator.managers();
-        if !managers.iter().any(|m| m.retains_longer_hit()) {
-            return None;
-        }
-        let mut ids = Vec::with_capacity(hits.ids.len());
-        let mut ends = SmallVec::new();
-        for g in 0..hits.ends.len() {
-            let group = hits.group(g);
-            let keep = match managers.get(g) {
-                Some(m) if m.retains_longer_hit() => cdiv(reused, m.base().block_size),
-                _ => group.len(),
-            };
-            ids.extend_from_slice(&group[..keep.min(group.len())]);
-            ends.push(ids.len());
-        }
-        Some((ids, ends))
+        let r = self.coordinator.cache_blocks(
+            rid,
+            &plan.hashes,
+            plan.num_tokens,
+            plan.num_prompt_tokens,
+            num_computed_tokens,
+            plan.shared_prefix_boundary,
+        );
+        self.hash_buffer = plan.hashes.into_buffer();
+        self.applied(r)
     }
 
     /// Decides whether caching `upper` tokens (capped at `num_tokens` when `cap`)
@@ -1073,79 +881,6 @@ impl KVCacheManager {
         })
     }
 
-    /// The steady decode step, decided from the request's tables with one lookup: a
-    /// request that adopts nothing, whose new and lookahead tokens fit in the
-    /// blocks it holds, with no skipped block left to free and no block to cache,
-    /// on groups whose calls have no other effect (full attention, sliding window,
-    /// chunked local). vLLM's stages would free none, count 0 blocks, allocate none
-    /// and cache none, so nothing changes and the call fits (unless the reservation
-    /// exceeds the free blocks, or the watermark may apply: the general path decides
-    /// those). `None`: take the general path.
-    #[inline]
-    fn allocate_slots_in_place<R: RequestLike>(
-        &self,
-        request: &R,
-        args: &AllocateSlots<'_>,
-    ) -> Option<()> {
-        let needs = self.coordinator.needs();
-        let plain = needs.steady_decode
-            && self.steady_decode
-            && args.new_computed_blocks.is_none()
-            && args.num_new_computed_tokens == 0
-            && args.num_external_computed_tokens == 0
-            && !args.full_sequence_must_fit
-            && !(args.has_scheduled_reqs && self.config.watermark_blocks > 0)
-            && args.reserved_blocks <= self.block_pool().get_num_free_blocks() as i64;
-        if !plain {
-            return None;
-        }
-        let max_len = self.config.max_model_len;
-        let computed = request.num_computed_tokens();
-        let total = computed.min(max_len);
-        let main = total + args.num_new_tokens;
-        let need_slot = (main + args.num_lookahead_tokens).min(max_len);
-        let caching = !args.delay_cache_blocks && self.enable_caching();
-        // What the groups that cache beyond full blocks need to know (the general
-        // path caps the cached tokens at `num_tokens`).
-        let (cache_tokens, num_prompt_tokens) = if caching && needs.steady_reads_prompt {
-            (
-                Some(main.min(request.num_tokens().ok()?)),
-                request.num_prompt_tokens().ok()?,
-            )
-        } else {
-            (caching.then_some(main), 0)
-        };
-        let (slot, state) = self.coordinator.request_with_slot(request.request_id())?;
-        // Every group's skip rule frees more the more tokens were processed, so a call
-        // that frees nothing with all `total` tokens processed frees nothing with fewer:
-        // `num_in_flight_tokens` is read only when that first check fails.
-        let mut q = SteadyQuery {
-            num_tokens: need_slot,
-            num_tokens_main_model: main,
-            num_computed_tokens: computed,
-            processed_computed_tokens: if needs.in_flight_for_skip { total } else { 0 },
-            cacheable_tokens: None,
-            num_prompt_tokens,
-        };
-        if !self.coordinator.is_steady(slot, state, &q, cache_tokens) {
-            if !needs.in_flight_for_skip {
-                return None;
-            }
-            let in_flight = request.num_in_flight_tokens().ok()?;
-            if in_flight == 0 {
-                return None;
-            }
-            q.processed_computed_tokens = total.saturating_sub(in_flight);
-            if !self.coordinator.is_steady(slot, state, &q, cache_tokens) {
-                return None;
-            }
-        }
-        if caching && self.may_cache_full_block(Some(state), main, None) {
-            return None;
-        }
-        Some(())
-    }
-
     /// vLLM's `cache_blocks`: caches the request's full blocks up to
     /// `num_computed_tokens` (KV loads that landed, async-scheduling catch-up).
     pub fn cache_blocks<R: RequestLike>(
@@ -1153,14 +888,15 @@ impl KVCacheManager {
         request: &R,
         num_computed_tokens: usize,
     ) -> Result<()> {
-        let r = self.cache_blocks_unchecked(request, num_computed_tokens);
+        let r = self.cache_blocks_inner(request, num_computed_tokens);
         if self.explain.is_some() && r.is_ok() {
             self.explain_cached(request);
         }
         self.after("cache_blocks", r)
     }
 
-    fn cache_blocks_unchecked<R: RequestLike>(
+    /// `cache_blocks` before the after-call check.
+    fn cache_blocks_inner<R: RequestLike>(
         &mut self,
         request: &R,
         num_computed_tokens: usize,
@@ -1188,16 +924,7 @@ impl KVCacheManager {
         };
         self.coordinator
             .check_cache_fits(rid, num_computed_tokens, plan.hashes.len())?;
-        let r = self.coordinator.cache_blocks(
-            rid,
-            &plan.hashes,
-            plan.num_tokens,
-            plan.num_prompt_tokens,
-            request.num_computed_tokens(),
-            plan.shared_prefix_boundary,
-        );
-        self.hash_buffer = plan.hashes.into_buffer();
-        self.applied(r)
+        self.cache_planned(rid, request.num_computed_tokens(), plan)
     }
 
     // ---- freeing ---------------------------------------------------------------------
@@ -1247,7 +974,7 @@ impl KVCacheManager {
             let host = host.clone().unwrap_or(0..0);
             for (i, &b) in out.iter().enumerate().skip(start) {
                 if !host.contains(&i) {
-                    add_refs(&mut self.external_refs, &[b]);
+                    self.add_external(&[b]);
                 }
             }
         }
@@ -1293,185 +1020,6 @@ impl KVCacheManager {
         let r = self.coordinator.reset_device_prefix_cache();
         let r = self.applied(r);
         self.after("reset_prefix_cache", r)
-    }
-
-    /// The device pool's `get_new_blocks` (then HiSparse's reuse callbacks).
-    pub fn get_new_blocks(&mut self, n: usize, out: &mut Vec<BlockId>) -> Result<()> {
-        self.guard()?;
-        let start = out.len();
-        self.coordinator.block_pool_mut().get_new_blocks(n, out)?;
-        add_refs(&mut self.external_refs, &out[start..]);
-        let r = self.coordinator.process_reused();
-        let r = self.applied(r);
-        self.after("get_new_blocks", r)
-    }
-
-    /// The device pool's `touch` (the `BlockPool` view): the caller now holds one
-    /// more reference to each block.
-    pub fn touch(&mut self, block_ids: &[BlockId]) -> Result<()> {
-        self.guard()?;
-        self.coordinator.block_pool_mut().touch(block_ids)?;
-        self.add_external(block_ids);
-        self.after("touch", Ok(()))
-    }
-
-    /// Runs `f` on HiSparse's coordinator (`Err` on other layouts); a failure or a
-    /// panic midway poisons the manager.
-    pub fn hisparse_call<T>(
-        &mut self,
-        f: impl FnOnce(&mut HiSparseCoordinator, &mut HiSparseCtx<'_>) -> Result<T>,
-    ) -> Result<T> {
-        self.shielded("a HiSparse call", |m| {
-            m.guard()?;
-            if m.coordinator.hisparse().is_none() {
-                return Err(Error::InvalidArgument(
-                    "this KV-cache layout has no HiSparse group".into(),
-                ));
-            }
-            let r = m.coordinator.with_hisparse(f);
-            let r = m.applied(r);
-            m.after("a HiSparse call", r)
-        })
-    }
-
-    /// Runs `f` on HiSparse's host pool and moves its events to the device pool's
-    /// queue (`Err` on other layouts). Pool calls validate before they change
-    /// anything, so an `Err` leaves everything as it was.
-    pub fn host_pool_call<T>(&mut self, f: impl FnOnce(&mut BlockPool) -> Result<T>) -> Result<T> {
-        self.shielded("a HiSparse host-pool call", |m| {
-            m.guard()?;
-            let host_group = m.coordinator.hisparse().map(|h| h.layout().host_group);
-            let Some(g) = host_group else {
-                return Err(Error::InvalidArgument(
-                    "this KV-cache layout has no HiSparse host pool".into(),
-                ));
-            };
-            m.coordinator
-                .with_hisparse(|_, ctx| ctx.with_host(g, None, f))
-        })
-    }
-
-    /// HiSparse publications made and dropped since the last call: `(made, dropped)`
-    /// ids; a made one's request is the request of the call that made it.
-    pub fn take_publication_changes(&mut self) -> Option<(Vec<u64>, Vec<u64>)> {
-        let h = self.coordinator.hisparse.as_deref_mut()?;
-        if !h.has_publication_changes() {
-            return None;
-        }
-        Some((h.take_publication_binds(), h.take_publication_releases()))
-    }
-
-    /// Whether HiSparse publications were made or dropped since the last look.
-    pub fn has_publication_changes(&self) -> bool {
-        self.coordinator
-            .hisparse()
-            .is_some_and(HiSparseCoordinator::has_publication_changes)
-    }
-
-    /// One group's `allocate_new_blocks`, as vLLM code may call a single-type
-    /// manager directly (the request's tables are created if absent): the new ids.
-    pub fn group_allocate_new_blocks(
-        &mut self,
-        g: usize,
-        request_id: &str,
-        num_tokens: usize,
-        num_tokens_main_model: usize,
-    ) -> Result<Vec<BlockId>> {
-        self.guard()?;
-        if g >= self.num_kv_cache_groups() {
-            return Err(Error::InvalidArgument(format!("no KV-cache group {g}")));
-        }
-        self.check_tokens("num_tokens", num_tokens)?;
-        let mut out = Vec::new();
-        let r = self.coordinator.group_allocate_new_blocks(
-            g,
-            request_id,
-            num_tokens,
-            num_tokens_main_model,
-            &mut out,
-        );
-        let r = self.applied(r);
-        self.after("allocate_new_blocks", r)?;
-        Ok(out)
-    }
-
-    /// One group's `get_num_blocks_to_allocate` (vLLM code may call a single-type
-    /// manager directly).
-    pub fn group_num_blocks_to_allocate(
-        &mut self,
-        g: usize,
-        q: &single_type::NumBlocksQuery<'_>,
-    ) -> Result<i64> {
-        self.guard()?;
-        if g >= self.num_kv_cache_groups() {
-            return Err(Error::InvalidArgument(format!("no KV-cache group {g}")));
-        }
-        self.coordinator
-            .pool_of(g)
-            .validate_touch(q.new_computed_blocks)?;
-        self.coordinator.group_num_blocks_to_allocate(g, q)
-    }
-
-    /// HiSparse's host pool, on a HiSparse layout.
-    pub fn host_pool(&self) -> Option<&BlockPool> {
-        self.host_group().map(|g| self.coordinator.pool_of(g))
-    }
-
-    /// HiSparse's source group (whose blocks are host pool blocks).
-    pub fn host_group(&self) -> Option<usize> {
-        self.coordinator.hisparse().map(|h| h.layout().host_group)
-    }
-
-    /// The pool of group `g`'s blocks (HiSparse's host pool for its source group).
-    #[inline]
-    pub fn pool_of(&self, g: usize) -> &BlockPool {
-        self.coordinator.pool_of(g)
-    }
-
-    /// Drops one reference per listed block, first = evicted first (deferred frees
-    /// through vLLM's `block_pool.free_blocks`).
-    /// In the checked mode, blocks still held by a live block table are refused
-    /// ([`KVCacheCoordinator::check_free_keeps_tables`]); vLLM accepts them.
-    pub fn free_blocks(&mut self, ordered_blocks: &[BlockId]) -> Result<()> {
-        self.guard()?;
-        if self.check_after_ops {
-            self.coordinator.check_free_keeps_tables(ordered_blocks)?;
-        }
-        let r = self
-            .coordinator
-            .block_pool_mut()
-            .free_blocks(ordered_blocks);
-        if r.is_ok() {
-            self.drop_external(ordered_blocks);
-        }
-        self.after("free_blocks", r)
-    }
-
-    /// vLLM's `free_blocks` over blocks of both HiSparse pools: the device pool's
-    /// first, then the host pool's (each in the given order).
-    pub fn free_blocks_mixed(&mut self, device: &[BlockId], host: &[BlockId]) -> Result<()> {
-        self.guard()?;
-        if !host.is_empty() {
-            let Some(g) = self.coordinator.hisparse().map(|h| h.layout().host_group) else {
-                return Err(Error::InvalidArgument("no HiSparse host pool".into()));
-            };
-            // Validate both before changing either.
-            let hp = self.coordinator.pool_of(g);
-            for &b in host {
-                hp.check_block_id(i64::from(b))?;
-            }
-        }
-        if self.check_after_ops {
-            self.coordinator.check_free_keeps_tables(device)?;
-        }
-        self.coordinator.block_pool_mut().free_blocks(device)?;
-        self.drop_external(device);
-        if host.is_empty() {
-            return self.after("free_blocks", Ok(()));
-        }
-        let r = self.host_pool_call(|pool| pool.free_blocks(host));
-        let r = self.applied(r);
-        self.after("free_blocks", r)
     }
 
     // ---- tables, estimates, hand-offs ------------------------------------------------
@@ -1593,16 +1141,6 @@ impl KVCacheManager {
             .record_blocks_for_zeroing(request_id, start_token)
     }
 
-    /// vLLM's `take_kv_cache_block_copies`: the queued copy-on-write pairs; both
-    /// endpoints hold a reference the caller frees once the copy ran.
-    pub fn take_kv_cache_block_copies(&mut self) -> Vec<(BlockId, BlockId)> {
-        let copies = self.coordinator.take_pending_cow_copies();
-        for &(src, cow) in &copies {
-            self.add_external(&[src, cow]);
-        }
-        copies
-    }
-
     /// vLLM's `take_boundary_state_offloads` (Mamba "align" only).
     pub fn take_boundary_state_offloads(&mut self) -> Vec<BoundaryOffload> {
         self.coordinator.take_boundary_state_offloads()
@@ -1625,129 +1163,8 @@ impl KVCacheManager {
         Ok(())
     }
 
-    /// vLLM's `coordinator.get_num_blocks_to_allocate`, as the Scheduler calls it
-    /// directly (async-load admission) and tests probe it.
-    #[allow(clippy::too_many_arguments)]
-    pub fn coordinator_num_blocks_to_allocate(
-        &mut self,
-        request_id: &str,
-        num_tokens: usize,
-        hits: GroupedBlocks<'_>,
-        num_encoder_tokens: usize,
-        total_computed_tokens: usize,
-        num_local_computed_tokens: usize,
-        num_tokens_main_model: usize,
-        apply_admission_cap: bool,
-        prefill_end: usize,
-    ) -> Result<i64> {
-        self.guard()?;
-        for g in 0..hits.ends.len() {
-            for &b in hits.group(g) {
-                self.coordinator.pool_of(g).check_block_id(i64::from(b))?;
-            }
-        }
-        self.coordinator.get_num_blocks_to_allocate(
-            request_id,
-            num_tokens,
-            &|g| hits.group(g),
-            num_encoder_tokens,
-            total_computed_tokens,
-            num_local_computed_tokens,
-            num_tokens_main_model,
-            apply_admission_cap,
-            prefill_end,
-        )
-    }
-
-    /// Queues a copy-on-write pair on group `g` (what vLLM code does by appending to
-    /// a manager's `_pending_cow_copies`).
-    pub fn push_cow_copy(&mut self, g: usize, pair: (BlockId, BlockId)) -> Result<()> {
-        self.guard()?;
-        self.coordinator
-            .pool_of(g)
-            .check_block_id(i64::from(pair.0))?;
-        self.coordinator
-            .pool_of(g)
-            .check_block_id(i64::from(pair.1))?;
-        self.coordinator.push_cow_copy(g, pair);
-        if self.coordinator.pool_of(g).num_gpu_blocks() == self.block_pool().num_gpu_blocks()
-            && self.host_group() != Some(g)
-        {
-            // The pair took no reference (vLLM code appended it by hand), but the
-            // invariant check counts a queued pair as holding one of each endpoint.
-            for b in [pair.0, pair.1] {
-                if let Some(e) = self.external_refs.get_mut(b as usize) {
-                    *e -= 1;
-                }
-            }
-        }
-        self.after("push_cow_copy", Ok(()))
-    }
-
-    /// vLLM code sets `coordinator.retention_interval` after construction.
-    pub fn set_retention_interval(&mut self, retention: Option<usize>) -> Result<()> {
-        self.guard()?;
-        self.coordinator.set_retention_interval(retention)
-    }
-
-    /// vLLM code sets a single-type manager's `use_eagle` after construction.
-    pub fn set_group_use_eagle(&mut self, g: usize, use_eagle: bool) -> Result<()> {
-        self.guard()?;
-        if g >= self.coordinator.managers().len() {
-            return Err(Error::InvalidArgument(format!("no KV-cache group {g}")));
-        }
-        self.coordinator.set_group_use_eagle(g, use_eagle);
-        Ok(())
-    }
-
     /// A new scheduler step starts (Mamba forgets what was cached this step).
     pub fn new_step_starts(&mut self) {
         self.coordinator.new_step_starts();
-    }
-
-    /// Every structural invariant of the pool and the request tables.
-    pub fn check_invariants(&self) -> std::result::Result<(), String> {
-        if self.coordinator.hisparse().is_some() {
-            // HiSparse pins pages outside the tables (reuse watchers, publications):
-            // ref counts are checked as an upper bound there.
-            return self.coordinator.check_invariants();
-        }
-        self.coordinator
-            .check_invariants_with(Some(&self.external_refs))
-    }
-
-    /// The external references (see the field), for the state digest and tests.
-    pub fn external_refs(&self) -> &[i32] {
-        &self.external_refs
-    }
-
-    /// Test-only: the external reference counts, mutable (invariant mutants).
-    #[doc(hidden)]
-    pub fn corrupt_external_refs_for_tests(&mut self) -> &mut Vec<i32> {
-        &mut self.external_refs
-    }
-
-    /// Test-only: the device pool, mutable, past the poison guard (invariant
-    /// mutants).
-    #[doc(hidden)]
-    pub fn corrupt_pool_for_tests(&mut self) -> &mut BlockPool {
-        self.coordinator.block_pool_mut()
-    }
-
-    fn add_external(&mut self, ids: &[BlockId]) {
-        add_refs(&mut self.external_refs, ids);
-    }
-
-    /// A reference given back through `free_blocks`: one the caller held (a free
-    /// of a block with none is a table's reference freed behind the manager's
-    /// back, which the check must see, so the count stays).
-    fn drop_external(&mut self, ids: &[BlockId]) {
-        for &b in ids {
-            if let Some(e) = self.external_refs.get_mut(b as usize) {
-                if *e > 0 {
-                    *e -= 1;
-                }
-            }
-        }
     }
 }

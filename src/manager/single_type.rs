@@ -46,6 +46,15 @@ pub struct GroupBlocks {
     pub partial_hit: Option<(usize, BlockId)>,
 }
 
+impl GroupBlocks {
+    /// Whether the request adopted its hits (or cached a block) in this group: it
+    /// is running, and cannot adopt hits again.
+    #[inline]
+    pub fn is_running(&self) -> bool {
+        self.num_cached_block.is_some()
+    }
+}
+
 /// One request's tables in every group (the coordinator's request table holds one
 /// per request; HiSparse's coordinator reads them too).
 #[derive(Clone, Debug, Default)]
@@ -53,6 +62,24 @@ pub struct RequestState {
     pub groups: SmallVec<[GroupBlocks; 2]>,
     /// The last batch this request was checked in (batched calls).
     pub batch_epoch: u64,
+}
+
+impl RequestState {
+    /// Whether the request is running in some group ([`GroupBlocks::is_running`]).
+    #[inline]
+    pub fn is_running(&self) -> bool {
+        self.groups.iter().any(GroupBlocks::is_running)
+    }
+}
+
+/// The refusal of prefix hits handed to a running request (the one rule, wherever
+/// a stage meets it).
+#[cold]
+#[inline(never)]
+pub fn running_cannot_adopt(request_id: &str) -> Error {
+    Error::InvalidArgument(format!(
+        "request {request_id:?} is already running and cannot adopt prefix hits"
+    ))
 }
 
 /// A copy-on-write pair queued for the worker: `(source, copy)`; both hold an extra
@@ -460,11 +487,9 @@ pub fn base_get_num_blocks_to_allocate<M: SingleTypeManager + ?Sized>(
         }
     }
     let have = req.map_or(0, |r| r.blocks.len());
-    if req.is_some_and(|r| r.num_cached_block.is_some()) {
+    if req.is_some_and(GroupBlocks::is_running) {
         if !q.new_computed_blocks.is_empty() {
-            return Err(Error::InvalidArgument(
-                "a running request cannot adopt prefix hits".into(),
-            ));
+            return Err(running_cannot_adopt(q.request_id));
         }
         return Ok(required.saturating_sub(have) as i64);
     }

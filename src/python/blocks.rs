@@ -24,7 +24,7 @@ use smallvec::SmallVec;
 
 use super::errors::InvalidArgumentError;
 use super::manager::PyKVCacheCore;
-use crate::manager::GroupedBlocks;
+use crate::manager::{GroupedBlockIds, GroupedBlocks};
 use crate::types::{BlockId, NULL_BLOCK_ID};
 
 #[pyclass(name = "KVCacheBlocks", module = "hscache._core", frozen)]
@@ -192,13 +192,13 @@ impl PyKVCacheBlocks {
             ));
         }
         let n = self.num_groups().max(other.num_groups());
-        let mut ids = Vec::with_capacity(self.ids.len() + other.ids.len());
-        let mut ends = SmallVec::new();
+        let mut sum = GroupedBlockIds::with_capacity(self.ids.len() + other.ids.len());
         for g in 0..n {
-            ids.extend_from_slice(self.group(g));
-            ids.extend_from_slice(other.group(g));
-            ends.push(ids.len());
+            sum.extend(self.group(g));
+            sum.extend(other.group(g));
+            sum.end_group();
         }
+        let (ids, ends) = sum.into_parts();
         Ok(Self::new(self.core.clone_ref(py), ids, ends))
     }
 

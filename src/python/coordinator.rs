@@ -6,13 +6,12 @@
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
-use smallvec::SmallVec;
 
 use super::convert::blocks::{grouped_ids, id_of};
 use super::convert::count;
 use super::convert::hashes::PyListHashes;
 use super::manager::PyKVCacheCore;
-use crate::manager::{GroupedBlocks, KVCacheCoordinator};
+use crate::manager::{GroupedBlockIds, KVCacheCoordinator, NumBlocksToAllocate};
 use crate::types::BlockId;
 
 impl PyKVCacheCore {
@@ -245,29 +244,30 @@ impl PyKVCacheCore {
         apply_admission_cap: bool,
         prefill_end: i64,
     ) -> PyResult<i64> {
-        let mut ids = Vec::new();
-        let mut ends: SmallVec<[usize; 4]> = SmallVec::new();
+        let mut hits = GroupedBlockIds::new();
         let host_group = slf.try_borrow()?.core.host_group();
         for (g, group) in new_computed_blocks.try_iter()?.enumerate() {
-            super::convert::blocks::ids_in(slf, &group?, host_group == Some(g), &mut ids)?;
-            ends.push(ids.len());
+            let open = hits.open_group_mut();
+            super::convert::blocks::ids_in(slf, &group?, host_group == Some(g), open)?;
+            hits.end_group();
         }
-        let hits = GroupedBlocks {
-            ids: &ids,
-            ends: &ends,
-        };
         let mut this = slf.try_borrow_mut()?;
-        Ok(this.core.coordinator_num_blocks_to_allocate(
-            request_id,
-            count("num_tokens", num_tokens)?,
-            hits,
-            count("num_encoder_tokens", num_encoder_tokens)?,
-            count("total_computed_tokens", total_computed_tokens)?,
-            count("num_local_computed_tokens", num_local_computed_tokens)?,
-            count("num_tokens_main_model", num_tokens_main_model)?,
-            apply_admission_cap,
-            count("prefill_end", prefill_end)?,
-        )?)
+        Ok(this
+            .core
+            .coordinator_num_blocks_to_allocate(&NumBlocksToAllocate {
+                request_id,
+                num_tokens: count("num_tokens", num_tokens)?,
+                hits: hits.view(),
+                num_encoder_tokens: count("num_encoder_tokens", num_encoder_tokens)?,
+                total_computed_tokens: count("total_computed_tokens", total_computed_tokens)?,
+                num_local_computed_tokens: count(
+                    "num_local_computed_tokens",
+                    num_local_computed_tokens,
+                )?,
+                num_tokens_main_model: count("num_tokens_main_model", num_tokens_main_model)?,
+                apply_admission_cap,
+                prefill_end: count("prefill_end", prefill_end)?,
+            })?)
     }
 
     /// vLLM's `coordinator.find_longest_cache_hit(block_hashes,
@@ -326,14 +326,11 @@ impl PyKVCacheCore {
         slf: &Bound<'_, Self>,
         blocks: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<Vec<BlockId>>> {
-        let mut ids = Vec::new();
-        let mut ends: SmallVec<[usize; 4]> = SmallVec::new();
-        grouped_ids(slf, blocks, &mut ids, &mut ends)?;
-        let g = GroupedBlocks {
-            ids: &ids,
-            ends: &ends,
-        };
-        Ok((0..ends.len()).map(|i| g.group(i).to_vec()).collect())
+        let mut groups = GroupedBlockIds::new();
+        grouped_ids(slf, blocks, &mut groups)?;
+        Ok((0..groups.num_groups())
+            .map(|g| groups.group(g).to_vec())
+            .collect())
     }
 
     /// A `KVCacheBlock` handle's group-independent id (views).

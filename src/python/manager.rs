@@ -33,7 +33,8 @@ use super::errors::InvalidArgumentError;
 use super::events::{Compactor, PyEventBuilder, StoredMemo};
 use crate::events::{EventsMode, MetricsOp};
 use crate::manager::{
-    AllocateSlots, CoordinatorConfig, GroupedBlocks, KVCacheManager, KVCacheManagerConfig,
+    AllocateSlots, CoordinatorConfig, GroupedBlockIds, GroupedBlocks, KVCacheManager,
+    KVCacheManagerConfig,
 };
 use crate::pool::rules::VllmRules;
 use crate::stats::{self, Op};
@@ -180,13 +181,16 @@ impl PyKVCacheCore {
     /// group is empty (vLLM's `create_kv_cache_blocks`).
     pub(crate) fn kv_cache_blocks<'py>(
         slf: &Bound<'py, Self>,
-        ids: &[BlockId],
-        ends: &[usize],
+        grouped: GroupedBlocks<'_>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        if ids.is_empty() {
+        if grouped.ids.is_empty() {
             return Ok(Self::empty_blocks(slf)?.into_any());
         }
-        let blocks = PyKVCacheBlocks::new(slf.clone().unbind(), ids.to_vec(), ends.into());
+        let blocks = PyKVCacheBlocks::new(
+            slf.clone().unbind(),
+            grouped.ids.to_vec(),
+            grouped.ends.into(),
+        );
         Ok(Bound::new(slf.py(), blocks)?.into_any())
     }
 
@@ -195,13 +199,8 @@ impl PyKVCacheCore {
         slf: &Bound<'py, Self>,
         groups: &[Vec<BlockId>],
     ) -> PyResult<Bound<'py, PyAny>> {
-        let mut ids = Vec::new();
-        let mut ends: SmallVec<[usize; 4]> = SmallVec::new();
-        for g in groups {
-            ids.extend_from_slice(g);
-            ends.push(ids.len());
-        }
-        Self::kv_cache_blocks(slf, &ids, &ends)
+        let grouped: GroupedBlockIds = groups.iter().map(Vec::as_slice).collect();
+        Self::kv_cache_blocks(slf, grouped.view())
     }
 
     /// Builds the events the core recorded (vLLM's structs, with `request` for
@@ -669,12 +668,11 @@ impl PyKVCacheCore {
             (has_scheduled_reqs && this.core.config().watermark_blocks > 0)
                 .then(|| [w.bind(slf.py()).clone(), p.bind(slf.py()).clone()])
         };
-        let mut hit_ids_buf = Vec::new();
-        let mut hit_ends: SmallVec<[usize; 4]> = SmallVec::new();
+        let mut hits = GroupedBlockIds::new();
         let adopt_hits = match new_computed_blocks {
             Some(blocks) => {
                 let empty = Self::empty_blocks(slf)?;
-                hit_ids(slf, &empty, blocks, &mut hit_ids_buf, &mut hit_ends)?
+                hit_ids(slf, &empty, blocks, &mut hits)?
             }
             None => false,
         };
@@ -691,10 +689,7 @@ impl PyKVCacheCore {
         let args = AllocateSlots {
             num_new_tokens: count_arg("num_new_tokens", num_new_tokens)?,
             num_new_computed_tokens: count("num_new_computed_tokens", num_new_computed_tokens)?,
-            new_computed_blocks: adopt_hits.then_some(GroupedBlocks {
-                ids: &hit_ids_buf,
-                ends: &hit_ends,
-            }),
+            new_computed_blocks: adopt_hits.then_some(hits.view()),
             num_lookahead_tokens: count("num_lookahead_tokens", num_lookahead_tokens)?,
             num_external_computed_tokens: count(
                 "num_external_computed_tokens",
@@ -741,7 +736,14 @@ impl PyKVCacheCore {
         // scratch buffers back.
         let fits_in_place = matches!(result, Ok(true)) && ids.is_empty();
         let out = match result {
-            Ok(true) if !fits_in_place => Self::kv_cache_blocks(slf, &ids, &ends).map(Some),
+            Ok(true) if !fits_in_place => Self::kv_cache_blocks(
+                slf,
+                GroupedBlocks {
+                    ids: &ids,
+                    ends: &ends,
+                },
+            )
+            .map(Some),
             Ok(_) => Ok(None),
             Err(e) => Err(e),
         };
@@ -848,19 +850,16 @@ impl PyKVCacheCore {
     /// vLLM's `get_blocks`: the request's tables as `KVCacheBlocks`.
     fn get_blocks<'py>(slf: &Bound<'py, Self>, request_id: &str) -> PyResult<Bound<'py, PyAny>> {
         let _timer = stats::Timer::start(Op::GetBlocks);
-        let (ids, ends) = {
+        let grouped = {
             let this = slf.try_borrow()?;
             this.core.read("get_blocks", |c| {
-                let mut ids = Vec::new();
-                let mut ends: SmallVec<[usize; 4]> = SmallVec::new();
-                for g in 0..c.num_kv_cache_groups() {
-                    ids.extend_from_slice(c.get_blocks(request_id, g));
-                    ends.push(ids.len());
-                }
-                Ok::<_, PyErr>((ids, ends))
+                let grouped: GroupedBlockIds = (0..c.num_kv_cache_groups())
+                    .map(|g| c.get_blocks(request_id, g))
+                    .collect();
+                Ok::<_, PyErr>(grouped)
             })?
         };
-        Self::kv_cache_blocks(slf, &ids, &ends)
+        Self::kv_cache_blocks(slf, grouped.view())
     }
 
     /// vLLM's `get_block_ids`: one id list per group.
@@ -947,14 +946,10 @@ impl PyKVCacheCore {
         num_computed_tokens: Int,
     ) -> PyResult<Bound<'py, PyAny>> {
         let n = count_arg("num_computed_tokens", num_computed_tokens)?;
-        let mut ids = Vec::new();
-        let mut ends: SmallVec<[usize; 4]> = SmallVec::new();
-        grouped_ids(slf, blocks, &mut ids, &mut ends)?;
+        let mut given = GroupedBlockIds::new();
+        grouped_ids(slf, blocks, &mut given)?;
         let mut out = Vec::new();
-        let given = GroupedBlocks {
-            ids: &ids,
-            ends: &ends,
-        };
+        let given = given.view();
         slf.try_borrow()?
             .core
             .read("truncate_computed_blocks", |c| {

@@ -43,8 +43,18 @@ fn the_ring_needs_one_block_until_it_has_one() {
         ends: &[],
     };
     let need = |m: &mut hscache::manager::KVCacheManager| {
-        m.coordinator_num_blocks_to_allocate("a", 100, none, 0, 0, 0, 100, false, 0)
-            .unwrap()
+        m.coordinator_num_blocks_to_allocate(&hscache::manager::NumBlocksToAllocate {
+            request_id: "a",
+            num_tokens: 100,
+            hits: none,
+            num_encoder_tokens: 0,
+            total_computed_tokens: 0,
+            num_local_computed_tokens: 0,
+            num_tokens_main_model: 100,
+            apply_admission_cap: false,
+            prefill_end: 0,
+        })
+        .unwrap()
     };
     assert_eq!(need(&mut m), 1);
     let mut a = Req::new("a", toks(1..30), 4);

@@ -134,8 +134,18 @@ fn admission_caps_the_full_sequence_reservation() {
         ends: &[],
     };
     let n = |m: &mut hscache::manager::KVCacheManager, cap| {
-        m.coordinator_num_blocks_to_allocate("a", 100, no_hits, 0, 0, 0, 100, cap, 0)
-            .unwrap()
+        m.coordinator_num_blocks_to_allocate(&hscache::manager::NumBlocksToAllocate {
+            request_id: "a",
+            num_tokens: 100,
+            hits: no_hits,
+            num_encoder_tokens: 0,
+            total_computed_tokens: 0,
+            num_local_computed_tokens: 0,
+            num_tokens_main_model: 100,
+            apply_admission_cap: cap,
+            prefill_end: 0,
+        })
+        .unwrap()
     };
     assert_eq!((n(&mut m, true), n(&mut m, false)), (4, 25));
     // So a 100-token request fits a 7-block pool when the full sequence must fit

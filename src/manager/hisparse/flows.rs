@@ -21,7 +21,7 @@ use super::{HiSparseCoordinator, HiSparseCtx, HiSparseLayout, PublicationRequest
 use crate::error::{Error, Result};
 use crate::manager::coordinator::KVCacheCoordinator;
 use crate::manager::request::PlannedHashes;
-use crate::manager::single_type::CacheQuery;
+use crate::manager::single_type::{running_cannot_adopt, CacheQuery};
 use crate::manager::spec::ManagerKind;
 use crate::types::{cdiv, BlockId};
 
@@ -112,11 +112,9 @@ impl KVCacheCoordinator {
     ) -> Result<()> {
         let n = self.managers.len();
         let state = self.state_mut(request_id).1;
-        if state.groups.iter().any(|g| g.num_cached_block.is_some()) {
+        if state.is_running() {
             if (0..n).any(|g| !hits(g).is_empty()) {
-                return Err(Error::InvalidArgument(format!(
-                    "request {request_id:?} is already running and cannot adopt prefix hits"
-                )));
+                return Err(running_cannot_adopt(request_id));
             }
             return Ok(());
         }

@@ -115,7 +115,7 @@ impl SingleTypeManager for HiSparseHotManager {
     ) -> Result<i64> {
         reject_prefix_hits(q.new_computed_blocks, "hot")?;
         let host_import = q.total_computed_tokens > q.num_local_computed_tokens;
-        let running = req.is_some_and(|r| r.num_cached_block.is_some());
+        let running = req.is_some_and(GroupBlocks::is_running);
         let resumes_host_prefix = q.num_local_computed_tokens > 0 && !running;
         if host_import || resumes_host_prefix || self.is_hot_required(q.request_id) {
             let len = req.map_or(0, |r| r.blocks.len());

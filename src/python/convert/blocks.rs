@@ -9,8 +9,8 @@
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
-use smallvec::SmallVec;
 
+use crate::manager::GroupedBlockIds;
 use crate::python::block::PyKVCacheBlock;
 use crate::python::blocks::PyKVCacheBlocks;
 use crate::python::errors::InvalidArgumentError;
@@ -128,8 +128,7 @@ pub(crate) fn hit_ids(
     core: &Bound<'_, PyKVCacheCore>,
     empty: &Bound<'_, PyKVCacheBlocks>,
     blocks: &Bound<'_, PyAny>,
-    ids: &mut Vec<BlockId>,
-    ends: &mut SmallVec<[usize; 4]>,
+    out: &mut GroupedBlockIds,
 ) -> PyResult<bool> {
     let py = core.py();
     if let Ok(ours) = blocks.cast::<PyKVCacheBlocks>() {
@@ -142,15 +141,14 @@ pub(crate) fn hit_ids(
                 "new_computed_blocks belong to another KV-cache pool",
             ));
         }
-        ids.extend_from_slice(&ours.ids);
-        ends.extend_from_slice(&ours.ends);
+        out.extend_groups(ours.grouped());
         return Ok(true);
     }
     let groups = super::expect_attr(blocks, intern!(py, "blocks"), "KVCacheBlocks")?;
     let host_group = core.try_borrow()?.core.host_group();
     for (g, group) in groups.try_iter()?.enumerate() {
-        ids_in(core, &group?, host_group == Some(g), ids)?;
-        ends.push(ids.len());
+        ids_in(core, &group?, host_group == Some(g), out.open_group_mut())?;
+        out.end_group();
     }
     Ok(true)
 }
@@ -159,8 +157,7 @@ pub(crate) fn hit_ids(
 pub(crate) fn grouped_ids(
     core: &Bound<'_, PyKVCacheCore>,
     blocks: &Bound<'_, PyAny>,
-    ids: &mut Vec<BlockId>,
-    ends: &mut SmallVec<[usize; 4]>,
+    out: &mut GroupedBlockIds,
 ) -> PyResult<()> {
     if let Ok(ours) = blocks.cast::<PyKVCacheBlocks>() {
         let ours = ours.get();
@@ -169,15 +166,14 @@ pub(crate) fn grouped_ids(
                 "KVCacheBlocks of another KV-cache pool",
             ));
         }
-        ids.extend_from_slice(&ours.ids);
-        ends.extend_from_slice(&ours.ends);
+        out.extend_groups(ours.grouped());
         return Ok(());
     }
     let groups = super::expect_attr(blocks, intern!(core.py(), "blocks"), "KVCacheBlocks")?;
     let host_group = core.try_borrow()?.core.host_group();
     for (g, group) in groups.try_iter()?.enumerate() {
-        ids_in(core, &group?, host_group == Some(g), ids)?;
-        ends.push(ids.len());
+        ids_in(core, &group?, host_group == Some(g), out.open_group_mut())?;
+        out.end_group();
     }
     Ok(())
 }
