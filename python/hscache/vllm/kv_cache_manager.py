@@ -404,7 +404,13 @@ class KVCacheManager(KVCacheCore):
         self, request_id: str, start_token: int, end_token: int
     ) -> list[int]:
         """vLLM 0.30's query for async KV loads: the request's block ids covering
-        ``[start_token, end_token)`` in the groups whose new blocks the worker zeroes."""
+        ``[start_token, end_token)`` in the groups whose new blocks the worker zeroes.
+        A negative bound is refused (a Python slice would silently count from the end)."""
+        for name, value in (("start_token", start_token), ("end_token", end_token)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < 0:
+                raise InvalidArgumentError(f"{name} must be non-negative, got {value}")
         tables = self.get_block_ids(request_id)
         ids: list[int] = []
         for g, manager in enumerate(self.coordinator.single_type_managers):
