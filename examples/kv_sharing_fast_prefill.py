@@ -18,7 +18,7 @@ Run (CPU, offline)::
 
     VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 python examples/kv_sharing_fast_prefill.py
 
-``tests/test_kv_sharing.py`` drives randomized traces through the same pieces.
+``tests/kv_manager/test_kv_sharing.py`` drives randomized traces through the same pieces.
 """
 
 from __future__ import annotations

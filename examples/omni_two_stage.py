@@ -13,7 +13,7 @@ Run (CPU, offline)::
 
     VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 python examples/omni_two_stage.py [--device cuda]
 
-``tests/test_hidden_states.py`` drives randomized traces through the same pieces.
+``tests/hidden_states/test_hidden_states.py`` drives randomized traces through the same pieces.
 """
 
 from __future__ import annotations

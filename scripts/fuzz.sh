@@ -7,7 +7,7 @@
 #
 # With a nightly toolchain and cargo-fuzz (`cargo install cargo-fuzz`), each target runs
 # under libFuzzer for HOURS (corpus: fuzz/corpus/<target>, grown in place; crashes land in
-# fuzz/artifacts/<target>). Without them, the stable driver (tests/test_fuzz_targets.rs)
+# fuzz/artifacts/<target>). Without them, the stable driver (tests/core/fuzz_targets.rs)
 # runs seeded random inputs for the same time. Minimise a crash with
 # `cargo +nightly fuzz tmin <target> <artifact>` and commit it to the corpus once fixed.
 set -euo pipefail
@@ -30,6 +30,6 @@ else
     for t in "${targets[@]}"; do
         HSCACHE_FUZZ_ITERS=18446744073709551615 HSCACHE_FUZZ_SECS="$secs" \
             HSCACHE_FUZZ_SEED="${HSCACHE_FUZZ_SEED:-$RANDOM}" \
-            cargo test --release -q --test test_fuzz_targets "fuzz_$t" -- --nocapture
+            cargo test --release -q --test core "fuzz_targets::fuzz_$t" -- --nocapture
     done
 fi

@@ -2,7 +2,7 @@
 # The Python side of the panic-safety step: builds the extension with the `fault-injection`
 # feature (a debug build: it compiles faster, and the shields behave the same) into its own
 # target directory, puts it in a copy of python/hscache (never over the
-# python/hscache/_core.abi3.so the other tests import), and runs tests/test_panic_python.py
+# python/hscache/_core.abi3.so the other tests import), and runs tests/robustness/test_panic_python.py
 # against that copy: injected panics must surface as InternalError and poison only the
 # object that panicked.
 #
@@ -20,10 +20,10 @@ trap 'rm -rf "$pkg"' EXIT
 cp -r python/hscache "$pkg/hscache"
 rm -f "$pkg"/hscache/_core*.so
 cp "$target/debug/libhscache.so" "$pkg/hscache/_core.abi3.so"
-PYTHONPATH="$pkg" python -m pytest -q -p no:cacheprovider tests/test_panic_python.py \
+PYTHONPATH="$pkg" python -m pytest -q -p no:cacheprovider tests/robustness/test_panic_python.py \
     -W error::pytest.PytestUnhandledThreadExceptionWarning
 n_skipped="$(PYTHONPATH="$pkg" python -c 'from hscache import _core; print(int(not hasattr(_core, "_arm_fault")))')"
 if [[ "$n_skipped" != 0 ]]; then
-    echo "the fault-injection build has no _arm_fault: tests/test_panic_python.py skipped"
+    echo "the fault-injection build has no _arm_fault: tests/robustness/test_panic_python.py skipped"
     exit 1
 fi

@@ -74,7 +74,7 @@ step_after() {
 run_pytest032() {
     [[ -n "${HSCACHE_PY032:-}" ]] || source scripts/vllm032_env.sh || return 1
     timeout 1800 "$HSCACHE_PY032" -m pytest -q -p no:cacheprovider \
-        tests/test_vllm_versions.py tests/test_differential_vllm.py tests/test_hisparse.py
+        tests/versions/test_vllm_versions.py tests/differential/test_differential_vllm.py tests/hisparse/test_hisparse.py
 }
 
 # vLLM 0.30 (the release vllm-omni runs on): the version tests, the differential suite and
@@ -84,8 +84,8 @@ run_pytest032() {
 run_pytest030() {
     [[ -n "${HSCACHE_PY030:-}" ]] || source scripts/vllm030_env.sh || return 1
     VLLM_PLUGINS=hscache timeout 1800 "$HSCACHE_PY030" -m pytest -q -p no:cacheprovider \
-        tests/test_vllm_versions.py tests/test_differential_vllm.py \
-        tests/test_scheduler_hook.py tests/test_scheduler_step.py
+        tests/versions/test_vllm_versions.py tests/differential/test_differential_vllm.py \
+        tests/scheduler/test_scheduler_hook.py tests/scheduler/test_scheduler_step.py
 }
 
 # hscache's hidden-state cache as vllm-omni's prefix cache, against vllm-omni's own
@@ -123,7 +123,7 @@ step cargo-test timeout 1800 cargo test --quiet
 # internal panics injected at points inside the core (src/fault.rs): the manager is poisoned;
 # then from Python, against a fault-injection build of the extension (scripts/panic_python.sh)
 run_panic_safety() {
-    timeout 900 cargo test --quiet --features fault-injection --test test_panic_safety &&
+    timeout 900 cargo test --quiet --features fault-injection --test core panic_safety:: &&
         timeout 900 bash scripts/panic_python.sh
 }
 step panic-safety run_panic_safety

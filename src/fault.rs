@@ -9,7 +9,7 @@
 //! the tables are released); in the Python bindings (`src/shield.rs` shields them):
 //! `encoder_cache.allocate`, `hasher.hash_new_blocks`, `slot_mirror.plan`. Python arms a
 //! point through `hscache._core._arm_fault` in a `fault-injection` build
-//! (`tests/test_panic_python.py`).
+//! (`tests/robustness/test_panic_python.py`).
 
 #[cfg(feature = "fault-injection")]
 mod imp {

@@ -1,5 +1,5 @@
 """The soak test: millions of scheduler-like operations on one ``hscache.vllm.KVCacheManager``
-(``python -m hscache soak``; the slow test ``tests/test_soak.py`` runs a short one).
+(``python -m hscache soak``; the slow test ``tests/robustness/test_soak.py`` runs a short one).
 
 One manager (full attention, prefix caching and KV events on) serves an endless stream of
 requests as vLLM's Scheduler would: admission with a prefix-cache lookup and

@@ -20,7 +20,7 @@
 //! - deletion leaves a dummy and never shrinks the table.
 //!
 //! This is CPython 3.10–3.14's `Objects/setobject.c` behaviour (checked against the
-//! running interpreter by `tests/test_encoder_cache.py`, which replays each request's
+//! running interpreter by `tests/encoder_cache/test_encoder_cache.py`, which replays each request's
 //! [`InputIdSet::log`] into a real `set` and compares orders).
 //!
 //! The set also keeps the log of its adds and removes since it was created, which the

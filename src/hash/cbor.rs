@@ -4,7 +4,7 @@
 //! Mirrors the `sha256_cbor` / `xxhash_cbor` serialization of vLLM 0.33
 //! `vllm/utils/hashing.py`.
 //!
-//! Key properties (each checked against `cbor2.dumps` in `tests/test_block_hasher.py`):
+//! Key properties (each checked against `cbor2.dumps` in `tests/hashing/test_block_hasher.py`):
 //! - Value-deterministic: identities ([`ObjId`]) are ignored (no value sharing, no
 //!   string references: both are off by default in cbor2).
 //! - Tuples are arrays (major type 4), `bytes` byte strings (2), `str` text strings (3),

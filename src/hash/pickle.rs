@@ -4,7 +4,7 @@
 //! Mirrors the `sha256` / `xxhash` serialization of vLLM 0.33 `vllm/utils/hashing.py`
 //! (`pickle.dumps(input, protocol=pickle.HIGHEST_PROTOCOL)`).
 //!
-//! Key properties (each checked against `pickle.dumps` in `tests/test_block_hasher.py`):
+//! Key properties (each checked against `pickle.dumps` in `tests/hashing/test_block_hasher.py`):
 //! - `PROTO 5`, then opcodes inside `FRAME`s. A frame is committed when the next object
 //!   starts (CPython checks at the top of `save()`) and the frame holds at least 64 KiB,
 //!   and after `STOP`; a frame of fewer than 4 bytes loses its header. A `str`/`bytes` payload of 64 KiB or

@@ -1,5 +1,5 @@
 //! The fuzz targets and the manager's reference model, shared by the stable cargo tests
-//! (`tests/test_fuzz_targets.rs`, `tests/test_manager_statemachine.rs`) and the
+//! (`tests/core/fuzz_targets.rs`, `tests/core/manager/statemachine.rs`) and the
 //! cargo-fuzz crate (`fuzz/`, which includes this file by path).
 //!
 //! - [`Harness`]: a full-attention [`KVCacheManager`] driven by scheduler-like [`Op`]s

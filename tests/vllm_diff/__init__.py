@@ -23,7 +23,7 @@ after every call; a divergence is shrunk into a short repro. Where each concept 
   runs seeds from the command line and shrinks failures.
 
 Nothing here is collected by pytest (no ``test_*`` names); see
-``tests/test_differential_vllm.py``.
+``tests/differential/test_differential_vllm.py``.
 """
 
 from . import exceptions

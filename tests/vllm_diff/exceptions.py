@@ -11,7 +11,7 @@ trace ends there (vLLM's state is no longer trustworthy); the trace counts as pa
 summary counts the exception (``vllm_exception:<name>``). Anything vLLM raises that is not
 listed stays a ``HarnessError``: a harness bug or a new vLLM problem to study.
 
-``tests/test_differential_layouts.py`` pins hscache's behaviour in each case.
+``tests/differential/test_differential_layouts.py`` pins hscache's behaviour in each case.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ port of vLLM's extra-key functions.
 This module makes the builder (:func:`make_event_builder`) and owns the fallback: a
 request the core cannot convert exactly is built by :func:`_block_stored_py`, the same
 conversion with vLLM's own helpers end to end, kept whole on purpose: it is also the
-reference of the differential tests (``tests/test_events.py``).
+reference of the differential tests (``tests/events/test_events.py``).
 
 vLLM 0.32 has no lookahead hashing: its ``BlockStored`` has no ``lookahead_token_ids``
 field (14 fields, not 15) and its ``kv_cache_utils`` no lookahead extra-key helper. The

@@ -1,5 +1,5 @@
 //! Scenario tests of the HiSparse coordinator through the manager facade (the
-//! differential traces in `tests/test_hisparse.py` hold every decision against vLLM).
+//! differential traces in `tests/hisparse/test_hisparse.py` hold every decision against vLLM).
 
 use super::{cpython_set_order, PlainPublicationRequests};
 use crate::manager::{AllocateSlots, KVCacheManager, PlainRequest};
