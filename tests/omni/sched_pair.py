@@ -4,7 +4,8 @@ Both schedulers are vllm-omni 0.30's own ``OmniARScheduler`` / ``OmniARAsyncSche
 vLLM 0.30, built offline (:mod:`hscache.testing.offline_scheduler`) on one configuration:
 one keeps vLLM's Python ``KVCacheManager``, the other gets hscache's the way a vllm-omni
 user switches it on (``HSCACHE=1`` through hscache's vLLM plugin, or
-``scheduler_cls: hscache.omni.OmniARScheduler``). The same seeded stream drives both:
+``scheduler_cls: hscache.omni.OmniARScheduler``); or its ``OmniGenerationScheduler`` (non-AR
+stages), switched by the plugin. The same seeded stream drives both:
 prompts with shared prefixes and exact repeats, aborts, preemption under a small pool,
 async scheduling with two batches in flight (output placeholders), and what vllm-omni adds
 on the manager: KV transfer to the next stage (``omni_kv_config.need_send_cache``: block
@@ -67,11 +68,15 @@ class PairConfig:
     mooncake: bool = False
     defer_block_free: bool = False
     kv_cache_events: bool = True
+    generation: bool = False
+    """vllm-omni's ``OmniGenerationScheduler`` (non-AR stages) instead of the AR ones;
+    switched by the plugin only (hscache names no class for it)."""
     steps: int = 80
 
     def short(self) -> str:
         return (
-            f"seed{self.seed}-{self.switch}-{'async' if self.async_scheduling else 'sync'}"
+            f"seed{self.seed}-{'generation-' if self.generation else ''}{self.switch}"
+            f"-{'async' if self.async_scheduling else 'sync'}"
             f"-N{self.num_blocks}-c{int(self.enable_caching)}-xfer:{self.kv_transfer}"
             f"{'-mooncake' if self.mooncake else ''}{'-defer' if self.defer_block_free else ''}"
         )
@@ -186,8 +191,12 @@ def build_pair(cfg: PairConfig) -> tuple[Any, Any]:
     from vllm_omni.core.sched.omni_ar_scheduler import OmniARAsyncScheduler, OmniARScheduler
 
     stock = OmniARAsyncScheduler if cfg.async_scheduling else OmniARScheduler
+    if cfg.generation:
+        from vllm_omni.core.sched.omni_generation_scheduler import OmniGenerationScheduler
+
+        stock = OmniGenerationScheduler
     reference = _build(cfg, stock)
-    if cfg.switch == "plugin":
+    if cfg.switch == "plugin" or cfg.generation:
         with plugin_switched_on():
             ours = _build(cfg, stock)
     else:

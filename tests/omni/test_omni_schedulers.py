@@ -9,6 +9,8 @@ same schedulers on vLLM's (``sched_pair.py`` drives the two in lockstep).
   to the next stage and the physical-order and deferred frees; the calls vllm-omni adds
   (``get_block_ids``, ``estimate_cached_tokens``, ``pop_blocks_for_free``,
   ``block_pool.free_blocks``) reach hscache's manager, counted.
+- ``test_generation_scheduler_under_the_plugin``: vllm-omni's ``OmniGenerationScheduler``
+  (its non-AR stages), switched by ``HSCACHE=1``, the same comparison.
 - ``test_both_switches_build_hscaches_manager``: the manager is hscache's own class and its
   answers come from the Rust core (no fallback, no vLLM Python), for both switches and
   both schedulers; vllm-omni's own classes stay untouched.
@@ -53,6 +55,18 @@ def test_same_decisions_as_vllms_manager(seed: int) -> None:
     if (cfg.mooncake and not cfg.enable_caching) or cfg.defer_block_free:
         assert counts.calls.get("pop_blocks_for_free", 0) > 0
         assert counts.calls.get("block_pool.free_blocks", 0) > 0
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_generation_scheduler_under_the_plugin(seed: int) -> None:
+    from vllm_omni.core.sched.omni_generation_scheduler import OmniGenerationScheduler
+
+    cfg = PairConfig(seed=seed, generation=True, switch="plugin", num_blocks=(18, 60)[seed % 2])
+    reference, ours = build_pair(cfg)
+    assert type(ours) is type(reference) is OmniGenerationScheduler
+    assert type(ours.kv_cache_manager) is KVCacheManager
+    counts = run_pair(cfg)
+    assert counts.comparisons >= 2 * cfg.steps and counts.events > 0
 
 
 def test_streams_cover_what_vllm_omni_adds() -> None:
