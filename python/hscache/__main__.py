@@ -1,12 +1,14 @@
 """``python -m hscache``: the command line (sub-commands ``bench``, ``bench-scheduler``,
-``soak`` and ``info``).
+``bench-omni``, ``soak`` and ``info``).
 
 ``bench`` runs the side-by-side benchmark of vLLM's KVCacheManager and hscache's (see
 :mod:`hscache.bench`); ``bench --hot-decode`` their decode calls alone, everything in cache
 (:mod:`hscache.bench.hot_decode`); ``bench --retention`` the retention policies on a
 multi-tenant trace (:mod:`hscache.bench.retention`); ``bench --hidden-states [options]``
 the hidden-state cache against bare torch index ops (see :mod:`hscache.bench_hidden_states`,
-whose options follow). ``bench-scheduler`` runs vLLM's real Scheduler with each manager.
+whose options follow). ``bench-scheduler`` runs vLLM's real Scheduler with each manager;
+``bench-omni`` a vllm-omni thinker stage's step without a hidden-state cache, with
+vllm-omni's and with hscache's (vLLM 0.30 + vllm-omni 0.30; see :mod:`hscache.bench.omni`).
 ``soak`` runs millions of scheduler-like operations on one manager, watching RSS, Python
 objects and invariants (see :mod:`hscache.soak`); ``info`` prints the installed version and
 the build profile of the compiled core, tolerating a missing or older core.
@@ -117,6 +119,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hscache.bench.retention import main as bench_retention
 
         return bench_retention([a for a in args_in[1:] if a != "--retention"])
+    if args_in[:1] == ["bench-omni"]:
+        # A vllm-omni thinker stage's step with and without a hidden-state cache.
+        from hscache.bench.omni import main as bench_omni
+
+        return bench_omni(args_in[1:])
 
     from hscache.bench.runner import add_arguments, run
 

@@ -274,3 +274,41 @@ def test_model_without_per_token_outputs_keeps_nothing() -> None:
         cache.save_outputs(
             rows(2, 0.0), {"mm.codes": rows(2, 0.0)}, num_tokens_unpadded=2, num_tokens_padded=2
         )
+
+
+def test_a_discard_wakes_a_save_waiting_for_room() -> None:
+    """A save that waits for a consumed step is woken by ``discard_step`` as by
+    ``materialize`` (it would otherwise wait out ``step_wait_s`` and raise)."""
+    import threading
+    import time
+
+    view = View()
+    cache = OmniHiddenStateCache(
+        NS(num_blocks=8, block_size=BS),
+        view,
+        settings=OmniSettings(storage="cpu", max_unconsumed_steps=1, step_wait_s=60.0),
+    )
+    first = step(cache, view, sched(new=(("a", [1], 0, 1),)), rows(1, 0.0))
+    cache.new_step_starts(sched(new=(("b", [2], 0, 1),)))
+    view.order = ["b"]
+    result: list[object] = []
+
+    def save() -> None:
+        try:
+            result.append(
+                cache.save_outputs(rows(1, 1.0), {}, num_tokens_unpadded=1, num_tokens_padded=1)
+            )
+        except Exception as e:  # reported below
+            result.append(e)
+
+    saver = threading.Thread(target=save)
+    saver.start()
+    deadline = time.monotonic() + 30  # a guard against a hang, not a timing assertion
+    while not cache._savers_waiting and saver.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    cache.discard_step(first)
+    # Woken, it returns at once; unwoken it would sleep out the 60 s (then succeed).
+    saver.join(timeout=30)
+    assert not saver.is_alive(), "the discard did not wake the waiting save"
+    assert len(result) == 1 and isinstance(result[0], int), result
+    assert cache.unconsumed_steps() == [result[0]]

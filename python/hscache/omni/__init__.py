@@ -15,9 +15,19 @@ per-stage ``env:``), read through hscache's vLLM plugin :func:`register`, or :fu
 in code, makes vllm-omni's runners build :class:`OmniHiddenStateCache` where they would
 build their own ``OmniPrefixCacheManager`` (see :mod:`hscache.omni.switch` and
 :mod:`hscache.omni.settings`); prefix caching itself stays vllm-omni's per-stage
-``enable_prefix_caching``. Importing this package needs neither vllm nor vllm-omni, and
-never imports :mod:`hscache.vllm` (the KV-manager drop-in).
+``enable_prefix_caching``.
+
+The stage's KV-cache manager is another switch: ``HSCACHE=1`` (hscache's vLLM plugin), or
+``scheduler_cls: hscache.omni.OmniARScheduler`` / ``hscache.omni.OmniARAsyncScheduler`` in
+the deploy YAML (:mod:`hscache.omni.scheduler`: vllm-omni's schedulers on hscache's
+manager). Importing this package needs neither vllm nor vllm-omni, and imports
+:mod:`hscache.vllm` (the KV-manager drop-in) only when one of those two names is asked for.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from hscache.omni.errors import (
     StepIdError,
@@ -28,7 +38,12 @@ from hscache.omni.prefix_cache import OmniHiddenStateCache, StageOutputs
 from hscache.omni.settings import OmniSettings
 from hscache.omni.switch import install, register
 
+if TYPE_CHECKING:
+    from hscache.omni.scheduler import OmniARAsyncScheduler, OmniARScheduler
+
 __all__ = [
+    "OmniARAsyncScheduler",
+    "OmniARScheduler",
     "OmniHiddenStateCache",
     "OmniSettings",
     "StageOutputs",
@@ -38,3 +53,18 @@ __all__ = [
     "install",
     "register",
 ]
+
+# Imported on first use: they need vLLM and vllm-omni, the names above need neither.
+_SCHEDULERS = frozenset({"OmniARScheduler", "OmniARAsyncScheduler"})
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _SCHEDULERS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.scheduler"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -200,6 +200,7 @@ class OmniHiddenStateCache:
         # (materialize reads only the step's own tensors, never the mirror or the storage).
         self._lock = threading.Lock()
         self._consumed = threading.Condition(self._lock)
+        self._savers_waiting = 0  # notify only when a save waits for room
         self._steps: dict[int, _SavedStep] = {}
 
     # ------------------------------------------------------------------ properties
@@ -320,23 +321,28 @@ class OmniHiddenStateCache:
                 )
             self._ledger.consume(step_id)
             del self._steps[step_id]
-            self._consumed.notify_all()
-            self._consumed.notify_all()
+            if self._savers_waiting:
+                self._consumed.notify_all()
         hidden: dict[str, torch.Tensor] | None = None
         mm: dict[str, dict[str, Any]] = {}
         for name, key in self._keys.items():
             step_rows = saved.rows.get(name)
             if step_rows is None:
                 continue
+            flat = len(key.row_shape) == 1
+            if not flat:
+                step_rows = step_rows.reshape(step_rows.shape[0], *key.row_shape)
+            # One split for the whole batch (views), not a slice per request.
+            sizes = [end - begin for begin, end in saved.spans.values()]
+            views = dict(zip(saved.spans, torch.split(step_rows, sizes), strict=True))
             per_req: dict[str, torch.Tensor] = {}
             for r in req_ids:
                 full = saved.hits.get(r)
-                if full is not None:
-                    t = full[name]
+                if full is None:
+                    per_req[r] = views[r]
                 else:
-                    begin, end = saved.spans[r]
-                    t = step_rows[begin:end]
-                per_req[r] = t.reshape(t.shape[0], *key.row_shape)
+                    t = full[name]
+                    per_req[r] = t if flat else t.reshape(t.shape[0], *key.row_shape)
             if name == HIDDEN_KEY:
                 hidden = per_req
             else:
@@ -351,6 +357,8 @@ class OmniHiddenStateCache:
             self._saved(step_id)
             self._ledger.consume(step_id)
             del self._steps[step_id]
+            if self._savers_waiting:
+                self._consumed.notify_all()
 
     def shutdown(self) -> None:
         """Nothing runs in the background; kept for vllm-omni's interface."""
@@ -373,7 +381,11 @@ class OmniHiddenStateCache:
                             f"{e} (waited {self._settings.step_wait_s} s for a "
                             "materialize or discard_step)"
                         ) from None
-                    self._consumed.wait(left)
+                    self._savers_waiting += 1
+                    try:
+                        self._consumed.wait(left)
+                    finally:
+                        self._savers_waiting -= 1
 
     def _saved(self, step_id: object) -> _SavedStep:
         """The rows of an outstanding step; ``StepIdError`` for any other id."""
@@ -401,6 +413,16 @@ class OmniHiddenStateCache:
     def _check_keys(self, rows: Mapping[str, torch.Tensor]) -> dict[str, _Key]:
         """The step's per-token keys, checked against the cache's (same names, row
         shapes and dtypes)."""
+        known = self._keys
+        if (
+            self._cache is not None
+            and rows.keys() == known.keys()
+            and all(
+                t.shape[1:] == known[name].row_shape and t.dtype == known[name].dtype
+                for name, t in rows.items()
+            )
+        ):
+            return known  # the steady case: the first saved step's keys again
         found = {
             name: _Key(name, tuple(int(d) for d in t.shape[1:]), t.dtype)
             for name, t in rows.items()

@@ -55,7 +55,10 @@ def _hscache_managers() -> Iterator[None]:
                 setattr(_scheduler_module, name, obj)
 
 
-class _HscacheSchedulerMixin:
+class HscacheSchedulerMixin:
+    """Builds the scheduler inside hscache's bindings: put it first among the bases of
+    any subclass of vLLM's ``Scheduler`` (``hscache.omni.scheduler`` does, for vllm-omni's)."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         use_vllm_log_handler()
         # EngineCore builds its request block hasher right after the scheduler: from
@@ -73,9 +76,9 @@ class _HscacheSchedulerMixin:
         )
 
 
-class Scheduler(_HscacheSchedulerMixin, _VllmScheduler):
+class Scheduler(HscacheSchedulerMixin, _VllmScheduler):
     """vLLM's synchronous ``Scheduler`` with hscache's KV-cache and encoder-cache managers."""
 
 
-class AsyncScheduler(_HscacheSchedulerMixin, _VllmAsyncScheduler):
+class AsyncScheduler(HscacheSchedulerMixin, _VllmAsyncScheduler):
     """vLLM's ``AsyncScheduler`` with hscache's KV-cache and encoder-cache managers."""
