@@ -4,9 +4,7 @@
 //! the host pool's `BlockPool` methods. Conversion only, as `hisparse.rs`.
 
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList};
 
-use super::block::PyKVCacheBlock;
 use super::convert::blocks::{id_in, ids_in};
 use super::convert::count;
 use super::errors::InvalidArgumentError;
@@ -187,124 +185,6 @@ impl PyKVCacheCore {
             .group_num_blocks_to_allocate(g, &q)?)
     }
 
-    // ---- the host pool ----------------------------------------------------------------
-
-    /// The host pool's block count (null block included).
-    fn core_host_num_blocks(&self) -> u32 {
-        self.core
-            .host_pool()
-            .map_or(0, super::super::pool::BlockPool::num_gpu_blocks)
-    }
-
-    /// The host pool's free blocks.
-    fn core_host_num_free_blocks(&self) -> usize {
-        self.core
-            .host_pool()
-            .map_or(0, super::super::pool::BlockPool::get_num_free_blocks)
-    }
-
-    /// The host pool's usage.
-    fn core_host_usage(&self) -> f64 {
-        self.core
-            .host_pool()
-            .map_or(0.0, super::super::pool::BlockPool::get_usage)
-    }
-
-    /// The handle of host block `block_id`.
-    fn core_host_block(slf: &Bound<'_, Self>, block_id: i64) -> PyResult<Py<PyKVCacheBlock>> {
-        let mut this = slf.try_borrow_mut()?;
-        let id = host_pool(&this.core)?.check_block_id(block_id)?;
-        Self::pool_handle(slf, &mut this, id, true)
-    }
-
-    /// Host free block ids, head first.
-    fn core_host_free_block_ids(&self) -> PyResult<Vec<BlockId>> {
-        Ok(host_pool(&self.core)?
-            .free_block_queue()
-            .get_all_free_blocks())
-    }
-
-    /// The host pool's `get_new_blocks`.
-    fn core_host_get_new_blocks<'py>(
-        slf: &Bound<'py, Self>,
-        num_blocks: i64,
-    ) -> PyResult<Bound<'py, PyList>> {
-        let n = count("num_blocks", num_blocks)?;
-        let list = {
-            let mut this = slf.try_borrow_mut()?;
-            let mut ids = Vec::new();
-            this.core
-                .host_pool_call(|pool| pool.get_new_blocks(n, &mut ids))?;
-            Self::pool_handles_list(slf, &mut this, &ids, true)?
-        };
-        Self::flush(slf, None)?;
-        Ok(list)
-    }
-
-    /// The host pool's `free_blocks` (handles of the host pool).
-    fn core_host_free_blocks(slf: &Bound<'_, Self>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
-        let mut ids = Vec::new();
-        ids_in(slf, blocks, true, &mut ids)?;
-        slf.try_borrow_mut()?
-            .core
-            .host_pool_call(|pool| pool.free_blocks(&ids))?;
-        Self::flush(slf, None)
-    }
-
-    /// The host pool's `touch`.
-    fn core_host_touch(slf: &Bound<'_, Self>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
-        let mut ids = Vec::new();
-        ids_in(slf, blocks, true, &mut ids)?;
-        slf.try_borrow_mut()?
-            .core
-            .host_pool_call(|pool| pool.touch(&ids))?;
-        Self::flush(slf, None)
-    }
-
-    /// The host pool's `evict_blocks`.
-    fn core_host_evict_blocks(slf: &Bound<'_, Self>, block_ids: Vec<i64>) -> PyResult<()> {
-        slf.try_borrow_mut()?
-            .core
-            .host_pool_call(|pool| pool.evict_blocks(&block_ids))?;
-        Self::flush(slf, None)
-    }
-
-    /// The host pool's `reset_prefix_cache`.
-    fn core_host_reset_prefix_cache(slf: &Bound<'_, Self>) -> PyResult<bool> {
-        let ok = slf
-            .try_borrow_mut()?
-            .core
-            .host_pool_call(|pool| Ok(pool.reset_prefix_cache()))?;
-        Self::flush(slf, None)?;
-        Ok(ok)
-    }
-
-    /// The host pool's first-inserted block cached under `(block_hash, group_id)`.
-    fn core_host_get_cached_block(
-        slf: &Bound<'_, Self>,
-        block_hash: &Bound<'_, PyAny>,
-        group_id: u32,
-    ) -> PyResult<Option<Py<PyKVCacheBlock>>> {
-        let hash = super::convert::hashes::hash_from_bytes(block_hash)?;
-        let mut this = slf.try_borrow_mut()?;
-        match host_pool(&this.core)?.get_cached_block(&hash, group_id) {
-            Some(id) => Ok(Some(Self::pool_handle(slf, &mut this, id, true)?)),
-            None => Ok(None),
-        }
-    }
-
-    /// The host pool's index keys: `[(key bytes, [block ids])]`.
-    fn core_host_index_items<'py>(
-        &self,
-        py: Python<'py>,
-    ) -> PyResult<Vec<(Bound<'py, PyBytes>, Vec<BlockId>)>> {
-        Ok(host_pool(&self.core)?
-            .cached_block_hash_to_block()
-            .iter()
-            .map(|(k, blocks)| (PyBytes::new(py, &k.to_vllm_bytes()), blocks))
-            .collect())
-    }
-
     /// Every request's table of group `g`, for `req_to_blocks` views: ids.
     fn core_group_tables(&self, g: usize) -> Vec<(String, Vec<BlockId>, Option<usize>)> {
         self.core
@@ -326,9 +206,4 @@ fn resident(
         .get(g)
         .and_then(|m| m.hisparse_resident())
         .ok_or_else(|| InvalidArgumentError::new_err(format!("group {g} is not resident")))
-}
-
-fn host_pool(core: &crate::manager::KVCacheManager) -> PyResult<&crate::pool::BlockPool> {
-    core.host_pool()
-        .ok_or_else(|| InvalidArgumentError::new_err("this KV-cache layout has no host pool"))
 }

@@ -482,10 +482,6 @@ ROWS = [
     ),
     R("request_handle", "request id is an int", TE, lambda f, c: f(5)),
     R("request_handle", "on a poisoned manager", hx.InternalError, lambda f, c: f("a"), poisoned),
-    R("block", "block id -1", BI, lambda f, c: f(-1)),
-    R("block", "block id past the pool", BI, lambda f, c: f(32)),
-    R("block", "block id = 2**70", BI, lambda f, c: f(HUGE)),
-    R("block", "block id is a str", TE, lambda f, c: f("1")),
     R("explain", "explain mode off", hx.UnsupportedError, lambda f, c: f("a")),
     R("explain", "a request never looked up", UR, lambda f, c: f("never"), explaining),
     R("explain", "request id is an int", TE, lambda f, c: f(5), explaining),
@@ -582,8 +578,8 @@ SURFACES = [
         M,
         classes=(KVCacheManager,),
         internal={
-            "core_": "bindings of the Python views (BlockPool, coordinator, HiSparse, "
-            "retention); their public entry points have rows",
+            "core_": "bindings of the Python views (coordinator, HiSparse, retention); "
+            "their public entry points have rows",
         },
         exempt={
             "state_digest": "no argument; the fingerprint itself, readable on a poisoned "

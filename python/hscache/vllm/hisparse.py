@@ -14,13 +14,15 @@ core's state, built as vLLM's objects (``_HiSparseRequestState``,
 The manager mixins (:class:`SourceView`, :class:`ResidentView`, :class:`HotView`)
 add what vLLM code calls on a HiSparse manager directly. :class:`HostBlockPool` is
 the source group's ``block_pool``: vLLM's host ``SharedEventQueueBlockPool`` (medium
-CPU), whose events share the device pool's queue.
+CPU), whose events share the device pool's queue; it is the core's pool class
+(``BlockPoolCore``) addressing the host pool, so every pool rule (``is_block_writable``
+included) is the core's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, overload
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from vllm.distributed.kv_events import MEDIUM_CPU, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
@@ -32,61 +34,23 @@ from vllm.v1.hisparse.types import (
     SparseKVRowMirror,
 )
 
-from hscache._core import KVCacheBlock
+from hscache._core import BlockPoolCore, KVCacheBlock
+from hscache.vllm.block_pool import BlockList, FreeKVCacheBlockQueue
 
 # The views read an ``hscache.vllm.KVCacheManager``; ``Any`` keeps this module free of
 # an import of the module that imports it.
 KVCacheManager = Any
 
 
-class _HostBlockList(Sequence[KVCacheBlock]):
-    """``host_pool.blocks``: host block handles by id."""
-
-    def __init__(self, core: KVCacheManager) -> None:
-        self._core = core
-
-    def __len__(self) -> int:
-        return int(self._core.core_host_num_blocks())
-
-    @overload
-    def __getitem__(self, index: int) -> KVCacheBlock: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[KVCacheBlock]: ...
-    def __getitem__(self, index: int | slice) -> KVCacheBlock | list[KVCacheBlock]:
-        if isinstance(index, slice):
-            return [self._core.core_host_block(i) for i in range(*index.indices(len(self)))]
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError(f"block index {index} out of range")
-        block: KVCacheBlock = self._core.core_host_block(index)
-        return block
-
-    def __iter__(self) -> Iterator[KVCacheBlock]:
-        return (self._core.core_host_block(i) for i in range(len(self)))
-
-
-class _HostFreeQueue:
-    """The host pool's free queue, read only."""
-
-    def __init__(self, core: KVCacheManager) -> None:
-        self._core = core
-
-    @property
-    def num_free_blocks(self) -> int:
-        return int(self._core.core_host_num_free_blocks())
-
-    def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        return [self._core.core_host_block(i) for i in self._core.core_host_free_block_ids()]
-
-
 class HostBlockPool:
-    """HiSparse's host pool (vLLM's ``SharedEventQueueBlockPool``, medium CPU)."""
+    """HiSparse's host pool (vLLM's ``SharedEventQueueBlockPool``, medium CPU): the
+    core's pool class addressing the host pool, with the device pool's views of its
+    parts (``blocks``, ``free_block_queue``)."""
 
     def __init__(self, core: KVCacheManager, enable_caching: bool) -> None:
-        self._core = core
+        self.pool_core = pool = BlockPoolCore(core, host=True)
         device = core.block_pool
-        self.num_gpu_blocks = int(core.core_host_num_blocks())
+        self.num_gpu_blocks = pool.num_gpu_blocks
         self.enable_caching = enable_caching
         self.hash_block_size = device.hash_block_size
         self.enable_kv_cache_events = device.enable_kv_cache_events
@@ -94,9 +58,9 @@ class HostBlockPool:
         self.medium = MEDIUM_CPU
         # The host pool records no block-metrics calls (see src/manager/hisparse/source.rs).
         self.metrics_collector = None
-        self.blocks = _HostBlockList(core)
-        self.null_block = core.core_host_block(0)
-        self.free_block_queue = _HostFreeQueue(core)
+        self.blocks = BlockList(pool)
+        self.null_block = pool.block(0)
+        self.free_block_queue = FreeKVCacheBlockQueue(pool)
         self._event_owner = device
 
     @property
@@ -106,40 +70,39 @@ class HostBlockPool:
         return queue
 
     def get_num_free_blocks(self) -> int:
-        return int(self._core.core_host_num_free_blocks())
+        return self.pool_core.num_free_blocks
 
     def get_usage(self) -> float:
-        return float(self._core.core_host_usage())
+        return self.pool_core.usage
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        blocks: list[KVCacheBlock] = self._core.core_host_get_new_blocks(num_blocks)
-        return blocks
+        return self.pool_core.get_new_blocks(num_blocks)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        self._core.core_host_free_blocks(list(ordered_blocks))
+        self.pool_core.free_blocks(list(ordered_blocks))
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        self._core.core_host_touch(list(blocks))
+        self.pool_core.touch(list(blocks))
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
-        self._core.core_host_evict_blocks(list(block_ids))
+        self.pool_core.evict_blocks(list(block_ids))
 
     def reset_prefix_cache(self) -> bool:
-        return bool(self._core.core_host_reset_prefix_cache())
+        return self.pool_core.reset_prefix_cache()
 
     def get_cached_block(
         self, block_hash: bytes, kv_cache_group_ids: list[int]
     ) -> list[KVCacheBlock] | None:
         cached = []
         for group_id in kv_cache_group_ids:
-            block = self._core.core_host_get_cached_block(block_hash, group_id)
+            block = self.pool_core.get_cached_block(block_hash, group_id)
             if block is None:
                 return None
             cached.append(block)
         return cached
 
     def is_block_writable(self, block: KVCacheBlock) -> bool:
-        return not block.is_null and block.ref_cnt == 1 and block.block_hash is None
+        return self.pool_core.is_block_writable(block)
 
 
 # ---- manager mixins -------------------------------------------------------------------
@@ -152,7 +115,7 @@ class _GroupView:
     kv_cache_group_id: int
 
     def _block(self, block_id: int) -> Any:
-        return self._manager.block(block_id)
+        return self._manager.block_pool.pool_core.block(block_id)
 
     def get_num_blocks_to_allocate(
         self,
@@ -202,7 +165,7 @@ class SourceView(_GroupView):
         return []
 
     def _block(self, block_id: int) -> Any:
-        return self._manager.core_host_block(block_id)
+        return self._manager.host_block_pool.pool_core.block(block_id)
 
 
 class _AuxiliaryView(_GroupView):
@@ -221,7 +184,7 @@ class ResidentView(_AuxiliaryView):
 
     @property
     def residency_changes(self) -> dict[str, dict[int, Any]]:
-        block = self._manager.block
+        block = self._manager.block_pool.pool_core.block
         return {
             rid: {page: block(b) for page, b in changes}
             for rid, changes in self._manager.core_residency_changes(self.kv_cache_group_id)
@@ -229,10 +192,10 @@ class ResidentView(_AuxiliaryView):
 
     def get_resident_page(self, request_id: str, block_idx: int) -> Any:
         b = self._manager.core_resident_page(self.kv_cache_group_id, request_id, block_idx)
-        return None if b is None else self._manager.block(b)
+        return None if b is None else self._manager.block_pool.pool_core.block(b)
 
     def get_residency_row(self, request_id: str, start: int = 0) -> list[Any]:
-        block = self._manager.block
+        block = self._manager.block_pool.pool_core.block
         ids = self._manager.core_residency_row(self.kv_cache_group_id, request_id, start)
         return [block(b) for b in ids]
 
@@ -245,7 +208,7 @@ class ResidentView(_AuxiliaryView):
 
     def drop_resident_page(self, request_id: str, block_idx: int) -> Any:
         b = self._manager.core_drop_resident_page(self.kv_cache_group_id, request_id, block_idx)
-        return None if b is None else self._manager.block(b)
+        return None if b is None else self._manager.block_pool.pool_core.block(b)
 
 
 class HotView(_AuxiliaryView):
@@ -324,7 +287,7 @@ class HiSparseCoordinatorView:
         )
         p = data["publication"]
         if p is not None:
-            host_block = self._manager.core_host_block
+            host_block = self._manager.host_block_pool.pool_core.block
             detached = p["detached_blocks"]
             state.publication = _vllm_hisparse._PendingPublication(
                 request=self._manager.core_hisparse_publication_request(p["id"]),
@@ -348,7 +311,10 @@ class HiSparseCoordinatorView:
 
     @property
     def pending_spills(self) -> dict[int, Any]:
-        block, host_block = self._manager.block, self._manager.core_host_block
+        block, host_block = (
+            self._manager.block_pool.pool_core.block,
+            self._manager.host_block_pool.pool_core.block,
+        )
         out = {}
         for (
             transfer_id,
@@ -388,7 +354,7 @@ class HiSparseCoordinatorView:
 
     @property
     def copies(self) -> dict[bytes, tuple[Any, ...]]:
-        block = self._manager.block
+        block = self._manager.block_pool.pool_core.block
         return {key: tuple(block(b) for b in ids) for key, ids in self._tables()["copies"]}
 
     @property
@@ -401,7 +367,7 @@ class HiSparseCoordinatorView:
 
     @property
     def _retained_copies(self) -> dict[int, tuple[Any, Any]]:
-        host_block = self._manager.core_host_block
+        host_block = self._manager.host_block_pool.pool_core.block
         return {
             dst: (host_block(src), host_block(cow))
             for dst, src, cow in self._tables()["retained_copies"]

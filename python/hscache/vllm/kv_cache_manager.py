@@ -368,7 +368,7 @@ class KVCacheManager(KVCacheCore):
         if not self.core_reset_all_prefix_caches():
             logger.warning(
                 "Failed to reset prefix cache because some blocks (%d) are not freed yet",
-                self.num_gpu_blocks - self.num_free_blocks - 1,
+                self.block_pool.num_gpu_blocks - self.block_pool.get_num_free_blocks() - 1,
             )
             return False
         if self.log_stats and self.prefix_cache_stats is not None:
