@@ -34,7 +34,7 @@ from vllm.v1.hisparse.types import (
     SparseKVRowMirror,
 )
 
-from hscache._core import BlockPoolCore, KVCacheBlock
+from hscache._core import BlockPoolCore, HiSparseCore, KVCacheBlock
 from hscache.vllm.block_pool import BlockList, FreeKVCacheBlockQueue
 
 # The views read an ``hscache.vllm.KVCacheManager``; ``Any`` keeps this module free of
@@ -112,6 +112,8 @@ class _GroupView:
     """One HiSparse group's allocation calls, shared by the source, resident and hot views."""
 
     _manager: KVCacheManager
+    # The core's coordinator (``KVCacheCoordinatorCore``), set by the manager view.
+    _core: Any
     kv_cache_group_id: int
 
     def _block(self, block_id: int) -> Any:
@@ -129,7 +131,7 @@ class _GroupView:
         prefill_end: int = 0,
     ) -> int:
         return int(
-            self._manager.core_group_num_blocks_to_allocate(
+            self._core.group_num_blocks_to_allocate(
                 self.kv_cache_group_id,
                 request_id,
                 num_tokens,
@@ -145,7 +147,7 @@ class _GroupView:
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int
     ) -> list[Any]:
-        ids = self._manager.core_group_allocate_new_blocks(
+        ids = self._core.group_allocate_new_blocks(
             self.kv_cache_group_id, request_id, num_tokens, num_tokens_main_model
         )
         return [self._block(i) for i in ids]
@@ -173,13 +175,19 @@ class _AuxiliaryView(_GroupView):
 
     coordinator: Any = None
 
+    @property
+    def _hisparse(self) -> HiSparseCore:
+        """The core's HiSparse coordinator (``HiSparseCore``), through its view."""
+        core: HiSparseCore = self.coordinator.hisparse_core
+        return core
+
 
 class ResidentView(_AuxiliaryView):
     """What vLLM code calls on ``HiSparseResidentManager`` directly."""
 
     @property
     def max_admission_blocks_per_request(self) -> int:
-        info = self._manager.core_group_info(self.kv_cache_group_id)
+        info = self._core.group_info(self.kv_cache_group_id)
         return int(info["max_admission_blocks_per_request"])
 
     @property
@@ -187,27 +195,25 @@ class ResidentView(_AuxiliaryView):
         block = self._manager.block_pool.pool_core.block
         return {
             rid: {page: block(b) for page, b in changes}
-            for rid, changes in self._manager.core_residency_changes(self.kv_cache_group_id)
+            for rid, changes in self._hisparse.residency_changes(self.kv_cache_group_id)
         }
 
     def get_resident_page(self, request_id: str, block_idx: int) -> Any:
-        b = self._manager.core_resident_page(self.kv_cache_group_id, request_id, block_idx)
+        b = self._hisparse.get_resident_page(self.kv_cache_group_id, request_id, block_idx)
         return None if b is None else self._manager.block_pool.pool_core.block(b)
 
     def get_residency_row(self, request_id: str, start: int = 0) -> list[Any]:
         block = self._manager.block_pool.pool_core.block
-        ids = self._manager.core_residency_row(self.kv_cache_group_id, request_id, start)
+        ids = self._hisparse.get_residency_row(self.kv_cache_group_id, request_id, start)
         return [block(b) for b in ids]
 
     def adopt_resident_page(self, request_id: str, block_idx: int, block: Any) -> bool:
         return bool(
-            self._manager.core_adopt_resident_page(
-                self.kv_cache_group_id, request_id, block_idx, block
-            )
+            self._hisparse.adopt_resident_page(self.kv_cache_group_id, request_id, block_idx, block)
         )
 
     def drop_resident_page(self, request_id: str, block_idx: int) -> Any:
-        b = self._manager.core_drop_resident_page(self.kv_cache_group_id, request_id, block_idx)
+        b = self._hisparse.drop_resident_page(self.kv_cache_group_id, request_id, block_idx)
         return None if b is None else self._manager.block_pool.pool_core.block(b)
 
 
@@ -220,10 +226,10 @@ class HotView(_AuxiliaryView):
 
     @property
     def hot_required(self) -> set[str]:
-        return set(self._manager.core_hot_required(self.kv_cache_group_id))
+        return set(self._hisparse.hot_required(self.kv_cache_group_id))
 
     def require_hot(self, request_id: str) -> None:
-        self._manager.core_hot_require(self.kv_cache_group_id, request_id)
+        self._hisparse.require_hot(self.kv_cache_group_id, request_id)
 
     def has_hot(self, request_id: str) -> bool:
         blocks = self._manager.get_block_ids(request_id)[self.kv_cache_group_id]
@@ -242,7 +248,9 @@ class HiSparseCoordinatorView:
 
     def __init__(self, manager: KVCacheManager, managers: tuple[Any, ...]) -> None:
         self._manager = manager
-        layout = manager.core_hisparse_layout()
+        # The core's HiSparse coordinator; the resident and hot views call it too.
+        self.hisparse_core = core = HiSparseCore(manager)
+        layout = core.layout()
         self.managers = managers
         self.max_model_len = manager.max_model_len
         self.num_reprefillable_tokens: int = layout["num_reprefillable_tokens"]
@@ -257,19 +265,19 @@ class HiSparseCoordinatorView:
 
     @property
     def max_spill_pages(self) -> int:
-        return int(self._manager.core_hisparse_layout()["max_spill_pages"])
+        return int(self.hisparse_core.layout()["max_spill_pages"])
 
     @max_spill_pages.setter
     def max_spill_pages(self, value: int) -> None:
-        self._manager.core_hisparse_set("max_spill_pages", value)
+        self.hisparse_core.set("max_spill_pages", value)
 
     @property
     def transition_watermark(self) -> int:
-        return int(self._manager.core_hisparse_layout()["transition_watermark"])
+        return int(self.hisparse_core.layout()["transition_watermark"])
 
     @transition_watermark.setter
     def transition_watermark(self, value: int) -> None:
-        self._manager.core_hisparse_set("transition_watermark", value)
+        self.hisparse_core.set("transition_watermark", value)
 
     # -- state snapshots -----------------------------------------------------------------
 
@@ -289,8 +297,10 @@ class HiSparseCoordinatorView:
         if p is not None:
             host_block = self._manager.host_block_pool.pool_core.block
             detached = p["detached_blocks"]
+            # The request object the core keeps for the publication (None once gone).
+            request: Any = self.hisparse_core.publication_request(p["id"])
             state.publication = _vllm_hisparse._PendingPublication(
-                request=self._manager.core_hisparse_publication_request(p["id"]),
+                request=request,
                 num_computed_tokens=p["num_computed_tokens"],
                 num_pages=p["num_pages"],
                 retention_interval=p["retention_interval"],
@@ -303,8 +313,8 @@ class HiSparseCoordinatorView:
     @property
     def request_states(self) -> dict[str, Any]:
         out = {}
-        for rid in self._manager.core_hisparse_request_ids():
-            found = self._manager.core_hisparse_request_state(rid)
+        for rid in self.hisparse_core.request_ids():
+            found = self.hisparse_core.request_state(rid)
             if found is not None:
                 out[rid] = self._state(found[1])
         return out
@@ -327,8 +337,8 @@ class HiSparseCoordinatorView:
             expected,
             completions,
             applied,
-        ) in self._manager.core_hisparse_pending_spills():
-            data = self._manager.core_hisparse_state(state_id)
+        ) in self.hisparse_core.pending_spills():
+            data = self.hisparse_core.state(state_id)
             if data is None:  # a spill keeps its request's state alive
                 raise RuntimeError(f"HiSparse spill {transfer_id} lost its request state")
             out[transfer_id] = _vllm_hisparse._PendingSpill(
@@ -346,10 +356,10 @@ class HiSparseCoordinatorView:
 
     @property
     def spills_to_send(self) -> list[SparseKVPageTransfer]:
-        return [_transfer(t) for t in self._manager.core_hisparse_spills_to_send()]
+        return [_transfer(t) for t in self.hisparse_core.spills_to_send()]
 
     def _tables(self) -> dict[str, Any]:
-        tables: dict[str, Any] = self._manager.core_hisparse_tables()
+        tables: dict[str, Any] = self.hisparse_core.tables()
         return tables
 
     @property
@@ -388,18 +398,18 @@ class HiSparseCoordinatorView:
     # -- vLLM's methods ------------------------------------------------------------------
 
     def _get_request_state(self, request_id: str) -> Any:
-        found = self._manager.core_hisparse_request_state(request_id)
+        found = self.hisparse_core.request_state(request_id)
         return None if found is None else self._state(found[1])
 
     def commit_computed_blocks(self, request_id: str, num_host_pages: int) -> None:
-        self._manager.core_hisparse_commit_computed_blocks(request_id, num_host_pages)
+        self.hisparse_core.commit_computed_blocks(request_id, num_host_pages)
 
     def take_host_block_copies(self) -> tuple[KVCacheBlockCopy, ...]:
-        pairs = self._manager.core_hisparse_take_host_block_copies()
+        pairs = self.hisparse_core.take_host_block_copies()
         return tuple(KVCacheBlockCopy(src_block_id=s, dst_block_id=d) for s, d in pairs)
 
     def release_completed_host_copies(self, dst_block_ids: Iterable[int]) -> None:
-        self._manager.core_hisparse_release_completed_host_copies(list(dst_block_ids))
+        self.hisparse_core.release_completed_host_copies(list(dst_block_ids))
 
     def get_host_block_pool(self) -> Any:
         return self.host_manager.block_pool
@@ -408,33 +418,33 @@ class HiSparseCoordinatorView:
         return bool(self.hot_managers) and all(m.has_hot(request_id) for m in self.hot_managers)
 
     def update_residency(self, request_id: str) -> None:
-        self._manager.core_hisparse_update_residency(request_id)
+        self.hisparse_core.update_residency(request_id)
 
     def advance_scheduled(self, requests: Iterable[tuple[str, int]]) -> None:
-        self._manager.core_hisparse_advance_scheduled(list(requests))
+        self.hisparse_core.advance_scheduled(list(requests))
 
     def plan_prefix_materialization(self, request_id: str, num_computed_tokens: int) -> None:
-        self._manager.core_hisparse_plan_prefix_materialization(request_id, num_computed_tokens)
+        self.hisparse_core.plan_prefix_materialization(request_id, num_computed_tokens)
 
     def record_pending_host_import(self, request_id: str, num_tokens: int) -> None:
-        self._manager.core_hisparse_record_pending_host_import(request_id, num_tokens)
+        self.hisparse_core.record_pending_host_import(request_id, num_tokens)
 
     def finish_host_import(self, request_id: str, *, failed: bool) -> None:
-        self._manager.core_hisparse_finish_host_import(request_id, failed)
+        self.hisparse_core.finish_host_import(request_id, failed)
 
     def complete_host_import(self, request_id: str, num_computed_tokens: int) -> None:
-        self._manager.core_hisparse_complete_host_import(request_id, num_computed_tokens)
+        self.hisparse_core.complete_host_import(request_id, num_computed_tokens)
 
     def build_row_mirrors(
         self, requests: Iterable[tuple[str, int, int]]
     ) -> tuple[SparseKVRowMirror, ...]:
         return tuple(
             SparseKVRowMirror(source_starts=tuple(starts), destination_start=dest, num_rows=rows)
-            for starts, dest, rows in self._manager.core_hisparse_build_row_mirrors(list(requests))
+            for starts, dest, rows in self.hisparse_core.build_row_mirrors(list(requests))
         )
 
     def all_context_pages_resident(self, requests: Iterable[tuple[str, int, int]]) -> bool:
-        return bool(self._manager.core_hisparse_all_context_pages_resident(list(requests)))
+        return bool(self.hisparse_core.all_context_pages_resident(list(requests)))
 
     def take_residency_updates(self, request_ids: Iterable[str]) -> dict[str, Any]:
         # ``SparseKVResidencyUpdate`` (0.32, 0.33; vLLM 0.30 has none and its HiSparse
@@ -442,30 +452,28 @@ class HiSparseCoordinatorView:
         update = _hisparse_types.SparseKVResidencyUpdate
         return {
             rid: update(pages=list(pages), block_ids=tuple(ids))
-            for rid, pages, ids in self._manager.core_hisparse_take_residency_updates(
-                list(request_ids)
-            )
+            for rid, pages, ids in self.hisparse_core.take_residency_updates(list(request_ids))
         }
 
     def build_offload_command(self) -> SparseKVOffloadCommand | None:
-        transfers = self._manager.core_hisparse_build_offload_command()
+        transfers = self.hisparse_core.build_offload_command()
         if transfers is None:
             return None
         return SparseKVOffloadCommand(page_transfers=[_transfer(t) for t in transfers])
 
     def has_pending_reclamation(self) -> bool:
-        return bool(self._manager.core_hisparse_has_pending_reclamation())
+        return bool(self.hisparse_core.has_pending_reclamation())
 
     def has_pending_work(self) -> bool:
-        return bool(self._manager.core_hisparse_has_pending_work())
+        return bool(self.hisparse_core.has_pending_work())
 
     def update_spills(
         self, enqueued_counts: dict[int, int], completed_counts: dict[int, int]
     ) -> None:
-        self._manager.core_hisparse_update_spills(dict(enqueued_counts), dict(completed_counts))
+        self.hisparse_core.update_spills(dict(enqueued_counts), dict(completed_counts))
 
     def free(self, request_id: str) -> None:
-        self._manager.core_hisparse_free(request_id)
+        self.hisparse_core.free(request_id)
 
 
 def _transfer(t: tuple[int, int, list[int], bool, bool]) -> SparseKVPageTransfer:
