@@ -13,8 +13,10 @@
 //! builds results; every vLLM rule is the core's. After a call that recorded KV
 //! events or block-metrics calls, [`PyKVCacheCore::flush`] builds vLLM's event
 //! structs with the call's request and replays the metrics calls on the user's
-//! `KVCacheMetricsCollector`. The pools (device and host) are their own class,
-//! `BlockPoolCore` (`pool.rs`).
+//! `KVCacheMetricsCollector`. The classes of the core's other concepts hold a
+//! `KVCacheCore` and borrow it per call: the pools (device and host,
+//! `BlockPoolCore`, `pool.rs`), the coordinator (`KVCacheCoordinatorCore`,
+//! `coordinator.rs`) and HiSparse's coordinator (`HiSparseCore`, `hisparse.rs`).
 
 use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
