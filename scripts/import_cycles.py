@@ -52,11 +52,12 @@ KNOWN: dict[frozenset[str], str] = {}
 CRATE = ROOT / "src"
 # The bindings' one circle, named in docs/architecture.md's concept map.
 _BINDINGS = (
-    "the bindings' handles point at their owner: KVCacheBlock / KVCacheBlocks hold their "
-    "KVCacheCore (they read the core on access) and the core creates them; batch, explain, "
-    "hisparse and convert/{blocks,request} are KVCacheCore's calls written in their own files. "
-    "Inherent to the handles; the rest goes with the bindings' split class by class "
-    "(DESIGN.md section 2)"
+    "the bindings' handles point at their owner: KVCacheBlock / KVCacheBlocks and the view "
+    "classes (BlockPoolCore, KVCacheCoordinatorCore, HiSparseCore) hold their KVCacheCore and "
+    "borrow it per call; the core creates the handles, and its free / update_spills calls use "
+    "hisparse's publication oracle; batch, explain and convert/{blocks,request} are "
+    "KVCacheCore's calls written in their own files. Inherent to the handles (DESIGN.md "
+    "section 2: bindings mirror the core class by class)"
 )
 RUST_KNOWN: dict[frozenset[str], str] = {
     frozenset(

@@ -1,16 +1,24 @@
-//! `KVCacheCore`'s per-group methods, for the Python coordinator and single-type
-//! manager views (`kv_cache_manager.coordinator`, `.single_type_managers[g]`):
-//! what the Scheduler, connectors and vLLM's tests read or call there.
+//! `KVCacheCoordinatorCore`: the coordinator of a `KVCacheCore` and its
+//! single-type managers, for the Python coordinator and manager views
+//! (`python/hscache/vllm/views.py`: `kv_cache_manager.coordinator`,
+//! `.single_type_managers[g]`): what the Scheduler, connectors and vLLM's tests
+//! read or call there, and one group's calls that vLLM code makes on a manager
+//! directly (`group_allocate_new_blocks`, `group_num_blocks_to_allocate`).
 //!
-//! Conversion only: every value comes from the core's coordinator and managers.
+//! The class holds its owner (`Py<KVCacheCore>`) and borrows it per call, as
+//! `BlockPoolCore` does (`pool.rs`). Conversion only: every value comes from the
+//! core's coordinator and managers.
 
+use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use pyo3::PyTraverseError;
 
-use super::convert::blocks::{grouped_ids, id_of};
+use super::convert::blocks::{id_of, ids_in};
 use super::convert::count;
 use super::convert::hashes::PyListHashes;
 use super::manager::PyKVCacheCore;
+use crate::manager::single_type::NumBlocksQuery;
 use crate::manager::{GroupedBlockIds, KVCacheCoordinator, NumBlocksToAllocate};
 use crate::types::BlockId;
 
@@ -39,14 +47,41 @@ impl PyKVCacheCore {
     }
 }
 
+#[pyclass(name = "KVCacheCoordinatorCore", module = "hscache._core", frozen)]
+pub struct PyKVCacheCoordinatorCore {
+    /// The manager whose coordinator this is (borrowed per call).
+    owner: Py<PyKVCacheCore>,
+}
+
 #[pymethods]
-impl PyKVCacheCore {
+impl PyKVCacheCoordinatorCore {
+    /// The coordinator of `owner`.
+    #[new]
+    fn new(owner: &Bound<'_, PyKVCacheCore>) -> Self {
+        Self {
+            owner: owner.clone().unbind(),
+        }
+    }
+
+    /// The HiSparse layout (None without one; see `HiSparseCore.layout`).
+    fn hisparse_layout<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        super::hisparse::layout(py, &self.owner.bind(py).try_borrow()?.core)
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.owner)
+    }
+}
+
+#[pymethods]
+impl PyKVCacheCoordinatorCore {
     /// The coordinator's settings: `{kind, scheduler_block_size, hash_block_size,
     /// num_reprefillable_tokens, retention_interval, enable_partial_hash_hits,
     /// eagle_group_ids, drop_eagle_group_ids, full_attention_group_id,
     /// cache_hit_alignment_tokens, attention_groups, mamba_shared_prefix_checkpoint}`.
-    fn core_coordinator_info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let c = self.coordinator();
+    fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let this = self.owner.bind(py).try_borrow()?;
+        let c = this.coordinator();
         let d = PyDict::new(py);
         d.set_item("kind", format!("{:?}", c.kind()))?;
         d.set_item("scheduler_block_size", c.scheduler_block_size())?;
@@ -66,7 +101,7 @@ impl PyKVCacheCore {
         d.set_item("attention_groups", groups)?;
         d.set_item(
             "mamba_shared_prefix_checkpoint",
-            self.core.mamba_shared_prefix_checkpoint(),
+            this.core.mamba_shared_prefix_checkpoint(),
         )?;
         Ok(d)
     }
@@ -74,9 +109,10 @@ impl PyKVCacheCore {
     /// Group `g`'s manager settings: `{block_size, use_eagle, records_new_block_ids,
     /// cache_hit_alignment_tokens, dcp_world_size, pcp_world_size,
     /// drop_eagle_checkpoint_block, shared_prefix_checkpoint}`.
-    fn core_group_info<'py>(&self, py: Python<'py>, g: usize) -> PyResult<Bound<'py, PyDict>> {
-        self.check_group(g)?;
-        let m = self.coordinator().manager(g);
+    fn group_info<'py>(&self, py: Python<'py>, g: usize) -> PyResult<Bound<'py, PyDict>> {
+        let this = self.owner.bind(py).try_borrow()?;
+        this.check_group(g)?;
+        let m = this.coordinator().manager(g);
         let b = m.base();
         let d = PyDict::new(py);
         d.set_item("block_size", b.block_size)?;
@@ -94,21 +130,26 @@ impl PyKVCacheCore {
     }
 
     /// Ids of the requests that hold state.
-    fn core_request_ids(&self) -> Vec<String> {
-        self.coordinator()
-            .requests
-            .iter()
-            .map(|(k, _)| k.to_owned())
-            .collect()
+    fn request_ids(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        let this = self.owner.bind(py).try_borrow()?;
+        Ok({
+            this.coordinator()
+                .requests
+                .iter()
+                .map(|(k, _)| k.to_owned())
+                .collect()
+        })
     }
 
     /// The request's table in group `g` as block handles (None if the request is
     /// unknown).
-    fn core_group_blocks<'py>(
-        slf: &Bound<'py, Self>,
+    fn group_blocks<'py>(
+        &self,
+        py: Python<'py>,
         request_id: &str,
         g: usize,
     ) -> PyResult<Option<Bound<'py, PyList>>> {
+        let slf = self.owner.bind(py);
         let mut this = slf.try_borrow_mut()?;
         this.check_group(g)?;
         if this.coordinator().request(request_id).is_none() {
@@ -116,13 +157,19 @@ impl PyKVCacheCore {
         }
         let ids = this.core.get_blocks(request_id, g).to_vec();
         let host = this.core.host_group() == Some(g);
-        Self::pool_handles_list(slf, &mut this, &ids, host).map(Some)
+        PyKVCacheCore::pool_handles_list(slf, &mut this, &ids, host).map(Some)
     }
 
     /// The request's `num_cached_block` in group `g` (None if it has none).
-    fn core_num_cached_block(&self, request_id: &str, g: usize) -> PyResult<Option<usize>> {
-        self.check_group(g)?;
-        Ok(self
+    fn num_cached_block(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        g: usize,
+    ) -> PyResult<Option<usize>> {
+        let this = self.owner.bind(py).try_borrow()?;
+        this.check_group(g)?;
+        Ok(this
             .coordinator()
             .request(request_id)
             .and_then(|s| s.groups.get(g))
@@ -131,11 +178,8 @@ impl PyKVCacheCore {
 
     /// Group `g`'s partial hits awaiting copy-on-write: `{request_id: (block_idx,
     /// block)}` (vLLM's `_partial_hit_reqs`).
-    fn core_partial_hit_reqs<'py>(
-        slf: &Bound<'py, Self>,
-        g: usize,
-    ) -> PyResult<Bound<'py, PyDict>> {
-        let py = slf.py();
+    fn partial_hit_reqs<'py>(&self, py: Python<'py>, g: usize) -> PyResult<Bound<'py, PyDict>> {
+        let slf = self.owner.bind(py);
         let entries: Vec<(String, usize, BlockId)> = {
             let this = slf.try_borrow()?;
             this.check_group(g)?;
@@ -152,7 +196,10 @@ impl PyKVCacheCore {
         let mut this = slf.try_borrow_mut()?;
         let host = this.core.host_group() == Some(g);
         for (rid, idx, b) in entries {
-            d.set_item(rid, (idx, Self::pool_handle(slf, &mut this, b, host)?))?;
+            d.set_item(
+                rid,
+                (idx, PyKVCacheCore::pool_handle(slf, &mut this, b, host)?),
+            )?;
         }
         Ok(d)
     }
@@ -160,29 +207,26 @@ impl PyKVCacheCore {
     /// Group `g`'s Mamba "align" state: `{checkpoints: {rid: (position, idx)},
     /// last_state_block_idx: {rid: idx}, allocated: [rid], cached_this_step:
     /// [key bytes]}`; None for other groups.
-    fn core_mamba_state<'py>(
-        &self,
-        py: Python<'py>,
-        g: usize,
-    ) -> PyResult<Option<Bound<'py, PyDict>>> {
-        self.check_group(g)?;
-        let Some(m) = self.coordinator().manager(g).mamba() else {
+    fn mamba_state<'py>(&self, py: Python<'py>, g: usize) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let this = self.owner.bind(py).try_borrow()?;
+        this.check_group(g)?;
+        let Some(m) = this.coordinator().manager(g).mamba() else {
             return Ok(None);
         };
         let d = PyDict::new(py);
         let checkpoints = PyDict::new(py);
         let entries = || m.align_requests();
-        for (rid, v) in self.by_request(entries().filter_map(|(s, r)| Some((s, r.checkpoint?)))) {
+        for (rid, v) in this.by_request(entries().filter_map(|(s, r)| Some((s, r.checkpoint?)))) {
             checkpoints.set_item(rid, v)?;
         }
         d.set_item("checkpoints", checkpoints)?;
         let last = PyDict::new(py);
         let last_idx = entries().filter_map(|(s, r)| Some((s, r.last_state_block_idx?)));
-        for (rid, v) in self.by_request(last_idx) {
+        for (rid, v) in this.by_request(last_idx) {
             last.set_item(rid, v)?;
         }
         d.set_item("last_state_block_idx", last)?;
-        let allocated: Vec<String> = self
+        let allocated: Vec<String> = this
             .by_request(entries().filter(|(_, r)| r.allocated).map(|(s, _)| (s, ())))
             .into_iter()
             .map(|(r, ())| r)
@@ -198,27 +242,35 @@ impl PyKVCacheCore {
     }
 
     /// Sets the coordinator's `retention_interval` (None: dense retention).
-    fn core_set_retention_interval(&mut self, retention_interval: Option<i64>) -> PyResult<()> {
+    fn set_retention_interval(
+        &self,
+        py: Python<'_>,
+        retention_interval: Option<i64>,
+    ) -> PyResult<()> {
+        let mut this = self.owner.bind(py).try_borrow_mut()?;
         let r = retention_interval
             .map(|r| count("retention_interval", r))
             .transpose()?;
-        Ok(self.core.set_retention_interval(r)?)
+        Ok(this.core.set_retention_interval(r)?)
     }
 
     /// Sets group `g`'s `use_eagle`.
-    fn core_set_group_use_eagle(&mut self, g: usize, use_eagle: bool) -> PyResult<()> {
-        self.check_group(g)?;
-        Ok(self.core.set_group_use_eagle(g, use_eagle)?)
+    fn set_group_use_eagle(&self, py: Python<'_>, g: usize, use_eagle: bool) -> PyResult<()> {
+        let mut this = self.owner.bind(py).try_borrow_mut()?;
+        this.check_group(g)?;
+        Ok(this.core.set_group_use_eagle(g, use_eagle)?)
     }
 
     /// Queues a copy-on-write pair on group `g` (vLLM code appends to a manager's
     /// `_pending_cow_copies`).
-    fn core_push_cow_copy(
-        slf: &Bound<'_, Self>,
+    fn push_cow_copy(
+        &self,
+        py: Python<'_>,
         g: usize,
         source: &Bound<'_, PyAny>,
         copy: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
+        let slf = self.owner.bind(py);
         let (s, d) = (id_of(slf, source)?, id_of(slf, copy)?);
         let mut this = slf.try_borrow_mut()?;
         this.check_group(g)?;
@@ -232,8 +284,9 @@ impl PyKVCacheCore {
         total_computed_tokens, num_local_computed_tokens, num_tokens_main_model,
         apply_admission_cap=false, prefill_end=0))]
     #[allow(clippy::too_many_arguments)]
-    fn core_num_blocks_to_allocate(
-        slf: &Bound<'_, Self>,
+    fn get_num_blocks_to_allocate(
+        &self,
+        py: Python<'_>,
         request_id: &str,
         num_tokens: i64,
         new_computed_blocks: &Bound<'_, PyAny>,
@@ -244,6 +297,7 @@ impl PyKVCacheCore {
         apply_admission_cap: bool,
         prefill_end: i64,
     ) -> PyResult<i64> {
+        let slf = self.owner.bind(py);
         let mut hits = GroupedBlockIds::new();
         let host_group = slf.try_borrow()?.core.host_group();
         for (g, group) in new_computed_blocks.try_iter()?.enumerate() {
@@ -272,11 +326,13 @@ impl PyKVCacheCore {
 
     /// vLLM's `coordinator.find_longest_cache_hit(block_hashes,
     /// max_cache_hit_length)`: `(blocks per group, hit, uncached common prefix)`.
-    fn core_find_longest_cache_hit<'py>(
-        slf: &Bound<'py, Self>,
+    fn find_longest_cache_hit<'py>(
+        &self,
+        py: Python<'py>,
         block_hashes: &Bound<'py, PyAny>,
         max_cache_hit_length: i64,
     ) -> PyResult<(Bound<'py, PyTuple>, usize, usize)> {
+        let slf = self.owner.bind(py);
         let max_len = count("max_cache_hit_length", max_cache_hit_length)?;
         let hashes = PyListHashes::new(block_hashes)?;
         let mut this = slf.try_borrow_mut()?;
@@ -288,18 +344,22 @@ impl PyKVCacheCore {
         let lists = groups
             .iter()
             .enumerate()
-            .map(|(g, ids)| Self::pool_handles_list(slf, &mut this, ids, host_group == Some(g)))
+            .map(|(g, ids)| {
+                PyKVCacheCore::pool_handles_list(slf, &mut this, ids, host_group == Some(g))
+            })
             .collect::<PyResult<Vec<_>>>()?;
         Ok((PyTuple::new(slf.py(), lists)?, hit, uncached))
     }
 
     /// vLLM's `coordinator.find_longest_cache_hit_per_group`: `(blocks per group,
     /// hit length per group)`.
-    fn core_find_longest_cache_hit_per_group<'py>(
-        slf: &Bound<'py, Self>,
+    fn find_longest_cache_hit_per_group<'py>(
+        &self,
+        py: Python<'py>,
         block_hashes: &Bound<'py, PyAny>,
         max_cache_hit_length: i64,
     ) -> PyResult<(Bound<'py, PyTuple>, Vec<usize>)> {
+        let slf = self.owner.bind(py);
         let max_len = count("max_cache_hit_length", max_cache_hit_length)?;
         let hashes = PyListHashes::new(block_hashes)?;
         let mut this = slf.try_borrow_mut()?;
@@ -316,25 +376,73 @@ impl PyKVCacheCore {
         let lists = groups
             .iter()
             .enumerate()
-            .map(|(g, ids)| Self::pool_handles_list(slf, &mut this, ids, host_group == Some(g)))
+            .map(|(g, ids)| {
+                PyKVCacheCore::pool_handles_list(slf, &mut this, ids, host_group == Some(g))
+            })
             .collect::<PyResult<Vec<_>>>()?;
         Ok((PyTuple::new(slf.py(), lists)?, lengths))
     }
 
-    /// Group ids of a `KVCacheBlocks`-shaped object as lists (views and tests).
-    fn core_grouped_ids(
-        slf: &Bound<'_, Self>,
-        blocks: &Bound<'_, PyAny>,
-    ) -> PyResult<Vec<Vec<BlockId>>> {
-        let mut groups = GroupedBlockIds::new();
-        grouped_ids(slf, blocks, &mut groups)?;
-        Ok((0..groups.num_groups())
-            .map(|g| groups.group(g).to_vec())
-            .collect())
+    /// One group's `allocate_new_blocks` (vLLM code may call a manager directly):
+    /// the new block ids.
+    fn group_allocate_new_blocks(
+        &self,
+        py: Python<'_>,
+        g: usize,
+        request_id: &str,
+        num_tokens: i64,
+        num_tokens_main_model: i64,
+    ) -> PyResult<Vec<BlockId>> {
+        let slf = self.owner.bind(py);
+        let n = count("num_tokens", num_tokens)?;
+        let main = count("num_tokens_main_model", num_tokens_main_model)?;
+        let out = slf
+            .try_borrow_mut()?
+            .core
+            .group_allocate_new_blocks(g, request_id, n, main)?;
+        PyKVCacheCore::flush(slf, None)?;
+        Ok(out)
     }
 
-    /// A `KVCacheBlock` handle's group-independent id (views).
-    fn core_block_id(slf: &Bound<'_, Self>, block: &Bound<'_, PyAny>) -> PyResult<BlockId> {
-        id_of(slf, block)
+    /// One group's `get_num_blocks_to_allocate` (vLLM code may call a manager
+    /// directly); `new_computed_blocks` are handles of the group's pool.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (g, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+        num_local_computed_tokens, num_tokens_main_model, apply_admission_cap=false,
+        prefill_end=0))]
+    fn group_num_blocks_to_allocate(
+        &self,
+        py: Python<'_>,
+        g: usize,
+        request_id: &str,
+        num_tokens: i64,
+        new_computed_blocks: &Bound<'_, PyAny>,
+        total_computed_tokens: i64,
+        num_local_computed_tokens: i64,
+        num_tokens_main_model: i64,
+        apply_admission_cap: bool,
+        prefill_end: i64,
+    ) -> PyResult<i64> {
+        let slf = self.owner.bind(py);
+        let host = slf.try_borrow()?.core.host_group() == Some(g);
+        let mut hits = Vec::new();
+        ids_in(slf, new_computed_blocks, host, &mut hits)?;
+        let q = NumBlocksQuery {
+            request_id,
+            num_tokens: count("num_tokens", num_tokens)?,
+            new_computed_blocks: &hits,
+            total_computed_tokens: count("total_computed_tokens", total_computed_tokens)?,
+            num_local_computed_tokens: count(
+                "num_local_computed_tokens",
+                num_local_computed_tokens,
+            )?,
+            num_tokens_main_model: count("num_tokens_main_model", num_tokens_main_model)?,
+            apply_admission_cap,
+            prefill_end: count("prefill_end", prefill_end)?,
+        };
+        Ok(slf
+            .try_borrow_mut()?
+            .core
+            .group_num_blocks_to_allocate(g, &q)?)
     }
 }

@@ -1,24 +1,30 @@
-//! `KVCacheCore`'s HiSparse coordinator methods, for the Python view of vLLM's
-//! `HiSparseCoordinator` (`python/hscache/vllm/hisparse.py`); the managers' and the
-//! host pool's are in `hisparse_groups.rs`.
+//! `HiSparseCore`: HiSparse's coordinator of a `KVCacheCore`, for the Python view
+//! of vLLM's `HiSparseCoordinator` (`python/hscache/vllm/hisparse.py`); its calls
+//! on the resident and hot managers are in `hisparse_groups.rs`, the host pool is
+//! a `BlockPoolCore` (`pool.rs`).
 //!
+//! The class holds its owner (`Py<KVCacheCore>`) and borrows it per call.
 //! Conversion only: request ids, counts and block handles in, a core call, ids and
 //! tuples out; the views build vLLM's objects (`SparseKVPageTransfer`, ...). The
 //! core names a HiSparse publication's request by id; [`Publications`] answers its
 //! questions about those requests (and the interpreter's `hash()` of request ids,
-//! which orders what vLLM iterates as a `set`) from the request objects this
-//! binding keeps, by publication id, in `PyKVCacheCore::publications`.
+//! which orders what vLLM iterates as a `set`) from the request objects the
+//! manager's binding keeps, by publication id, in `PyKVCacheCore::publications`.
 
 use std::cell::RefCell;
 
+use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString};
+use pyo3::PyTraverseError;
 use rustc_hash::FxHashMap;
 
 use super::convert::count;
+use super::errors::InvalidArgumentError;
 use super::manager::PyKVCacheCore;
 use crate::error::{Error, Result};
 use crate::manager::hisparse::{HiSparseRequestState, PublicationRequests};
+use crate::manager::KVCacheManager;
 use crate::types::BlockId;
 
 /// [`PublicationRequests`] over the publications' request objects.
@@ -148,40 +154,77 @@ fn state_dict<'py>(py: Python<'py>, s: &HiSparseRequestState) -> PyResult<Bound<
     Ok(d)
 }
 
+/// The HiSparse layout of `core` as a dict (see `HiSparseCore.layout`); None
+/// without one.
+pub(crate) fn layout<'py>(
+    py: Python<'py>,
+    core: &KVCacheManager,
+) -> PyResult<Option<Bound<'py, PyDict>>> {
+    let Some(h) = core.coordinator().hisparse() else {
+        return Ok(None);
+    };
+    let l = h.layout();
+    let d = PyDict::new(py);
+    d.set_item("host_group", l.host_group)?;
+    d.set_item("resident_groups", l.resident_groups.to_vec())?;
+    d.set_item("hot_groups", l.hot_groups.to_vec())?;
+    d.set_item("block_size", l.block_size)?;
+    d.set_item("max_spill_pages", l.max_spill_pages)?;
+    d.set_item("transition_watermark", l.transition_watermark)?;
+    d.set_item("num_reprefillable_tokens", l.num_reprefillable_tokens)?;
+    d.set_item(
+        "host_num_blocks",
+        core.host_pool()
+            .map_or(0, crate::pool::BlockPool::num_gpu_blocks),
+    )?;
+    Ok(Some(d))
+}
+
+fn no_hisparse() -> PyErr {
+    InvalidArgumentError::new_err("this KV-cache layout has no HiSparse coordinator")
+}
+
+#[pyclass(name = "HiSparseCore", module = "hscache._core", frozen)]
+pub struct PyHiSparseCore {
+    /// The manager whose HiSparse coordinator this is (borrowed per call).
+    pub(crate) owner: Py<PyKVCacheCore>,
+}
+
 #[pymethods]
-impl PyKVCacheCore {
+impl PyHiSparseCore {
+    /// The HiSparse coordinator of `owner` (`InvalidArgumentError` without one).
+    #[new]
+    fn new(owner: &Bound<'_, PyKVCacheCore>) -> PyResult<Self> {
+        if owner.try_borrow()?.core.coordinator().hisparse().is_none() {
+            return Err(no_hisparse());
+        }
+        Ok(Self {
+            owner: owner.clone().unbind(),
+        })
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> std::result::Result<(), PyTraverseError> {
+        visit.call(&self.owner)
+    }
+}
+
+#[pymethods]
+impl PyHiSparseCore {
     // ---- layout ---------------------------------------------------------------------
 
-    /// The HiSparse layout (None without one): `host_group`, `resident_groups`,
-    /// `hot_groups`, `block_size`, `max_spill_pages`, `transition_watermark`,
+    /// The HiSparse layout: `host_group`, `resident_groups`, `hot_groups`,
+    /// `block_size`, `max_spill_pages`, `transition_watermark`,
     /// `num_reprefillable_tokens`, `host_num_blocks`.
-    fn core_hisparse_layout<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let Some(h) = self.core.coordinator().hisparse() else {
-            return Ok(None);
-        };
-        let l = h.layout();
-        let d = PyDict::new(py);
-        d.set_item("host_group", l.host_group)?;
-        d.set_item("resident_groups", l.resident_groups.to_vec())?;
-        d.set_item("hot_groups", l.hot_groups.to_vec())?;
-        d.set_item("block_size", l.block_size)?;
-        d.set_item("max_spill_pages", l.max_spill_pages)?;
-        d.set_item("transition_watermark", l.transition_watermark)?;
-        d.set_item("num_reprefillable_tokens", l.num_reprefillable_tokens)?;
-        d.set_item(
-            "host_num_blocks",
-            self.core
-                .host_pool()
-                .map_or(0, super::super::pool::BlockPool::num_gpu_blocks),
-        )?;
-        Ok(Some(d))
+    fn layout<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        layout(py, &self.owner.bind(py).try_borrow()?.core)?.ok_or_else(no_hisparse)
     }
 
     /// Sets `max_spill_pages` or `transition_watermark` (vLLM code assigns them).
-    fn core_hisparse_set(&mut self, name: &str, value: i64) -> PyResult<()> {
+    fn set(&self, py: Python<'_>, name: &str, value: i64) -> PyResult<()> {
+        let mut this = self.owner.bind(py).try_borrow_mut()?;
         let n = count(name, value)?;
         let which = name.to_owned();
-        self.core.hisparse_call(|h, _| {
+        this.core.hisparse_call(|h, _| {
             match which.as_str() {
                 "max_spill_pages" => h.set_max_spill_pages(n),
                 "transition_watermark" => h.set_transition_watermark(n),
@@ -199,96 +242,102 @@ impl PyKVCacheCore {
     // ---- the connector's calls ---------------------------------------------------------
 
     /// vLLM's `advance_scheduled(pairs of (request_id, num_tokens))`.
-    fn core_hisparse_advance_scheduled(
-        slf: &Bound<'_, Self>,
-        requests: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
+    fn advance_scheduled(&self, py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<()> {
+        let slf = self.owner.bind(py);
         let requests = rid_counts(requests)?;
         slf.try_borrow_mut()?
             .core
             .hisparse_call(|h, ctx| h.advance_scheduled(ctx, &requests))?;
-        Self::flush(slf, None)
+        PyKVCacheCore::flush(slf, None)
     }
 
     /// vLLM's `plan_prefix_materialization`.
-    fn core_hisparse_plan_prefix_materialization(
-        slf: &Bound<'_, Self>,
+    fn plan_prefix_materialization(
+        &self,
+        py: Python<'_>,
         request_id: &str,
         num_computed_tokens: i64,
     ) -> PyResult<()> {
+        let slf = self.owner.bind(py);
         let n = count("num_computed_tokens", num_computed_tokens)?;
         slf.try_borrow_mut()?
             .core
             .hisparse_call(|h, ctx| h.plan_prefix_materialization(ctx, request_id, n))?;
-        Self::flush(slf, None)
+        PyKVCacheCore::flush(slf, None)
     }
 
     /// vLLM's `update_residency`.
-    fn core_hisparse_update_residency(slf: &Bound<'_, Self>, request_id: &str) -> PyResult<()> {
+    fn update_residency(&self, py: Python<'_>, request_id: &str) -> PyResult<()> {
+        let slf = self.owner.bind(py);
         slf.try_borrow_mut()?
             .core
             .hisparse_call(|h, ctx| h.update_residency(ctx, request_id))?;
-        Self::flush(slf, None)
+        PyKVCacheCore::flush(slf, None)
     }
 
     /// vLLM's `commit_computed_blocks`.
-    fn core_hisparse_commit_computed_blocks(
-        &mut self,
+    fn commit_computed_blocks(
+        &self,
+        py: Python<'_>,
         request_id: &str,
         num_host_pages: i64,
     ) -> PyResult<()> {
+        let mut this = self.owner.bind(py).try_borrow_mut()?;
         let n = count("num_host_pages", num_host_pages)?;
-        Ok(self
+        Ok(this
             .core
             .hisparse_call(|h, ctx| h.commit_computed_blocks(ctx, request_id, n))?)
     }
 
     /// vLLM's `record_pending_host_import`.
-    fn core_hisparse_record_pending_host_import(
-        &mut self,
+    fn record_pending_host_import(
+        &self,
+        py: Python<'_>,
         request_id: &str,
         num_tokens: i64,
     ) -> PyResult<()> {
+        let mut this = self.owner.bind(py).try_borrow_mut()?;
         let n = count("num_tokens", num_tokens)?;
-        Ok(self.core.hisparse_call(|h, _| {
+        Ok(this.core.hisparse_call(|h, _| {
             h.record_pending_host_import(request_id, n);
             Ok(())
         })?)
     }
 
     /// vLLM's `finish_host_import`.
-    fn core_hisparse_finish_host_import(
-        slf: &Bound<'_, Self>,
-        request_id: &str,
-        failed: bool,
-    ) -> PyResult<()> {
+    fn finish_host_import(&self, py: Python<'_>, request_id: &str, failed: bool) -> PyResult<()> {
+        let slf = self.owner.bind(py);
         slf.try_borrow_mut()?
             .core
             .hisparse_call(|h, ctx| h.finish_host_import(ctx, request_id, failed))?;
-        Self::flush(slf, None)
+        PyKVCacheCore::flush(slf, None)
     }
 
     /// vLLM's `complete_host_import`.
-    fn core_hisparse_complete_host_import(
-        slf: &Bound<'_, Self>,
+    fn complete_host_import(
+        &self,
+        py: Python<'_>,
         request_id: &str,
         num_computed_tokens: i64,
     ) -> PyResult<()> {
+        let slf = self.owner.bind(py);
         let n = count("num_computed_tokens", num_computed_tokens)?;
         slf.try_borrow_mut()?
             .core
             .hisparse_call(|h, ctx| h.complete_host_import(ctx, request_id, n))?;
-        Self::flush(slf, None)
+        PyKVCacheCore::flush(slf, None)
     }
 
     /// vLLM's `build_offload_command`: None without resident groups, else the
     /// planned transfers `(transfer_id, host_block_id, resident_block_ids,
     /// after_forward, restore)`, drained.
     #[allow(clippy::type_complexity)]
-    fn core_hisparse_build_offload_command(
-        &mut self,
+    fn build_offload_command(
+        &self,
+        py: Python<'_>,
     ) -> PyResult<Option<Vec<(u64, BlockId, Vec<BlockId>, bool, bool)>>> {
-        let cmd = self
+        let mut this = self.owner.bind(py).try_borrow_mut()?;
+        let cmd = this
             .core
             .hisparse_call(|h, _| Ok(h.build_offload_command()))?;
         Ok(cmd.map(|ts| {
@@ -307,31 +356,36 @@ impl PyKVCacheCore {
     }
 
     /// vLLM's `take_host_block_copies`: `(source, copy)` host block ids.
-    fn core_hisparse_take_host_block_copies(&mut self) -> PyResult<Vec<(BlockId, BlockId)>> {
-        Ok(self.core.hisparse_call(
+    fn take_host_block_copies(&self, py: Python<'_>) -> PyResult<Vec<(BlockId, BlockId)>> {
+        let mut this = self.owner.bind(py).try_borrow_mut()?;
+        Ok(this.core.hisparse_call(
             super::super::manager::hisparse::HiSparseCoordinator::take_host_block_copies,
         )?)
     }
 
     /// vLLM's `release_completed_host_copies`.
-    fn core_hisparse_release_completed_host_copies(
-        slf: &Bound<'_, Self>,
+    fn release_completed_host_copies(
+        &self,
+        py: Python<'_>,
         dst_block_ids: Vec<BlockId>,
     ) -> PyResult<()> {
+        let slf = self.owner.bind(py);
         slf.try_borrow_mut()?
             .core
             .hisparse_call(|h, ctx| h.release_completed_host_copies(ctx, &dst_block_ids))?;
-        Self::flush(slf, None)
+        PyKVCacheCore::flush(slf, None)
     }
 
     /// vLLM's `build_row_mirrors`: `(source_starts, destination_start, num_rows)`.
     #[allow(clippy::type_complexity)]
-    fn core_hisparse_build_row_mirrors(
-        &mut self,
+    fn build_row_mirrors(
+        &self,
+        py: Python<'_>,
         requests: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<(Vec<usize>, usize, usize)>> {
+        let mut this = self.owner.bind(py).try_borrow_mut()?;
         let requests = rid_ranges(requests)?;
-        let mirrors = self
+        let mirrors = this
             .core
             .hisparse_call(|h, ctx| h.build_row_mirrors(ctx, &requests))?;
         Ok(mirrors
@@ -341,12 +395,14 @@ impl PyKVCacheCore {
     }
 
     /// vLLM's `all_context_pages_resident`.
-    fn core_hisparse_all_context_pages_resident(
-        &mut self,
+    fn all_context_pages_resident(
+        &self,
+        py: Python<'_>,
         requests: &Bound<'_, PyAny>,
     ) -> PyResult<bool> {
+        let mut this = self.owner.bind(py).try_borrow_mut()?;
         let requests = rid_ranges(requests)?;
-        Ok(self
+        Ok(this
             .core
             .hisparse_call(|h, ctx| h.all_context_pages_resident(ctx, &requests))?)
     }
@@ -354,15 +410,17 @@ impl PyKVCacheCore {
     /// vLLM's `take_residency_updates`: `(request_id, pages, block_ids per resident
     /// group)` for the requests that have one.
     #[allow(clippy::type_complexity)]
-    fn core_hisparse_take_residency_updates(
-        &mut self,
+    fn take_residency_updates(
+        &self,
+        py: Python<'_>,
         request_ids: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<(String, Vec<usize>, Vec<Vec<BlockId>>)>> {
+        let mut this = self.owner.bind(py).try_borrow_mut()?;
         let ids = request_ids
             .try_iter()?
             .map(|r| Ok(r?.extract::<String>()?.into_boxed_str()))
             .collect::<PyResult<Vec<_>>>()?;
-        let updates = self
+        let updates = this
             .core
             .hisparse_call(|h, ctx| h.take_residency_updates(ctx, &ids))?;
         Ok(updates
@@ -372,26 +430,32 @@ impl PyKVCacheCore {
     }
 
     /// vLLM's `has_pending_reclamation`.
-    fn core_hisparse_has_pending_reclamation(&mut self) -> PyResult<bool> {
-        Ok(self
+    fn has_pending_reclamation(&self, py: Python<'_>) -> PyResult<bool> {
+        let mut this = self.owner.bind(py).try_borrow_mut()?;
+        Ok(this
             .core
             .hisparse_call(|h, ctx| h.has_pending_reclamation(ctx))?)
     }
 
     /// vLLM's `has_pending_work`.
-    fn core_hisparse_has_pending_work(&self) -> bool {
-        self.core
-            .coordinator()
-            .hisparse()
-            .is_some_and(super::super::manager::hisparse::HiSparseCoordinator::has_pending_work)
+    fn has_pending_work(&self, py: Python<'_>) -> PyResult<bool> {
+        let this = self.owner.bind(py).try_borrow()?;
+        Ok({
+            this.core
+                .coordinator()
+                .hisparse()
+                .is_some_and(super::super::manager::hisparse::HiSparseCoordinator::has_pending_work)
+        })
     }
 
     /// vLLM's `update_spills(enqueued_counts, completed_counts)` (dicts).
-    fn core_hisparse_update_spills(
-        slf: &Bound<'_, Self>,
+    fn update_spills(
+        &self,
+        py: Python<'_>,
         enqueued_counts: &Bound<'_, PyAny>,
         completed_counts: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
+        let slf = self.owner.bind(py);
         let enqueued = id_counts(enqueued_counts)?;
         let completed = id_counts(completed_counts)?;
         {
@@ -402,11 +466,12 @@ impl PyKVCacheCore {
                 .hisparse_call(|h, ctx| h.update_spills(ctx, &enqueued, &completed, &oracle))
                 .map_err(|e| oracle.error(e))?;
         }
-        Self::flush(slf, None)
+        PyKVCacheCore::flush(slf, None)
     }
 
     /// vLLM's `HiSparseCoordinator.free(request_id)` alone.
-    fn core_hisparse_free(slf: &Bound<'_, Self>, request_id: &str) -> PyResult<()> {
+    fn free(&self, py: Python<'_>, request_id: &str) -> PyResult<()> {
+        let slf = self.owner.bind(py);
         {
             let mut this = slf.try_borrow_mut()?;
             let this = &mut *this;
@@ -415,28 +480,32 @@ impl PyKVCacheCore {
                 .hisparse_call(|h, ctx| h.free(ctx, request_id, &oracle))
                 .map_err(|e| oracle.error(e))?;
         }
-        Self::flush(slf, None)
+        PyKVCacheCore::flush(slf, None)
     }
 
     // ---- state, for the views ----------------------------------------------------------
 
     /// The request ids of `request_states`.
-    fn core_hisparse_request_ids(&self) -> Vec<String> {
-        self.core
-            .coordinator()
-            .hisparse()
-            .map(|h| h.request_states().map(|(rid, _)| rid.to_owned()).collect())
-            .unwrap_or_default()
+    fn request_ids(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        let this = self.owner.bind(py).try_borrow()?;
+        Ok({
+            this.core
+                .coordinator()
+                .hisparse()
+                .map(|h| h.request_states().map(|(rid, _)| rid.to_owned()).collect())
+                .unwrap_or_default()
+        })
     }
 
     /// `request_states[request_id]` as a dict (None if absent); `state_id` names
     /// the state object (pending spills refer to it).
-    fn core_hisparse_request_state<'py>(
+    fn request_state<'py>(
         &self,
         py: Python<'py>,
         request_id: &str,
     ) -> PyResult<Option<(u32, Bound<'py, PyDict>)>> {
-        self.core.read("hisparse_request_state", |c| {
+        let this = self.owner.bind(py).try_borrow()?;
+        this.core.read("hisparse_request_state", |c| {
             let Some(h) = c.coordinator().hisparse() else {
                 return Ok(None);
             };
@@ -451,12 +520,9 @@ impl PyKVCacheCore {
     }
 
     /// The state of slab entry `state_id` as a dict (None if gone).
-    fn core_hisparse_state<'py>(
-        &self,
-        py: Python<'py>,
-        state_id: u32,
-    ) -> PyResult<Option<Bound<'py, PyDict>>> {
-        self.core.read("hisparse_state", |c| {
+    fn state<'py>(&self, py: Python<'py>, state_id: u32) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let this = self.owner.bind(py).try_borrow()?;
+        this.core.read("hisparse_state", |c| {
             match c.coordinator().hisparse().and_then(|h| h.state(state_id)) {
                 Some(s) => Ok(Some(state_dict(py, s)?)),
                 None => Ok(None),
@@ -468,82 +534,92 @@ impl PyKVCacheCore {
     /// host_block, resident_blocks, restore, expected_worker_completions,
     /// worker_completions, enqueue_applied)`.
     #[allow(clippy::type_complexity)]
-    fn core_hisparse_pending_spills(
+    fn pending_spills(
         &self,
-    ) -> Vec<(
-        u64,
-        String,
-        usize,
-        u32,
-        BlockId,
-        Vec<BlockId>,
-        bool,
-        u64,
-        u64,
-        bool,
-    )> {
-        self.core
-            .coordinator()
-            .hisparse()
-            .map(|h| {
-                h.pending_spills()
-                    .map(|p| {
-                        (
-                            p.transfer_id,
-                            p.request_id.to_string(),
-                            p.page,
-                            p.state,
-                            p.host_block,
-                            p.resident_blocks.to_vec(),
-                            p.restore,
-                            p.expected_worker_completions,
-                            p.worker_completions,
-                            p.enqueue_applied,
-                        )
-                    })
-                    .collect()
-            })
-            .unwrap_or_default()
+        py: Python<'_>,
+    ) -> PyResult<
+        Vec<(
+            u64,
+            String,
+            usize,
+            u32,
+            BlockId,
+            Vec<BlockId>,
+            bool,
+            u64,
+            u64,
+            bool,
+        )>,
+    > {
+        let this = self.owner.bind(py).try_borrow()?;
+        Ok({
+            this.core
+                .coordinator()
+                .hisparse()
+                .map(|h| {
+                    h.pending_spills()
+                        .map(|p| {
+                            (
+                                p.transfer_id,
+                                p.request_id.to_string(),
+                                p.page,
+                                p.state,
+                                p.host_block,
+                                p.resident_blocks.to_vec(),
+                                p.restore,
+                                p.expected_worker_completions,
+                                p.worker_completions,
+                                p.enqueue_applied,
+                            )
+                        })
+                        .collect()
+                })
+                .unwrap_or_default()
+        })
     }
 
     /// `spills_to_send` (not drained), as `build_offload_command`'s tuples.
     #[allow(clippy::type_complexity)]
-    fn core_hisparse_spills_to_send(&self) -> Vec<(u64, BlockId, Vec<BlockId>, bool, bool)> {
-        self.core
-            .coordinator()
-            .hisparse()
-            .map(|h| {
-                h.spills_to_send()
-                    .iter()
-                    .map(|t| {
-                        (
-                            t.transfer_id,
-                            t.host_block_id,
-                            t.resident_block_ids.to_vec(),
-                            t.after_forward,
-                            t.restore,
-                        )
-                    })
-                    .collect()
-            })
-            .unwrap_or_default()
+    fn spills_to_send(
+        &self,
+        py: Python<'_>,
+    ) -> PyResult<Vec<(u64, BlockId, Vec<BlockId>, bool, bool)>> {
+        let this = self.owner.bind(py).try_borrow()?;
+        Ok({
+            this.core
+                .coordinator()
+                .hisparse()
+                .map(|h| {
+                    h.spills_to_send()
+                        .iter()
+                        .map(|t| {
+                            (
+                                t.transfer_id,
+                                t.host_block_id,
+                                t.resident_block_ids.to_vec(),
+                                t.after_forward,
+                                t.restore,
+                            )
+                        })
+                        .collect()
+                })
+                .unwrap_or_default()
+        })
     }
 
     /// The request of HiSparse publication `publication` (None if gone).
-    fn core_hisparse_publication_request(
-        &self,
-        py: Python<'_>,
-        publication: u64,
-    ) -> Option<Py<PyAny>> {
-        self.publications.get(&publication).map(|r| r.clone_ref(py))
+    fn publication_request(&self, py: Python<'_>, publication: u64) -> PyResult<Option<Py<PyAny>>> {
+        let this = self.owner.bind(py).try_borrow()?;
+        Ok(this.publications.get(&publication).map(|r| r.clone_ref(py)))
     }
 
     /// The rest of the coordinator's state: `copies` `[(key bytes, [block ids])]`,
     /// `copy_by_block` `[(block, key bytes)]`, `owners` `[(block, [(request, page)])]`,
     /// `retained_copies` `[(dst, src, dst)]`, `pending_imports` `[(request, tokens)]`,
     /// `resident_requests`, `next_spill_id`.
-    fn core_hisparse_tables<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        self.core.read("hisparse_tables", |c| {
+    fn tables<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let this = self.owner.bind(py).try_borrow()?;
+        this.core.read("hisparse_tables", |c| {
             let d = PyDict::new(py);
             let Some(h) = c.coordinator().hisparse() else {
                 return Ok(d);

@@ -13,9 +13,10 @@
 //! builds results; every vLLM rule is the core's. After a call that recorded KV
 //! events or block-metrics calls, [`PyKVCacheCore::flush`] builds vLLM's event
 //! structs with the call's request and replays the metrics calls on the user's
-//! `KVCacheMetricsCollector`. The pool-level methods (`core_*`, for the Python
-//! `BlockPool` view) are in `pool.rs`, the per-group ones (for the coordinator
-//! views) in `coordinator.rs`.
+//! `KVCacheMetricsCollector`. The classes of the core's other concepts hold a
+//! `KVCacheCore` and borrow it per call: the pools (device and host,
+//! `BlockPoolCore`, `pool.rs`), the coordinator (`KVCacheCoordinatorCore`,
+//! `coordinator.rs`) and HiSparse's coordinator (`HiSparseCore`, `hisparse.rs`).
 
 use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
@@ -129,19 +130,6 @@ impl PyKVCacheCore {
         let list = PyList::empty(slf.py());
         for &id in ids {
             list.append(Self::pool_handle(slf, this, id, host)?)?;
-        }
-        Ok(list)
-    }
-
-    pub(crate) fn handles_list<'py>(
-        slf: &Bound<'py, Self>,
-        this: &mut Self,
-        ids: &[BlockId],
-    ) -> PyResult<Bound<'py, PyList>> {
-        let py = slf.py();
-        let list = PyList::empty(py);
-        for &id in ids {
-            list.append(Self::handle(slf, this, id)?)?;
         }
         Ok(list)
     }
@@ -1237,6 +1225,37 @@ impl PyKVCacheCore {
         if let Some(c) = &mut self.compactor {
             c.release();
         }
+    }
+
+    /// Number of KV-cache groups (vLLM's `num_kv_cache_groups`).
+    #[getter]
+    fn num_kv_cache_groups(&self) -> PyResult<usize> {
+        self.core
+            .read("num_kv_cache_groups", |c| Ok(c.num_kv_cache_groups()))
+    }
+
+    /// The manager's `reset_prefix_cache`: every pool of the layout (HiSparse's host
+    /// pool too), each once.
+    fn core_reset_all_prefix_caches(slf: &Bound<'_, Self>) -> PyResult<bool> {
+        let ok = slf
+            .try_borrow_mut()?
+            .core
+            .shielded("reset_prefix_cache", KVCacheManager::reset_prefix_cache)?;
+        Self::flush(slf, None)?;
+        Ok(ok)
+    }
+
+    /// Builds and queues the events recorded so far (pool-level calls pass no
+    /// request).
+    #[pyo3(signature = (request=None))]
+    fn core_flush_events(slf: &Bound<'_, Self>, request: Option<Bound<'_, PyAny>>) -> PyResult<()> {
+        Self::flush(slf, request.as_ref())
+    }
+
+    /// Drains event records as tuples (a bare core without an event sink).
+    fn core_take_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let records = self.core.shielded("take_events", |c| Ok(c.take_events()))?;
+        super::events::records_to_py(py, records)
     }
 
     /// The KV-event stream's mode: `"vllm"` or `"compact"`.

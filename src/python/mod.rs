@@ -92,6 +92,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<block::PyKVCacheBlock>()?;
     m.add_class::<blocks::PyKVCacheBlocks>()?;
     m.add_class::<manager::PyKVCacheCore>()?;
+    m.add_class::<pool::PyBlockPoolCore>()?;
+    m.add_class::<coordinator::PyKVCacheCoordinatorCore>()?;
+    m.add_class::<hisparse::PyHiSparseCore>()?;
     m.add_class::<slots::PySlotMirror>()?;
     m.add_class::<slots::PySlotReads>()?;
     m.add_class::<step_ledger::PyStepLedger>()?;

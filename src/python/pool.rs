@@ -1,290 +1,396 @@
-//! `KVCacheCore`'s pool-level methods, for the Python `BlockPool` view
-//! (`python/hscache/vllm/block_pool.py`): what vLLM's Scheduler, connectors and
-//! tests call on `kv_cache_manager.block_pool`.
+//! `BlockPoolCore`: one block pool of a `KVCacheCore` (the device pool, or
+//! HiSparse's host pool), for the Python `BlockPool` views
+//! (`python/hscache/vllm/block_pool.py`, `HostBlockPool` in
+//! `python/hscache/vllm/hisparse.py`): what vLLM's Scheduler, connectors and tests
+//! call on `kv_cache_manager.block_pool` and on HiSparse's host pool.
 //!
-//! Every name carries a `core_` prefix so that it never shadows a vLLM method of the
-//! manager. Conversion only: ids in, pool call, handles and bytes out. Each pool call
-//! runs behind the manager's panic shield (`src/shield.rs`): mutating ones through
-//! `KVCacheManager::shielded` (a panic poisons the manager), reads through
+//! One class for both pools: a view is built with the pool it addresses
+//! (`BlockPoolCore(manager, host=False)`), so a pool method is written once and the
+//! host pool has no twins. The view holds its owner (`Py<KVCacheCore>`) and
+//! borrows it per call, like `KVCacheBlock`: the one circle of the bindings (the
+//! concept map's *Import circles*).
+//!
+//! Conversion only: ids in, pool call, handles and bytes out; every rule (vLLM's
+//! `is_block_writable` included) is the core pool's. Each call runs behind the
+//! manager's panic shield (`src/shield.rs`): mutating ones through
+//! `KVCacheManager::shielded` (the device pool) or `KVCacheManager::host_pool_call`
+//! (the host pool; a panic poisons the manager), reads through
 //! `KVCacheManager::read` (refused on a poisoned manager; a panic poisons nothing).
+//! Where the device pool's call is the manager's own (`touch`, `get_new_blocks`,
+//! `free_blocks`, `evict_blocks`, `reset_prefix_cache`: they also run the manager's
+//! watchers and route another pool's blocks), the device view calls the manager.
 
+use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
+use pyo3::PyTraverseError;
 
 use super::block::PyKVCacheBlock;
-use super::convert::blocks::{id_of, ids_of, split_pooled_ids};
+use super::convert::blocks::{id_in, ids_in, ids_of, split_pooled_ids};
 use super::convert::hashes::{hash_from_bytes, key_from_bytes, PyListHashes};
 use super::convert::request::{request_id, PyRequest};
 use super::convert::{count_arg, u32_arg, BlockIdInt, Int};
+use super::errors::InvalidArgumentError;
 use super::manager::PyKVCacheCore;
 use crate::manager::{KVCacheManager, RequestLike};
+use crate::pool::BlockPool;
 use crate::stats::{self, Op};
 use crate::types::BlockId;
 
-#[pymethods]
-impl PyKVCacheCore {
-    /// Number of blocks, null block included.
-    #[getter]
-    fn num_gpu_blocks(&self) -> PyResult<u32> {
-        self.core
-            .read("num_gpu_blocks", |c| Ok(c.block_pool().num_gpu_blocks()))
+#[pyclass(name = "BlockPoolCore", module = "hscache._core", frozen)]
+pub struct PyBlockPoolCore {
+    /// The manager whose pool this is (borrowed per call).
+    owner: Py<PyKVCacheCore>,
+    /// HiSparse's host pool rather than the device pool.
+    host: bool,
+}
+
+/// The pool a view addresses.
+fn pool_of(core: &KVCacheManager, host: bool) -> PyResult<&BlockPool> {
+    if host {
+        core.host_pool()
+            .ok_or_else(|| InvalidArgumentError::new_err("this KV-cache layout has no host pool"))
+    } else {
+        Ok(core.block_pool())
+    }
+}
+
+impl PyBlockPoolCore {
+    /// Reads the pool behind the manager's read shield.
+    fn read<T>(&self, py: Python<'_>, what: &str, f: impl FnOnce(&BlockPool) -> T) -> PyResult<T> {
+        let this = self.owner.bind(py).try_borrow()?;
+        let host = self.host;
+        this.core.read(what, |c| pool_of(c, host).map(f))
     }
 
-    /// Number of KV-cache groups.
+    /// Runs a pool-level mutation behind the manager's shield.
+    fn mutate<T>(
+        &self,
+        py: Python<'_>,
+        what: &str,
+        f: impl FnOnce(&mut BlockPool) -> crate::error::Result<T>,
+    ) -> PyResult<T> {
+        let mut this = self.owner.bind(py).try_borrow_mut()?;
+        if self.host {
+            Ok(this.core.host_pool_call(f)?)
+        } else {
+            Ok(this.core.shielded(what, |c| f(c.block_pool_mut()?))?)
+        }
+    }
+
+    /// The handle of block `id` of this pool.
+    fn handle(&self, py: Python<'_>, id: BlockId) -> PyResult<Py<PyKVCacheBlock>> {
+        let owner = self.owner.bind(py);
+        let mut this = owner.try_borrow_mut()?;
+        PyKVCacheCore::pool_handle(owner, &mut this, id, self.host)
+    }
+
+    /// The id of a handle of this pool.
+    fn id(&self, py: Python<'_>, block: &Bound<'_, PyAny>) -> PyResult<BlockId> {
+        id_in(self.owner.bind(py), block, self.host)
+    }
+
+    /// The ids of an iterable of handles of this pool.
+    fn ids(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
+        let mut ids = Vec::new();
+        if self.host {
+            ids_in(self.owner.bind(py), blocks, true, &mut ids)?;
+        } else {
+            ids_of(self.owner.bind(py), blocks, &mut ids)?;
+        }
+        Ok(ids)
+    }
+
+    /// Builds and queues the events the call recorded.
+    fn flush(&self, py: Python<'_>, request: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        PyKVCacheCore::flush(self.owner.bind(py), request)
+    }
+}
+
+#[pymethods]
+impl PyBlockPoolCore {
+    /// The pool of `owner`: its device pool, or (`host`) HiSparse's host pool.
+    #[new]
+    #[pyo3(signature = (owner, host=false))]
+    fn new(owner: &Bound<'_, PyKVCacheCore>, host: bool) -> PyResult<Self> {
+        pool_of(&owner.try_borrow()?.core, host)?;
+        Ok(Self {
+            owner: owner.clone().unbind(),
+            host,
+        })
+    }
+
+    /// Whether this is HiSparse's host pool.
     #[getter]
-    fn num_kv_cache_groups(&self) -> PyResult<usize> {
-        self.core
-            .read("num_kv_cache_groups", |c| Ok(c.num_kv_cache_groups()))
+    fn is_host(&self) -> bool {
+        self.host
+    }
+
+    /// Number of blocks, null block included.
+    #[getter]
+    fn num_gpu_blocks(&self, py: Python<'_>) -> PyResult<u32> {
+        self.read(py, "num_gpu_blocks", BlockPool::num_gpu_blocks)
     }
 
     /// Free blocks (evictable cached blocks included).
     #[getter]
-    fn num_free_blocks(&self) -> PyResult<usize> {
-        self.core.read("num_free_blocks", |c| {
-            Ok(c.block_pool().get_num_free_blocks())
-        })
+    fn num_free_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        self.read(py, "num_free_blocks", BlockPool::get_num_free_blocks)
+    }
+
+    /// The fraction of blocks in use (the null block excluded).
+    #[getter]
+    fn usage(&self, py: Python<'_>) -> PyResult<f64> {
+        self.read(py, "usage", BlockPool::get_usage)
     }
 
     /// Number of keys in the prefix-cache index.
     #[getter]
-    fn num_cached_keys(&self) -> PyResult<usize> {
-        self.core.read("num_cached_keys", |c| {
-            Ok(c.block_pool().cached_block_hash_to_block().len())
+    fn num_cached_keys(&self, py: Python<'_>) -> PyResult<usize> {
+        self.read(py, "num_cached_keys", |p| {
+            p.cached_block_hash_to_block().len()
         })
     }
 
     /// Whether events wait to be taken.
     #[getter]
-    fn has_events(&self) -> PyResult<bool> {
-        self.core
-            .read("has_events", |c| Ok(c.block_pool().has_events()))
+    fn has_events(&self, py: Python<'_>) -> PyResult<bool> {
+        self.read(py, "has_events", BlockPool::has_events)
     }
 
     /// The handle of block `block_id`.
-    fn block(slf: &Bound<'_, Self>, block_id: BlockIdInt) -> PyResult<Py<PyKVCacheBlock>> {
-        let mut this = slf.try_borrow_mut()?;
-        let id = this
-            .core
-            .read("block", |c| c.block_pool().check_block_id(block_id.0))?;
-        Self::handle(slf, &mut this, id)
+    fn block(&self, py: Python<'_>, block_id: BlockIdInt) -> PyResult<Py<PyKVCacheBlock>> {
+        let id = self.read(py, "block", |p| p.check_block_id(block_id.0))??;
+        self.handle(py, id)
     }
 
     /// Drops one reference per block, in the given order (first = evicted first).
-    fn core_free_blocks(slf: &Bound<'_, Self>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// The device pool routes the host pool's blocks to that pool, after its own,
+    /// as vLLM does.
+    fn free_blocks(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
         let _timer = stats::Timer::start(Op::FreeBlocks);
+        let owner = self.owner.bind(py);
+        if self.host {
+            let ids = self.ids(py, blocks)?;
+            self.mutate(py, "free_blocks", |p| p.free_blocks(&ids))?;
+            return self.flush(py, None);
+        }
         let mut ids = Vec::new();
-        let has_host = slf.try_borrow()?.core.host_group().is_some();
-        if !has_host {
-            ids_of(slf, blocks, &mut ids)?;
-            slf.try_borrow_mut()?
+        if owner.try_borrow()?.core.host_group().is_none() {
+            ids_of(owner, blocks, &mut ids)?;
+            owner
+                .try_borrow_mut()?
                 .core
                 .shielded("free_blocks", |c| c.free_blocks(&ids))?;
             return Ok(());
         }
-        // vLLM routes another pool's blocks to that pool, after its own.
         let mut host = Vec::new();
-        split_pooled_ids(slf, blocks, &mut ids, &mut host)?;
-        slf.try_borrow_mut()?
+        split_pooled_ids(owner, blocks, &mut ids, &mut host)?;
+        owner
+            .try_borrow_mut()?
             .core
             .shielded("free_blocks", |c| c.free_blocks_mixed(&ids, &host))?;
-        Self::flush(slf, None)
+        self.flush(py, None)
     }
 
     /// Takes a reference on each block (removing free ones from the free queue).
-    fn core_touch(slf: &Bound<'_, Self>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
-        let mut ids = Vec::new();
-        ids_of(slf, blocks, &mut ids)?;
-        slf.try_borrow_mut()?
-            .core
-            .shielded("touch", |c| c.touch(&ids))?;
-        Self::flush(slf, None)
+    fn touch(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = self.ids(py, blocks)?;
+        if self.host {
+            self.mutate(py, "touch", |p| p.touch(&ids))?;
+        } else {
+            self.owner
+                .bind(py)
+                .try_borrow_mut()?
+                .core
+                .shielded("touch", |c| c.touch(&ids))?;
+        }
+        self.flush(py, None)
     }
 
     /// Hands out `num_blocks` blocks from the head of the free queue.
-    fn core_get_new_blocks<'py>(
-        slf: &Bound<'py, Self>,
+    fn get_new_blocks<'py>(
+        &self,
+        py: Python<'py>,
         num_blocks: Int,
     ) -> PyResult<Bound<'py, PyList>> {
         let n = count_arg("num_blocks", num_blocks)?;
-        let list = {
-            let mut this = slf.try_borrow_mut()?;
-            // No capacity up front: `n` is checked against the free blocks by the pool.
-            let mut ids = Vec::new();
-            this.core
+        // No capacity up front: `n` is checked against the free blocks by the pool.
+        let mut ids = Vec::new();
+        if self.host {
+            self.mutate(py, "get_new_blocks", |p| p.get_new_blocks(n, &mut ids))?;
+        } else {
+            self.owner
+                .bind(py)
+                .try_borrow_mut()?
+                .core
                 .shielded("get_new_blocks", |c| c.get_new_blocks(n, &mut ids))?;
-            Self::handles_list(slf, &mut this, &ids)?
+        }
+        let list = {
+            let owner = self.owner.bind(py);
+            let mut this = owner.try_borrow_mut()?;
+            PyKVCacheCore::pool_handles_list(owner, &mut this, &ids, self.host)?
         };
-        Self::flush(slf, None)?;
+        self.flush(py, None)?;
         Ok(list)
     }
 
     /// The first-inserted cached block of `(block_hash, group_id)`, or None.
-    fn core_get_cached_block(
-        slf: &Bound<'_, Self>,
+    fn get_cached_block(
+        &self,
+        py: Python<'_>,
         block_hash: &Bound<'_, PyAny>,
         group_id: Int,
     ) -> PyResult<Option<Py<PyKVCacheBlock>>> {
         let group_id = u32_arg("kv_cache_group_id", group_id)?;
         let hash = hash_from_bytes(block_hash)?;
-        let mut this = slf.try_borrow_mut()?;
-        let found = this.core.read("get_cached_block", |c| {
-            Ok::<_, PyErr>(c.block_pool().get_cached_block(&hash, group_id))
+        let found = self.read(py, "get_cached_block", |p| {
+            p.get_cached_block(&hash, group_id)
         })?;
-        match found {
-            Some(id) => Ok(Some(Self::handle(slf, &mut this, id)?)),
-            None => Ok(None),
-        }
+        found.map(|id| self.handle(py, id)).transpose()
     }
 
     /// Drops the blocks from the prefix cache, in the given order.
-    fn core_evict_blocks(slf: &Bound<'_, Self>, block_ids: Vec<BlockIdInt>) -> PyResult<()> {
+    fn evict_blocks(&self, py: Python<'_>, block_ids: Vec<BlockIdInt>) -> PyResult<()> {
         let block_ids: Vec<i64> = block_ids.into_iter().map(|b| b.0).collect();
-        slf.try_borrow_mut()?
-            .core
-            .shielded("evict_blocks", |c| c.evict_blocks(&block_ids))?;
-        Self::flush(slf, None)
+        if self.host {
+            self.mutate(py, "evict_blocks", |p| p.evict_blocks(&block_ids))?;
+        } else {
+            self.owner
+                .bind(py)
+                .try_borrow_mut()?
+                .core
+                .shielded("evict_blocks", |c| c.evict_blocks(&block_ids))?;
+        }
+        self.flush(py, None)
     }
 
-    /// Forgets every cached hash of the device pool; False while any block is in
-    /// use (the pool's own `reset_prefix_cache`).
-    fn core_reset_prefix_cache(slf: &Bound<'_, Self>) -> PyResult<bool> {
-        let ok = slf.try_borrow_mut()?.core.shielded(
-            "reset_prefix_cache",
-            KVCacheManager::reset_device_prefix_cache,
-        )?;
-        Self::flush(slf, None)?;
-        Ok(ok)
-    }
-
-    /// The manager's `reset_prefix_cache`: every pool of the layout (HiSparse's host
-    /// pool too), each once.
-    fn core_reset_all_prefix_caches(slf: &Bound<'_, Self>) -> PyResult<bool> {
-        let ok = slf
-            .try_borrow_mut()?
-            .core
-            .shielded("reset_prefix_cache", KVCacheManager::reset_prefix_cache)?;
-        Self::flush(slf, None)?;
+    /// Forgets every cached hash of this pool; False while any block is in use
+    /// (the pool's own `reset_prefix_cache`; the manager's resets every pool).
+    fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<bool> {
+        let ok = if self.host {
+            self.mutate(py, "reset_prefix_cache", |p| Ok(p.reset_prefix_cache()))?
+        } else {
+            self.owner.bind(py).try_borrow_mut()?.core.shielded(
+                "reset_prefix_cache",
+                KVCacheManager::reset_device_prefix_cache,
+            )?
+        };
+        self.flush(py, None)?;
         Ok(ok)
     }
 
     /// Free block ids from head (next to reuse) to tail.
-    fn core_free_block_ids(&self) -> PyResult<Vec<BlockId>> {
-        self.core.read("free_block_ids", |c| {
-            Ok(c.block_pool().free_block_queue().get_all_free_blocks())
+    fn free_block_ids(&self, py: Python<'_>) -> PyResult<Vec<BlockId>> {
+        self.read(py, "free_block_ids", |p| {
+            p.free_block_queue().get_all_free_blocks()
         })
     }
 
-    /// The first (or, with `last`, the last) free block, or the opposite sentinel
-    /// when the queue is empty (vLLM's `fake_free_list_head.next_free_block`).
+    /// The first (or, with `last`, the last) free block. When the queue is empty:
+    /// the device pool's opposite sentinel (vLLM's
+    /// `fake_free_list_head.next_free_block`); None for the host pool, whose queue
+    /// ends have no sentinel objects.
     #[pyo3(signature = (last=false))]
-    fn core_free_list_end(slf: &Bound<'_, Self>, last: bool) -> PyResult<Option<Py<PyAny>>> {
-        let end = {
-            let this = slf.try_borrow()?;
-            this.core.read("free_list_end", |c| {
-                let q = c.block_pool().free_block_queue();
-                Ok::<_, PyErr>(if last { q.last() } else { q.first() })
-            })?
-        };
-        Self::link_target(slf, end, !last)
+    fn free_list_end(&self, py: Python<'_>, last: bool) -> PyResult<Option<Py<PyAny>>> {
+        let end = self.read(py, "free_list_end", |p| {
+            let q = p.free_block_queue();
+            if last {
+                q.last()
+            } else {
+                q.first()
+            }
+        })?;
+        if self.host {
+            return end
+                .map(|id| Ok(self.handle(py, id)?.into_any()))
+                .transpose();
+        }
+        PyKVCacheCore::link_target(self.owner.bind(py), end, !last)
     }
 
     /// Whether a block can be written by its sole owner (vLLM's `is_block_writable`).
-    fn core_is_block_writable(slf: &Bound<'_, Self>, block: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let id = id_of(slf, block)?;
-        slf.try_borrow()?.core.read("is_block_writable", |c| {
-            Ok(c.block_pool().is_block_writable(id))
-        })
+    fn is_block_writable(&self, py: Python<'_>, block: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let id = self.id(py, block)?;
+        self.read(py, "is_block_writable", |p| p.is_block_writable(id))
     }
 
     /// The secondary keys of a block (vLLM's `cached_block_hashes_by_block[id]`), as
     /// `BlockHashWithGroupId` bytes.
-    fn core_secondary_keys<'py>(
+    fn secondary_keys<'py>(
         &self,
         py: Python<'py>,
         block_id: BlockId,
     ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-        self.core.read("secondary_keys", |c| {
-            Ok(c.block_pool()
-                .cached_block_hash_to_block()
+        self.read(py, "secondary_keys", |p| {
+            p.cached_block_hash_to_block()
                 .secondary_keys(block_id)
                 .map(|k| PyBytes::new(py, &k.to_vllm_bytes()))
-                .collect())
+                .collect()
         })
     }
 
-    /// Blocks that have secondary keys.
-    fn core_blocks_with_secondary_keys(&self) -> PyResult<Vec<BlockId>> {
-        self.core.read("blocks_with_secondary_keys", |c| {
-            let mut ids: Vec<BlockId> = c
-                .block_pool()
+    /// Blocks that have secondary keys, in id order.
+    fn blocks_with_secondary_keys(&self, py: Python<'_>) -> PyResult<Vec<BlockId>> {
+        self.read(py, "blocks_with_secondary_keys", |p| {
+            let mut ids: Vec<BlockId> = p
                 .cached_block_hash_to_block()
                 .blocks_with_secondary_keys()
                 .collect();
             ids.sort_unstable();
-            Ok(ids)
+            ids
         })
     }
 
     /// Every `(key bytes, [block ids in insertion order])` of the index (vLLM's
     /// `BlockHashToBlockMap._cache`).
     #[allow(clippy::type_complexity)]
-    fn core_index_items<'py>(
+    fn index_items<'py>(
         &self,
         py: Python<'py>,
     ) -> PyResult<Vec<(Bound<'py, PyBytes>, Vec<BlockId>)>> {
-        self.core.read("index_items", |c| {
-            Ok(c.block_pool()
-                .cached_block_hash_to_block()
+        self.read(py, "index_items", |p| {
+            p.cached_block_hash_to_block()
                 .iter()
                 .map(|(k, blocks)| (PyBytes::new(py, &k.to_vllm_bytes()), blocks))
-                .collect())
+                .collect()
         })
     }
 
     /// vLLM's `BlockHashToBlockMap.pop(key, block_id)`: the map forgets the pair but
     /// the block keeps its hash (a detached entry); whether the pair was there.
-    fn core_index_pop(
-        slf: &Bound<'_, Self>,
+    fn index_pop(
+        &self,
+        py: Python<'_>,
         key: &Bound<'_, PyAny>,
         block_id: BlockId,
     ) -> PyResult<bool> {
         let key = key_from_bytes(key)?;
-        Ok(slf.try_borrow_mut()?.core.shielded("index_pop", |c| {
-            Ok(c.block_pool_mut()?.detach_entry(&key, block_id))
-        })?)
+        self.mutate(py, "index_pop", |p| Ok(p.detach_entry(&key, block_id)))
     }
 
     /// vLLM's `_cache.pop(key)`: every block of `key` detached; their ids.
-    fn core_index_detach_key(
-        slf: &Bound<'_, Self>,
-        key: &Bound<'_, PyAny>,
-    ) -> PyResult<Vec<BlockId>> {
+    fn index_detach_key(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
         let key = key_from_bytes(key)?;
-        Ok(slf
-            .try_borrow_mut()?
-            .core
-            .shielded("index_detach_key", |c| {
-                let pool = c.block_pool_mut()?;
-                let blocks = pool.cached_block_hash_to_block().get_all_blocks(&key);
-                for &b in &blocks {
-                    pool.detach_entry(&key, b);
-                }
-                Ok(blocks)
-            })?)
+        self.mutate(py, "index_detach_key", |p| {
+            let blocks = p.cached_block_hash_to_block().get_all_blocks(&key);
+            for &b in &blocks {
+                p.detach_entry(&key, b);
+            }
+            Ok(blocks)
+        })
     }
 
     /// vLLM's `_cache[key] = ...` restoring detached entries of `key`, in order.
-    fn core_index_reattach(
-        slf: &Bound<'_, Self>,
+    fn index_reattach(
+        &self,
+        py: Python<'_>,
         key: &Bound<'_, PyAny>,
         block_ids: Vec<BlockId>,
     ) -> PyResult<()> {
         let key = key_from_bytes(key)?;
-        let refused = slf.try_borrow_mut()?.core.shielded("index_reattach", |c| {
-            let pool = c.block_pool_mut()?;
-            Ok(block_ids
-                .into_iter()
-                .find(|&b| !pool.reattach_entry(&key, b)))
+        let refused = self.mutate(py, "index_reattach", |p| {
+            Ok(block_ids.into_iter().find(|&b| !p.reattach_entry(&key, b)))
         })?;
         match refused {
             None => Ok(()),
@@ -299,8 +405,9 @@ impl PyKVCacheCore {
     #[pyo3(signature = (request, blocks, num_cached_blocks, num_full_blocks, block_size,
         kv_cache_group_id, block_mask=None))]
     #[allow(clippy::too_many_arguments)]
-    fn core_cache_full_blocks(
-        slf: &Bound<'_, Self>,
+    fn cache_full_blocks(
+        &self,
+        py: Python<'_>,
         request: &Bound<'_, PyAny>,
         blocks: &Bound<'_, PyAny>,
         num_cached_blocks: Int,
@@ -309,8 +416,7 @@ impl PyKVCacheCore {
         kv_cache_group_id: Int,
         block_mask: Option<Vec<bool>>,
     ) -> PyResult<()> {
-        let mut ids = Vec::new();
-        ids_of(slf, blocks, &mut ids)?;
+        let ids = self.ids(py, blocks)?;
         let id = request_id(request)?;
         let req = PyRequest::read(request, id.to_str()?, None)?;
         let hashes = req.block_hashes().map_err(|e| req.error(e))?;
@@ -318,20 +424,18 @@ impl PyKVCacheCore {
         let full = count_arg("num_full_blocks", num_full_blocks)?;
         let block_size = count_arg("block_size", block_size)?;
         let kv_cache_group_id = u32_arg("kv_cache_group_id", kv_cache_group_id)?;
-        slf.try_borrow_mut()?
-            .core
-            .shielded("cache_full_blocks", |c| {
-                c.block_pool_mut()?.cache_full_blocks(
-                    hashes,
-                    &ids,
-                    cached,
-                    full,
-                    block_size,
-                    kv_cache_group_id,
-                    block_mask.as_deref(),
-                )
-            })?;
-        Self::flush(slf, Some(request))
+        self.mutate(py, "cache_full_blocks", |p| {
+            p.cache_full_blocks(
+                hashes,
+                &ids,
+                cached,
+                full,
+                block_size,
+                kv_cache_group_id,
+                block_mask.as_deref(),
+            )
+        })?;
+        self.flush(py, Some(request))
     }
 
     /// vLLM's `cache_partial_block`: the key registered (bytes), or None for the
@@ -339,8 +443,9 @@ impl PyKVCacheCore {
     #[pyo3(signature = (request, block, num_tokens, kv_cache_group_id, block_size,
         replace_existing_hashes=false))]
     #[allow(clippy::too_many_arguments)]
-    fn core_cache_partial_block<'py>(
-        slf: &Bound<'py, Self>,
+    fn cache_partial_block<'py>(
+        &self,
+        py: Python<'py>,
         request: &Bound<'py, PyAny>,
         block: &Bound<'py, PyAny>,
         num_tokens: Int,
@@ -348,18 +453,17 @@ impl PyKVCacheCore {
         block_size: Int,
         replace_existing_hashes: bool,
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        let id = id_of(slf, block)?;
+        let id = self.id(py, block)?;
         let rid = request_id(request)?;
         let req = PyRequest::read(request, rid.to_str()?, None)?;
         let hashes = PyListHashes::new(&request.getattr("block_hashes")?)?;
         let num_tokens = count_arg("num_tokens", num_tokens)?;
         let block_size = count_arg("block_size", block_size)?;
         let kv_cache_group_id = u32_arg("kv_cache_group_id", kv_cache_group_id)?;
-        let key = slf
-            .try_borrow_mut()?
-            .core
-            .shielded("cache_partial_block", |c| {
-                c.block_pool_mut()?.cache_partial_block(
+        let key = {
+            let mut this = self.owner.bind(py).try_borrow_mut()?;
+            let op = |p: &mut BlockPool| {
+                p.cache_partial_block(
                     &hashes,
                     id,
                     num_tokens,
@@ -367,57 +471,48 @@ impl PyKVCacheCore {
                     block_size,
                     replace_existing_hashes,
                 )
-            })
-            .map_err(|e| req.error(e))?;
-        Self::flush(slf, Some(request))?;
-        Ok(key.map(|k| PyBytes::new(slf.py(), &k.to_vllm_bytes())))
+            };
+            if self.host {
+                this.core.host_pool_call(op)
+            } else {
+                this.core
+                    .shielded("cache_partial_block", |c| op(c.block_pool_mut()?))
+            }
+            .map_err(|e| req.error(e))?
+        };
+        self.flush(py, Some(request))?;
+        Ok(key.map(|k| PyBytes::new(py, &k.to_vllm_bytes())))
     }
 
     /// vLLM's `_insert_block_hash(key, block, num_tokens)`.
     #[pyo3(signature = (key, block, num_tokens=None))]
-    fn core_insert_block_hash(
-        slf: &Bound<'_, Self>,
+    fn insert_block_hash(
+        &self,
+        py: Python<'_>,
         key: &Bound<'_, PyAny>,
         block: &Bound<'_, PyAny>,
         num_tokens: Option<Int>,
     ) -> PyResult<()> {
         let key = key_from_bytes(key)?;
-        let id = id_of(slf, block)?;
+        let id = self.id(py, block)?;
         let n = num_tokens.map(|n| count_arg("num_tokens", n)).transpose()?;
-        Ok(slf
-            .try_borrow_mut()?
-            .core
-            .shielded("insert_block_hash", |c| {
-                c.block_pool_mut()?
-                    .insert_block_hash_checked(key, id, n.unwrap_or(0))
-            })?)
+        self.mutate(py, "insert_block_hash", |p| {
+            p.insert_block_hash_checked(key, id, n.unwrap_or(0))
+        })
     }
 
     /// vLLM's `move_block_hashes(src, dst)`.
-    fn core_move_block_hashes(
-        slf: &Bound<'_, Self>,
+    fn move_block_hashes(
+        &self,
+        py: Python<'_>,
         src: &Bound<'_, PyAny>,
         dst: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let (s, d) = (id_of(slf, src)?, id_of(slf, dst)?);
-        Ok(slf
-            .try_borrow_mut()?
-            .core
-            .shielded("move_block_hashes", |c| {
-                c.block_pool_mut()?.move_block_hashes(s, d)
-            })?)
+        let (s, d) = (self.id(py, src)?, self.id(py, dst)?);
+        self.mutate(py, "move_block_hashes", |p| p.move_block_hashes(s, d))
     }
 
-    /// Builds and queues the events recorded so far (pool-level calls pass no
-    /// request).
-    #[pyo3(signature = (request=None))]
-    fn core_flush_events(slf: &Bound<'_, Self>, request: Option<Bound<'_, PyAny>>) -> PyResult<()> {
-        Self::flush(slf, request.as_ref())
-    }
-
-    /// Drains event records as tuples (a bare core without an event sink).
-    fn core_take_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let records = self.core.shielded("take_events", |c| Ok(c.take_events()))?;
-        super::events::records_to_py(py, records)
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.owner)
     }
 }

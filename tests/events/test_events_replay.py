@@ -60,7 +60,7 @@ class ReplayIndex:
 
 def _cached(m: Any) -> Counter[Key]:
     out: Counter[Key] = Counter()
-    for key, ids in m.core_index_items():
+    for key, ids in m.block_pool.pool_core.index_items():
         out[(maybe_convert_block_hash(get_block_hash(key)), get_group_id(key))] += len(ids)
     return out
 

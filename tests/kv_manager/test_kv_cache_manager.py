@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
 from hscache import exceptions
-from hscache._core import KVCacheCore
+from hscache._core import BlockPoolCore, KVCacheCore
 from hscache.testing.kv_cache import (
     full_attention,
     full_attention_config,
@@ -167,10 +167,11 @@ def _bare_core(num_blocks: int = 16, block_size: int = 16, max_model_len: int = 
 def test_bare_core_refuses_before_allocating() -> None:
     """A ``KVCacheCore`` without vLLM bindings cannot build results: it fails first."""
     core = _bare_core()
-    free = core.num_free_blocks
+    pool = BlockPoolCore(core)
+    free = pool.num_free_blocks
     with pytest.raises(RuntimeError, match="_bind_vllm"):
         core.allocate_slots(make_request("x", list(range(20))), 20)
-    assert core.num_free_blocks == free
+    assert pool.num_free_blocks == free
 
 
 def test_malformed_block_hashes_raise_before_any_change() -> None:

@@ -14,13 +14,15 @@ core's state, built as vLLM's objects (``_HiSparseRequestState``,
 The manager mixins (:class:`SourceView`, :class:`ResidentView`, :class:`HotView`)
 add what vLLM code calls on a HiSparse manager directly. :class:`HostBlockPool` is
 the source group's ``block_pool``: vLLM's host ``SharedEventQueueBlockPool`` (medium
-CPU), whose events share the device pool's queue.
+CPU), whose events share the device pool's queue; it is the core's pool class
+(``BlockPoolCore``) addressing the host pool, so every pool rule (``is_block_writable``
+included) is the core's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, overload
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from vllm.distributed.kv_events import MEDIUM_CPU, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
@@ -32,61 +34,23 @@ from vllm.v1.hisparse.types import (
     SparseKVRowMirror,
 )
 
-from hscache._core import KVCacheBlock
+from hscache._core import BlockPoolCore, HiSparseCore, KVCacheBlock
+from hscache.vllm.block_pool import BlockList, FreeKVCacheBlockQueue
 
 # The views read an ``hscache.vllm.KVCacheManager``; ``Any`` keeps this module free of
 # an import of the module that imports it.
 KVCacheManager = Any
 
 
-class _HostBlockList(Sequence[KVCacheBlock]):
-    """``host_pool.blocks``: host block handles by id."""
-
-    def __init__(self, core: KVCacheManager) -> None:
-        self._core = core
-
-    def __len__(self) -> int:
-        return int(self._core.core_host_num_blocks())
-
-    @overload
-    def __getitem__(self, index: int) -> KVCacheBlock: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[KVCacheBlock]: ...
-    def __getitem__(self, index: int | slice) -> KVCacheBlock | list[KVCacheBlock]:
-        if isinstance(index, slice):
-            return [self._core.core_host_block(i) for i in range(*index.indices(len(self)))]
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError(f"block index {index} out of range")
-        block: KVCacheBlock = self._core.core_host_block(index)
-        return block
-
-    def __iter__(self) -> Iterator[KVCacheBlock]:
-        return (self._core.core_host_block(i) for i in range(len(self)))
-
-
-class _HostFreeQueue:
-    """The host pool's free queue, read only."""
-
-    def __init__(self, core: KVCacheManager) -> None:
-        self._core = core
-
-    @property
-    def num_free_blocks(self) -> int:
-        return int(self._core.core_host_num_free_blocks())
-
-    def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        return [self._core.core_host_block(i) for i in self._core.core_host_free_block_ids()]
-
-
 class HostBlockPool:
-    """HiSparse's host pool (vLLM's ``SharedEventQueueBlockPool``, medium CPU)."""
+    """HiSparse's host pool (vLLM's ``SharedEventQueueBlockPool``, medium CPU): the
+    core's pool class addressing the host pool, with the device pool's views of its
+    parts (``blocks``, ``free_block_queue``)."""
 
     def __init__(self, core: KVCacheManager, enable_caching: bool) -> None:
-        self._core = core
+        self.pool_core = pool = BlockPoolCore(core, host=True)
         device = core.block_pool
-        self.num_gpu_blocks = int(core.core_host_num_blocks())
+        self.num_gpu_blocks = pool.num_gpu_blocks
         self.enable_caching = enable_caching
         self.hash_block_size = device.hash_block_size
         self.enable_kv_cache_events = device.enable_kv_cache_events
@@ -94,9 +58,9 @@ class HostBlockPool:
         self.medium = MEDIUM_CPU
         # The host pool records no block-metrics calls (see src/manager/hisparse/source.rs).
         self.metrics_collector = None
-        self.blocks = _HostBlockList(core)
-        self.null_block = core.core_host_block(0)
-        self.free_block_queue = _HostFreeQueue(core)
+        self.blocks = BlockList(pool)
+        self.null_block = pool.block(0)
+        self.free_block_queue = FreeKVCacheBlockQueue(pool)
         self._event_owner = device
 
     @property
@@ -106,40 +70,39 @@ class HostBlockPool:
         return queue
 
     def get_num_free_blocks(self) -> int:
-        return int(self._core.core_host_num_free_blocks())
+        return self.pool_core.num_free_blocks
 
     def get_usage(self) -> float:
-        return float(self._core.core_host_usage())
+        return self.pool_core.usage
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        blocks: list[KVCacheBlock] = self._core.core_host_get_new_blocks(num_blocks)
-        return blocks
+        return self.pool_core.get_new_blocks(num_blocks)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        self._core.core_host_free_blocks(list(ordered_blocks))
+        self.pool_core.free_blocks(list(ordered_blocks))
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        self._core.core_host_touch(list(blocks))
+        self.pool_core.touch(list(blocks))
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
-        self._core.core_host_evict_blocks(list(block_ids))
+        self.pool_core.evict_blocks(list(block_ids))
 
     def reset_prefix_cache(self) -> bool:
-        return bool(self._core.core_host_reset_prefix_cache())
+        return self.pool_core.reset_prefix_cache()
 
     def get_cached_block(
         self, block_hash: bytes, kv_cache_group_ids: list[int]
     ) -> list[KVCacheBlock] | None:
         cached = []
         for group_id in kv_cache_group_ids:
-            block = self._core.core_host_get_cached_block(block_hash, group_id)
+            block = self.pool_core.get_cached_block(block_hash, group_id)
             if block is None:
                 return None
             cached.append(block)
         return cached
 
     def is_block_writable(self, block: KVCacheBlock) -> bool:
-        return not block.is_null and block.ref_cnt == 1 and block.block_hash is None
+        return self.pool_core.is_block_writable(block)
 
 
 # ---- manager mixins -------------------------------------------------------------------
@@ -149,10 +112,12 @@ class _GroupView:
     """One HiSparse group's allocation calls, shared by the source, resident and hot views."""
 
     _manager: KVCacheManager
+    # The core's coordinator (``KVCacheCoordinatorCore``), set by the manager view.
+    _core: Any
     kv_cache_group_id: int
 
     def _block(self, block_id: int) -> Any:
-        return self._manager.block(block_id)
+        return self._manager.block_pool.pool_core.block(block_id)
 
     def get_num_blocks_to_allocate(
         self,
@@ -166,7 +131,7 @@ class _GroupView:
         prefill_end: int = 0,
     ) -> int:
         return int(
-            self._manager.core_group_num_blocks_to_allocate(
+            self._core.group_num_blocks_to_allocate(
                 self.kv_cache_group_id,
                 request_id,
                 num_tokens,
@@ -182,7 +147,7 @@ class _GroupView:
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int
     ) -> list[Any]:
-        ids = self._manager.core_group_allocate_new_blocks(
+        ids = self._core.group_allocate_new_blocks(
             self.kv_cache_group_id, request_id, num_tokens, num_tokens_main_model
         )
         return [self._block(i) for i in ids]
@@ -202,7 +167,7 @@ class SourceView(_GroupView):
         return []
 
     def _block(self, block_id: int) -> Any:
-        return self._manager.core_host_block(block_id)
+        return self._manager.host_block_pool.pool_core.block(block_id)
 
 
 class _AuxiliaryView(_GroupView):
@@ -210,42 +175,46 @@ class _AuxiliaryView(_GroupView):
 
     coordinator: Any = None
 
+    @property
+    def _hisparse(self) -> HiSparseCore:
+        """The core's HiSparse coordinator (``HiSparseCore``), through its view."""
+        core: HiSparseCore = self.coordinator.hisparse_core
+        return core
+
 
 class ResidentView(_AuxiliaryView):
     """What vLLM code calls on ``HiSparseResidentManager`` directly."""
 
     @property
     def max_admission_blocks_per_request(self) -> int:
-        info = self._manager.core_group_info(self.kv_cache_group_id)
+        info = self._core.group_info(self.kv_cache_group_id)
         return int(info["max_admission_blocks_per_request"])
 
     @property
     def residency_changes(self) -> dict[str, dict[int, Any]]:
-        block = self._manager.block
+        block = self._manager.block_pool.pool_core.block
         return {
             rid: {page: block(b) for page, b in changes}
-            for rid, changes in self._manager.core_residency_changes(self.kv_cache_group_id)
+            for rid, changes in self._hisparse.residency_changes(self.kv_cache_group_id)
         }
 
     def get_resident_page(self, request_id: str, block_idx: int) -> Any:
-        b = self._manager.core_resident_page(self.kv_cache_group_id, request_id, block_idx)
-        return None if b is None else self._manager.block(b)
+        b = self._hisparse.get_resident_page(self.kv_cache_group_id, request_id, block_idx)
+        return None if b is None else self._manager.block_pool.pool_core.block(b)
 
     def get_residency_row(self, request_id: str, start: int = 0) -> list[Any]:
-        block = self._manager.block
-        ids = self._manager.core_residency_row(self.kv_cache_group_id, request_id, start)
+        block = self._manager.block_pool.pool_core.block
+        ids = self._hisparse.get_residency_row(self.kv_cache_group_id, request_id, start)
         return [block(b) for b in ids]
 
     def adopt_resident_page(self, request_id: str, block_idx: int, block: Any) -> bool:
         return bool(
-            self._manager.core_adopt_resident_page(
-                self.kv_cache_group_id, request_id, block_idx, block
-            )
+            self._hisparse.adopt_resident_page(self.kv_cache_group_id, request_id, block_idx, block)
         )
 
     def drop_resident_page(self, request_id: str, block_idx: int) -> Any:
-        b = self._manager.core_drop_resident_page(self.kv_cache_group_id, request_id, block_idx)
-        return None if b is None else self._manager.block(b)
+        b = self._hisparse.drop_resident_page(self.kv_cache_group_id, request_id, block_idx)
+        return None if b is None else self._manager.block_pool.pool_core.block(b)
 
 
 class HotView(_AuxiliaryView):
@@ -257,10 +226,10 @@ class HotView(_AuxiliaryView):
 
     @property
     def hot_required(self) -> set[str]:
-        return set(self._manager.core_hot_required(self.kv_cache_group_id))
+        return set(self._hisparse.hot_required(self.kv_cache_group_id))
 
     def require_hot(self, request_id: str) -> None:
-        self._manager.core_hot_require(self.kv_cache_group_id, request_id)
+        self._hisparse.require_hot(self.kv_cache_group_id, request_id)
 
     def has_hot(self, request_id: str) -> bool:
         blocks = self._manager.get_block_ids(request_id)[self.kv_cache_group_id]
@@ -279,7 +248,9 @@ class HiSparseCoordinatorView:
 
     def __init__(self, manager: KVCacheManager, managers: tuple[Any, ...]) -> None:
         self._manager = manager
-        layout = manager.core_hisparse_layout()
+        # The core's HiSparse coordinator; the resident and hot views call it too.
+        self.hisparse_core = core = HiSparseCore(manager)
+        layout = core.layout()
         self.managers = managers
         self.max_model_len = manager.max_model_len
         self.num_reprefillable_tokens: int = layout["num_reprefillable_tokens"]
@@ -294,19 +265,19 @@ class HiSparseCoordinatorView:
 
     @property
     def max_spill_pages(self) -> int:
-        return int(self._manager.core_hisparse_layout()["max_spill_pages"])
+        return int(self.hisparse_core.layout()["max_spill_pages"])
 
     @max_spill_pages.setter
     def max_spill_pages(self, value: int) -> None:
-        self._manager.core_hisparse_set("max_spill_pages", value)
+        self.hisparse_core.set("max_spill_pages", value)
 
     @property
     def transition_watermark(self) -> int:
-        return int(self._manager.core_hisparse_layout()["transition_watermark"])
+        return int(self.hisparse_core.layout()["transition_watermark"])
 
     @transition_watermark.setter
     def transition_watermark(self, value: int) -> None:
-        self._manager.core_hisparse_set("transition_watermark", value)
+        self.hisparse_core.set("transition_watermark", value)
 
     # -- state snapshots -----------------------------------------------------------------
 
@@ -324,10 +295,12 @@ class HiSparseCoordinatorView:
         )
         p = data["publication"]
         if p is not None:
-            host_block = self._manager.core_host_block
+            host_block = self._manager.host_block_pool.pool_core.block
             detached = p["detached_blocks"]
+            # The request object the core keeps for the publication (None once gone).
+            request: Any = self.hisparse_core.publication_request(p["id"])
             state.publication = _vllm_hisparse._PendingPublication(
-                request=self._manager.core_hisparse_publication_request(p["id"]),
+                request=request,
                 num_computed_tokens=p["num_computed_tokens"],
                 num_pages=p["num_pages"],
                 retention_interval=p["retention_interval"],
@@ -340,15 +313,18 @@ class HiSparseCoordinatorView:
     @property
     def request_states(self) -> dict[str, Any]:
         out = {}
-        for rid in self._manager.core_hisparse_request_ids():
-            found = self._manager.core_hisparse_request_state(rid)
+        for rid in self.hisparse_core.request_ids():
+            found = self.hisparse_core.request_state(rid)
             if found is not None:
                 out[rid] = self._state(found[1])
         return out
 
     @property
     def pending_spills(self) -> dict[int, Any]:
-        block, host_block = self._manager.block, self._manager.core_host_block
+        block, host_block = (
+            self._manager.block_pool.pool_core.block,
+            self._manager.host_block_pool.pool_core.block,
+        )
         out = {}
         for (
             transfer_id,
@@ -361,8 +337,8 @@ class HiSparseCoordinatorView:
             expected,
             completions,
             applied,
-        ) in self._manager.core_hisparse_pending_spills():
-            data = self._manager.core_hisparse_state(state_id)
+        ) in self.hisparse_core.pending_spills():
+            data = self.hisparse_core.state(state_id)
             if data is None:  # a spill keeps its request's state alive
                 raise RuntimeError(f"HiSparse spill {transfer_id} lost its request state")
             out[transfer_id] = _vllm_hisparse._PendingSpill(
@@ -380,15 +356,15 @@ class HiSparseCoordinatorView:
 
     @property
     def spills_to_send(self) -> list[SparseKVPageTransfer]:
-        return [_transfer(t) for t in self._manager.core_hisparse_spills_to_send()]
+        return [_transfer(t) for t in self.hisparse_core.spills_to_send()]
 
     def _tables(self) -> dict[str, Any]:
-        tables: dict[str, Any] = self._manager.core_hisparse_tables()
+        tables: dict[str, Any] = self.hisparse_core.tables()
         return tables
 
     @property
     def copies(self) -> dict[bytes, tuple[Any, ...]]:
-        block = self._manager.block
+        block = self._manager.block_pool.pool_core.block
         return {key: tuple(block(b) for b in ids) for key, ids in self._tables()["copies"]}
 
     @property
@@ -401,7 +377,7 @@ class HiSparseCoordinatorView:
 
     @property
     def _retained_copies(self) -> dict[int, tuple[Any, Any]]:
-        host_block = self._manager.core_host_block
+        host_block = self._manager.host_block_pool.pool_core.block
         return {
             dst: (host_block(src), host_block(cow))
             for dst, src, cow in self._tables()["retained_copies"]
@@ -422,18 +398,18 @@ class HiSparseCoordinatorView:
     # -- vLLM's methods ------------------------------------------------------------------
 
     def _get_request_state(self, request_id: str) -> Any:
-        found = self._manager.core_hisparse_request_state(request_id)
+        found = self.hisparse_core.request_state(request_id)
         return None if found is None else self._state(found[1])
 
     def commit_computed_blocks(self, request_id: str, num_host_pages: int) -> None:
-        self._manager.core_hisparse_commit_computed_blocks(request_id, num_host_pages)
+        self.hisparse_core.commit_computed_blocks(request_id, num_host_pages)
 
     def take_host_block_copies(self) -> tuple[KVCacheBlockCopy, ...]:
-        pairs = self._manager.core_hisparse_take_host_block_copies()
+        pairs = self.hisparse_core.take_host_block_copies()
         return tuple(KVCacheBlockCopy(src_block_id=s, dst_block_id=d) for s, d in pairs)
 
     def release_completed_host_copies(self, dst_block_ids: Iterable[int]) -> None:
-        self._manager.core_hisparse_release_completed_host_copies(list(dst_block_ids))
+        self.hisparse_core.release_completed_host_copies(list(dst_block_ids))
 
     def get_host_block_pool(self) -> Any:
         return self.host_manager.block_pool
@@ -442,33 +418,33 @@ class HiSparseCoordinatorView:
         return bool(self.hot_managers) and all(m.has_hot(request_id) for m in self.hot_managers)
 
     def update_residency(self, request_id: str) -> None:
-        self._manager.core_hisparse_update_residency(request_id)
+        self.hisparse_core.update_residency(request_id)
 
     def advance_scheduled(self, requests: Iterable[tuple[str, int]]) -> None:
-        self._manager.core_hisparse_advance_scheduled(list(requests))
+        self.hisparse_core.advance_scheduled(list(requests))
 
     def plan_prefix_materialization(self, request_id: str, num_computed_tokens: int) -> None:
-        self._manager.core_hisparse_plan_prefix_materialization(request_id, num_computed_tokens)
+        self.hisparse_core.plan_prefix_materialization(request_id, num_computed_tokens)
 
     def record_pending_host_import(self, request_id: str, num_tokens: int) -> None:
-        self._manager.core_hisparse_record_pending_host_import(request_id, num_tokens)
+        self.hisparse_core.record_pending_host_import(request_id, num_tokens)
 
     def finish_host_import(self, request_id: str, *, failed: bool) -> None:
-        self._manager.core_hisparse_finish_host_import(request_id, failed)
+        self.hisparse_core.finish_host_import(request_id, failed)
 
     def complete_host_import(self, request_id: str, num_computed_tokens: int) -> None:
-        self._manager.core_hisparse_complete_host_import(request_id, num_computed_tokens)
+        self.hisparse_core.complete_host_import(request_id, num_computed_tokens)
 
     def build_row_mirrors(
         self, requests: Iterable[tuple[str, int, int]]
     ) -> tuple[SparseKVRowMirror, ...]:
         return tuple(
             SparseKVRowMirror(source_starts=tuple(starts), destination_start=dest, num_rows=rows)
-            for starts, dest, rows in self._manager.core_hisparse_build_row_mirrors(list(requests))
+            for starts, dest, rows in self.hisparse_core.build_row_mirrors(list(requests))
         )
 
     def all_context_pages_resident(self, requests: Iterable[tuple[str, int, int]]) -> bool:
-        return bool(self._manager.core_hisparse_all_context_pages_resident(list(requests)))
+        return bool(self.hisparse_core.all_context_pages_resident(list(requests)))
 
     def take_residency_updates(self, request_ids: Iterable[str]) -> dict[str, Any]:
         # ``SparseKVResidencyUpdate`` (0.32, 0.33; vLLM 0.30 has none and its HiSparse
@@ -476,30 +452,28 @@ class HiSparseCoordinatorView:
         update = _hisparse_types.SparseKVResidencyUpdate
         return {
             rid: update(pages=list(pages), block_ids=tuple(ids))
-            for rid, pages, ids in self._manager.core_hisparse_take_residency_updates(
-                list(request_ids)
-            )
+            for rid, pages, ids in self.hisparse_core.take_residency_updates(list(request_ids))
         }
 
     def build_offload_command(self) -> SparseKVOffloadCommand | None:
-        transfers = self._manager.core_hisparse_build_offload_command()
+        transfers = self.hisparse_core.build_offload_command()
         if transfers is None:
             return None
         return SparseKVOffloadCommand(page_transfers=[_transfer(t) for t in transfers])
 
     def has_pending_reclamation(self) -> bool:
-        return bool(self._manager.core_hisparse_has_pending_reclamation())
+        return bool(self.hisparse_core.has_pending_reclamation())
 
     def has_pending_work(self) -> bool:
-        return bool(self._manager.core_hisparse_has_pending_work())
+        return bool(self.hisparse_core.has_pending_work())
 
     def update_spills(
         self, enqueued_counts: dict[int, int], completed_counts: dict[int, int]
     ) -> None:
-        self._manager.core_hisparse_update_spills(dict(enqueued_counts), dict(completed_counts))
+        self.hisparse_core.update_spills(dict(enqueued_counts), dict(completed_counts))
 
     def free(self, request_id: str) -> None:
-        self._manager.core_hisparse_free(request_id)
+        self.hisparse_core.free(request_id)
 
 
 def _transfer(t: tuple[int, int, list[int], bool, bool]) -> SparseKVPageTransfer:

@@ -62,7 +62,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
 from hscache import explanations
-from hscache._core import KVCacheBlock, KVCacheCore
+from hscache._core import KVCacheBlock, KVCacheCoordinatorCore, KVCacheCore
 from hscache.exceptions import InvalidArgumentError, UnsupportedConfigError, UnsupportedError
 from hscache.explanations import Explanation
 from hscache.vllm import events, retention
@@ -266,7 +266,9 @@ class KVCacheManager(KVCacheCore):
         self.metrics_collector = metrics_collector
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
         self.kv_cache_config = kv_cache_config
-        hisparse_layout = self.core_hisparse_layout()
+        coordinator_core = KVCacheCoordinatorCore(self)
+        coordinator_info = coordinator_core.info()
+        hisparse_layout = coordinator_core.hisparse_layout()
         # Groups that keep their longer hit until the facade trims it (vLLM's
         # `retains_longer_hit`: HiSparse's source group).
         self.retained_hit_group_ids: tuple[int, ...] = (
@@ -308,14 +310,14 @@ class KVCacheManager(KVCacheCore):
             )
         queue = self.block_pool.free_block_queue
         self._bind_free_list_sentinels(queue.fake_free_list_head, queue.fake_free_list_tail)
-        self.coordinator = coordinator_view(self)
+        self.coordinator = coordinator_view(self, coordinator_core)
         # The Scheduler reads the keyword's value back (0.30: a Mamba layout never gets
         # here, see ``mamba_rules_implemented``): ``mamba_shared_prefix_checkpoint`` or
         # ``mamba_fine_grained_prefix_cache``.
         setattr(
             self,
             _PROFILE.mamba_prefix_keyword.removeprefix("enable_"),
-            bool(self.core_coordinator_info()["mamba_shared_prefix_checkpoint"]),
+            bool(coordinator_info["mamba_shared_prefix_checkpoint"]),
         )
 
     # -- stats ----------------------------------------------------------------------
@@ -368,7 +370,7 @@ class KVCacheManager(KVCacheCore):
         if not self.core_reset_all_prefix_caches():
             logger.warning(
                 "Failed to reset prefix cache because some blocks (%d) are not freed yet",
-                self.num_gpu_blocks - self.num_free_blocks - 1,
+                self.block_pool.num_gpu_blocks - self.block_pool.get_num_free_blocks() - 1,
             )
             return False
         if self.log_stats and self.prefix_cache_stats is not None:

@@ -7,8 +7,9 @@ HybridKVCacheCoordinator)``, ``isinstance(manager, CrossAttentionManager)``) and
 few coordinator methods directly (``get_num_blocks_to_allocate`` for async-load
 admission). Each view is an instance of a subclass of vLLM's own class (built by
 ``coordinator_view`` / ``manager_view``, never running vLLM's ``__init__``) whose
-attributes and methods answer from the core at the moment they are read; the views
-hold no state of their own.
+attributes and methods answer from the core at the moment they are read, through the
+core's coordinator class (``KVCacheCoordinatorCore``, ``src/python/coordinator.rs``);
+the views hold no state of their own.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, NamedTuple
 from vllm.v1.core import kv_cache_coordinator as kcc
 from vllm.v1.kv_cache_interface import MambaSpec
 
+from hscache._core import KVCacheCoordinatorCore
 from hscache.vllm.unserved import refused, unserved_methods
 
 # The views read an ``hscache.vllm.KVCacheManager`` (``KVCacheManager`` below); they take
@@ -38,12 +40,12 @@ class SpecGroup(NamedTuple):
 class _CowQueue:
     """A manager's ``_pending_cow_copies``: appending queues a copy in the core."""
 
-    def __init__(self, core: KVCacheManager, group: int) -> None:
+    def __init__(self, core: KVCacheCoordinatorCore, group: int) -> None:
         self._core = core
         self._group = group
 
     def append(self, pair: tuple[Any, Any]) -> None:
-        self._core.core_push_cow_copy(self._group, pair[0], pair[1])
+        self._core.push_cow_copy(self._group, pair[0], pair[1])
 
 
 class _LiveBlockList(list):  # type: ignore[type-arg]
@@ -52,14 +54,14 @@ class _LiveBlockList(list):  # type: ignore[type-arg]
     looked at. After the request is freed it keeps its last contents, as the list vLLM
     pops does. Mutating it changes nothing in the core."""
 
-    __slots__ = ("_group", "_manager", "_request_id")
+    __slots__ = ("_core", "_group", "_request_id")
 
-    def __init__(self, manager: KVCacheManager, request_id: str, group: int) -> None:
-        self._manager, self._request_id, self._group = manager, request_id, group
+    def __init__(self, core: KVCacheCoordinatorCore, request_id: str, group: int) -> None:
+        self._core, self._request_id, self._group = core, request_id, group
         self._sync()
 
     def _sync(self) -> None:
-        blocks = self._manager.core_group_blocks(self._request_id, self._group)
+        blocks = self._core.group_blocks(self._request_id, self._group)
         if blocks is not None:
             list.__setitem__(self, slice(None), blocks)
 
@@ -103,10 +105,13 @@ _SPEC_FIELDS = ("sliding_window", "extra_retained_tokens", "attention_chunk_size
 class SingleTypeManagerView:
     """``coordinator.single_type_managers[g]``: the attributes vLLM code reads."""
 
-    def __init__(self, manager: KVCacheManager, group_id: int) -> None:
+    def __init__(
+        self, manager: KVCacheManager, core: KVCacheCoordinatorCore, group_id: int
+    ) -> None:
         from hscache.vllm.specs import manager_class
 
         self._manager = manager
+        self._core = core
         group = manager.kv_cache_config.kv_cache_groups[group_id]
         self.kv_cache_group_id = group_id
         self.kv_cache_spec = group.kv_cache_spec
@@ -114,13 +119,13 @@ class SingleTypeManagerView:
         self.block_pool = manager.block_pool
         self.enable_caching = manager.enable_caching
         self._null_block = manager.block_pool.null_block
-        info = manager.core_group_info(group_id)
+        info = core.group_info(group_id)
         self.block_size: int = info["block_size"]
         self.dcp_world_size: int = info["dcp_world_size"]
         self.pcp_world_size: int = info["pcp_world_size"]
         self._records_new_block_ids: bool = info["records_new_block_ids"]
-        self.scheduler_block_size = manager.core_coordinator_info()["scheduler_block_size"]
-        self._pending_cow_copies = _CowQueue(manager, group_id)
+        self.scheduler_block_size = core.info()["scheduler_block_size"]
+        self._pending_cow_copies = _CowQueue(core, group_id)
         spec = self.kv_cache_spec
         # The spec fields vLLM's managers copy in their constructors, which the
         # read-only methods they inherit (`get_num_skipped_tokens`) read.
@@ -132,7 +137,7 @@ class SingleTypeManagerView:
             self.num_speculative_blocks = spec.num_speculative_blocks
 
     def _info(self, key: str) -> Any:
-        return self._manager.core_group_info(self.kv_cache_group_id)[key]
+        return self._core.group_info(self.kv_cache_group_id)[key]
 
     @property
     def records_new_block_ids(self) -> bool:
@@ -144,7 +149,7 @@ class SingleTypeManagerView:
 
     @use_eagle.setter
     def use_eagle(self, value: bool) -> None:
-        self._manager.core_set_group_use_eagle(self.kv_cache_group_id, bool(value))
+        self._core.set_group_use_eagle(self.kv_cache_group_id, bool(value))
 
     @property
     def cache_hit_alignment_tokens(self) -> int:
@@ -160,25 +165,25 @@ class SingleTypeManagerView:
 
     @property
     def req_to_blocks(self) -> dict[str, list[Any]]:
-        m, g = self._manager, self.kv_cache_group_id
-        return {rid: _LiveBlockList(m, rid, g) for rid in m.core_request_ids()}
+        c, g = self._core, self.kv_cache_group_id
+        return {rid: _LiveBlockList(c, rid, g) for rid in c.request_ids()}
 
     @property
     def num_cached_block(self) -> dict[str, int]:
-        m, g = self._manager, self.kv_cache_group_id
+        c, g = self._core, self.kv_cache_group_id
         out = {}
-        for rid in m.core_request_ids():
-            n = m.core_num_cached_block(rid, g)
+        for rid in c.request_ids():
+            n = c.num_cached_block(rid, g)
             if n is not None:
                 out[rid] = n
         return out
 
     @property
     def _partial_hit_reqs(self) -> dict[str, tuple[int, Any]]:
-        return dict(self._manager.core_partial_hit_reqs(self.kv_cache_group_id))
+        return dict(self._core.partial_hit_reqs(self.kv_cache_group_id))
 
     def _mamba(self, key: str) -> Any:
-        state = self._manager.core_mamba_state(self.kv_cache_group_id)
+        state = self._core.mamba_state(self.kv_cache_group_id)
         if state is None:
             raise AttributeError(f"group {self.kv_cache_group_id} is not a Mamba group")
         return state[key]
@@ -206,18 +211,20 @@ class CoordinatorView:
     @property
     def retention_interval(self) -> int | None:
         """Sparse-retention granularity (None: dense); settable, as in vLLM."""
-        value: int | None = self._manager.core_coordinator_info()["retention_interval"]
+        value: int | None = self.coordinator_core.info()["retention_interval"]
         return value
 
     @retention_interval.setter
     def retention_interval(self, value: int | None) -> None:
-        self._manager.core_set_retention_interval(value)
+        self.coordinator_core.set_retention_interval(value)
 
-    def __init__(self, manager: KVCacheManager) -> None:
+    def __init__(self, manager: KVCacheManager, core: KVCacheCoordinatorCore) -> None:
         self._manager = manager
+        # The core's coordinator; the manager views and HiSparse's read it too.
+        self.coordinator_core = core
         self.kv_cache_config = manager.kv_cache_config
         self.block_pool = manager.block_pool
-        info = manager.core_coordinator_info()
+        info = core.info()
         self.scheduler_block_size: int = info["scheduler_block_size"]
         self.hash_block_size: int = info["hash_block_size"]
         self.num_reprefillable_tokens: int = info["num_reprefillable_tokens"]
@@ -225,9 +232,10 @@ class CoordinatorView:
         self.eagle_group_ids: set[int] = set(info["eagle_group_ids"])
         self.drop_eagle_group_ids: set[int] = set(info["drop_eagle_group_ids"])
         self.single_type_managers = tuple(
-            manager_view(manager, g) for g in range(len(manager.kv_cache_config.kv_cache_groups))
+            manager_view(manager, core, g)
+            for g in range(len(manager.kv_cache_config.kv_cache_groups))
         )
-        if manager.core_hisparse_layout() is not None:
+        if core.hisparse_layout() is not None:
             # vLLM's HiSparseCoordinator binds itself to its managers; the connector
             # finds it there (`get_hisparse_coordinator`).
             from hscache.vllm import hisparse
@@ -257,7 +265,7 @@ class CoordinatorView:
 
     @property
     def _cache_hit_alignment_tokens(self) -> int:
-        return int(self._manager.core_coordinator_info()["cache_hit_alignment_tokens"])
+        return int(self.coordinator_core.info()["cache_hit_alignment_tokens"])
 
     def get_num_blocks_to_allocate(
         self,
@@ -272,7 +280,7 @@ class CoordinatorView:
         prefill_end: int = 0,
     ) -> int:
         return int(
-            self._manager.core_num_blocks_to_allocate(
+            self.coordinator_core.get_num_blocks_to_allocate(
                 request_id,
                 num_tokens,
                 new_computed_blocks,
@@ -286,15 +294,15 @@ class CoordinatorView:
         )
 
     def get_blocks(self, request_id: str) -> tuple[list[Any], ...]:
-        m = self._manager
+        c = self.coordinator_core
         return tuple(
-            m.core_group_blocks(request_id, g) or [] for g in range(len(self.single_type_managers))
+            c.group_blocks(request_id, g) or [] for g in range(len(self.single_type_managers))
         )
 
     def find_longest_cache_hit(
         self, block_hashes: list[bytes], max_cache_hit_length: int
     ) -> tuple[tuple[list[Any], ...], int, int]:
-        blocks, hit, uncached = self._manager.core_find_longest_cache_hit(
+        blocks, hit, uncached = self.coordinator_core.find_longest_cache_hit(
             block_hashes, max_cache_hit_length
         )
         return tuple(blocks), hit, uncached
@@ -302,7 +310,7 @@ class CoordinatorView:
     def find_longest_cache_hit_per_group(
         self, block_hashes: list[bytes], max_cache_hit_length: int
     ) -> tuple[tuple[list[Any], ...], tuple[int, ...]]:
-        blocks, lengths = self._manager.core_find_longest_cache_hit_per_group(
+        blocks, lengths = self.coordinator_core.find_longest_cache_hit_per_group(
             block_hashes, max_cache_hit_length
         )
         return tuple(blocks), tuple(lengths)
@@ -398,7 +406,9 @@ def _view_class(view: type, vllm_cls: type) -> type:
     return _VIEW_CLASSES[key]
 
 
-def manager_view(manager: KVCacheManager, group_id: int) -> SingleTypeManagerView:
+def manager_view(
+    manager: KVCacheManager, core: KVCacheCoordinatorCore, group_id: int
+) -> SingleTypeManagerView:
     """The view of group ``group_id``'s manager, an instance of vLLM's manager class."""
     from hscache.vllm.specs import manager_class
 
@@ -406,20 +416,21 @@ def manager_view(manager: KVCacheManager, group_id: int) -> SingleTypeManagerVie
     base = _manager_view_base(cls)
     view_cls = _view_class(base, cls) if cls else SingleTypeManagerView
     view: SingleTypeManagerView = object.__new__(view_cls)
-    SingleTypeManagerView.__init__(view, manager, group_id)
+    SingleTypeManagerView.__init__(view, manager, core, group_id)
     host_pool = getattr(manager, "host_block_pool", None)
-    layout = manager.core_hisparse_layout()
+    layout = core.hisparse_layout()
     if host_pool is not None and layout is not None and layout["host_group"] == group_id:
         view.block_pool = host_pool
         view._null_block = host_pool.null_block
     return view
 
 
-def coordinator_view(manager: KVCacheManager) -> CoordinatorView:
-    """The coordinator view, an instance of vLLM's coordinator class of this layout."""
-    kind = manager.core_coordinator_info()["kind"]
+def coordinator_view(manager: KVCacheManager, core: KVCacheCoordinatorCore) -> CoordinatorView:
+    """The coordinator view (of ``core``, ``manager``'s coordinator), an instance of
+    vLLM's coordinator class of this layout."""
+    kind = core.info()["kind"]
     view: CoordinatorView = object.__new__(_view_class(CoordinatorView, _COORDINATORS[kind]))
-    CoordinatorView.__init__(view, manager)
+    CoordinatorView.__init__(view, manager, core)
     return view
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 from hscache import exceptions as hx
+from hscache._core import HiSparseCore, KVCacheCoordinatorCore
 from hscache.testing.kv_cache import full_attention_config
 from hscache.testing.manager import manager_kwargs
 from hscache.testing.requests import make_request
@@ -482,10 +483,6 @@ ROWS = [
     ),
     R("request_handle", "request id is an int", TE, lambda f, c: f(5)),
     R("request_handle", "on a poisoned manager", hx.InternalError, lambda f, c: f("a"), poisoned),
-    R("block", "block id -1", BI, lambda f, c: f(-1)),
-    R("block", "block id past the pool", BI, lambda f, c: f(32)),
-    R("block", "block id = 2**70", BI, lambda f, c: f(HUGE)),
-    R("block", "block id is a str", TE, lambda f, c: f("1")),
     R("explain", "explain mode off", hx.UnsupportedError, lambda f, c: f("a")),
     R("explain", "a request never looked up", UR, lambda f, c: f("never"), explaining),
     R("explain", "request id is an int", TE, lambda f, c: f(5), explaining),
@@ -577,13 +574,31 @@ ACCEPTED = [
     ),
 ]
 
+# The core's coordinator and HiSparse classes (``src/python/coordinator.rs``,
+# ``src/python/hisparse.rs``): built by the manager's views, which vLLM code calls.
+CR, _ = makers("KVCacheCoordinatorCore", manager)
+HR, _ = makers("HiSparseCore", manager)
+ROWS += [
+    CR("__init__", "owner is None", TE, lambda f, c: KVCacheCoordinatorCore(None)),  # type: ignore[arg-type]
+    CR(
+        "__init__",
+        "owner is the coordinator view",
+        TE,
+        lambda f, c: KVCacheCoordinatorCore(c.t.coordinator),
+    ),
+    HR("__init__", "owner is None", TE, lambda f, c: HiSparseCore(None)),  # type: ignore[arg-type]
+    HR("__init__", "a layout without HiSparse", IA, lambda f, c: HiSparseCore(c.t)),
+]
+_VIEW_BINDING = "a binding of the coordinator and manager views (vLLM's names, called by them)"
+_HISPARSE_BINDING = "a binding of the HiSparse views (vLLM's names, called by them)"
+
 SURFACES = [
     Surface(
         M,
         classes=(KVCacheManager,),
         internal={
-            "core_": "bindings of the Python views (BlockPool, coordinator, HiSparse, "
-            "retention); their public entry points have rows",
+            "core_": "bindings under the Python manager's own methods (batch API, retention, "
+            "explain mode, KV events); their public entry points have rows",
         },
         exempt={
             "state_digest": "no argument; the fingerprint itself, readable on a poisoned "
@@ -592,6 +607,73 @@ SURFACES = [
             "core state",
             "take_events": "no argument; drains events already built (a Python list), no core call",
             "get_num_common_prefix_blocks": "vLLM's deprecated stub: any id, zeros (accepted row)",
+        },
+    ),
+    Surface(
+        "KVCacheCoordinatorCore",
+        classes=(KVCacheCoordinatorCore,),
+        exempt={
+            name: _VIEW_BINDING
+            for name in (
+                "find_longest_cache_hit",
+                "find_longest_cache_hit_per_group",
+                "get_num_blocks_to_allocate",
+                "group_allocate_new_blocks",
+                "group_blocks",
+                "group_info",
+                "group_num_blocks_to_allocate",
+                "hisparse_layout",
+                "info",
+                "mamba_state",
+                "num_cached_block",
+                "partial_hit_reqs",
+                "push_cow_copy",
+                "request_ids",
+                "set_group_use_eagle",
+                "set_retention_interval",
+            )
+        },
+    ),
+    Surface(
+        "HiSparseCore",
+        classes=(HiSparseCore,),
+        exempt={
+            name: _HISPARSE_BINDING
+            for name in (
+                "adopt_resident_page",
+                "advance_scheduled",
+                "all_context_pages_resident",
+                "build_offload_command",
+                "build_row_mirrors",
+                "commit_computed_blocks",
+                "complete_host_import",
+                "drop_resident_page",
+                "finish_host_import",
+                "free",
+                "get_resident_page",
+                "get_residency_row",
+                "has_pending_reclamation",
+                "has_pending_work",
+                "hot_required",
+                "layout",
+                "plan_prefix_materialization",
+                "publication_request",
+                "record_pending_host_import",
+                "release_completed_host_copies",
+                "request_ids",
+                "request_state",
+                "residency_changes",
+                "require_hot",
+                "set",
+                "spills_to_send",
+                "pending_spills",
+                "state",
+                "tables",
+                "take_host_block_copies",
+                "take_residency_updates",
+                "update_residency",
+                "update_spills",
+            )
         },
     ),
 ]

@@ -1,4 +1,5 @@
-"""Rows of ``hscache.vllm.block_pool.BlockPool``, the manager's ``block_pool`` view.
+"""Rows of ``hscache.vllm.block_pool.BlockPool``, the manager's ``block_pool`` view, and
+of the core's pool class under it, ``hscache._core.BlockPoolCore``.
 
 Its surface is vLLM's ``BlockPool`` methods that the Scheduler, connectors and tests call,
 ``_insert_block_hash`` included (private by name, called by vLLM's connectors). The
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from hscache import exceptions as hx
+from hscache._core import BlockPoolCore
 from hscache.testing.requests import make_request
 from hscache.vllm.block_pool import BlockPool
 
@@ -64,6 +66,17 @@ def _partial(c: Ctx, block: Any, *args: Any) -> Any:
 
 P = "BlockPool"
 R, A = makers(P, pool)
+
+
+def pool_core() -> Ctx:
+    """The device pool's ``BlockPoolCore`` of ``manager.manager()``."""
+    ctx = mgr.manager()
+    ctx.x["manager"] = ctx.t
+    ctx.t = ctx.t.block_pool.pool_core
+    return ctx
+
+
+RC, _ = makers("BlockPoolCore", pool_core)
 HUGE = 2**70
 KEY = b"k" * 32 + b"\0\0\0\0"  # a BlockHashWithGroupId: digest + 4-byte group id
 
@@ -226,6 +239,22 @@ ROWS = [
     R("_insert_block_hash", "negative num_tokens", IA, lambda f, c: f(KEY, c.t.blocks[20], -1)),
 ]
 
+CORE_ROWS = [
+    RC("__init__", "owner is None", TE, lambda f, c: BlockPoolCore(None)),  # type: ignore[arg-type]
+    RC("__init__", "owner is a BlockPool view", TE, lambda f, c: BlockPoolCore(c.t)),
+    RC(
+        "__init__",
+        "the host pool of a layout without one",
+        IA,
+        lambda f, c: BlockPoolCore(c.x["manager"], host=True),
+    ),
+    RC("block", "block id -1", BI, lambda f, c: f(-1)),
+    RC("block", "block id past the pool", BI, lambda f, c: f(32)),
+    RC("block", "block id = 2**70", BI, lambda f, c: f(HUGE)),
+    RC("block", "block id is a str", TE, lambda f, c: f("1")),
+]
+ROWS += CORE_ROWS
+
 ACCEPTED = [
     A(
         "touch",
@@ -268,6 +297,34 @@ SURFACES = [
         extra=("_insert_block_hash",),
         exempt={
             "take_events": "no argument; drains events already built (a Python list), no core call",
+        },
+    ),
+    Surface(
+        "BlockPoolCore",
+        classes=(BlockPoolCore,),
+        exempt={
+            name: "a binding of the BlockPool views, whose entry points have rows"
+            for name in (
+                "blocks_with_secondary_keys",
+                "cache_full_blocks",
+                "cache_partial_block",
+                "evict_blocks",
+                "free_block_ids",
+                "free_blocks",
+                "free_list_end",
+                "get_cached_block",
+                "get_new_blocks",
+                "index_detach_key",
+                "index_items",
+                "index_pop",
+                "index_reattach",
+                "insert_block_hash",
+                "is_block_writable",
+                "move_block_hashes",
+                "reset_prefix_cache",
+                "secondary_keys",
+                "touch",
+            )
         },
     ),
 ]
