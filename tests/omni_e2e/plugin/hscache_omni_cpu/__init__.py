@@ -17,7 +17,9 @@ PLATFORM = "hscache_omni_cpu.platform.CpuOmniPlatform"
 
 
 def platform_plugin() -> str | None:
-    """vllm-omni's platform hook: the CPU platform, unless ``HSCACHE_OMNI_CPU=0``."""
-    if os.environ.get("HSCACHE_OMNI_CPU", "1") == "0":
+    """vllm-omni's platform hook: the CPU platform when ``HSCACHE_OMNI_CPU=1`` (the e2e run
+    sets it), nothing otherwise, so that the installed scaffolding changes no other use of
+    the venv."""
+    if os.environ.get("HSCACHE_OMNI_CPU") != "1":
         return None
     return PLATFORM

@@ -5,7 +5,8 @@ engines included. With ``HSCACHE_E2E_PROBE_DIR`` set it records each vLLM ``Sche
 and each hidden-state prefix cache (vllm-omni's ``OmniPrefixCacheManager`` or hscache's
 ``OmniHiddenStateCache``) built in the process, and a daemon thread rewrites
 ``<dir>/<pid>.json`` a few times a second: per scheduler its stage, class and KV-cache
-manager class; per prefix cache its class and counters; and ``hscache.stats()``
+manager class and how many requests it preempted; per prefix cache its class and
+counters; and ``hscache.stats()``
 (``HSCACHE_STATS=1``). Stage processes end by signal, so a periodic file is the record
 that survives them; the driver reads it after a short wait.
 """
@@ -24,6 +25,7 @@ INTERVAL_S = 0.2
 _schedulers: list[weakref.ref[Any]] = []
 _caches: list[weakref.ref[Any]] = []
 _started = False
+_preemptions: dict[int, int] = {}  # id(scheduler) -> requests it preempted
 
 
 def _record_instances(cls: type, into: list[weakref.ref[Any]]) -> None:
@@ -37,6 +39,19 @@ def _record_instances(cls: type, into: list[weakref.ref[Any]]) -> None:
 
     init.hscache_probe = True  # type: ignore[attr-defined]
     cls.__init__ = init  # type: ignore[misc]
+
+
+def _count_preemptions(cls: type) -> None:
+    original = getattr(cls, "_preempt_request", None)
+    if original is None or getattr(original, "hscache_probe", False):
+        return
+
+    def preempt(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _preemptions[id(self)] = _preemptions.get(id(self), 0) + 1
+        return original(self, *args, **kwargs)
+
+    preempt.hscache_probe = True  # type: ignore[attr-defined]
+    cls._preempt_request = preempt  # type: ignore[attr-defined]
 
 
 def _name(obj: Any) -> str:
@@ -66,6 +81,7 @@ def snapshot() -> dict[str, Any]:
                 "scheduler": _name(sched),
                 "kv_cache_manager": _name(manager),
                 "enable_caching": bool(getattr(manager, "enable_caching", False)),
+                "preemptions": _preemptions.get(id(sched), 0),
             }
         )
     caches = [_cache_report(c) for c in (r() for r in list(_caches)) if c is not None]
@@ -104,6 +120,7 @@ def register() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     _record_instances(Scheduler, _schedulers)
+    _count_preemptions(Scheduler)
     try:
         from vllm_omni.core.prefix_cache.manager import OmniPrefixCacheManager
 

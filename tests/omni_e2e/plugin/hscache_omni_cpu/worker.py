@@ -10,6 +10,7 @@ validation reads ``model_runner_cls``).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import vllm.v1.worker.cpu_worker as cpu_worker_module
@@ -49,9 +50,35 @@ class CPUARWorker(OmniWorkerMixin, CPUWorker):  # type: ignore[misc]
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
         out = super().load_model(*args, **kwargs)
         model = self.model_runner.get_model()
-        if getattr(model, "model_stage", None) == "talker" and not hasattr(model, "voice_type"):
-            model.voice_type = DEFAULT_VOICE
+        if getattr(model, "model_stage", None) == "talker":
+            if not hasattr(model, "voice_type"):
+                model.voice_type = DEFAULT_VOICE
+            if os.environ.get("HSCACHE_E2E_TALKER_SPAN_FIX") == "1":
+                model.preprocess = _span_aligned_talker_preprocess(model)
         return out
+
+
+def _span_aligned_talker_preprocess(model: Any) -> Any:
+    """The experiment behind docs/omni.md's note on the talker's prefix caching (opt-in,
+    ``HSCACHE_E2E_TALKER_SPAN_FIX=1``): vllm-omni 0.30's Qwen2.5-Omni talker builds the
+    embeddings of its whole prompt on every prefill step, and its runner copies the first
+    ``span`` rows into the scheduled span, whatever ``num_computed_tokens`` is; after a
+    talker KV hit (or in a later prefill chunk) the span gets the embeddings of the
+    prompt's first positions. This returns the rows of the scheduled positions instead
+    (and a one-token prefill span stays a prefill)."""
+    original = model.preprocess
+
+    def preprocess(input_ids: Any, input_embeds: Any, **info: Any) -> Any:
+        computed = int(info.get("_omni_num_computed_tokens") or 0)
+        if not info.get("_omni_is_prefill") or computed == 0:
+            return original(input_ids, input_embeds, **info)
+        if input_embeds is None:
+            input_embeds = model.talker.embed_input_ids(input_ids)
+        ids, embeds, update = model.thinker_to_talker_process(input_ids, input_embeds, info)
+        span = int(input_ids.shape[0])
+        return ids[computed : computed + span], embeds[computed : computed + span], update
+
+    return preprocess
 
 
 __all__ = ["CPUARModelRunner", "CPUARWorker"]
