@@ -2,7 +2,11 @@
 # The vllm-omni end-to-end check: hscache inside a real vllm-omni 0.30 thinker -> talker
 # pipeline (vLLM 0.30, CPU), against vllm-omni's own hidden-state cache and a cold run.
 #
-#   bash scripts/omni_e2e.sh [--sync]     # --sync also runs the arms with async_scheduling: false
+#   bash scripts/omni_e2e.sh [--sync] [--talker]
+#
+# --sync also runs the three arms with async_scheduling: false (OmniARScheduler); --talker
+# also runs the talker-prefix-caching experiment of docs/omni.md (arms talker_pc and
+# talker_pc_fixed, reported in the table, not checked).
 #
 # In the vLLM 0.30 + vllm-omni 0.30 environment (scripts/vllm030_env.sh): installs the test
 # scaffolding tests/omni_e2e/plugin (a CPU platform for vllm-omni, which knows GPUs only, and
@@ -25,7 +29,17 @@ if [[ -z "${HSCACHE_PY030:-}" ]]; then
 fi
 
 suffixes=("")
-if [[ "${1:-}" == "--sync" ]]; then suffixes+=("-sync"); fi
+experiments=()
+for flag in "$@"; do
+    case "$flag" in
+    --sync) suffixes+=("-sync") ;;
+    --talker) experiments=(talker_pc talker_pc_fixed) ;;
+    *)
+        echo "usage: bash scripts/omni_e2e.sh [--sync] [--talker]" >&2
+        exit 2
+        ;;
+    esac
+done
 work="${HSCACHE_OMNI_E2E_WORK:-$HSCACHE_CACHE/omni_e2e}"
 results="$work/results"
 rm -rf "$results"
@@ -40,7 +54,9 @@ unset HSCACHE HSCACHE_PARITY HSCACHE_DISABLE HSCACHE_OMNI_PREFIX_CACHE HSCACHE_S
     { tail -n 20 "$work/make_model.log" >&2; exit 1; }
 
 for suffix in "${suffixes[@]}"; do
-    for arm in cold omni hscache; do
+    arms=(cold omni hscache)
+    if [[ -z "$suffix" ]]; then arms+=("${experiments[@]}"); fi
+    for arm in "${arms[@]}"; do
         flags=()
         if [[ "$suffix" == "-sync" ]]; then flags+=(--sync); fi
         log="$results/$arm$suffix.log"

@@ -1,8 +1,8 @@
 """Prints the table of hscache's vllm-omni end-to-end run from its JSONs (``scripts/omni_e2e.sh``).
 
-One row per arm: requests served, the thinker's cached tokens (all rounds), whether every
-request's talker tokens equal the cold run's, the thinker's preemptions, stage-engine start
-and per-round wall times.
+One row per arm: requests served, the thinker's and the talker's cached tokens (all
+rounds), how many requests' talker tokens equal the cold run's, the thinker's preemptions,
+stage-engine start and per-round wall times.
 Usage: ``python tests/omni_e2e/table.py RESULTS_DIR``.
 """
 
@@ -24,23 +24,26 @@ def _talker(arm: dict[str, Any]) -> dict[tuple[int, str], list[int]]:
 
 def rows(results: Path) -> list[list[str]]:
     out = []
-    for cold_path in sorted(results.glob("cold*.json")):
+    # The default (async) scheduler's arms first, then the "-sync" ones.
+    for cold_path in sorted(results.glob("cold*.json"), key=lambda p: (p.stem != "cold", p.stem)):
         suffix = cold_path.stem.removeprefix("cold")
         cold = _talker(json.loads(cold_path.read_text()))
-        for name in ("cold", "omni", "hscache"):
+        for name in ("cold", "omni", "hscache", "talker_pc", "talker_pc_fixed"):
             path = results / f"{name}{suffix}.json"
             if not path.exists():
                 continue
             arm = json.loads(path.read_text())
             reqs = [r for rnd in arm["rounds"] for r in rnd["requests"].values()]
-            equal = _talker(arm) == cold
+            talker = _talker(arm)
+            same = sum(talker[k] == cold.get(k) for k in talker)
             out.append(
                 [
                     name + suffix,
                     "sync" if not arm["async_scheduling"] else "async",
                     str(len(reqs)),
                     str(sum(int(r["thinker_num_cached_tokens"] or 0) for r in reqs)),
-                    "yes" if equal else "NO",
+                    str(sum(int(r.get("talker_num_cached_tokens") or 0) for r in reqs)),
+                    f"{same}/{len(talker)}",
                     str(
                         sum(
                             s.get("preemptions", 0)
@@ -62,6 +65,7 @@ def main(argv: list[str]) -> int:
         "scheduler",
         "requests",
         "thinker cached tokens",
+        "talker cached tokens",
         "talker tokens = cold",
         "thinker preemptions",
         "stage start",
