@@ -1,0 +1,259 @@
+"""Runs one arm of hscache's vllm-omni end-to-end check: a real thinker -> talker pipeline.
+
+A tiny random Qwen2.5-Omni (:mod:`make_model`) served by ``vllm_omni.Omni`` on CPU (the
+scaffolding plugin ``tests/omni_e2e/plugin`` must be installed in the venv): qwen2_5_omni's
+stages 0 (thinker) and 1 (talker), the thinker's latent hidden states passed to the talker.
+Arms: ``cold`` (thinker prefix caching off), ``omni`` (vllm-omni's own hidden-state cache),
+``hscache`` (hscache's KV-cache manager and hidden-state cache, ``HSCACHE_STRICT=1``);
+and, for the talker's prefix caching (off upstream, see docs/omni.md), ``talker_pc``
+(``omni`` with the talker's prefix caching on) and ``talker_pc_fixed`` (the same with the
+scaffolding's span-aligned talker inputs, ``HSCACHE_E2E_TALKER_SPAN_FIX=1``).
+Writes a JSON: per request the talker's token ids and the thinker's ``num_cached_tokens``,
+per round its wall time, the stage start time, and the probe records (who served the
+caches, their counters) of every engine process. Checks live in
+``test_omni_pipeline.py``. Usage (vLLM 0.30 venv):
+``python tests/omni_e2e/run_pipeline.py --arm hscache --model DIR --out arm.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+PIPELINE = "hscache_e2e_thinker_talker"
+ARMS = ("cold", "omni", "hscache", "talker_pc", "talker_pc_fixed")
+BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32
+# The KV pools, in blocks: the thinker's small (blocks get recycled, requests preempted).
+THINKER_BLOCKS = 24
+TALKER_BLOCKS = 48
+THINKER_CHUNK = 64  # max_num_batched_tokens: every thinker prompt is a chunked prefill
+MAX_MODEL_LEN = 512
+THINKER_MAX_TOKENS = 6
+TALKER_MAX_TOKENS = 8
+KV_BYTES_PER_TOKEN = 2 * 2 * 1 * 32 * 4  # layers x (K, V) x KV heads x head_dim x fp32
+# First text id of the filler range of make_model's tokenizer (any id < 151643 works).
+TEXT_ID_BASE = 1000
+
+
+def _prefix(seed: int, n: int) -> list[int]:
+    return [TEXT_ID_BASE + (seed * 7919 + i * 104729) % 50000 for i in range(n)]
+
+
+def workload() -> list[tuple[bool, list[tuple[str, list[int]]]]]:
+    """Rounds of (name, prompt token ids), each with whether its thinker hits are
+    independent of timing.
+
+    1. Cold caches: two long shared prefixes (5 and 4 blocks), one prompt twice (its twin
+       hits the first's blocks if they were computed before it arrived, or is computed
+       beside it in the same step).
+    2. Exact repeats of round 1 and new suffixes over the same prefixes (deterministic).
+    3. Pressure: four prompts over fresh prefixes, 13 blocks each, in the thinker's pool
+       of 24 blocks (23 usable): every cached block of rounds 1-2 is recycled, and two
+       requests prefilling at once cannot both fit, so running requests are preempted
+       and resumed.
+    4. Recycled blocks: repeats of round 3's last prompts (hits on blocks whose previous
+       tenants were round 1-3's) and of round 1's (recomputed or partly hit).
+    The thinker prefills at most 64 tokens a step: every prompt is a chunked prefill.
+    """
+    a, b = _prefix(1, 160), _prefix(2, 128)
+    round1 = [
+        ("a1", a + _prefix(11, 13)),
+        ("a2", a + _prefix(12, 21)),
+        ("a1_twin", a + _prefix(11, 13)),
+        ("b1", b + _prefix(21, 9)),
+    ]
+    round2 = [
+        ("a1_again", a + _prefix(11, 13)),
+        ("a3", a + _prefix(13, 30)),
+        ("b1_again", b + _prefix(21, 9)),
+        ("b2", b + _prefix(22, 17)),
+    ]
+    pressure = [(f"p{k}", _prefix(30 + k, 384) + _prefix(40 + k, 15)) for k in range(4)]
+    recycled = [
+        ("p2_again", pressure[2][1]),
+        ("p3_again", pressure[3][1]),
+        ("a1_late", round1[0][1]),
+        ("b1_late", round1[3][1]),
+    ]
+    return [(False, round1), (True, round2), (False, pressure), (False, recycled)]
+
+
+def register_pipeline() -> None:
+    """qwen2_5_omni's stages 0 and 1, the talker a final output too (its token ids)."""
+    from vllm_omni.config.pipeline_registry import register_pipeline as register
+    from vllm_omni.model_executor.models.qwen2_5_omni.pipeline import QWEN2_5_OMNI_PIPELINE
+
+    thinker, talker = QWEN2_5_OMNI_PIPELINE.stages[:2]
+    talker = dataclasses.replace(
+        talker,
+        final_output=True,
+        final_output_type="text",
+        custom_process_next_stage_input_func=None,
+    )
+    register(
+        dataclasses.replace(
+            QWEN2_5_OMNI_PIPELINE,
+            model_type=PIPELINE,
+            default_deploy_config_name=None,
+            stages=(thinker, talker),
+        )
+    )
+
+
+def deploy_yaml(arm: str, async_scheduling: bool) -> str:
+    def stage(
+        stage_id: int, prefix_caching: bool, blocks: int, chunk: int, sampling: dict[str, Any]
+    ) -> dict[str, Any]:
+        return {
+            "stage_id": stage_id,
+            "max_num_seqs": 4,
+            "max_num_batched_tokens": chunk,
+            "max_model_len": MAX_MODEL_LEN,
+            "block_size": BLOCK_SIZE,
+            "kv_cache_memory_bytes": blocks * BLOCK_SIZE * KV_BYTES_PER_TOKEN,
+            "enforce_eager": True,
+            "dtype": "float32",
+            "enable_prefix_caching": prefix_caching,
+            "async_scheduling": async_scheduling,
+            "mm_processor_cache_gb": 0,
+            "default_sampling_params": sampling,
+        }
+
+    greedy = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "seed": 42}
+    config = {
+        "pipeline": PIPELINE,
+        "async_chunk": False,
+        "stages": [
+            stage(
+                0,
+                arm != "cold",
+                THINKER_BLOCKS,
+                THINKER_CHUNK,
+                {**greedy, "max_tokens": THINKER_MAX_TOKENS, "repetition_penalty": 1.1},
+            ),
+            # The talker's own prefix caching stays off, as upstream ships it, except in
+            # the arms that look at it.
+            stage(
+                1,
+                arm.startswith("talker_pc"),
+                TALKER_BLOCKS,
+                1024,
+                {**greedy, "max_tokens": TALKER_MAX_TOKENS, "repetition_penalty": 1.05},
+            ),
+        ],
+    }
+    return json.dumps(config, indent=2)  # JSON is YAML
+
+
+def arm_env(arm: str) -> dict[str, str]:
+    on = arm == "hscache"
+    return {
+        "HSCACHE_OMNI_CPU": "1",  # the scaffolding's CPU platform (tests/omni_e2e/plugin)
+        "HSCACHE": "1" if on else "0",
+        "HSCACHE_OMNI_PREFIX_CACHE": "1" if on else "0",
+        "HSCACHE_STRICT": "1" if on else "0",
+        "HSCACHE_STATS": "1",
+        "HSCACHE_E2E_TALKER_SPAN_FIX": "1" if arm == "talker_pc_fixed" else "0",
+    }
+
+
+def _stage_outputs(out: Any) -> tuple[int | None, list[int], int | None]:
+    stage = getattr(out, "stage_id", None)
+    inner = getattr(out, "request_output", None) or out
+    token_ids = list(inner.outputs[0].token_ids) if inner.outputs else []
+    return stage, token_ids, getattr(inner, "num_cached_tokens", None)
+
+
+def run(arm: str, model: Path, out_path: Path, async_scheduling: bool) -> dict[str, Any]:
+    # Before vllm-omni is imported: it resolves its platform once per process.
+    os.environ.update(arm_env(arm))
+    work = Path(tempfile.mkdtemp(prefix=f"hscache-omni-{arm}-"))
+    probe_dir = work / "probe"
+    os.environ["HSCACHE_E2E_PROBE_DIR"] = str(probe_dir)
+    from vllm import SamplingParams
+    from vllm_omni import Omni
+
+    register_pipeline()
+    deploy = work / "deploy.yaml"
+    deploy.write_text(deploy_yaml(arm, async_scheduling))
+    result: dict[str, Any] = {
+        "arm": arm,
+        "async_scheduling": async_scheduling,
+        "block_size": BLOCK_SIZE,
+        "rounds": [],
+    }
+    t0 = time.perf_counter()
+    omni = Omni(model=str(model), deploy_config=str(deploy), log_stats=False)
+    result["start_s"] = time.perf_counter() - t0
+    try:
+        params = [
+            SamplingParams(
+                temperature=0.0, max_tokens=THINKER_MAX_TOKENS, repetition_penalty=1.1, seed=42
+            ),
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=TALKER_MAX_TOKENS,
+                repetition_penalty=1.05,
+                seed=42,
+                stop_token_ids=[8294],
+            ),
+        ]
+        for deterministic, prompts in workload():
+            t = time.perf_counter()
+            outs = omni.generate(
+                [{"prompt_token_ids": ids} for _, ids in prompts], params, use_tqdm=False
+            )
+            wall = time.perf_counter() - t
+            by_req: dict[str, dict[str, Any]] = {}
+            order = {}
+            for out in outs:
+                stage, token_ids, cached = _stage_outputs(out)
+                rec = by_req.setdefault(out.request_id, {})
+                if stage == 0:
+                    rec["thinker_token_ids"] = token_ids
+                    rec["thinker_num_cached_tokens"] = cached
+                else:
+                    rec["talker_token_ids"] = token_ids
+                    rec["talker_num_cached_tokens"] = cached
+                order[out.request_id] = int(str(out.request_id).split("_", 1)[0])
+            requests = {}
+            for req_id, rec in by_req.items():
+                name, ids = prompts[order[req_id]]
+                requests[name] = {**rec, "prompt_len": len(ids)}
+            result["rounds"].append(
+                {"wall_s": wall, "requests": requests, "deterministic": deterministic}
+            )
+        time.sleep(1.0)  # the probe threads write every 0.2 s
+        result["probes"] = [json.loads(p.read_text()) for p in sorted(probe_dir.glob("*.json"))]
+    finally:
+        omni.close()
+        shutil.rmtree(work, ignore_errors=True)
+    out_path.write_text(json.dumps(result, indent=1, sort_keys=True))
+    return result
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arm", choices=ARMS, required=True)
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--sync", action="store_true", help="async_scheduling: false")
+    args = parser.parse_args(argv)
+    result = run(args.arm, args.model, args.out, async_scheduling=not args.sync)
+    print(
+        f"{args.arm}: start {result['start_s']:.1f} s, rounds "
+        + ", ".join(f"{r['wall_s']:.2f} s" for r in result["rounds"])
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
