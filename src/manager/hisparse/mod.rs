@@ -6,8 +6,8 @@
 //! ([`resident`]: the GPU pages a request reads) and *hot* groups ([`hot`]: a fixed
 //! region a request needs once it reads host-backed history). The coordinator is
 //! split by concept: admission and release ([`lifecycle`]), host publication
-//! ([`publication`]), write-backs ([`spills`]), residency ([`residency`]); [`flows`]
-//! runs the KV-cache coordinator's group loops on a HiSparse layout.
+//! ([`publication`]), write-backs ([`spills`]), residency ([`residency`]); [`hooks`]
+//! are its calls from inside the KV-cache coordinator's group loops.
 //!
 //! GPU-resident pages are a write-back cache of the host tier. The scheduler side
 //! (this module) decides everything: which pages to write back ("spills", planned
@@ -49,7 +49,7 @@
 //! only rewrites that list for a request without computed tokens, whose publication
 //! is gone by then).
 
-pub mod flows;
+pub mod hooks;
 pub mod hot;
 pub mod lifecycle;
 pub mod publication;
