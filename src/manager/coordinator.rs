@@ -1454,7 +1454,7 @@ impl KVCacheCoordinator {
 
     /// vLLM's `free`: every group's table, tail first (no-op for an unknown
     /// request). All or nothing: a double free leaves every table in place (on a
-    /// HiSparse layout, see [`Self::release`]).
+    /// HiSparse layout, see `release`).
     pub fn free(
         &mut self,
         request_id: &str,

@@ -12,7 +12,7 @@
 //!
 //! Key properties:
 //! - The device pool's reuse notifications are drained after every group that may
-//!   have taken blocks ([`HiSparseCoordinator::after_allocate`]), so what a later
+//!   have taken blocks (`after_allocate`), so what a later
 //!   group reads is what vLLM's callbacks would have left.
 //! - Each hook acts on its own group kind only and is a no-op elsewhere.
 

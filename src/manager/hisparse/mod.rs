@@ -78,18 +78,6 @@ use crate::pool::BlockPool;
 use crate::request_table::RequestTable;
 use crate::types::{BlockHashWithGroupId, BlockId};
 
-/// HiSparse resident and hot groups never adopt prefix hits (vLLM's managers of
-/// those roles find none): a caller passing some gets a typed error.
-pub(crate) fn reject_prefix_hits(hits: &[BlockId], group: &str) -> Result<()> {
-    if hits.is_empty() {
-        Ok(())
-    } else {
-        Err(Error::InvalidArgument(format!(
-            "HiSparse {group} groups take no prefix hits"
-        )))
-    }
-}
-
 /// Sealed pages this many positions behind the table's tail stay pinned, so a page
 /// an in-flight step writes is never handed out under it (vLLM's
 /// `ACTIVE_TAIL_PAGES`).
