@@ -18,6 +18,9 @@
 //!   candidate length.
 //! - Groups in a hybrid model cache only up to the scheduler block (or, with
 //!   partial hash hits, any hash boundary), which is where a hit can land.
+//! - One loop over the groups per call. On a HiSparse layout the HiSparse
+//!   coordinator is called between the groups (`hisparse/hooks.rs`), where vLLM's
+//!   HiSparse managers call theirs; elsewhere that is one `None` check a group.
 //!
 //! Length: one struct whose methods are vLLM's coordinator call by call (plan, then
 //! apply over every group); the hit search, the allocation and the caching share the
