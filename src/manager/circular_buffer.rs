@@ -5,7 +5,9 @@
 //! the first time it allocates, keeps it for its lifetime, and never hits, caches or
 //! skips anything.
 
-use super::single_type::{GroupBlocks, HitQuery, ManagerBase, NumBlocksQuery, SingleTypeManager};
+use super::single_type::{
+    never_hit_hooks, GroupBlocks, ManagerBase, NumBlocksQuery, SingleTypeManager,
+};
 use crate::error::Result;
 use crate::pool::BlockPool;
 use crate::types::BlockId;
@@ -44,14 +46,7 @@ impl SingleTypeManager for CircularBufferManager {
         &mut self.base
     }
 
-    fn find_longest_cache_hit(
-        &self,
-        _pool: &BlockPool,
-        _q: &HitQuery<'_>,
-        _out: &mut [Vec<BlockId>],
-    ) -> Result<usize> {
-        Ok(0)
-    }
+    never_hit_hooks!();
 
     fn get_num_blocks_to_allocate(
         &mut self,
@@ -98,16 +93,6 @@ impl SingleTypeManager for CircularBufferManager {
         out: &mut Vec<BlockId>,
     ) -> Result<()> {
         self.claim_ring_block(pool, req, true, Some(out))
-    }
-
-    fn cache_blocks(
-        &mut self,
-        _pool: &mut BlockPool,
-        _slot: u32,
-        _req: &mut GroupBlocks,
-        _q: &super::single_type::CacheQuery<'_>,
-    ) -> Result<()> {
-        Ok(())
     }
 
     fn remove_skipped_blocks(

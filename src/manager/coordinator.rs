@@ -18,6 +18,9 @@
 //!   candidate length.
 //! - Groups in a hybrid model cache only up to the scheduler block (or, with
 //!   partial hash hits, any hash boundary), which is where a hit can land.
+//! - One loop over the groups per call. On a HiSparse layout the HiSparse
+//!   coordinator is called between the groups (`hisparse/hooks.rs`), where vLLM's
+//!   HiSparse managers call theirs; elsewhere that is one `None` check a group.
 //!
 //! Length: one struct whose methods are vLLM's coordinator call by call (plan, then
 //! apply over every group); the hit search, the allocation and the caching share the
@@ -26,13 +29,13 @@
 
 use smallvec::SmallVec;
 
-use super::hisparse::{HiSparseCoordinator, PublicationRequests};
+use super::hisparse::{HiSparseCoordinator, HiSparseCtx, HiSparseLayout, PublicationRequests};
 use super::registry::new_manager;
 use super::request::PlannedHashes;
 pub use super::single_type::RequestState;
 use super::single_type::{
-    cache_range, null_head_len, running_cannot_adopt, CacheQuery, GroupBlocks, HitQuery,
-    ManagerBase, NumBlocksQuery, SingleTypeManager, SteadyQuery,
+    cache_range, running_cannot_adopt, CacheQuery, GroupBlocks, HitQuery, ManagerBase,
+    NumBlocksQuery, SingleTypeManager, SteadyQuery,
 };
 use super::spec::{GroupSpec, MambaCacheMode, ManagerKind};
 use super::GroupedBlocks;
@@ -162,6 +165,14 @@ pub struct FieldNeeds {
     pub steady_reads_prompt: bool,
 }
 
+/// Where [`KVCacheCoordinator::release`] hands a request's blocks.
+enum Release<'a> {
+    /// Freed: gathered into this scratch, then freed.
+    Free(&'a mut Vec<BlockId>),
+    /// Handed back (`pop_blocks_for_free`), appended here.
+    Pop(&'a mut Vec<BlockId>),
+}
+
 /// The coordinator (see module docs).
 #[derive(Debug)]
 pub struct KVCacheCoordinator {
@@ -184,6 +195,19 @@ pub struct KVCacheCoordinator {
     mamba_align: bool,
     /// HiSparse's coordinator, on a layout with a HiSparse source group.
     pub(crate) hisparse: Option<Box<HiSparseCoordinator>>,
+}
+
+/// The state of the request `handle` names (a group loop looks it up again after
+/// each group's hook, which may read every request's tables).
+#[inline]
+fn state_of<'a>(
+    requests: &'a mut RequestTable<RequestState>,
+    handle: crate::request_table::RequestHandle,
+    request_id: &str,
+) -> Result<&'a mut RequestState> {
+    requests
+        .get_mut_by_handle(handle)
+        .ok_or_else(|| Error::UnknownRequest(request_id.to_owned()))
 }
 
 fn lcm_divides(scheduler_block_size: usize, block_size: usize) -> bool {
@@ -716,6 +740,137 @@ impl KVCacheCoordinator {
         self.spare_states.push(state);
     }
 
+    // ---- HiSparse ------------------------------------------------------------------
+
+    /// Builds the HiSparse coordinator of a layout with HiSparse groups (vLLM's
+    /// `get_hisparse_coordinator`, run with the manager).
+    pub(crate) fn enable_hisparse(&mut self, num_blocks: u32, max_model_len: usize) -> Result<()> {
+        let specs: Vec<_> = self
+            .managers
+            .iter()
+            .map(|m| m.base().spec.clone())
+            .collect();
+        let sizes: Vec<usize> = self.managers.iter().map(|m| m.base().block_size).collect();
+        let layout = HiSparseLayout::new(
+            &specs,
+            num_blocks,
+            max_model_len,
+            self.num_reprefillable_tokens(),
+            |g| sizes[g],
+        )?;
+        let Some(layout) = layout else {
+            return Ok(());
+        };
+        let has_resident = !layout.resident_groups.is_empty();
+        for &g in &layout.hot_groups {
+            if let Some(h) = self.managers[g].hisparse_hot_mut() {
+                h.set_has_resident_groups(has_resident);
+            }
+        }
+        self.hisparse = Some(Box::new(HiSparseCoordinator::new(layout)));
+        Ok(())
+    }
+
+    /// The HiSparse coordinator and the rest of this coordinator, borrowed apart
+    /// (None on a layout without HiSparse: the group loops' hook check).
+    #[inline]
+    pub(crate) fn hisparse_split(&mut self) -> Option<(&mut HiSparseCoordinator, HiSparseCtx<'_>)> {
+        let h = self.hisparse.as_deref_mut()?;
+        Some((
+            h,
+            HiSparseCtx {
+                pool: &mut self.pool,
+                managers: &mut self.managers,
+                requests: &mut self.requests,
+            },
+        ))
+    }
+
+    /// Runs `f` on the HiSparse coordinator (`Err` on a layout without one).
+    pub fn with_hisparse<T>(
+        &mut self,
+        f: impl FnOnce(&mut HiSparseCoordinator, &mut HiSparseCtx<'_>) -> Result<T>,
+    ) -> Result<T> {
+        let Some((h, mut ctx)) = self.hisparse_split() else {
+            return Err(Error::InvalidArgument(
+                "this KV-cache layout has no HiSparse group".into(),
+            ));
+        };
+        f(h, &mut ctx)
+    }
+
+    /// The HiSparse coordinator, read only.
+    #[inline]
+    pub fn hisparse(&self) -> Option<&HiSparseCoordinator> {
+        self.hisparse.as_deref()
+    }
+
+    /// HiSparse's `after_allocate` hook after a group took device blocks (nothing
+    /// on other layouts).
+    #[inline]
+    fn after_allocate(&mut self) -> Result<()> {
+        match self.hisparse_split() {
+            Some((h, mut ctx)) => h.after_allocate(&mut ctx),
+            None => Ok(()),
+        }
+    }
+
+    /// Drains the device pool's reuse notifications (vLLM's callbacks) after a pool
+    /// call outside the group loops.
+    pub(crate) fn process_reused(&mut self) -> Result<()> {
+        if !self.pool.has_reused_watched() {
+            return Ok(());
+        }
+        match self.hisparse_split() {
+            Some((h, mut ctx)) => h.process_reused(&mut ctx),
+            None => {
+                self.pool.take_reused_watched();
+                Ok(())
+            }
+        }
+    }
+
+    /// One group's `allocate_new_blocks` (a single-type manager called directly).
+    pub(crate) fn group_allocate_new_blocks(
+        &mut self,
+        g: usize,
+        request_id: &str,
+        num_tokens: usize,
+        num_tokens_main_model: usize,
+        out: &mut Vec<BlockId>,
+    ) -> Result<()> {
+        let slot = self.state_mut(request_id).0;
+        let state = self
+            .requests
+            .get_mut(request_id)
+            .ok_or_else(|| Error::UnknownRequest(request_id.to_owned()))?;
+        self.managers[g].allocate_new_blocks(
+            &mut self.pool,
+            slot,
+            request_id,
+            &mut state.groups[g],
+            num_tokens,
+            num_tokens_main_model,
+            out,
+        )?;
+        self.process_reused()
+    }
+
+    /// One group's `get_num_blocks_to_allocate` (a single-type manager called
+    /// directly).
+    pub(crate) fn group_num_blocks_to_allocate(
+        &mut self,
+        g: usize,
+        q: &NumBlocksQuery<'_>,
+    ) -> Result<i64> {
+        let slot = self.slot_of(q.request_id).unwrap_or(u32::MAX);
+        let req = self
+            .requests
+            .get(q.request_id)
+            .and_then(|s| s.groups.get(g));
+        self.managers[g].get_num_blocks_to_allocate(&self.pool, slot, req, q)
+    }
+
     // ---- prefix hits ---------------------------------------------------------------
 
     fn eagle_proof_margin(&self, block_size: usize, fine_grained: bool) -> usize {
@@ -964,7 +1119,8 @@ impl KVCacheCoordinator {
     }
 
     /// vLLM's `allocate_new_computed_blocks`: every group adopts its hits, then every
-    /// group allocates its external-token blocks.
+    /// group allocates its external-token blocks (HiSparse's hooks run between the
+    /// groups, where vLLM's HiSparse managers call their coordinator).
     pub fn allocate_new_computed_blocks<'h>(
         &mut self,
         request_id: &str,
@@ -973,28 +1129,24 @@ impl KVCacheCoordinator {
         num_external_computed_tokens: usize,
         skip_zeroing: &dyn Fn(usize) -> bool,
     ) -> Result<()> {
-        if self.hisparse.is_some() {
-            return self.hisparse_allocate_new_computed_blocks(
-                request_id,
-                hits,
-                num_local_computed_tokens,
-                num_external_computed_tokens,
-                skip_zeroing,
-            );
-        }
         let n = self.managers.len();
         let spare = &mut self.spare_states;
-        let (_, state) = self
+        let handle = self
             .requests
-            .get_or_insert_with_slot(request_id, || Self::new_state(spare, n));
-        if state.is_running() {
+            .handle_or_insert_with(request_id, || Self::new_state(spare, n));
+        if self
+            .requests
+            .get_by_handle(handle)
+            .is_some_and(RequestState::is_running)
+        {
             if (0..n).any(|g| !hits(g).is_empty()) {
                 return Err(running_cannot_adopt(request_id));
             }
             return Ok(());
         }
-        for (g, m) in self.managers.iter_mut().enumerate() {
-            m.add_local_computed_blocks(
+        for g in 0..n {
+            let state = state_of(&mut self.requests, handle, request_id)?;
+            self.managers[g].add_local_computed_blocks(
                 &mut self.pool,
                 request_id,
                 &mut state.groups[g],
@@ -1002,18 +1154,28 @@ impl KVCacheCoordinator {
                 num_local_computed_tokens,
                 num_external_computed_tokens,
             )?;
-        }
-        if num_external_computed_tokens > 0 {
-            for (g, m) in self.managers.iter_mut().enumerate() {
-                m.allocate_external_computed_blocks(
-                    &mut self.pool,
-                    request_id,
-                    &mut state.groups[g],
-                    num_local_computed_tokens,
-                    num_external_computed_tokens,
-                    !skip_zeroing(g),
-                )?;
+            if let Some((h, ctx)) = self.hisparse_split() {
+                h.after_adopt(&ctx, g, request_id, num_local_computed_tokens)?;
             }
+        }
+        if num_external_computed_tokens == 0 {
+            return Ok(());
+        }
+        let num_tokens = num_local_computed_tokens + num_external_computed_tokens;
+        for g in 0..n {
+            if let Some(h) = self.hisparse.as_deref_mut() {
+                h.before_external(g, request_id, num_tokens);
+            }
+            let state = state_of(&mut self.requests, handle, request_id)?;
+            self.managers[g].allocate_external_computed_blocks(
+                &mut self.pool,
+                request_id,
+                &mut state.groups[g],
+                num_local_computed_tokens,
+                num_external_computed_tokens,
+                !skip_zeroing(g),
+            )?;
+            self.after_allocate()?;
         }
         Ok(())
     }
@@ -1029,27 +1191,20 @@ impl KVCacheCoordinator {
         out: &mut Vec<BlockId>,
         ends: &mut SmallVec<[usize; 4]>,
     ) -> Result<()> {
-        if self.hisparse.is_some() {
-            return self.hisparse_allocate_new_blocks(
-                request_id,
-                num_tokens,
-                num_tokens_main_model,
-                num_encoder_tokens,
-                out,
-                ends,
-            );
-        }
         let n = self.managers.len();
         let spare = &mut self.spare_states;
-        let (slot, state) = self
+        let handle = self
             .requests
-            .get_or_insert_with_slot(request_id, || Self::new_state(spare, n));
-        for (g, m) in self.managers.iter_mut().enumerate() {
+            .handle_or_insert_with(request_id, || Self::new_state(spare, n));
+        let slot = RequestTable::<RequestState>::slot_of_handle(handle);
+        for g in 0..n {
+            let m = &mut self.managers[g];
             let tokens = if m.base().spec.kind == ManagerKind::CrossAttention {
                 num_encoder_tokens
             } else {
                 num_tokens
             };
+            let state = state_of(&mut self.requests, handle, request_id)?;
             m.allocate_new_blocks(
                 &mut self.pool,
                 slot,
@@ -1060,6 +1215,7 @@ impl KVCacheCoordinator {
                 out,
             )?;
             ends.push(out.len());
+            self.after_allocate()?;
         }
         Ok(())
     }
@@ -1168,38 +1324,31 @@ impl KVCacheCoordinator {
         shared_prefix_boundary: usize,
     ) -> Result<()> {
         let boundaries = self.replay_boundaries(num_prompt_tokens);
-        let cacheable: SmallVec<[usize; 4]> = (0..self.managers.len())
-            .map(|g| self.get_num_cacheable_tokens(num_computed_tokens, g))
-            .collect();
-        if self.hisparse.is_some() {
-            return self.hisparse_cache_blocks(
-                request_id,
-                block_hashes,
-                &cacheable,
-                &boundaries,
-                num_prompt_tokens,
-                request_num_computed_tokens,
-                shared_prefix_boundary,
-            );
-        }
-        let Some((slot, state)) = self.requests.get_mut_with_slot(request_id) else {
+        let Some(handle) = self.requests.handle(request_id) else {
             return Err(Error::UnknownRequest(request_id.to_owned()));
         };
-        for (g, m) in self.managers.iter_mut().enumerate() {
-            if !m.base().enable_caching {
+        let slot = RequestTable::<RequestState>::slot_of_handle(handle);
+        for g in 0..self.managers.len() {
+            if !self.managers[g].base().enable_caching {
                 continue;
             }
             let q = CacheQuery {
                 request_id,
                 block_hashes,
-                num_tokens: cacheable[g],
+                num_tokens: self.get_num_cacheable_tokens(num_computed_tokens, g),
                 retention_interval: self.retention_interval,
                 replay_boundaries: &boundaries,
                 num_prompt_tokens,
                 num_computed_tokens: request_num_computed_tokens,
                 shared_prefix_boundary,
             };
-            m.cache_blocks(&mut self.pool, slot, &mut state.groups[g], &q)?;
+            if let Some((h, mut ctx)) = self.hisparse_split() {
+                if h.cache_group(&mut ctx, g, &q)? {
+                    continue;
+                }
+            }
+            let state = state_of(&mut self.requests, handle, request_id)?;
+            self.managers[g].cache_blocks(&mut self.pool, slot, &mut state.groups[g], &q)?;
         }
         Ok(())
     }
@@ -1307,19 +1456,17 @@ impl KVCacheCoordinator {
     }
 
     /// vLLM's `free`: every group's table, tail first (no-op for an unknown
-    /// request). All or nothing: a double free leaves every table in place.
+    /// request). All or nothing: a double free leaves every table in place (on a
+    /// HiSparse layout, see `release`).
     pub fn free(
         &mut self,
         request_id: &str,
         scratch: &mut Vec<BlockId>,
         pubs: &dyn PublicationRequests,
     ) -> Result<()> {
-        if self.hisparse.is_some() {
-            return self.hisparse_free(request_id, pubs, None).map(|_| ());
-        }
         match self.requests.handle(request_id) {
             Some(h) => self.free_handles(&[h], scratch, pubs),
-            None => Ok(()),
+            None => self.release_untracked(request_id, pubs),
         }
     }
 
@@ -1331,42 +1478,8 @@ impl KVCacheCoordinator {
         scratch: &mut Vec<BlockId>,
         pubs: &dyn PublicationRequests,
     ) -> Result<()> {
-        if self.hisparse.is_some() {
-            for &h in handles {
-                let Some(rid) = self.requests.key_of(h) else {
-                    return Err(Error::UnknownRequest(format!("handle {h:#x}")));
-                };
-                let rid: Box<str> = rid.into();
-                self.hisparse_free(&rid, pubs, None)?;
-            }
-            return Ok(());
-        }
-        scratch.clear();
-        let mut ends: SmallVec<[usize; 8]> = SmallVec::new();
-        let keep_nulls = self.pool.vllm_rules().null_block_ref_counted;
-        for &h in handles {
-            let Some(state) = self.requests.get_by_handle(h) else {
-                return Err(Error::UnknownRequest(format!("handle {h:#x}")));
-            };
-            for g in &state.groups {
-                // vLLM 0.32 frees the leading nulls too (the pool counts them).
-                let head = if keep_nulls {
-                    0
-                } else {
-                    null_head_len(&g.blocks)
-                };
-                scratch.extend(g.blocks[head..].iter().rev());
-                ends.push(scratch.len());
-            }
-        }
-        self.pool.free_block_segments(scratch, &ends)?;
-        for &h in handles {
-            if let Some(rid) = self.requests.key_of(h) {
-                let rid: Box<str> = rid.into();
-                self.pop_request_state(&rid);
-            }
-        }
-        Ok(())
+        self.release(handles, pubs, Release::Free(scratch))
+            .map(|_| ())
     }
 
     /// vLLM's `pop_blocks_for_free`: the request's blocks in allocation order, group
@@ -1379,24 +1492,115 @@ impl KVCacheCoordinator {
         out: &mut Vec<BlockId>,
         pubs: &dyn PublicationRequests,
     ) -> Result<Option<std::ops::Range<usize>>> {
-        if self.hisparse.is_some() {
-            return self.hisparse_free(request_id, pubs, Some(out));
+        match self.requests.handle(request_id) {
+            Some(h) => self.release(&[h], pubs, Release::Pop(out)),
+            None => self.release_untracked(request_id, pubs).map(|_| None),
         }
-        let Some(state) = self.requests.get(request_id) else {
-            return Ok(None);
-        };
+    }
+
+    /// `free` / `pop_blocks_for_free` of a request that holds no tables: nothing,
+    /// but HiSparse still detaches it (vLLM does: its spills may be in flight).
+    fn release_untracked(
+        &mut self,
+        request_id: &str,
+        pubs: &dyn PublicationRequests,
+    ) -> Result<()> {
+        match self.hisparse_split() {
+            Some((h, mut ctx)) => h.free(&mut ctx, request_id, pubs),
+            None => Ok(()),
+        }
+    }
+
+    /// The one group loop of `free`, the batch free and `pop_blocks_for_free`: each
+    /// request's groups in order hand back their blocks (`blocks_for_free`) to
+    /// `sink`. Freeing, the device pool's blocks are gathered (each group tail
+    /// first) and freed as one checked call; the host group's go back to the host
+    /// pool. Popping returns the host group's range of `out` (the last request's).
+    ///
+    /// HiSparse's `before_free` hook detaches the request at the source group; what
+    /// the groups before it gathered is freed first, so the device pool sees vLLM's
+    /// group-by-group order. A HiSparse free is therefore all or nothing only
+    /// between two source groups (vLLM's is not either: each group frees in turn).
+    fn release(
+        &mut self,
+        handles: &[crate::request_table::RequestHandle],
+        pubs: &dyn PublicationRequests,
+        mut sink: Release<'_>,
+    ) -> Result<Option<std::ops::Range<usize>>> {
+        // vLLM 0.32 hands back (and frees) the leading nulls too.
         let keep_nulls = self.pool.vllm_rules().null_block_ref_counted;
-        for g in &state.groups {
-            // vLLM 0.32 hands back the leading nulls too.
-            let head = if keep_nulls {
-                0
-            } else {
-                null_head_len(&g.blocks)
-            };
-            out.extend_from_slice(&g.blocks[head..]);
+        let host_group = self.hisparse.as_deref().map(|h| h.layout().host_group);
+        let mut ends: SmallVec<[usize; 8]> = SmallVec::new();
+        let mut host_range = None;
+        let stale = |h| Error::UnknownRequest(format!("handle {h:#x}"));
+        if let Release::Free(scratch) = &mut sink {
+            scratch.clear();
         }
-        self.pop_request_state(request_id);
-        Ok(None)
+        for &h in handles {
+            for g in 0..self.managers.len() {
+                let is_host = Some(g) == host_group;
+                if is_host {
+                    if let Release::Free(scratch) = &mut sink {
+                        self.pool.free_block_segments(scratch, &ends)?;
+                        scratch.clear();
+                        ends.clear();
+                    }
+                    let Some(rid) = self.requests.key_of(h) else {
+                        return Err(stale(h));
+                    };
+                    let rid: Box<str> = rid.into();
+                    if let Some((hs, mut ctx)) = self.hisparse_split() {
+                        hs.before_free(&mut ctx, g, &rid, pubs)?;
+                    }
+                }
+                let (Some(rid), Some(state)) =
+                    (self.requests.key_of(h), self.requests.get_by_handle(h))
+                else {
+                    return Err(stale(h));
+                };
+                let buf: &mut Vec<BlockId> = match &mut sink {
+                    Release::Free(scratch) => scratch,
+                    Release::Pop(out) => out,
+                };
+                let start = buf.len();
+                self.managers[g].blocks_for_free(rid, &state.groups[g], keep_nulls, buf);
+                let end = buf.len();
+                match &mut sink {
+                    Release::Pop(_) if is_host => host_range = Some(start..end),
+                    Release::Pop(_) => {}
+                    Release::Free(scratch) => {
+                        scratch[start..].reverse();
+                        if is_host {
+                            self.free_host_blocks(g, &scratch[start..])?;
+                            scratch.truncate(start);
+                        } else {
+                            ends.push(end);
+                        }
+                    }
+                }
+            }
+        }
+        if let Release::Free(scratch) = &mut sink {
+            self.pool.free_block_segments(scratch, &ends)?;
+        }
+        for &h in handles {
+            if let Some(rid) = self.requests.key_of(h) {
+                let rid: Box<str> = rid.into();
+                self.pop_request_state(&rid);
+            }
+        }
+        Ok(host_range)
+    }
+
+    /// Frees `blocks` (tail first) into group `g`'s host pool, its events joining
+    /// the device pool's queue.
+    fn free_host_blocks(&mut self, g: usize, blocks: &[BlockId]) -> Result<()> {
+        let src = self.managers[g]
+            .hisparse_source_mut()
+            .ok_or_else(|| Error::Internal("no HiSparse source".into()))?;
+        let r = src.host_pool_mut().free_blocks(blocks);
+        self.pool.absorb_host_events(src.host_pool_mut(), None);
+        r
     }
 
     /// Removes the request's state and the managers' per-request state.
@@ -1525,11 +1729,43 @@ impl KVCacheCoordinator {
 
     /// Resets the prefix cache of every pool (false while any block of one is in
     /// use).
+    /// Each pool once, in the order the groups first use them (vLLM's
+    /// `dict.fromkeys` of the managers' pools): the host pool first only when the
+    /// source group is group 0.
     pub fn reset_prefix_cache(&mut self) -> Result<bool> {
-        if self.hisparse.is_some() {
-            return self.hisparse_reset_prefix_cache();
+        let host_first = self
+            .managers
+            .first()
+            .is_some_and(|m| m.host_pool().is_some());
+        let mut ok = true;
+        if host_first {
+            ok &= self.reset_host_prefix_cache()?;
         }
-        Ok(self.pool.reset_prefix_cache())
+        ok &= self.reset_device_prefix_cache()?;
+        if !host_first {
+            ok &= self.reset_host_prefix_cache()?;
+        }
+        Ok(ok)
+    }
+
+    /// The device pool's `reset_prefix_cache`, with its reuse notifications.
+    pub fn reset_device_prefix_cache(&mut self) -> Result<bool> {
+        let ok = self.pool.reset_prefix_cache();
+        self.process_reused()?;
+        Ok(ok)
+    }
+
+    /// The host pool's `reset_prefix_cache` (true without one).
+    pub fn reset_host_prefix_cache(&mut self) -> Result<bool> {
+        let Some(g) = self.hisparse.as_deref().map(|h| h.layout().host_group) else {
+            return Ok(true);
+        };
+        let Some(src) = self.managers[g].hisparse_source_mut() else {
+            return Ok(true);
+        };
+        let ok = src.host_pool_mut().reset_prefix_cache();
+        self.pool.absorb_host_events(src.host_pool_mut(), None);
+        Ok(ok)
     }
 
     /// The pool group `g`'s blocks come from.

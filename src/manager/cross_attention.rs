@@ -5,7 +5,9 @@
 //! hits are refused, external loads ignored, caching is an error. The coordinator
 //! sizes this group by the request's encoder tokens (one static allocation).
 
-use super::single_type::{CacheQuery, GroupBlocks, HitQuery, ManagerBase, SingleTypeManager};
+use super::single_type::{
+    reject_prefix_hits, CacheQuery, GroupBlocks, HitQuery, ManagerBase, SingleTypeManager,
+};
 use crate::error::{Error, Result};
 use crate::pool::BlockPool;
 use crate::types::BlockId;
@@ -52,12 +54,7 @@ impl SingleTypeManager for CrossAttentionManager {
         _num_local: usize,
         _num_external: usize,
     ) -> Result<()> {
-        if !hits.is_empty() {
-            return Err(Error::InvalidArgument(
-                "cross-attention groups take no prefix hits".into(),
-            ));
-        }
-        Ok(())
+        reject_prefix_hits(hits, "cross-attention")
     }
 
     fn allocate_external_computed_blocks(

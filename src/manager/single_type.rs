@@ -16,6 +16,9 @@
 //!   call and planned its hash reads first. An `Err` from them means a broken
 //!   invariant and poisons the manager.
 //!
+//! A manager that never hits (vLLM's circular buffer, HiSparse's auxiliary groups)
+//! takes its two hooks from `never_hit_hooks!` instead of writing them again.
+//!
 //! Adding a single-type manager: a file here implementing [`SingleTypeManager`]
 //! (override only what the vLLM class overrides), a
 //! [`ManagerKind`](super::spec::ManagerKind) variant in `spec.rs`, one line in
@@ -265,6 +268,46 @@ pub struct MaskQuery<'a> {
     pub retention_interval: Option<usize>,
     pub reachable_boundaries: &'a [i64],
 }
+
+/// Refuses prefix hits handed to a group whose manager never finds any
+/// (`kind` names it in the error: "HiSparse hot", "cross-attention").
+pub fn reject_prefix_hits(hits: &[BlockId], kind: &str) -> Result<()> {
+    if hits.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "{kind} groups take no prefix hits"
+        )))
+    }
+}
+
+/// The hooks of a manager that never hits: vLLM's `CircularBufferManager` and
+/// HiSparse's `_HiSparseAuxiliaryManager` (resident and hot groups), whose
+/// `find_longest_cache_hit` finds nothing and whose `cache_blocks` keeps nothing.
+/// Expands inside an `impl SingleTypeManager` block.
+macro_rules! never_hit_hooks {
+    () => {
+        fn find_longest_cache_hit(
+            &self,
+            _pool: &$crate::pool::BlockPool,
+            _q: &$crate::manager::single_type::HitQuery<'_>,
+            _out: &mut [Vec<$crate::types::BlockId>],
+        ) -> $crate::error::Result<usize> {
+            Ok(0)
+        }
+
+        fn cache_blocks(
+            &mut self,
+            _pool: &mut $crate::pool::BlockPool,
+            _slot: u32,
+            _req: &mut $crate::manager::single_type::GroupBlocks,
+            _q: &$crate::manager::single_type::CacheQuery<'_>,
+        ) -> $crate::error::Result<()> {
+            Ok(())
+        }
+    };
+}
+pub(crate) use never_hit_hooks;
 
 /// The concrete manager behind a `dyn SingleTypeManager`, for the kind-typed views
 /// (`registry.rs`: `mamba()`, `hisparse_hot()`, ...), so that this trait names none

@@ -5,8 +5,8 @@
 //! free, reset or eviction fails with `Error::Poisoned`, saying why. Other managers are
 //! unaffected.
 //!
-//! The tests under `fault-injection` (`cargo test --features fault-injection --test
-//! test_panic_safety`, run by scripts/test.sh) panic at real points inside the core's
+//! The tests under `fault-injection` (`cargo test --features fault-injection --test core
+//! panic_safety::`, run by scripts/test.sh) panic at real points inside the core's
 //! operations (src/fault.rs) — half-way through an allocation, inside a free; the others
 //! panic inside the wrapped closure and run in every `cargo test`.
 #![allow(clippy::unwrap_used)] // test code: a panic is a failed test

@@ -16,10 +16,10 @@
 
 use rustc_hash::FxHashSet;
 
-use super::reject_prefix_hits;
 use crate::error::Result;
 use crate::manager::single_type::{
-    CacheQuery, GroupBlocks, HitQuery, ManagerBase, NumBlocksQuery, SingleTypeManager,
+    never_hit_hooks, reject_prefix_hits, GroupBlocks, ManagerBase, NumBlocksQuery,
+    SingleTypeManager,
 };
 use crate::pool::BlockPool;
 use crate::types::BlockId;
@@ -96,15 +96,7 @@ impl SingleTypeManager for HiSparseHotManager {
         &mut self.base
     }
 
-    fn find_longest_cache_hit(
-        &self,
-        _pool: &BlockPool,
-        _q: &HitQuery<'_>,
-        out: &mut [Vec<BlockId>],
-    ) -> Result<usize> {
-        out.iter_mut().for_each(Vec::clear);
-        Ok(0)
-    }
+    never_hit_hooks!();
 
     fn get_num_blocks_to_allocate(
         &mut self,
@@ -113,7 +105,7 @@ impl SingleTypeManager for HiSparseHotManager {
         req: Option<&GroupBlocks>,
         q: &NumBlocksQuery<'_>,
     ) -> Result<i64> {
-        reject_prefix_hits(q.new_computed_blocks, "hot")?;
+        reject_prefix_hits(q.new_computed_blocks, "HiSparse hot")?;
         let host_import = q.total_computed_tokens > q.num_local_computed_tokens;
         let running = req.is_some_and(GroupBlocks::is_running);
         let resumes_host_prefix = q.num_local_computed_tokens > 0 && !running;
@@ -133,7 +125,7 @@ impl SingleTypeManager for HiSparseHotManager {
         num_local: usize,
         _num_external: usize,
     ) -> Result<()> {
-        reject_prefix_hits(hits, "hot")?;
+        reject_prefix_hits(hits, "HiSparse hot")?;
         req.num_cached_block = Some(0);
         if num_local > 0 || !self.has_resident_groups {
             self.require_hot(request_id);
@@ -171,16 +163,6 @@ impl SingleTypeManager for HiSparseHotManager {
         }
         let n = self.get_num_required_blocks(req.blocks.len());
         self.base.grow(pool, &mut req.blocks, n, false, Some(out))
-    }
-
-    fn cache_blocks(
-        &mut self,
-        _pool: &mut BlockPool,
-        _slot: u32,
-        _req: &mut GroupBlocks,
-        _q: &CacheQuery<'_>,
-    ) -> Result<()> {
-        Ok(())
     }
 
     fn pop_request(&mut self, _slot: u32, request_id: &str) {

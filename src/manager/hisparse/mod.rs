@@ -6,8 +6,8 @@
 //! ([`resident`]: the GPU pages a request reads) and *hot* groups ([`hot`]: a fixed
 //! region a request needs once it reads host-backed history). The coordinator is
 //! split by concept: admission and release ([`lifecycle`]), host publication
-//! ([`publication`]), write-backs ([`spills`]), residency ([`residency`]); [`flows`]
-//! runs the KV-cache coordinator's group loops on a HiSparse layout.
+//! ([`publication`]), write-backs ([`spills`]), residency ([`residency`]); [`hooks`]
+//! are its calls from inside the KV-cache coordinator's group loops.
 //!
 //! GPU-resident pages are a write-back cache of the host tier. The scheduler side
 //! (this module) decides everything: which pages to write back ("spills", planned
@@ -49,7 +49,7 @@
 //! only rewrites that list for a request without computed tokens, whose publication
 //! is gone by then).
 
-pub mod flows;
+pub mod hooks;
 pub mod hot;
 pub mod lifecycle;
 pub mod publication;
@@ -77,18 +77,6 @@ use crate::error::{Error, Result};
 use crate::pool::BlockPool;
 use crate::request_table::RequestTable;
 use crate::types::{BlockHashWithGroupId, BlockId};
-
-/// HiSparse resident and hot groups never adopt prefix hits (vLLM's managers of
-/// those roles find none): a caller passing some gets a typed error.
-pub(crate) fn reject_prefix_hits(hits: &[BlockId], group: &str) -> Result<()> {
-    if hits.is_empty() {
-        Ok(())
-    } else {
-        Err(Error::InvalidArgument(format!(
-            "HiSparse {group} groups take no prefix hits"
-        )))
-    }
-}
 
 /// Sealed pages this many positions behind the table's tail stay pinned, so a page
 /// an in-flight step writes is never handed out under it (vLLM's

@@ -21,10 +21,10 @@
 use rustc_hash::FxHashMap;
 use std::collections::BTreeMap;
 
-use super::reject_prefix_hits;
 use crate::error::{Error, Result};
 use crate::manager::single_type::{
-    null_head_len, GroupBlocks, HitQuery, ManagerBase, NumBlocksQuery, SingleTypeManager,
+    never_hit_hooks, null_head_len, reject_prefix_hits, GroupBlocks, ManagerBase, NumBlocksQuery,
+    SingleTypeManager,
 };
 use crate::pool::BlockPool;
 use crate::types::{cdiv, BlockId, NULL_BLOCK_ID};
@@ -147,15 +147,7 @@ impl SingleTypeManager for HiSparseResidentManager {
         &mut self.base
     }
 
-    fn find_longest_cache_hit(
-        &self,
-        _pool: &BlockPool,
-        _q: &HitQuery<'_>,
-        out: &mut [Vec<BlockId>],
-    ) -> Result<usize> {
-        out.iter_mut().for_each(Vec::clear);
-        Ok(0)
-    }
+    never_hit_hooks!();
 
     fn get_num_blocks_to_allocate(
         &mut self,
@@ -164,7 +156,7 @@ impl SingleTypeManager for HiSparseResidentManager {
         req: Option<&GroupBlocks>,
         q: &NumBlocksQuery<'_>,
     ) -> Result<i64> {
-        reject_prefix_hits(q.new_computed_blocks, "resident")?;
+        reject_prefix_hits(q.new_computed_blocks, "HiSparse resident")?;
         let bs = self.base.block_size;
         let table: &[BlockId] = req.map_or(&[], |r| r.blocks.as_slice());
         let existing = table.len();
@@ -195,7 +187,7 @@ impl SingleTypeManager for HiSparseResidentManager {
         num_local: usize,
         _num_external: usize,
     ) -> Result<()> {
-        reject_prefix_hits(hits, "resident")?;
+        reject_prefix_hits(hits, "HiSparse resident")?;
         if !req.blocks.is_empty() {
             return Err(Error::InvalidArgument(
                 "a HiSparse resident table must be empty when the request adopts its hits".into(),
@@ -251,16 +243,6 @@ impl SingleTypeManager for HiSparseResidentManager {
     ) -> Result<()> {
         let n = cdiv(num_tokens, self.base.block_size).saturating_sub(req.blocks.len());
         self.base.grow(pool, &mut req.blocks, n, false, Some(out))
-    }
-
-    fn cache_blocks(
-        &mut self,
-        _pool: &mut BlockPool,
-        _slot: u32,
-        _req: &mut GroupBlocks,
-        _q: &crate::manager::single_type::CacheQuery<'_>,
-    ) -> Result<()> {
-        Ok(())
     }
 
     fn blocks_for_free(

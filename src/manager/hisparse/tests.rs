@@ -1,7 +1,7 @@
 //! Scenario tests of the HiSparse coordinator through the manager facade (the
 //! differential traces in `tests/hisparse/test_hisparse.py` hold every decision against vLLM).
 
-use super::{cpython_set_order, PlainPublicationRequests};
+use super::{cpython_set_order, HiSparseRequestState, PlainPublicationRequests};
 use crate::manager::{AllocateSlots, KVCacheManager, PlainRequest};
 use crate::testing::{allocate, hisparse_manager, lookup, prompt_hashes, request};
 use crate::types::{BlockId, NULL_BLOCK_ID};
@@ -37,6 +37,27 @@ fn ack(m: &mut KVCacheManager, ids: &[u64]) {
     let counts: Vec<(u64, u64)> = ids.iter().map(|&i| (i, 1)).collect();
     m.hisparse_call(|h, ctx| h.update_spills(ctx, &counts, &counts, &RUNNING))
         .expect("acks");
+}
+
+/// The HiSparse coordinator's state of `rid`.
+fn hisparse_state<'m>(m: &'m KVCacheManager, rid: &str) -> &'m HiSparseRequestState {
+    m.coordinator()
+        .hisparse()
+        .expect("hisparse")
+        .request_state(rid)
+        .expect("state")
+}
+
+/// A manager running request "r" (a 12-token prompt, hashes of `seed`) whose first
+/// step planned its spills: the manager, the spills' ids and the host table.
+fn spilling_request(seed: u64) -> (KVCacheManager, Vec<u64>, Vec<BlockId>) {
+    let mut m = hisparse_manager(40, 16, BS, 64, 2, true);
+    let hashes = prompt_hashes(seed, 3, 0, 0);
+    let r = request("r", 0, 12, &hashes);
+    admit(&mut m, &r, 12).expect("fits");
+    let spills = step(&mut m, "r", 12);
+    let host_table = m.get_blocks("r", 0).to_vec();
+    (m, spills, host_table)
 }
 
 fn residency_row(m: &KVCacheManager, rid: &str) -> Vec<BlockId> {
@@ -101,12 +122,7 @@ fn a_reused_unpinned_page_is_lost_and_needs_the_hot_region() {
     ack(&mut m, &spills);
     // Clean sealed pages behind the active tail (the table has 7 pages) were unpinned
     // on completion.
-    let state = m
-        .coordinator()
-        .hisparse()
-        .expect("hisparse")
-        .request_state("r")
-        .expect("state");
+    let state = hisparse_state(&m, "r");
     assert_eq!(
         state.unpinned_pages.iter().copied().collect::<Vec<_>>(),
         vec![0, 1, 2, 3, 4]
@@ -117,24 +133,14 @@ fn a_reused_unpinned_page_is_lost_and_needs_the_hot_region() {
     let row = residency_row(&m, "r");
     assert_eq!(&row[..5], &[NULL_BLOCK_ID; 5]);
     assert!(row[5] != NULL_BLOCK_ID);
-    let state = m
-        .coordinator()
-        .hisparse()
-        .expect("hisparse")
-        .request_state("r")
-        .expect("state");
+    let state = hisparse_state(&m, "r");
     assert!(state.unpinned_pages.is_empty());
     m.check_invariants().expect("invariants");
 }
 
 #[test]
 fn a_finished_request_publishes_its_durable_pages_after_its_last_spill() {
-    let mut m = hisparse_manager(40, 16, BS, 64, 2, true);
-    let hashes = prompt_hashes(3, 3, 0, 0);
-    let r = request("r", 0, 12, &hashes);
-    admit(&mut m, &r, 12).expect("fits");
-    let spills = step(&mut m, "r", 12);
-    let host_table = m.get_blocks("r", 0).to_vec();
+    let (mut m, spills, host_table) = spilling_request(3);
     m.free_with("r", &FINISHED).expect("free");
     let host = m.host_pool().expect("host pool");
     // Leased by the detached publication and by the spills.
@@ -154,12 +160,7 @@ fn a_finished_request_publishes_its_durable_pages_after_its_last_spill() {
 
 #[test]
 fn a_preempted_request_drops_its_publication() {
-    let mut m = hisparse_manager(40, 16, BS, 64, 2, true);
-    let hashes = prompt_hashes(4, 3, 0, 0);
-    let r = request("r", 0, 12, &hashes);
-    admit(&mut m, &r, 12).expect("fits");
-    let spills = step(&mut m, "r", 12);
-    let host_table = m.get_blocks("r", 0).to_vec();
+    let (mut m, spills, host_table) = spilling_request(4);
     m.free_with("r", &RUNNING).expect("free");
     ack(&mut m, &spills);
     let host = m.host_pool().expect("host pool");
