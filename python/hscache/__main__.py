@@ -61,7 +61,7 @@ def bench_decode_main(args: argparse.Namespace) -> int:
     workloads = ["steady", "mixed"] if args.workload == "both" else [args.workload]
     events = [False, True] if args.kv_events == "both" else [args.kv_events == "on"]
     print(
-        f"whole schedule() + update_from_output() step, median us over {args.steps} steps x "
+        f"whole schedule() + update_from_output() step, median CPU us over {args.steps} steps x "
         f"{args.repeat} runs (decisions and outputs identical at every step)\n"
         f"{'layout':>13} {'workload':>8} {'events':>6} {'running':>7} {'vLLM':>9} "
         f"{'hscache':>9} {'+fast':>9} {'ratio':>7} {'+fast ratio':>11}"
