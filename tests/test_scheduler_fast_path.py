@@ -65,12 +65,16 @@ class Scenario:
     steady step follows a capacity-bound one)."""
     expect: tuple[str, ...] = ()
     """Boundaries the fast path must have crossed (counters of ``run_differential``)."""
+    parity: bool = False
+    """hscache's Scheduler runs in parity mode (``HSCACHE_PARITY=1``): every manager call
+    the fast path makes is also made on vLLM's manager, and answers compared."""
 
 
 SCENARIOS = [
     Scenario(expect=("update_mixed",)),
     Scenario(kv_events=True, seed=1),
     Scenario(seed=2, aborts=0.0, expect=("preempt",)),
+    Scenario(seed=2, aborts=0.0, kv_events=True, parity=True, expect=("preempt",)),
     Scenario(
         seed=7, max_num_seqs=6, num_blocks=400, abort_waiting=True, expect=("capacity_reset",)
     ),
@@ -255,8 +259,13 @@ def run_differential(sc: Scenario) -> dict[str, int]:
         0,
     )
     ref, ref_events, hbs = _build(VllmScheduler, sc)
-    cand, cand_events, _ = _build(HscacheScheduler, sc)
+    with pytest.MonkeyPatch.context() as env:
+        if sc.parity:
+            env.setenv("HSCACHE_PARITY", "1")
+        cand, cand_events, _ = _build(HscacheScheduler, sc)
     assert cand.fast_step
+    parity = type(cand.kv_cache_manager).__name__ == "ParityKVCacheManager"
+    assert parity == sc.parity, type(cand.kv_cache_manager)
     orig_schedule, orig_split = fast_step.schedule, fast_step.split_update
 
     def counted_schedule(sched: Any, *a: Any) -> Any:
@@ -317,7 +326,9 @@ def run_differential(sc: Scenario) -> dict[str, int]:
     return served
 
 
-@pytest.mark.parametrize("sc", SCENARIOS, ids=lambda s: f"{s.layout}-seed{s.seed}")
+@pytest.mark.parametrize(
+    "sc", SCENARIOS, ids=lambda s: f"{s.layout}-seed{s.seed}{'-parity' if s.parity else ''}"
+)
 def test_fast_path_makes_vllms_decisions_and_outputs(sc: Scenario) -> None:
     served = run_differential(sc)
     # Both paths ran: the fast path served steady steps, vLLM's code the others.
