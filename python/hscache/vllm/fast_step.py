@@ -82,7 +82,7 @@ def enabled() -> bool:
     return _PROFILE.fast_step and flag not in ("0", "false", "no", "off")
 
 
-def _step_applies(sched: Any, throttle_prefills: bool) -> bool:
+def _step_applies(sched: Any) -> bool:
     """The step-level conditions of :func:`schedule` (cheap attribute reads)."""
     return (
         bool(sched.running)
@@ -130,7 +130,7 @@ def _all_plain_decodes(sched: Any, step: int) -> bool:
 def schedule(sched: Any, throttle_prefills: bool) -> SchedulerOutput | None:
     """vLLM's ``schedule()`` for a steady decode step, or ``None`` (nothing changed)
     when the step is not one."""
-    if not _step_applies(sched, throttle_prefills):
+    if not _step_applies(sched):
         return None
     running: list[Request] = sched.running
     n = len(running)
