@@ -9,6 +9,8 @@ the hidden-state cache against bare torch index ops (see :mod:`hscache.bench_hid
 whose options follow). ``bench-scheduler`` runs vLLM's real Scheduler with each manager;
 ``bench-omni`` a vllm-omni thinker stage's step without a hidden-state cache, with
 vllm-omni's and with hscache's (vLLM 0.30 + vllm-omni 0.30; see :mod:`hscache.bench.omni`).
+``bench-scheduler --decode 64,256,1024`` its steady decode step with hscache's fast path
+off and on (:mod:`hscache.bench.decode_step`).
 ``soak`` runs millions of scheduler-like operations on one manager, watching RSS, Python
 objects and invariants (see :mod:`hscache.soak`); ``info`` prints the installed version and
 the build profile of the compiled core, tolerating a missing or older core.
@@ -51,11 +53,50 @@ def info() -> int:
     return 0
 
 
+def bench_decode_main(args: argparse.Namespace) -> int:
+    """Print the whole decode step, stock vLLM vs hscache with the fast path off and on
+    (see :mod:`hscache.bench.decode_step`)."""
+    from hscache.bench.decode_step import bench_decode
+    from hscache.bench.layouts import LAYOUTS
+
+    layouts = list(LAYOUTS) if args.layout == "all" else [args.layout]
+    workloads = ["steady", "mixed"] if args.workload == "both" else [args.workload]
+    events = [False, True] if args.kv_events == "both" else [args.kv_events == "on"]
+    print(
+        f"whole schedule() + update_from_output() step, median CPU us over {args.steps} steps x "
+        f"{args.repeat} runs (decisions and outputs identical at every step)\n"
+        f"{'layout':>13} {'workload':>8} {'events':>6} {'running':>7} {'vLLM':>9} "
+        f"{'hscache':>9} {'+fast':>9} {'ratio':>7} {'+fast ratio':>11}"
+    )
+    for layout in layouts:
+        for workload in workloads:
+            for ev in events:
+                for running in (int(n) for n in args.decode.split(",")):
+                    r = bench_decode(
+                        running=running,
+                        steps=args.steps,
+                        repeat=args.repeat,
+                        layout=layout,
+                        kv_events=ev,
+                        mixed=workload == "mixed",
+                        seed=args.seed,
+                    )
+                    print(
+                        f"{layout:>13} {workload:>8} {'on' if ev else 'off':>6} {running:>7} "
+                        f"{r['vllm_us']:9.1f} {r['hscache_us']:9.1f} {r['hscache+fast_us']:9.1f} "
+                        f"{r['manager_ratio']:6.2f}x {r['fast_ratio']:10.2f}x",
+                        flush=True,
+                    )
+    return 0
+
+
 def bench_scheduler_main(args: argparse.Namespace) -> int:
     """Print the scheduler-level comparison (see :mod:`hscache.bench.scheduler_level`)."""
     from hscache.bench.layouts import LAYOUTS
     from hscache.bench.scheduler_level import bench_scheduler
 
+    if args.decode:
+        return bench_decode_main(args)
     layouts = list(LAYOUTS) if args.layout == "all" else [args.layout]
     for layout in layouts:
         res = bench_scheduler(
@@ -158,6 +199,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="full",
         help="full, full+swa, full+mamba, full+chunked, or all",
     )
+    sched.add_argument(
+        "--decode",
+        default="",
+        help="running counts (e.g. 64,256,1024): time the steady decode step instead, "
+        "stock vLLM vs hscache with its fast path off and on (hscache.bench.decode_step)",
+    )
+    sched.add_argument("--workload", choices=("steady", "mixed", "both"), default="steady")
+    sched.add_argument("--kv-events", choices=("off", "on", "both"), default="off")
     soak = sub.add_parser(
         "soak",
         help="millions of scheduler-like operations on one manager: RSS, objects, invariants",

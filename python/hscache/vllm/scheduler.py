@@ -30,8 +30,12 @@ from typing import Any
 
 import vllm.v1.core.sched.scheduler as _scheduler_module
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as _VllmAsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.outputs import ModelRunnerOutput
 
+from hscache.vllm import fast_step
 from hscache.vllm.block_hasher import install_block_hasher
 from hscache.vllm.plugin import scheduler_bindings, use_vllm_log_handler
 from hscache.vllm.version import require
@@ -77,7 +81,31 @@ class HscacheSchedulerMixin:
 
 
 class Scheduler(HscacheSchedulerMixin, _VllmScheduler):
-    """vLLM's synchronous ``Scheduler`` with hscache's KV-cache and encoder-cache managers."""
+    """vLLM's synchronous ``Scheduler`` with hscache's KV-cache and encoder-cache managers,
+    and the steady decode step's fast path (``hscache.vllm.fast_step``) where the vLLM
+    version's profile enables it and ``HSCACHE_FAST_STEP`` is not ``0``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fast_step = fast_step.enabled()
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        if self.fast_step:
+            out = fast_step.schedule(self, throttle_prefills)
+            if out is not None:
+                return out
+        return super().schedule(throttle_prefills)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        if self.fast_step:
+            split = fast_step.split_update(self, scheduler_output, model_runner_output)
+            if split is not None:
+                rest, built = split
+                outputs = super().update_from_output(rest, model_runner_output)
+                return fast_step.merge_outputs(scheduler_output, outputs, built)
+        return super().update_from_output(scheduler_output, model_runner_output)
 
 
 class AsyncScheduler(HscacheSchedulerMixin, _VllmAsyncScheduler):

@@ -123,6 +123,12 @@ class VllmProfile:
     """KV-cache specs say whether DCP shards them (``dcp_sharded``); vLLM 0.30's specs
     have no such field and DCP shards full attention (``FullAttentionSpec``, MLA
     included; ``dcp_world_size_for_kv_cache_spec``)."""
+    fast_step: bool = False
+    """``hscache.vllm.Scheduler`` serves steady decode steps with its fast path
+    (``hscache.vllm.fast_step``): the versions whose scheduler-level differential with
+    the fast path on (``tests/scheduler/test_scheduler_fast_path.py``) passes. The fast path
+    follows vLLM 0.33's ``schedule()`` / ``update_from_output()``; 0.32 and 0.30 run
+    vLLM's code for every step."""
     extra_keys_form: str = "tagged"
     """How block-hash extra keys are written, handed to the core's block hasher
     (``RequestBlockHasher(extra_keys=...)``, ``ExtraKeysForm`` in ``src/extra_keys.rs``):
@@ -146,6 +152,7 @@ _V033 = VllmProfile(
     null_block_ref_counted=False,
     mamba_caching_needs_align=True,
     async_cache_blocks_in_scheduler=True,
+    fast_step=True,
 )
 _V032 = VllmProfile(
     series="0.32",

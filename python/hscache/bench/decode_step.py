@@ -1,0 +1,193 @@
+"""Whole-step benchmark of the steady decode step: stock vLLM vs hscache, fast path off / on.
+
+vLLM's real ``Scheduler`` (built offline, :mod:`hscache.testing.offline_scheduler`) with
+``running`` requests decoding, stub model outputs, side by side in one process on the same
+requests and tokens: stock vLLM (its own manager), ``hscache.vllm.Scheduler`` with the fast
+path off (hscache's manager only, ``HSCACHE_FAST_STEP=0``) and on
+(:mod:`hscache.vllm.fast_step`). Reported per configuration: the median
+``schedule() + update_from_output()`` time per step over the timed steps of every repeat,
+as CPU time of the stepping thread (``time.thread_time_ns``): on a shared machine a
+millisecond-long step is often descheduled, which wall time would count (and count more
+for the longer side). Every step's decisions and sampled outputs are compared across the
+three sides (as digests: keeping every step's objects alive would grow the timed garbage
+collections with the run).
+
+Workloads: ``steady`` (every running request decodes; nothing arrives) and ``mixed`` (a
+quarter of the requests ask for logprobs, which vLLM's code serves in
+``update_from_output``, and a request arrives every eighth step, which vLLM's code
+schedules): only part of the batch, and only some steps, are steady.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import statistics
+import time
+from typing import Any
+
+import hscache.testing  # noqa: F401 (vLLM's CPU / offline environment defaults)
+
+__all__ = ["SIDES", "bench_decode", "run_decode"]
+
+SIDES = ("vllm", "hscache", "hscache+fast")
+_PROMPT = 64
+
+
+def _requests(n: int, first: int, seed: int, hash_block_size: int, mixed: bool) -> list[Any]:
+    from hscache.testing.requests import make_request, request_block_hasher
+
+    hasher = request_block_hasher(hash_block_size, "sha256")
+    prefix = [(seed * 7919 + j) % 50000 for j in range(_PROMPT // 2)]
+    out = []
+    for i in range(first, first + n):
+        extra: dict[str, Any] = {"logprobs": 1} if mixed and i % 4 == 0 else {}
+        prompt = prefix + [(i * 131 + j) % 50000 for j in range(_PROMPT // 2)]
+        out.append(
+            make_request(
+                f"r{i}", prompt, max_tokens=100_000, ignore_eos=True, block_hasher=hasher, **extra
+            )
+        )
+    return out
+
+
+def _runner_output(out: Any, step: int, requests: Any, mixed: bool) -> Any:
+    import numpy as np
+    from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
+
+    req_ids = list(out.num_scheduled_tokens)
+    sampled = []
+    for i, rid in enumerate(req_ids):
+        r = requests[rid]
+        sampled.append([] if r.num_computed_tokens < r.num_tokens else [(step + i) % 50000])
+    logprobs = None
+    if mixed and req_ids:
+        n = len(req_ids)
+        logprobs = LogprobsLists(
+            np.zeros((n, 2), dtype=np.int64),
+            np.zeros((n, 2), dtype=np.float32),
+            np.zeros(n, dtype=np.int64),
+        )
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        logprobs=logprobs,
+    )
+
+
+def run_decode(
+    side: str,
+    *,
+    running: int,
+    steps: int,
+    layout: str = "full",
+    kv_events: bool = False,
+    mixed: bool = False,
+    seed: int = 0,
+    check: list[Any] | None = None,
+) -> list[int]:
+    """Per-step ns of ``schedule() + update_from_output()`` for ``steps`` steps after
+    ``running`` requests have been admitted and prefilled."""
+    from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+
+    import hscache.vllm
+    from hscache.bench.layouts import layout_config
+    from hscache.testing.offline_scheduler import make_scheduler, summarize_output
+    from hscache.testing.requests import init_none_hash
+
+    init_none_hash("sha256")
+    groups = len(layout.split("+"))
+    per_request = (_PROMPT + steps + 64) // 16 + 2
+    lc = layout_config(layout, max(4096, running * per_request) * groups)
+    cls = VllmScheduler if side == "vllm" else hscache.vllm.Scheduler
+    sched = make_scheduler(
+        cls,
+        lc.kv_cache_config,
+        block_size=lc.scheduler_block_size,
+        cache=lc.cache,
+        max_num_seqs=running + 8,
+        max_num_batched_tokens=max(8192, 2 * running),
+        max_model_len=4096,
+        kv_cache_events=kv_events,
+    )
+    if side == "hscache":
+        sched.fast_step = False
+    for r in _requests(running, 0, seed, lc.hash_block_size, mixed):
+        sched.add_request(r)
+    step = 0
+    while sched.waiting or any(r.is_prefill_chunk for r in sched.running):
+        out = sched.schedule()
+        sched.update_from_output(out, _runner_output(out, step, sched.requests, mixed))
+        step += 1
+    arrivals = iter(_requests(steps, running, seed, lc.hash_block_size, mixed))
+    times: list[int] = []
+    gc.collect()
+    gc.freeze()
+    try:
+        for k in range(steps):
+            if mixed and k % 8 == 0:
+                sched.add_request(next(arrivals))
+            t0 = time.thread_time_ns()
+            out = sched.schedule()
+            t1 = time.thread_time_ns()
+            runner_out = _runner_output(out, step, sched.requests, mixed)
+            t2 = time.thread_time_ns()
+            eco = sched.update_from_output(out, runner_out)
+            t3 = time.thread_time_ns()
+            times.append((t1 - t0) + (t3 - t2))
+            step += 1
+            if check is not None:
+                # A digest, not the objects: keeping every step's outputs alive would make
+                # the garbage collector's passes (timed) grow with the run.
+                tokens = [(o.request_id, o.new_token_ids) for e in eco.values() for o in e.outputs]
+                summary = repr((summarize_output(out), tokens)).encode()
+                check.append(hashlib.sha256(summary).hexdigest())
+                del tokens, summary
+    finally:
+        gc.unfreeze()
+    return times
+
+
+def bench_decode(
+    *,
+    running: int,
+    steps: int = 60,
+    repeat: int = 3,
+    layout: str = "full",
+    kv_events: bool = False,
+    mixed: bool = False,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Median whole-step µs of each side (:data:`SIDES`) and the ratios to stock vLLM;
+    raises ``RuntimeError`` if the sides' decisions or outputs differ at any step."""
+    per_side: dict[str, list[int]] = {s: [] for s in SIDES}
+    for r in range(repeat):
+        order = list(SIDES) if r % 2 == 0 else list(reversed(SIDES))
+        seen: dict[str, list[Any]] = {}
+        for side in order:
+            seen[side] = []
+            per_side[side] += run_decode(
+                side,
+                running=running,
+                steps=steps,
+                layout=layout,
+                kv_events=kv_events,
+                mixed=mixed,
+                seed=seed,
+                check=seen[side],
+            )
+        for side in SIDES[1:]:
+            if seen[side] != seen["vllm"]:
+                first = next(
+                    i
+                    for i, (a, b) in enumerate(zip(seen[side], seen["vllm"], strict=True))
+                    if a != b
+                )
+                raise RuntimeError(f"{side} diverged from vLLM at step {first}")
+    med = {s: statistics.median(v) / 1e3 for s, v in per_side.items()}
+    return {
+        **{f"{s}_us": med[s] for s in SIDES},
+        "manager_ratio": med["vllm"] / med["hscache"],
+        "fast_ratio": med["vllm"] / med["hscache+fast"],
+    }

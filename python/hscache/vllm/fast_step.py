@@ -1,0 +1,394 @@
+"""The steady decode step's fast path inside ``hscache.vllm.Scheduler`` (vLLM 0.33).
+
+vLLM's ``Scheduler`` spends ~10 µs of Python per running request per step in the
+``schedule()`` loop body, ``_make_cached_request_data``, ``_update_after_schedule`` and
+``update_from_output``'s loop. In a steady decode step almost all of it decides nothing:
+every running request schedules its one decode token. This module serves those steps
+with a short loop per phase, over vLLM's own ``Request`` objects (which stay
+authoritative: every field ends as vLLM's code leaves it) and vLLM's own helpers for the
+rare events (preemption, stats), and hands everything else to vLLM's code unchanged:
+
+- :func:`schedule` serves a whole step, or nothing (returns ``None`` before changing
+  anything): no request waiting, no connector, speculative decoding, LoRA, pipeline
+  parallelism, deferred frees or priority policy, and every running request a plain
+  decode (one known token to compute, no encoder inputs, no structured output, no
+  placeholders, within ``max_model_len``) that the token budget does not bind.
+  Preemption under pool pressure follows vLLM's FCFS rule with vLLM's own
+  ``_preempt_request``.
+- :func:`split_update` takes, out of a step's ``update_from_output``, the requests whose
+  sampled token certainly does not stop them (:func:`certainly_continues`, the negation
+  of vLLM's ``check_stop`` for one token) and that need nothing but the token appended
+  (no logprobs, placeholders, drafts, stale output, encoder inputs, grammar, pooling,
+  prefill stats); :func:`merge_outputs` puts their ``EngineCoreOutput`` s back in vLLM's
+  order. The other requests (finishing ones included) go through vLLM's
+  ``update_from_output``.
+
+``HSCACHE_FAST_STEP=0`` turns it off; it is on only for the vLLM versions whose profile
+says so (``VllmProfile.fast_step``: the versions whose differential,
+``tests/scheduler/test_scheduler_fast_path.py``, passes). ``BROKEN_RULES`` is the test-only switch
+that breaks one rule at a time (the mutants the differential must catch).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from typing import Any
+
+from vllm.v1.core.sched.interface import PauseState
+from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.request import Request, RequestStatus
+
+from hscache.vllm.version import require
+
+__all__ = [
+    "BROKEN_RULES",
+    "RULES",
+    "certainly_continues",
+    "enabled",
+    "merge_outputs",
+    "schedule",
+    "split_update",
+]
+
+_PROFILE = require()
+
+RULES = (
+    "waiting",  # a step with waiting requests is not served
+    "plain_decode",  # every running request has exactly one known token to compute
+    "budget",  # the token budget does not bind
+    "preempt",  # pool pressure preempts from the tail (vLLM's FCFS rule)
+    "all_token_ids",  # requests not scheduled last step carry their tokens (MRV1)
+    "capacity_bound",  # the step records whether admissions were capacity-bound
+    "in_flight",  # scheduling counts the token in flight
+    "stop_eos",  # a sampled EOS stops the request: vLLM's code serves it
+    "stop_token_ids",  # a sampled stop token id stops the request
+    "stop_length",  # max_tokens / max_model_len stop the request
+    "repetition",  # repetition detection is vLLM's to decide
+    "logprobs",  # a request asking for logprobs is vLLM's to serve
+)
+
+BROKEN_RULES: set[str] = set()
+"""Test only: the rules (names of :data:`RULES`) the fast path breaks, for mutants."""
+
+
+def enabled() -> bool:
+    """Whether the fast path serves steps: the version's profile says it was proven,
+    and ``HSCACHE_FAST_STEP`` is not ``0``."""
+    flag = os.environ.get("HSCACHE_FAST_STEP", "1").lower()
+    return _PROFILE.fast_step and flag not in ("0", "false", "no", "off")
+
+
+def _step_applies(sched: Any) -> bool:
+    """The step-level conditions of :func:`schedule` (cheap attribute reads)."""
+    return (
+        bool(sched.running)
+        and ("waiting" in BROKEN_RULES or not (sched.waiting or sched.kv_holding_waiting))
+        and not sched.deferred_waiting
+        and sched._pause_state == PauseState.UNPAUSED
+        and sched.connector is None
+        and sched.ec_connector is None
+        and sched.aux_output_connector is None
+        and sched.vllm_config.speculative_config is None
+        and sched.num_lookahead_tokens == 0
+        and sched.num_prefill_lookahead == 0
+        and sched.dynamic_sd_lookup is None
+        and not sched.need_mamba_block_aligned_split
+        and sched.lora_config is None
+        and not sched.use_pp
+        and not sched.defer_block_free
+        and sched.policy == SchedulingPolicy.FCFS
+        and not sched.num_waiting_for_streaming_input
+    )
+
+
+def _all_plain_decodes(sched: Any, step: int) -> bool:
+    """Every running request schedules exactly its one decode token this step.
+
+    The ``max_model_len`` room is a defensive check: in a synchronous step without
+    drafts a request that reached ``max_model_len`` has stopped (``check_stop``)."""
+    room = sched.max_model_len - sched.num_sampled_tokens_per_step
+    any_len = "plain_decode" in BROKEN_RULES
+    for r in sched.running:
+        if (
+            r.num_output_placeholders
+            or (r.is_prefill_chunk and not any_len)
+            or r.spec_token_ids
+            or r.mm_features
+            or r.structured_output_request is not None
+            or step < r.next_decode_eligible_step
+            or (len(r._all_token_ids) - r.num_computed_tokens != 1 and not any_len)
+            or r.num_computed_tokens >= room
+        ):
+            return False
+    return True
+
+
+def schedule(sched: Any, throttle_prefills: bool) -> SchedulerOutput | None:
+    """vLLM's ``schedule()`` for a steady decode step, or ``None`` (nothing changed)
+    when the step is not one."""
+    if not _step_applies(sched):
+        return None
+    running: list[Request] = sched.running
+    n = len(running)
+    if "budget" not in BROKEN_RULES and (
+        n > sched.max_num_scheduled_tokens or n > sched.scheduler_config.max_num_batched_tokens
+    ):
+        return None
+    step = sched.current_step + 1
+    if not _all_plain_decodes(sched, step):
+        return None
+
+    # From here on the step is served: the same state changes as vLLM's, in its order.
+    sched.current_step = step
+    manager = sched.kv_cache_manager
+    timestamp = time.monotonic()
+    manager.new_step_starts()
+    # Every running request is a decode, so "any running decode" is "any running".
+    defer_prefills = throttle_prefills and not sched.prefill_capacity_bound
+    if (
+        not defer_prefills
+        and sched.local_prefill_interval > 1
+        and not sched.prefill_capacity_bound
+        and (sched.num_executed_steps + 1) - sched.last_prefill_step < sched.local_prefill_interval
+    ):
+        defer_prefills = True
+
+    allocate = manager.allocate_slots
+    lookahead = sched.num_lookahead_tokens
+    scheduled: list[Request] = []
+    new_block_ids: list[Any] = []
+    preempted = False
+    drafts_needed = not sched.can_skip_drafts
+    i = 0
+    while i < len(running):
+        request = running[i]
+        blocks = allocate(request, 1, num_lookahead_tokens=lookahead)
+        while blocks is None and "preempt" not in BROKEN_RULES:
+            victim = running[-1]
+            if not sched._request_blocks_can_be_freed(victim):
+                break
+            running.pop()
+            sched._preempt_request(victim, timestamp, drop_stale_output=sched.requires_kv_delivery)
+            preempted = True
+            if victim is request:
+                break
+            blocks = allocate(request, 1, num_lookahead_tokens=lookahead)
+        if blocks is None:
+            break
+        scheduled.append(request)
+        new_block_ids.append(blocks.get_block_ids(allow_none=True))
+        i += 1
+        if not drafts_needed:
+            drafts_needed = not sched._drafts_unused(request, request.num_computed_tokens, 1)
+
+    # The waiting queues are empty: vLLM's admission loop admits nothing, and records
+    # whether admissions were capacity-bound on a step it does not defer.
+    if not preempted and not defer_prefills and "capacity_bound" not in BROKEN_RULES:
+        _, num_waiting = sched.get_request_counts()
+        sched.prefill_capacity_bound = num_waiting > len(sched.deferred_waiting)
+
+    total = len(scheduled)
+    if total > 0:
+        sched.num_executed_steps += 1
+
+    req_ids = [r.request_id for r in scheduled]
+    num_scheduled_tokens = dict.fromkeys(req_ids, 1)
+    all_token_ids: dict[str, list[int]] = {}
+    if not sched.use_v2_model_runner:
+        prev = sched.prev_step_scheduled_req_ids
+        if "all_token_ids" not in BROKEN_RULES:
+            for r in scheduled:
+                if r.request_id not in prev:
+                    all_token_ids[r.request_id] = r.all_token_ids.copy()
+        prev.clear()
+        prev.update(req_ids)
+    cached = CachedRequestData(
+        req_ids=req_ids,
+        resumed_req_ids=set(),
+        new_token_ids=[],
+        all_token_ids=all_token_ids,
+        new_block_ids=new_block_ids,
+        num_computed_tokens=[r.num_computed_tokens for r in scheduled],
+        num_output_tokens=[len(r._output_token_ids) for r in scheduled],
+    )
+    manager.take_boundary_state_offloads()
+    copies, retained = manager.take_kv_cache_block_copies()
+    if copies:
+        sched._free_cow_retained_blocks(retained, sched.sched_step_seq + 1)
+    encoder_input_stats = None
+    if sched.log_stats and sched.observability_config.enable_logging_iteration_details:
+        encoder_input_stats = sched._make_scheduled_encoder_input_stats({})
+    encoder_cache = sched.encoder_cache_manager
+    out = SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens=num_scheduled_tokens,
+        total_num_scheduled_tokens=total,
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        scheduled_encoder_input_stats=encoder_input_stats,
+        preempted_req_ids=sched.reset_preempted_req_ids,
+        finished_req_ids=sched.finished_req_ids,
+        free_encoder_mm_hashes=encoder_cache.get_freed_mm_hashes(),
+        encoder_input_updates=sched._get_encoder_input_updates(num_scheduled_tokens, [], {}),
+        new_block_ids_to_zero=sched._get_new_block_ids_to_zero(),
+        has_sync_kv_loads=False,
+        kv_cache_block_copies=copies or None,
+        kv_connector_block_state=None,
+        num_spec_tokens_to_schedule=sched.num_spec_tokens,
+        skip_drafts=not drafts_needed,
+        ec_manager_metadata=encoder_cache.get_manager_metadata(),
+    )
+
+    # vLLM's _update_after_schedule for one decode token each.
+    count_in_flight = "in_flight" not in BROKEN_RULES
+    inflight_prefills = sched._inflight_prefills
+    for r in scheduled:
+        r.num_computed_tokens += 1
+        if count_in_flight:
+            r.num_in_flight_tokens += 1
+        r.is_prefill_chunk = False
+        if inflight_prefills:
+            inflight_prefills.discard(r)
+    sched.finished_req_ids = set()
+    sched.reset_preempted_req_ids = set()
+    return out
+
+
+def certainly_continues(request: Request, token: int, max_model_len: int) -> bool:
+    """Whether vLLM's ``check_stop`` certainly returns False once ``token`` is appended
+    to ``request`` (False when it would stop, or when only vLLM's code can tell)."""
+    params = request.sampling_params
+    if params is None:
+        return False
+    if token == params.eos_token_id and "stop_eos" not in BROKEN_RULES:
+        return False
+    if params.stop_token_ids and token in params.stop_token_ids:
+        return "stop_token_ids" in BROKEN_RULES
+    if "stop_length" not in BROKEN_RULES and (
+        len(request._all_token_ids) + 1 >= max_model_len
+        or len(request._output_token_ids) + 1 >= request.max_tokens
+    ):
+        return False
+    if len(request._output_token_ids) + 1 < params.min_tokens:
+        return True
+    return params.repetition_detection is None or "repetition" in BROKEN_RULES
+
+
+def _update_applies(sched: Any, output: Any) -> bool:
+    """The step-level conditions of :func:`split_update`."""
+    return (
+        output.kv_connector_output is None
+        and output.ec_connector_output is None
+        and output.pooler_output is None
+        and not output.num_nans_in_logits
+        and not sched.grammar_compile_error_reqs
+        and not sched.encoder_cache_mismatch_reqs
+        and sched.ec_connector is None
+        and sched.connector is None
+        and sched.aux_output_connector is None
+        and not sched.return_sampling_mask
+        and not sched.defer_block_free
+        and not sched.num_spec_tokens
+        and not sched.is_mm_encoder_only
+        and not (sched.perf_metrics and sched.perf_metrics.is_enabled())
+        and not (sched.finished_req_ids_dict and set(sched.finished_req_ids_dict) - {0})
+    )
+
+
+def split_update(
+    sched: Any, scheduler_output: SchedulerOutput, output: Any
+) -> tuple[SchedulerOutput, dict[str, EngineCoreOutput]] | None:
+    """Serves the steady requests of ``update_from_output``: appends each one's sampled
+    token and builds its ``EngineCoreOutput``. Returns the ``SchedulerOutput`` that
+    vLLM's ``update_from_output`` must still process (the others), and the outputs
+    built, by request id; ``None`` (nothing changed) when the step is not served."""
+    if not _update_applies(sched, output):
+        return None
+    sampled = output.sampled_token_ids
+    if not sampled:
+        return None
+    index = output.req_id_to_index
+    requests = sched.requests
+    max_model_len = sched.max_model_len
+    wants_logprobs = output.logprobs is not None and "logprobs" not in BROKEN_RULES
+    prompt_logprobs = output.prompt_logprobs_dict
+    prompt_token_logprobs = output.prompt_token_id_logprobs_dict
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    # Every request must belong to client 0: vLLM attaches the step's stats and
+    # finished ids by the order clients first appear.
+    steady: list[tuple[Request, list[int]]] = []
+    rest: dict[str, int] = {}
+    for req_id, n in scheduler_output.num_scheduled_tokens.items():
+        request = requests.get(req_id)
+        if request is None:
+            rest[req_id] = n
+            continue
+        if request.client_index != 0:
+            return None
+        tokens = sampled[index[req_id]]
+        if (
+            n == 1
+            and len(tokens) == 1
+            and request.status == RequestStatus.RUNNING
+            and not request.num_stale_output_tokens
+            and not request.num_output_placeholders
+            and not request.mm_features
+            and request.structured_output_request is None
+            and request.pooling_params is None
+            and request.prefill_stats is None
+            and req_id not in spec
+            and not (wants_logprobs and request.sampling_params.num_logprobs is not None)
+            and req_id not in prompt_logprobs
+            and req_id not in prompt_token_logprobs
+            and certainly_continues(request, tokens[0], max_model_len)
+        ):
+            steady.append((request, tokens))
+        else:
+            rest[req_id] = n
+    if not steady:
+        return None
+    built: dict[str, EngineCoreOutput] = {}
+    for request, tokens in steady:
+        request.num_in_flight_tokens -= 1
+        request.append_output_token_ids(tokens[0])
+        built[request.request_id] = EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=tokens,
+            stop_reason=request.stop_reason,
+            events=request.take_events(),
+            trace_headers=request.trace_headers,
+            num_nans_in_logits=request.num_nans_in_logits,
+        )
+    remaining = copy.copy(scheduler_output)
+    remaining.num_scheduled_tokens = rest
+    return remaining, built
+
+
+def merge_outputs(
+    scheduler_output: SchedulerOutput,
+    outputs: dict[int, EngineCoreOutputs],
+    built: dict[str, EngineCoreOutput],
+) -> dict[int, EngineCoreOutputs]:
+    """vLLM's ``update_from_output`` result for the whole step: the outputs ``built`` by
+    :func:`split_update` put back among vLLM's own, in scheduling order (all client 0;
+    vLLM's were appended in the same order, and no error outputs follow them)."""
+    eco = outputs.get(0)
+    if eco is None:
+        # vLLM made no output for client 0; it would have made this one first.
+        eco = EngineCoreOutputs()
+        outputs = {0: eco, **outputs}
+    theirs = {o.request_id: o for o in eco.outputs}
+    merged = []
+    for req_id in scheduler_output.num_scheduled_tokens:
+        o = built.get(req_id)
+        if o is None:
+            o = theirs.get(req_id)
+        if o is not None:
+            merged.append(o)
+    eco.outputs = merged
+    return outputs
