@@ -27,7 +27,7 @@ pub fn prompt_hashes(prefix_seed: u64, shared: u64, own_seed: u64, own: u64) -> 
 }
 
 use crate::manager::{
-    AllocateSlots, GroupedBlocks, KVCacheManager, KVCacheManagerConfig, PlainRequest,
+    AllocateSlots, GroupedBlockIds, KVCacheManager, KVCacheManagerConfig, PlainRequest,
 };
 use crate::types::BlockId;
 
@@ -105,36 +105,45 @@ pub fn lookup(m: &mut KVCacheManager, req: &PlainRequest) -> (usize, Vec<Vec<Blo
     (hit, out)
 }
 
-/// `allocate_slots` with `hits` (per group, `None`: the empty singleton): the new
-/// blocks of every group, concatenated, or None if they do not fit.
+/// `allocate_slots` with `hits` (per group; `None`: no lookup result): every group's new
+/// blocks, or None if they do not fit.
+pub fn allocate_groups(
+    m: &mut KVCacheManager,
+    req: &PlainRequest,
+    hits: Option<&[Vec<BlockId>]>,
+    args: AllocateSlots<'_>,
+) -> crate::Result<Option<Vec<Vec<BlockId>>>> {
+    let hit_ids: Option<GroupedBlockIds> = hits.map(|h| h.iter().map(Vec::as_slice).collect());
+    let args = AllocateSlots {
+        new_computed_blocks: hit_ids.as_ref().map(GroupedBlockIds::view),
+        ..args
+    };
+    let mut out = Vec::new();
+    let mut group_ends = smallvec::SmallVec::new();
+    if !m.allocate_slots(req, &args, &mut out, &mut group_ends)? {
+        return Ok(None);
+    }
+    let mut start = 0;
+    Ok(Some(
+        group_ends
+            .iter()
+            .map(|&end| {
+                let group = out[start..end].to_vec();
+                start = end;
+                group
+            })
+            .collect(),
+    ))
+}
+
+/// [`allocate_groups`], every group's new blocks concatenated.
 pub fn allocate(
     m: &mut KVCacheManager,
     req: &PlainRequest,
     hits: Option<&[Vec<BlockId>]>,
     args: AllocateSlots<'_>,
 ) -> crate::Result<Option<Vec<BlockId>>> {
-    let flat: Vec<BlockId> = hits.map(<[std::vec::Vec<u32>]>::concat).unwrap_or_default();
-    let ends: Vec<usize> = hits
-        .map(|h| {
-            h.iter()
-                .scan(0, |acc, g| {
-                    *acc += g.len();
-                    Some(*acc)
-                })
-                .collect()
-        })
-        .unwrap_or_default();
-    let args = AllocateSlots {
-        new_computed_blocks: hits.map(|_| GroupedBlocks {
-            ids: &flat,
-            ends: &ends,
-        }),
-        ..args
-    };
-    let mut out = Vec::new();
-    let mut group_ends = smallvec::SmallVec::new();
-    Ok(m.allocate_slots(req, &args, &mut out, &mut group_ends)?
-        .then_some(out))
+    Ok(allocate_groups(m, req, hits, args)?.map(|groups| groups.concat()))
 }
 
 /// Lookup + allocation of a new request, as the Scheduler admits it: the hit length

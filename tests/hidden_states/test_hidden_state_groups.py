@@ -11,16 +11,15 @@ group refuses the plan instead of reading the null block.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from hscache.exceptions import InvalidArgumentError
 from hscache.hidden_states import HiddenStateCache, KeySpec, full_attention_group
+
+from tests.fixtures import load_example
 
 pytestmark = pytest.mark.vllm
 
@@ -29,13 +28,7 @@ KEYS: dict[str, KeySpec] = {"hidden": (8, torch.float32)}
 
 @pytest.fixture(scope="module")
 def model() -> Any:
-    path = Path(__file__).resolve().parents[2] / "examples" / "omni_two_stage.py"
-    spec = importlib.util.spec_from_file_location("omni_two_stage_groups", path)
-    assert spec is not None and spec.loader is not None
-    module: ModuleType = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module.ToyCausalModel(KEYS, seed=9)
+    return load_example("omni_two_stage", "omni_two_stage_groups").ToyCausalModel(KEYS, seed=9)
 
 
 def vllm_config(block_size: int) -> Any:

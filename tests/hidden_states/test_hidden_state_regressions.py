@@ -16,11 +16,9 @@ caches in one process advance their step numbers together), and impossible sizes
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -28,18 +26,14 @@ import torch
 from hscache.exceptions import InvalidArgumentError
 from hscache.hidden_states import HiddenStateCache, KeySpec, StepPlan
 
+from tests.fixtures import devices, load_example
+
 KEYS: dict[str, KeySpec] = {"hidden": (16, torch.float32), "codes": (3, torch.int32)}
 
 
 @pytest.fixture(scope="module")
 def model() -> Any:
-    path = Path(__file__).resolve().parents[2] / "examples" / "omni_two_stage.py"
-    spec = importlib.util.spec_from_file_location("omni_two_stage_regressions", path)
-    assert spec is not None and spec.loader is not None
-    module: ModuleType = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module.ToyCausalModel(KEYS, seed=5)
+    return load_example("omni_two_stage", "omni_two_stage_regressions").ToyCausalModel(KEYS, seed=5)
 
 
 def forward(model: Any, plan: StepPlan, tokens: dict[str, list[int]]) -> dict[str, torch.Tensor]:
@@ -239,16 +233,7 @@ def test_impossible_sizes_raise_memory_error() -> None:
     assert out.stdout.startswith("MemoryError: memory allocation of"), out
 
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-        ],
-    ),
-]
+DEVICES = devices()
 
 
 @pytest.mark.parametrize("reduced", [True, False], ids=["reduced", "merged"])

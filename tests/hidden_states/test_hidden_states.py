@@ -11,10 +11,7 @@ served. CUDA variants run with `pytest -m gpu` where a GPU is present.
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -24,33 +21,20 @@ import torch
 from hscache.exceptions import InvalidArgumentError, UnknownRequestError
 from hscache.hidden_states import HiddenStateCache, KeySpec, StepPlan
 
+from tests.fixtures import devices, load_example
+
 KEYS: dict[str, KeySpec] = {
     "hidden": (16, torch.float32),
     "layer24": (8, torch.bfloat16),
     "codes": (3, torch.int32),
 }
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-        ],
-    ),
-]
+DEVICES = devices()
 
 
 @pytest.fixture(scope="module")
 def omni() -> ModuleType:
     """`examples/omni_two_stage.py` (imports vLLM)."""
-    path = Path(__file__).resolve().parents[2] / "examples" / "omni_two_stage.py"
-    spec = importlib.util.spec_from_file_location("omni_two_stage", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_example("omni_two_stage")
 
 
 @pytest.fixture(scope="module")

@@ -11,26 +11,19 @@ that is not told which keys the skip layers produce serves wrong rows and is cau
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from tests.fixtures import load_example
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
 def toy() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "examples" / "kv_sharing_fast_prefill.py"
-    spec = importlib.util.spec_from_file_location("kv_sharing_fast_prefill", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_example("kv_sharing_fast_prefill")
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -6,8 +6,8 @@
 #![allow(dead_code)]
 
 use hscache::manager::{
-    AllocateSlots, GroupSpec, GroupedBlocks, KVCacheManager, KVCacheManagerConfig, MambaCacheMode,
-    MambaParams, ManagerKind, PlainRequest,
+    AllocateSlots, GroupSpec, KVCacheManager, KVCacheManagerConfig, MambaCacheMode, MambaParams,
+    ManagerKind, PlainRequest,
 };
 use hscache::testing::chain_hash;
 use hscache::types::{BlockHash, BlockId};
@@ -196,43 +196,13 @@ pub fn allocate(
     hits: Option<(usize, &[Vec<BlockId>])>,
     args: AllocateSlots<'_>,
 ) -> Option<Vec<Vec<BlockId>>> {
-    let flat: Vec<BlockId> = hits.map(|(_, h)| h.concat()).unwrap_or_default();
-    let ends: Vec<usize> = hits
-        .map(|(_, h)| {
-            h.iter()
-                .scan(0, |acc, g| {
-                    *acc += g.len();
-                    Some(*acc)
-                })
-                .collect()
-        })
-        .unwrap_or_default();
     let args = AllocateSlots {
         num_new_tokens: n,
         num_new_computed_tokens: hits.map_or(0, |(hit, _)| hit),
-        new_computed_blocks: hits.map(|_| GroupedBlocks {
-            ids: &flat,
-            ends: &ends,
-        }),
         ..args
     };
-    let mut out = Vec::new();
-    let mut group_ends = smallvec::SmallVec::new();
-    let fits = m
-        .allocate_slots(&req.r, &args, &mut out, &mut group_ends)
-        .expect("allocate_slots");
-    fits.then(|| split(&out, &group_ends))
-}
-
-fn split(ids: &[BlockId], ends: &[usize]) -> Vec<Vec<BlockId>> {
-    let mut start = 0;
-    ends.iter()
-        .map(|&e| {
-            let g = ids[start..e].to_vec();
-            start = e;
-            g
-        })
-        .collect()
+    hscache::testing::allocate_groups(m, &req.r, hits.map(|(_, h)| h), args)
+        .expect("allocate_slots")
 }
 
 /// What [`admit`] returns: the hit length, every group's hit blocks, every group's new
