@@ -768,6 +768,9 @@ impl KVCacheCoordinator {
             }
         }
         self.hisparse = Some(Box::new(HiSparseCoordinator::new(layout)));
+        // The steady decode step skips the group loops, hence the hooks: it needs the
+        // HiSparse coordinator to be known (`field_needs` ran in `new`, before it was).
+        self.needs = self.field_needs();
         Ok(())
     }
 
