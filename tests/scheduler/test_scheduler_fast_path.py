@@ -32,12 +32,15 @@ from hscache.testing.offline_scheduler import make_scheduler
 from hscache.testing.requests import init_none_hash, make_request, request_block_hasher
 from hscache.vllm import Scheduler as HscacheScheduler
 from hscache.vllm import fast_step
+from hscache.vllm.version import require
 from vllm.sampling_params import RepetitionDetectionParams
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
 pytestmark = pytest.mark.vllm
+
+PROFILE = require()
 
 EOS = 3
 STOP_ID = 5
@@ -140,11 +143,11 @@ def _request_state(r: Request) -> tuple[Any, ...]:
 
 
 def _scheduler_state(s: Any) -> tuple[Any, ...]:
+    cadence = (s.num_executed_steps, s.last_prefill_step) if PROFILE.prefill_cadence else ()
     return (
         s.current_step,
-        s.num_executed_steps,
+        cadence,
         s.prefill_capacity_bound,
-        s.last_prefill_step,
         sorted(s.prev_step_scheduled_req_ids),
         sorted(s.finished_req_ids),
         sorted(s.reset_preempted_req_ids),
@@ -262,6 +265,9 @@ def run_differential(sc: Scenario) -> dict[str, int]:
     with pytest.MonkeyPatch.context() as env:
         if sc.parity:
             env.setenv("HSCACHE_PARITY", "1")
+        # The differential proves the fast path on every version, also where the
+        # profile has it off (what turning it on there rests on).
+        env.setattr(fast_step, "_PROFILE", dataclasses.replace(PROFILE, fast_step=True))
         cand, cand_events, _ = _build(HscacheScheduler, sc)
     assert cand.fast_step
     parity = type(cand.kv_cache_manager).__name__ == "ParityKVCacheManager"

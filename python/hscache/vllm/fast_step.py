@@ -1,4 +1,4 @@
-"""The steady decode step's fast path inside ``hscache.vllm.Scheduler`` (vLLM 0.33).
+"""The steady decode step's fast path inside ``hscache.vllm.Scheduler`` (vLLM 0.33, 0.32, 0.30).
 
 vLLM's ``Scheduler`` spends ~10 µs of Python per running request per step in the
 ``schedule()`` loop body, ``_make_cached_request_data``, ``_update_after_schedule`` and
@@ -25,8 +25,10 @@ rare events (preemption, stats), and hands everything else to vLLM's code unchan
 
 ``HSCACHE_FAST_STEP=0`` turns it off; it is on only for the vLLM versions whose profile
 says so (``VllmProfile.fast_step``: the versions whose differential,
-``tests/scheduler/test_scheduler_fast_path.py``, passes). ``BROKEN_RULES`` is the test-only switch
-that breaks one rule at a time (the mutants the differential must catch).
+``tests/scheduler/test_scheduler_fast_path.py``, passes); what those versions' schedulers
+do differently comes from the profile's fields (``docs/fast_step.md``). ``BROKEN_RULES``
+is the test-only switch that breaks one rule at a time (the mutants the differential must
+catch).
 """
 
 from __future__ import annotations
@@ -82,16 +84,23 @@ def enabled() -> bool:
     return _PROFILE.fast_step and flag not in ("0", "false", "no", "off")
 
 
+def _nothing_waiting(sched: Any) -> bool:
+    """No request in any of the version's waiting queues."""
+    if _PROFILE.kv_holding_queues:
+        return not (sched.waiting or sched.kv_holding_waiting or sched.deferred_waiting)
+    return not (sched.waiting or sched.skipped_waiting)
+
+
 def _step_applies(sched: Any) -> bool:
     """The step-level conditions of :func:`schedule` (cheap attribute reads)."""
     return (
         bool(sched.running)
-        and ("waiting" in BROKEN_RULES or not (sched.waiting or sched.kv_holding_waiting))
-        and not sched.deferred_waiting
+        and ("waiting" in BROKEN_RULES or _nothing_waiting(sched))
         and sched._pause_state == PauseState.UNPAUSED
         and sched.connector is None
         and sched.ec_connector is None
-        and sched.aux_output_connector is None
+        and (not _PROFILE.aux_output_connector or sched.aux_output_connector is None)
+        and not (_PROFILE.routed_experts_in_scheduler and sched.enable_return_routed_experts)
         and sched.vllm_config.speculative_config is None
         and sched.num_lookahead_tokens == 0
         and sched.num_prefill_lookahead == 0
@@ -150,7 +159,8 @@ def schedule(sched: Any, throttle_prefills: bool) -> SchedulerOutput | None:
     # Every running request is a decode, so "any running decode" is "any running".
     defer_prefills = throttle_prefills and not sched.prefill_capacity_bound
     if (
-        not defer_prefills
+        _PROFILE.prefill_cadence
+        and not defer_prefills
         and sched.local_prefill_interval > 1
         and not sched.prefill_capacity_bound
         and (sched.num_executed_steps + 1) - sched.last_prefill_step < sched.local_prefill_interval
@@ -162,7 +172,8 @@ def schedule(sched: Any, throttle_prefills: bool) -> SchedulerOutput | None:
     scheduled: list[Request] = []
     new_block_ids: list[Any] = []
     preempted = False
-    drafts_needed = not sched.can_skip_drafts
+    skip_drafts = _PROFILE.skip_drafts
+    drafts_needed = not skip_drafts or not sched.can_skip_drafts
     i = 0
     while i < len(running):
         request = running[i]
@@ -188,11 +199,14 @@ def schedule(sched: Any, throttle_prefills: bool) -> SchedulerOutput | None:
     # The waiting queues are empty: vLLM's admission loop admits nothing, and records
     # whether admissions were capacity-bound on a step it does not defer.
     if not preempted and not defer_prefills and "capacity_bound" not in BROKEN_RULES:
-        _, num_waiting = sched.get_request_counts()
-        sched.prefill_capacity_bound = num_waiting > len(sched.deferred_waiting)
+        if _PROFILE.kv_holding_queues:
+            _, num_waiting = sched.get_request_counts()
+            sched.prefill_capacity_bound = num_waiting > len(sched.deferred_waiting)
+        else:
+            sched.prefill_capacity_bound = bool(sched.waiting)
 
     total = len(scheduled)
-    if total > 0:
+    if total > 0 and _PROFILE.prefill_cadence:
         sched.num_executed_steps += 1
 
     req_ids = [r.request_id for r in scheduled]
@@ -215,6 +229,16 @@ def schedule(sched: Any, throttle_prefills: bool) -> SchedulerOutput | None:
         num_computed_tokens=[r.num_computed_tokens for r in scheduled],
         num_output_tokens=[len(r._output_token_ids) for r in scheduled],
     )
+    # The fields only some versions' SchedulerOutput has.
+    extra: dict[str, Any] = {}
+    if _PROFILE.counts_common_prefix_blocks:
+        extra["num_common_prefix_blocks"] = (
+            manager.get_num_common_prefix_blocks(running[0].request_id)
+            if running
+            else [0] * len(sched.kv_cache_config.kv_cache_groups)
+        )
+    if skip_drafts:
+        extra["skip_drafts"] = not drafts_needed
     manager.take_boundary_state_offloads()
     copies, retained = manager.take_kv_cache_block_copies()
     if copies:
@@ -223,6 +247,12 @@ def schedule(sched: Any, throttle_prefills: bool) -> SchedulerOutput | None:
     if sched.log_stats and sched.observability_config.enable_logging_iteration_details:
         encoder_input_stats = sched._make_scheduled_encoder_input_stats({})
     encoder_cache = sched.encoder_cache_manager
+    # vLLM's order: freed hashes, encoder input updates, blocks to zero.
+    freed_mm_hashes = encoder_cache.get_freed_mm_hashes()
+    if _PROFILE.encoder_input_updates:
+        extra["encoder_input_updates"] = sched._get_encoder_input_updates(
+            num_scheduled_tokens, [], {}
+        )
     out = SchedulerOutput(
         scheduled_new_reqs=[],
         scheduled_cached_reqs=cached,
@@ -233,15 +263,14 @@ def schedule(sched: Any, throttle_prefills: bool) -> SchedulerOutput | None:
         scheduled_encoder_input_stats=encoder_input_stats,
         preempted_req_ids=sched.reset_preempted_req_ids,
         finished_req_ids=sched.finished_req_ids,
-        free_encoder_mm_hashes=encoder_cache.get_freed_mm_hashes(),
-        encoder_input_updates=sched._get_encoder_input_updates(num_scheduled_tokens, [], {}),
+        free_encoder_mm_hashes=freed_mm_hashes,
         new_block_ids_to_zero=sched._get_new_block_ids_to_zero(),
         has_sync_kv_loads=False,
         kv_cache_block_copies=copies or None,
         kv_connector_block_state=None,
         num_spec_tokens_to_schedule=sched.num_spec_tokens,
-        skip_drafts=not drafts_needed,
         ec_manager_metadata=encoder_cache.get_manager_metadata(),
+        **extra,
     )
 
     # vLLM's _update_after_schedule for one decode token each.
@@ -287,10 +316,11 @@ def _update_applies(sched: Any, output: Any) -> bool:
         and output.pooler_output is None
         and not output.num_nans_in_logits
         and not sched.grammar_compile_error_reqs
-        and not sched.encoder_cache_mismatch_reqs
+        and not (_PROFILE.encoder_cache_mismatch and sched.encoder_cache_mismatch_reqs)
         and sched.ec_connector is None
         and sched.connector is None
-        and sched.aux_output_connector is None
+        and (not _PROFILE.aux_output_connector or sched.aux_output_connector is None)
+        and not (_PROFILE.routed_experts_in_scheduler and sched.enable_return_routed_experts)
         and not sched.return_sampling_mask
         and not sched.defer_block_free
         and not sched.num_spec_tokens
@@ -317,7 +347,9 @@ def split_update(
     max_model_len = sched.max_model_len
     wants_logprobs = output.logprobs is not None and "logprobs" not in BROKEN_RULES
     prompt_logprobs = output.prompt_logprobs_dict
-    prompt_token_logprobs = output.prompt_token_id_logprobs_dict
+    prompt_token_logprobs = (
+        output.prompt_token_id_logprobs_dict if _PROFILE.prompt_token_id_logprobs else {}
+    )
     spec = scheduler_output.scheduled_spec_decode_tokens
     # Every request must belong to client 0: vLLM attaches the step's stats and
     # finished ids by the order clients first appear.
