@@ -71,6 +71,10 @@ RULES = (
     "stop_length",  # max_tokens / max_model_len stop the request
     "repetition",  # repetition detection is vLLM's to decide
     "logprobs",  # a request asking for logprobs is vLLM's to serve
+    # AsyncScheduler only:
+    "output_placeholders",  # scheduling adds the token's output placeholder
+    "async_last_step",  # a request sure to reach max_tokens is not scheduled again
+    "resolve_placeholder",  # a sampled token resolves its output placeholder
 )
 
 BROKEN_RULES: set[str] = set()
@@ -114,31 +118,44 @@ def _step_applies(sched: Any) -> bool:
     )
 
 
-def _all_plain_decodes(sched: Any, step: int) -> bool:
+def _all_plain_decodes(sched: Any, step: int, is_async: bool) -> bool:
     """Every running request schedules exactly its one decode token this step.
+
+    With async scheduling the token to compute may be the placeholder of the previous
+    step's output (``num_output_placeholders``); a request whose in-flight output is sure
+    to reach ``max_tokens`` is one vLLM skips, so the step is vLLM's to serve.
 
     The ``max_model_len`` room is a defensive check: in a synchronous step without
     drafts a request that reached ``max_model_len`` has stopped (``check_stop``)."""
     room = sched.max_model_len - sched.num_sampled_tokens_per_step
     any_len = "plain_decode" in BROKEN_RULES
+    last_step = "async_last_step" not in BROKEN_RULES
     for r in sched.running:
+        placeholders = r.num_output_placeholders
         if (
-            r.num_output_placeholders
+            (placeholders and not is_async)
             or (r.is_prefill_chunk and not any_len)
             or r.spec_token_ids
             or r.mm_features
             or r.structured_output_request is not None
             or step < r.next_decode_eligible_step
-            or (len(r._all_token_ids) - r.num_computed_tokens != 1 and not any_len)
+            or (len(r._all_token_ids) + placeholders - r.num_computed_tokens != 1 and not any_len)
             or r.num_computed_tokens >= room
+        ):
+            return False
+        if (
+            placeholders
+            and last_step
+            and r.num_computed_tokens + 2 - placeholders >= r.num_prompt_tokens + r.max_tokens
         ):
             return False
     return True
 
 
-def schedule(sched: Any, throttle_prefills: bool) -> SchedulerOutput | None:
+def schedule(sched: Any, throttle_prefills: bool, is_async: bool = False) -> SchedulerOutput | None:
     """vLLM's ``schedule()`` for a steady decode step, or ``None`` (nothing changed)
-    when the step is not one."""
+    when the step is not one. ``is_async``: ``sched`` is an ``AsyncScheduler`` (its
+    ``_update_after_schedule`` adds output placeholders)."""
     if not _step_applies(sched):
         return None
     running: list[Request] = sched.running
@@ -148,7 +165,7 @@ def schedule(sched: Any, throttle_prefills: bool) -> SchedulerOutput | None:
     ):
         return None
     step = sched.current_step + 1
-    if not _all_plain_decodes(sched, step):
+    if not _all_plain_decodes(sched, step, is_async):
         return None
 
     # From here on the step is served: the same state changes as vLLM's, in its order.
@@ -227,7 +244,7 @@ def schedule(sched: Any, throttle_prefills: bool) -> SchedulerOutput | None:
         all_token_ids=all_token_ids,
         new_block_ids=new_block_ids,
         num_computed_tokens=[r.num_computed_tokens for r in scheduled],
-        num_output_tokens=[len(r._output_token_ids) for r in scheduled],
+        num_output_tokens=[len(r._output_token_ids) + r.num_output_placeholders for r in scheduled],
     )
     # The fields only some versions' SchedulerOutput has.
     extra: dict[str, Any] = {}
@@ -283,9 +300,28 @@ def schedule(sched: Any, throttle_prefills: bool) -> SchedulerOutput | None:
         r.is_prefill_chunk = False
         if inflight_prefills:
             inflight_prefills.discard(r)
+    if is_async:
+        _async_after_schedule(sched, scheduled, out)
     sched.finished_req_ids = set()
     sched.reset_preempted_req_ids = set()
     return out
+
+
+def _async_after_schedule(sched: Any, scheduled: list[Request], out: SchedulerOutput) -> None:
+    """``AsyncScheduler._update_after_schedule``'s part for decodes: each gets the
+    placeholder of the token it samples, and the step's (empty) draft placeholders.
+    Without pipeline parallelism (a step condition) the decode stagger is 1."""
+    placeholders: list[int] = [-1] * out.num_spec_tokens_to_schedule
+    sched._spec_token_placeholders = placeholders
+    per_step = sched.num_sampled_tokens_per_step
+    if "output_placeholders" in BROKEN_RULES:
+        per_step = 0
+    next_step = sched.current_step + 1 if sched.use_v2_model_runner else None
+    for r in scheduled:
+        r.num_output_placeholders += per_step
+        r.spec_token_ids = placeholders
+        if next_step is not None:
+            r.next_decode_eligible_step = next_step
 
 
 def certainly_continues(request: Request, token: int, max_model_len: int) -> bool:
@@ -331,12 +367,17 @@ def _update_applies(sched: Any, output: Any) -> bool:
 
 
 def split_update(
-    sched: Any, scheduler_output: SchedulerOutput, output: Any
+    sched: Any, scheduler_output: SchedulerOutput, output: Any, is_async: bool = False
 ) -> tuple[SchedulerOutput, dict[str, EngineCoreOutput]] | None:
     """Serves the steady requests of ``update_from_output``: appends each one's sampled
     token and builds its ``EngineCoreOutput``. Returns the ``SchedulerOutput`` that
     vLLM's ``update_from_output`` must still process (the others), and the outputs
-    built, by request id; ``None`` (nothing changed) when the step is not served."""
+    built, by request id; ``None`` (nothing changed) when the step is not served.
+
+    ``is_async`` (an ``AsyncScheduler``): a steady request's output also resolves its
+    placeholder and caches its blocks, as vLLM does per request in scheduling order;
+    so that the manager sees those calls in vLLM's order, only the steady requests
+    before the first one vLLM must serve are taken."""
     if not _update_applies(sched, output):
         return None
     sampled = output.sampled_token_ids
@@ -355,6 +396,12 @@ def split_update(
     # finished ids by the order clients first appear.
     steady: list[tuple[Request, list[int]]] = []
     rest: dict[str, int] = {}
+    # Async: after the first request vLLM serves, every request is vLLM's. (Not a
+    # mutant rule: the next schedule()'s allocate_slots has already cached what these
+    # cache_blocks calls could, so the differential cannot see their order; kept so
+    # that the manager gets vLLM's call order whatever it does with it.)
+    prefix_only = is_async
+    prefix_ended = False
     for req_id, n in scheduler_output.num_scheduled_tokens.items():
         request = requests.get(req_id)
         if request is None:
@@ -368,7 +415,7 @@ def split_update(
             and len(tokens) == 1
             and request.status == RequestStatus.RUNNING
             and not request.num_stale_output_tokens
-            and not request.num_output_placeholders
+            and (is_async or not request.num_output_placeholders)
             and not request.mm_features
             and request.structured_output_request is None
             and request.pooling_params is None
@@ -378,16 +425,28 @@ def split_update(
             and req_id not in prompt_logprobs
             and req_id not in prompt_token_logprobs
             and certainly_continues(request, tokens[0], max_model_len)
+            and not prefix_ended
         ):
             steady.append((request, tokens))
         else:
             rest[req_id] = n
+            prefix_ended = prefix_only
     if not steady:
         return None
     built: dict[str, EngineCoreOutput] = {}
+    cache_blocks = sched.kv_cache_manager.cache_blocks
+    resolve = 1 if "resolve_placeholder" not in BROKEN_RULES else 0
     for request, tokens in steady:
         request.num_in_flight_tokens -= 1
         request.append_output_token_ids(tokens[0])
+        if request.num_output_placeholders:
+            # vLLM's (0.33: update_from_output; 0.32, 0.30: the AsyncScheduler's
+            # _update_request_with_output) for a running request's output.
+            request.num_output_placeholders -= resolve
+            if _PROFILE.async_cache_blocks_in_scheduler:
+                cache_blocks(request, request.num_computed_tokens - request.num_in_flight_tokens)
+            else:
+                cache_blocks(request, request.num_computed_tokens - request.num_output_placeholders)
         built[request.request_id] = EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=tokens,
