@@ -409,6 +409,9 @@ def split_update(
             continue
         if request.client_index != 0:
             return None
+        if prefix_ended:
+            rest[req_id] = n
+            continue
         tokens = sampled[index[req_id]]
         if (
             n == 1
@@ -425,12 +428,14 @@ def split_update(
             and req_id not in prompt_logprobs
             and req_id not in prompt_token_logprobs
             and certainly_continues(request, tokens[0], max_model_len)
-            and not prefix_ended
         ):
             steady.append((request, tokens))
         else:
             rest[req_id] = n
-            prefix_ended = prefix_only
+            if prefix_only:
+                if not steady:
+                    return None
+                prefix_ended = True
     if not steady:
         return None
     built: dict[str, EngineCoreOutput] = {}
