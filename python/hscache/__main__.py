@@ -62,9 +62,11 @@ def bench_decode_main(args: argparse.Namespace) -> int:
     layouts = list(LAYOUTS) if args.layout == "all" else [args.layout]
     workloads = ["steady", "mixed"] if args.workload == "both" else [args.workload]
     events = [False, True] if args.kv_events == "both" else [args.kv_events == "on"]
+    mode = "AsyncScheduler, batch queue of two" if args.async_scheduling else "Scheduler"
     print(
-        f"whole schedule() + update_from_output() step, median CPU us over {args.steps} steps x "
-        f"{args.repeat} runs (decisions and outputs identical at every step)\n"
+        f"whole schedule() + update_from_output() step ({mode}), median CPU us over "
+        f"{args.steps} steps x {args.repeat} runs (decisions and outputs identical at "
+        "every step)\n"
         f"{'layout':>13} {'workload':>8} {'events':>6} {'running':>7} {'vLLM':>9} "
         f"{'hscache':>9} {'+fast':>9} {'ratio':>7} {'+fast ratio':>11}"
     )
@@ -80,6 +82,7 @@ def bench_decode_main(args: argparse.Namespace) -> int:
                         kv_events=ev,
                         mixed=workload == "mixed",
                         seed=args.seed,
+                        async_scheduling=args.async_scheduling,
                     )
                     print(
                         f"{layout:>13} {workload:>8} {'on' if ev else 'off':>6} {running:>7} "
@@ -207,6 +210,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sched.add_argument("--workload", choices=("steady", "mixed", "both"), default="steady")
     sched.add_argument("--kv-events", choices=("off", "on", "both"), default="off")
+    sched.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="with --decode: vLLM's AsyncScheduler vs hscache's, driven with a batch queue of two",
+    )
     soak = sub.add_parser(
         "soak",
         help="millions of scheduler-like operations on one manager: RSS, objects, invariants",

@@ -1,4 +1,4 @@
-"""The steady decode step's fast path (``hscache.vllm.fast_step``) against vLLM's Scheduler.
+"""The steady decode step's fast path (``hscache.vllm.fast_step``) against vLLM's schedulers.
 
 Differential: vLLM's own ``Scheduler`` (over vLLM's manager) and ``hscache.vllm.Scheduler``
 with the fast path on get the same seeded stream (bursts of arrivals between stretches of
@@ -10,6 +10,11 @@ must be equal: the whole ``SchedulerOutput`` (every field), the ``EngineCoreOutp
 state (tokens, block hashes, counters, status, events) and the published KV events. Full
 attention and a sliding-window hybrid, KV events on and off, a budget that binds.
 
+Async scheduling: vLLM's ``AsyncScheduler`` against ``hscache.vllm.AsyncScheduler``, driven
+as vLLM's engine drives it with a batch queue of two (step N+1 is scheduled before step
+N's ``update_from_output``; a step that schedules nothing drains the queue), with the same
+comparisons after every call.
+
 Mutants: each rule of the fast path (``fast_step.RULES``) broken on its own
 (``fast_step.BROKEN_RULES``) must make the differential fail.
 """
@@ -20,6 +25,7 @@ import dataclasses
 import enum
 import random
 import zlib
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,14 +36,19 @@ import vllm  # noqa: F401 (a hard requirement: a broken install fails, never ski
 from hscache.bench.layouts import layout_config
 from hscache.testing.offline_scheduler import make_scheduler
 from hscache.testing.requests import init_none_hash, make_request, request_block_hasher
+from hscache.vllm import AsyncScheduler as HscacheAsyncScheduler
 from hscache.vllm import Scheduler as HscacheScheduler
 from hscache.vllm import fast_step
+from hscache.vllm.version import require
 from vllm.sampling_params import RepetitionDetectionParams
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
 pytestmark = pytest.mark.vllm
+
+PROFILE = require()
 
 EOS = 3
 STOP_ID = 5
@@ -65,6 +76,8 @@ class Scenario:
     steady step follows a capacity-bound one)."""
     expect: tuple[str, ...] = ()
     """Boundaries the fast path must have crossed (counters of ``run_differential``)."""
+    async_scheduling: bool = False
+    """``AsyncScheduler`` on both sides, driven with a batch queue of two."""
     parity: bool = False
     """hscache's Scheduler runs in parity mode (``HSCACHE_PARITY=1``): every manager call
     the fast path makes is also made on vLLM's manager, and answers compared."""
@@ -88,6 +101,12 @@ SCENARIOS = [
         seed=5,
         expect=("all_token_ids",),
     ),
+    Scenario(async_scheduling=True, expect=("update_mixed",)),
+    Scenario(async_scheduling=True, kv_events=True, seed=1),
+    Scenario(async_scheduling=True, seed=2, aborts=0.0, expect=("preempt",)),
+    Scenario(async_scheduling=True, seed=2, aborts=0.0, kv_events=True, parity=True),
+    Scenario(async_scheduling=True, layout="full+swa", num_blocks=96, kv_events=True, seed=3),
+    Scenario(async_scheduling=True, num_blocks=400, max_model_len=160, seed=4),
 ]
 
 
@@ -140,11 +159,11 @@ def _request_state(r: Request) -> tuple[Any, ...]:
 
 
 def _scheduler_state(s: Any) -> tuple[Any, ...]:
+    cadence = (s.num_executed_steps, s.last_prefill_step) if PROFILE.prefill_cadence else ()
     return (
         s.current_step,
-        s.num_executed_steps,
+        cadence,
         s.prefill_capacity_bound,
-        s.last_prefill_step,
         sorted(s.prev_step_scheduled_req_ids),
         sorted(s.finished_req_ids),
         sorted(s.reset_preempted_req_ids),
@@ -152,6 +171,7 @@ def _scheduler_state(s: Any) -> tuple[Any, ...]:
         [r.request_id for r in s.waiting],
         sorted(_request_state(r) for r in s.requests.values()),
         s.kv_cache_manager.block_pool.get_num_free_blocks(),
+        list(getattr(s, "_spec_token_placeholders", ())),
     )
 
 
@@ -231,6 +251,7 @@ def _build(cls: type, sc: Scenario) -> Any:
     sched = make_scheduler(
         cls,
         lc.kv_cache_config,
+        async_scheduling=sc.async_scheduling,
         block_size=lc.scheduler_block_size,
         cache=lc.cache,
         max_num_seqs=sc.max_num_seqs,
@@ -258,19 +279,27 @@ def run_differential(sc: Scenario) -> dict[str, int]:
         ),
         0,
     )
-    ref, ref_events, hbs = _build(VllmScheduler, sc)
+    ref_cls, cand_cls = (
+        (VllmAsyncScheduler, HscacheAsyncScheduler)
+        if sc.async_scheduling
+        else (VllmScheduler, HscacheScheduler)
+    )
+    ref, ref_events, hbs = _build(ref_cls, sc)
     with pytest.MonkeyPatch.context() as env:
         if sc.parity:
             env.setenv("HSCACHE_PARITY", "1")
-        cand, cand_events, _ = _build(HscacheScheduler, sc)
+        # The differential proves the fast path on every version, also where the
+        # profile has it off (what turning it on there rests on).
+        env.setattr(fast_step, "_PROFILE", dataclasses.replace(PROFILE, fast_step=True))
+        cand, cand_events, _ = _build(cand_cls, sc)
     assert cand.fast_step
     parity = type(cand.kv_cache_manager).__name__ == "ParityKVCacheManager"
     assert parity == sc.parity, type(cand.kv_cache_manager)
     orig_schedule, orig_split = fast_step.schedule, fast_step.split_update
 
-    def counted_schedule(sched: Any, *a: Any) -> Any:
+    def counted_schedule(sched: Any, *a: Any, **kw: Any) -> Any:
         bound = sched.prefill_capacity_bound
-        out = orig_schedule(sched, *a)
+        out = orig_schedule(sched, *a, **kw)
         if out is not None:
             served["schedule"] += 1
             served["preempt"] += bool(out.preempted_req_ids)
@@ -278,8 +307,8 @@ def run_differential(sc: Scenario) -> dict[str, int]:
             served["capacity_reset"] += bound and not sched.prefill_capacity_bound
         return out
 
-    def counted_split(sched: Any, out: Any, *a: Any) -> Any:
-        split = orig_split(sched, out, *a)
+    def counted_split(sched: Any, out: Any, *a: Any, **kw: Any) -> Any:
+        split = orig_split(sched, out, *a, **kw)
         if split is not None:
             served["update"] += 1
             served["update_mixed"] += bool(split[0].num_scheduled_tokens)
@@ -288,6 +317,18 @@ def run_differential(sc: Scenario) -> dict[str, int]:
     rng = random.Random(sc.seed + 1000)
     # Each scheduler gets its own Request objects (the same stream built twice).
     streams = (_stream(sc, hbs), _stream(sc, hbs))
+    # Scheduled steps whose update_from_output is still due (the engine's batch queue).
+    pending: deque[tuple[int, Any, Any, Any, Any]] = deque()
+    depth = 2 if sc.async_scheduling else 1
+
+    def update_oldest() -> None:
+        step, out_ref, out_cand, ro_ref, ro_cand = pending.popleft()
+        eco_ref = ref.update_from_output(out_ref, ro_ref)
+        eco_cand = cand.update_from_output(out_cand, ro_cand)
+        assert _norm(eco_cand) == _norm(eco_ref), f"step {step}: EngineCoreOutputs"
+        assert _scheduler_state(cand) == _scheduler_state(ref), f"step {step}: after update"
+        assert _norm(cand_events) == _norm(ref_events), f"step {step}: KV events"
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fast_step, "schedule", counted_schedule)
         mp.setattr(fast_step, "split_update", counted_split)
@@ -318,11 +359,17 @@ def run_differential(sc: Scenario) -> dict[str, int]:
             assert _scheduler_state(cand) == _scheduler_state(ref), f"step {step}: after schedule"
             ro_ref = _runner_output(sc, step, out_ref, ref.requests)
             ro_cand = _runner_output(sc, step, out_cand, cand.requests)
-            eco_ref = ref.update_from_output(out_ref, ro_ref)
-            eco_cand = cand.update_from_output(out_cand, ro_cand)
-            assert _norm(eco_cand) == _norm(eco_ref), f"step {step}: EngineCoreOutputs"
-            assert _scheduler_state(cand) == _scheduler_state(ref), f"step {step}: after update"
-            assert _norm(cand_events) == _norm(ref_events), f"step {step}: KV events"
+            # vLLM's engine with async scheduling queues only steps that schedule
+            # something, and updates the oldest once the queue is full or nothing new
+            # was scheduled.
+            if out_ref.total_num_scheduled_tokens or not sc.async_scheduling:
+                pending.append((step, out_ref, out_cand, ro_ref, ro_cand))
+                if len(pending) >= depth:
+                    update_oldest()
+            elif pending:
+                update_oldest()
+        while pending:
+            update_oldest()
     return served
 
 
@@ -381,11 +428,19 @@ def test_each_broken_rule_is_caught(rule: str, monkeypatch: pytest.MonkeyPatch) 
     pytest.fail(f"breaking {rule!r} went unnoticed")
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("mixed", [False, True])
-def test_decode_bench_sides_agree(mixed: bool) -> None:
-    """``bench-scheduler --decode``: the three sides make the same decisions and outputs
-    (``bench_decode`` raises otherwise)."""
+def test_decode_bench_sides_agree(mixed: bool, async_scheduling: bool) -> None:
+    """``bench-scheduler --decode`` (``--async-scheduling``): the three sides make the same
+    decisions and outputs (``bench_decode`` raises otherwise)."""
     from hscache.bench.decode_step import bench_decode
 
-    r = bench_decode(running=8, steps=12, repeat=1, mixed=mixed, kv_events=mixed)
+    r = bench_decode(
+        running=8,
+        steps=12,
+        repeat=1,
+        mixed=mixed,
+        kv_events=mixed,
+        async_scheduling=async_scheduling,
+    )
     assert r["vllm_us"] > 0 and r["hscache+fast_us"] > 0

@@ -16,6 +16,11 @@ Workloads: ``steady`` (every running request decodes; nothing arrives) and ``mix
 quarter of the requests ask for logprobs, which vLLM's code serves in
 ``update_from_output``, and a request arrives every eighth step, which vLLM's code
 schedules): only part of the batch, and only some steps, are steady.
+
+``async_scheduling``: vLLM's ``AsyncScheduler`` against ``hscache.vllm.AsyncScheduler``,
+driven as vLLM's engine drives it (a batch queue of two: step N+1 is scheduled before
+step N's ``update_from_output``); a timed step is one ``schedule()`` and the
+``update_from_output()`` of the step before it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import gc
 import hashlib
 import statistics
 import time
+from collections import deque
 from typing import Any
 
 import hscache.testing  # noqa: F401 (vLLM's CPU / offline environment defaults)
@@ -86,9 +92,11 @@ def run_decode(
     mixed: bool = False,
     seed: int = 0,
     check: list[Any] | None = None,
+    async_scheduling: bool = False,
 ) -> list[int]:
     """Per-step ns of ``schedule() + update_from_output()`` for ``steps`` steps after
     ``running`` requests have been admitted and prefilled."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 
     import hscache.vllm
@@ -100,7 +108,10 @@ def run_decode(
     groups = len(layout.split("+"))
     per_request = (_PROMPT + steps + 64) // 16 + 2
     lc = layout_config(layout, max(4096, running * per_request) * groups)
-    cls = VllmScheduler if side == "vllm" else hscache.vllm.Scheduler
+    if async_scheduling:
+        cls: type = VllmAsyncScheduler if side == "vllm" else hscache.vllm.AsyncScheduler
+    else:
+        cls = VllmScheduler if side == "vllm" else hscache.vllm.Scheduler
     sched = make_scheduler(
         cls,
         lc.kv_cache_config,
@@ -110,6 +121,7 @@ def run_decode(
         max_num_batched_tokens=max(8192, 2 * running),
         max_model_len=4096,
         kv_cache_events=kv_events,
+        async_scheduling=async_scheduling,
     )
     if side == "hscache":
         sched.fast_step = False
@@ -122,6 +134,9 @@ def run_decode(
         step += 1
     arrivals = iter(_requests(steps, running, seed, lc.hash_block_size, mixed))
     times: list[int] = []
+    # Steps scheduled whose update_from_output is due (async: the engine's batch queue).
+    pending: deque[tuple[Any, Any]] = deque()
+    depth = 2 if async_scheduling else 1
     gc.collect()
     gc.freeze()
     try:
@@ -131,9 +146,11 @@ def run_decode(
             t0 = time.thread_time_ns()
             out = sched.schedule()
             t1 = time.thread_time_ns()
-            runner_out = _runner_output(out, step, sched.requests, mixed)
+            pending.append((out, _runner_output(out, step, sched.requests, mixed)))
+            eco: dict[int, Any] = {}
             t2 = time.thread_time_ns()
-            eco = sched.update_from_output(out, runner_out)
+            if len(pending) >= depth:
+                eco = sched.update_from_output(*pending.popleft())
             t3 = time.thread_time_ns()
             times.append((t1 - t0) + (t3 - t2))
             step += 1
@@ -144,6 +161,8 @@ def run_decode(
                 summary = repr((summarize_output(out), tokens)).encode()
                 check.append(hashlib.sha256(summary).hexdigest())
                 del tokens, summary
+        while pending:
+            sched.update_from_output(*pending.popleft())
     finally:
         gc.unfreeze()
     return times
@@ -158,6 +177,7 @@ def bench_decode(
     kv_events: bool = False,
     mixed: bool = False,
     seed: int = 0,
+    async_scheduling: bool = False,
 ) -> dict[str, float]:
     """Median whole-step µs of each side (:data:`SIDES`) and the ratios to stock vLLM;
     raises ``RuntimeError`` if the sides' decisions or outputs differ at any step."""
@@ -176,6 +196,7 @@ def bench_decode(
                 mixed=mixed,
                 seed=seed,
                 check=seen[side],
+                async_scheduling=async_scheduling,
             )
         for side in SIDES[1:]:
             if seen[side] != seen["vllm"]:

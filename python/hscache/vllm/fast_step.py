@@ -1,4 +1,4 @@
-"""The steady decode step's fast path inside ``hscache.vllm.Scheduler`` (vLLM 0.33).
+"""The steady decode step's fast path inside ``hscache.vllm.Scheduler`` (vLLM 0.33, 0.32, 0.30).
 
 vLLM's ``Scheduler`` spends ~10 µs of Python per running request per step in the
 ``schedule()`` loop body, ``_make_cached_request_data``, ``_update_after_schedule`` and
@@ -25,8 +25,10 @@ rare events (preemption, stats), and hands everything else to vLLM's code unchan
 
 ``HSCACHE_FAST_STEP=0`` turns it off; it is on only for the vLLM versions whose profile
 says so (``VllmProfile.fast_step``: the versions whose differential,
-``tests/scheduler/test_scheduler_fast_path.py``, passes). ``BROKEN_RULES`` is the test-only switch
-that breaks one rule at a time (the mutants the differential must catch).
+``tests/scheduler/test_scheduler_fast_path.py``, passes); what those versions' schedulers
+do differently comes from the profile's fields (``docs/fast_step.md``). ``BROKEN_RULES``
+is the test-only switch that breaks one rule at a time (the mutants the differential must
+catch).
 """
 
 from __future__ import annotations
@@ -69,6 +71,10 @@ RULES = (
     "stop_length",  # max_tokens / max_model_len stop the request
     "repetition",  # repetition detection is vLLM's to decide
     "logprobs",  # a request asking for logprobs is vLLM's to serve
+    # AsyncScheduler only:
+    "output_placeholders",  # scheduling adds the token's output placeholder
+    "async_last_step",  # a request sure to reach max_tokens is not scheduled again
+    "resolve_placeholder",  # a sampled token resolves its output placeholder
 )
 
 BROKEN_RULES: set[str] = set()
@@ -82,16 +88,23 @@ def enabled() -> bool:
     return _PROFILE.fast_step and flag not in ("0", "false", "no", "off")
 
 
+def _nothing_waiting(sched: Any) -> bool:
+    """No request in any of the version's waiting queues."""
+    if _PROFILE.kv_holding_queues:
+        return not (sched.waiting or sched.kv_holding_waiting or sched.deferred_waiting)
+    return not (sched.waiting or sched.skipped_waiting)
+
+
 def _step_applies(sched: Any) -> bool:
     """The step-level conditions of :func:`schedule` (cheap attribute reads)."""
     return (
         bool(sched.running)
-        and ("waiting" in BROKEN_RULES or not (sched.waiting or sched.kv_holding_waiting))
-        and not sched.deferred_waiting
+        and ("waiting" in BROKEN_RULES or _nothing_waiting(sched))
         and sched._pause_state == PauseState.UNPAUSED
         and sched.connector is None
         and sched.ec_connector is None
-        and sched.aux_output_connector is None
+        and (not _PROFILE.aux_output_connector or sched.aux_output_connector is None)
+        and not (_PROFILE.routed_experts_in_scheduler and sched.enable_return_routed_experts)
         and sched.vllm_config.speculative_config is None
         and sched.num_lookahead_tokens == 0
         and sched.num_prefill_lookahead == 0
@@ -105,31 +118,44 @@ def _step_applies(sched: Any) -> bool:
     )
 
 
-def _all_plain_decodes(sched: Any, step: int) -> bool:
+def _all_plain_decodes(sched: Any, step: int, is_async: bool) -> bool:
     """Every running request schedules exactly its one decode token this step.
+
+    With async scheduling the token to compute may be the placeholder of the previous
+    step's output (``num_output_placeholders``); a request whose in-flight output is sure
+    to reach ``max_tokens`` is one vLLM skips, so the step is vLLM's to serve.
 
     The ``max_model_len`` room is a defensive check: in a synchronous step without
     drafts a request that reached ``max_model_len`` has stopped (``check_stop``)."""
     room = sched.max_model_len - sched.num_sampled_tokens_per_step
     any_len = "plain_decode" in BROKEN_RULES
+    last_step = "async_last_step" not in BROKEN_RULES
     for r in sched.running:
+        placeholders = r.num_output_placeholders
         if (
-            r.num_output_placeholders
+            (placeholders and not is_async)
             or (r.is_prefill_chunk and not any_len)
             or r.spec_token_ids
             or r.mm_features
             or r.structured_output_request is not None
             or step < r.next_decode_eligible_step
-            or (len(r._all_token_ids) - r.num_computed_tokens != 1 and not any_len)
+            or (len(r._all_token_ids) + placeholders - r.num_computed_tokens != 1 and not any_len)
             or r.num_computed_tokens >= room
+        ):
+            return False
+        if (
+            placeholders
+            and last_step
+            and r.num_computed_tokens + 2 - placeholders >= r.num_prompt_tokens + r.max_tokens
         ):
             return False
     return True
 
 
-def schedule(sched: Any, throttle_prefills: bool) -> SchedulerOutput | None:
+def schedule(sched: Any, throttle_prefills: bool, is_async: bool = False) -> SchedulerOutput | None:
     """vLLM's ``schedule()`` for a steady decode step, or ``None`` (nothing changed)
-    when the step is not one."""
+    when the step is not one. ``is_async``: ``sched`` is an ``AsyncScheduler`` (its
+    ``_update_after_schedule`` adds output placeholders)."""
     if not _step_applies(sched):
         return None
     running: list[Request] = sched.running
@@ -139,7 +165,7 @@ def schedule(sched: Any, throttle_prefills: bool) -> SchedulerOutput | None:
     ):
         return None
     step = sched.current_step + 1
-    if not _all_plain_decodes(sched, step):
+    if not _all_plain_decodes(sched, step, is_async):
         return None
 
     # From here on the step is served: the same state changes as vLLM's, in its order.
@@ -150,7 +176,8 @@ def schedule(sched: Any, throttle_prefills: bool) -> SchedulerOutput | None:
     # Every running request is a decode, so "any running decode" is "any running".
     defer_prefills = throttle_prefills and not sched.prefill_capacity_bound
     if (
-        not defer_prefills
+        _PROFILE.prefill_cadence
+        and not defer_prefills
         and sched.local_prefill_interval > 1
         and not sched.prefill_capacity_bound
         and (sched.num_executed_steps + 1) - sched.last_prefill_step < sched.local_prefill_interval
@@ -162,7 +189,8 @@ def schedule(sched: Any, throttle_prefills: bool) -> SchedulerOutput | None:
     scheduled: list[Request] = []
     new_block_ids: list[Any] = []
     preempted = False
-    drafts_needed = not sched.can_skip_drafts
+    skip_drafts = _PROFILE.skip_drafts
+    drafts_needed = not skip_drafts or not sched.can_skip_drafts
     i = 0
     while i < len(running):
         request = running[i]
@@ -188,11 +216,14 @@ def schedule(sched: Any, throttle_prefills: bool) -> SchedulerOutput | None:
     # The waiting queues are empty: vLLM's admission loop admits nothing, and records
     # whether admissions were capacity-bound on a step it does not defer.
     if not preempted and not defer_prefills and "capacity_bound" not in BROKEN_RULES:
-        _, num_waiting = sched.get_request_counts()
-        sched.prefill_capacity_bound = num_waiting > len(sched.deferred_waiting)
+        if _PROFILE.kv_holding_queues:
+            _, num_waiting = sched.get_request_counts()
+            sched.prefill_capacity_bound = num_waiting > len(sched.deferred_waiting)
+        else:
+            sched.prefill_capacity_bound = bool(sched.waiting)
 
     total = len(scheduled)
-    if total > 0:
+    if total > 0 and _PROFILE.prefill_cadence:
         sched.num_executed_steps += 1
 
     req_ids = [r.request_id for r in scheduled]
@@ -213,8 +244,18 @@ def schedule(sched: Any, throttle_prefills: bool) -> SchedulerOutput | None:
         all_token_ids=all_token_ids,
         new_block_ids=new_block_ids,
         num_computed_tokens=[r.num_computed_tokens for r in scheduled],
-        num_output_tokens=[len(r._output_token_ids) for r in scheduled],
+        num_output_tokens=[len(r._output_token_ids) + r.num_output_placeholders for r in scheduled],
     )
+    # The fields only some versions' SchedulerOutput has.
+    extra: dict[str, Any] = {}
+    if _PROFILE.counts_common_prefix_blocks:
+        extra["num_common_prefix_blocks"] = (
+            manager.get_num_common_prefix_blocks(running[0].request_id)
+            if running
+            else [0] * len(sched.kv_cache_config.kv_cache_groups)
+        )
+    if skip_drafts:
+        extra["skip_drafts"] = not drafts_needed
     manager.take_boundary_state_offloads()
     copies, retained = manager.take_kv_cache_block_copies()
     if copies:
@@ -223,6 +264,12 @@ def schedule(sched: Any, throttle_prefills: bool) -> SchedulerOutput | None:
     if sched.log_stats and sched.observability_config.enable_logging_iteration_details:
         encoder_input_stats = sched._make_scheduled_encoder_input_stats({})
     encoder_cache = sched.encoder_cache_manager
+    # vLLM's order: freed hashes, encoder input updates, blocks to zero.
+    freed_mm_hashes = encoder_cache.get_freed_mm_hashes()
+    if _PROFILE.encoder_input_updates:
+        extra["encoder_input_updates"] = sched._get_encoder_input_updates(
+            num_scheduled_tokens, [], {}
+        )
     out = SchedulerOutput(
         scheduled_new_reqs=[],
         scheduled_cached_reqs=cached,
@@ -233,15 +280,14 @@ def schedule(sched: Any, throttle_prefills: bool) -> SchedulerOutput | None:
         scheduled_encoder_input_stats=encoder_input_stats,
         preempted_req_ids=sched.reset_preempted_req_ids,
         finished_req_ids=sched.finished_req_ids,
-        free_encoder_mm_hashes=encoder_cache.get_freed_mm_hashes(),
-        encoder_input_updates=sched._get_encoder_input_updates(num_scheduled_tokens, [], {}),
+        free_encoder_mm_hashes=freed_mm_hashes,
         new_block_ids_to_zero=sched._get_new_block_ids_to_zero(),
         has_sync_kv_loads=False,
         kv_cache_block_copies=copies or None,
         kv_connector_block_state=None,
         num_spec_tokens_to_schedule=sched.num_spec_tokens,
-        skip_drafts=not drafts_needed,
         ec_manager_metadata=encoder_cache.get_manager_metadata(),
+        **extra,
     )
 
     # vLLM's _update_after_schedule for one decode token each.
@@ -254,9 +300,28 @@ def schedule(sched: Any, throttle_prefills: bool) -> SchedulerOutput | None:
         r.is_prefill_chunk = False
         if inflight_prefills:
             inflight_prefills.discard(r)
+    if is_async:
+        _async_after_schedule(sched, scheduled, out)
     sched.finished_req_ids = set()
     sched.reset_preempted_req_ids = set()
     return out
+
+
+def _async_after_schedule(sched: Any, scheduled: list[Request], out: SchedulerOutput) -> None:
+    """``AsyncScheduler._update_after_schedule``'s part for decodes: each gets the
+    placeholder of the token it samples, and the step's (empty) draft placeholders.
+    Without pipeline parallelism (a step condition) the decode stagger is 1."""
+    placeholders: list[int] = [-1] * out.num_spec_tokens_to_schedule
+    sched._spec_token_placeholders = placeholders
+    per_step = sched.num_sampled_tokens_per_step
+    if "output_placeholders" in BROKEN_RULES:
+        per_step = 0
+    next_step = sched.current_step + 1 if sched.use_v2_model_runner else None
+    for r in scheduled:
+        r.num_output_placeholders += per_step
+        r.spec_token_ids = placeholders
+        if next_step is not None:
+            r.next_decode_eligible_step = next_step
 
 
 def certainly_continues(request: Request, token: int, max_model_len: int) -> bool:
@@ -287,10 +352,11 @@ def _update_applies(sched: Any, output: Any) -> bool:
         and output.pooler_output is None
         and not output.num_nans_in_logits
         and not sched.grammar_compile_error_reqs
-        and not sched.encoder_cache_mismatch_reqs
+        and not (_PROFILE.encoder_cache_mismatch and sched.encoder_cache_mismatch_reqs)
         and sched.ec_connector is None
         and sched.connector is None
-        and sched.aux_output_connector is None
+        and (not _PROFILE.aux_output_connector or sched.aux_output_connector is None)
+        and not (_PROFILE.routed_experts_in_scheduler and sched.enable_return_routed_experts)
         and not sched.return_sampling_mask
         and not sched.defer_block_free
         and not sched.num_spec_tokens
@@ -301,12 +367,17 @@ def _update_applies(sched: Any, output: Any) -> bool:
 
 
 def split_update(
-    sched: Any, scheduler_output: SchedulerOutput, output: Any
+    sched: Any, scheduler_output: SchedulerOutput, output: Any, is_async: bool = False
 ) -> tuple[SchedulerOutput, dict[str, EngineCoreOutput]] | None:
     """Serves the steady requests of ``update_from_output``: appends each one's sampled
     token and builds its ``EngineCoreOutput``. Returns the ``SchedulerOutput`` that
     vLLM's ``update_from_output`` must still process (the others), and the outputs
-    built, by request id; ``None`` (nothing changed) when the step is not served."""
+    built, by request id; ``None`` (nothing changed) when the step is not served.
+
+    ``is_async`` (an ``AsyncScheduler``): a steady request's output also resolves its
+    placeholder and caches its blocks, as vLLM does per request in scheduling order;
+    so that the manager sees those calls in vLLM's order, only the steady requests
+    before the first one vLLM must serve are taken."""
     if not _update_applies(sched, output):
         return None
     sampled = output.sampled_token_ids
@@ -317,12 +388,20 @@ def split_update(
     max_model_len = sched.max_model_len
     wants_logprobs = output.logprobs is not None and "logprobs" not in BROKEN_RULES
     prompt_logprobs = output.prompt_logprobs_dict
-    prompt_token_logprobs = output.prompt_token_id_logprobs_dict
+    prompt_token_logprobs = (
+        output.prompt_token_id_logprobs_dict if _PROFILE.prompt_token_id_logprobs else {}
+    )
     spec = scheduler_output.scheduled_spec_decode_tokens
     # Every request must belong to client 0: vLLM attaches the step's stats and
     # finished ids by the order clients first appear.
     steady: list[tuple[Request, list[int]]] = []
     rest: dict[str, int] = {}
+    # Async: after the first request vLLM serves, every request is vLLM's. (Not a
+    # mutant rule: the next schedule()'s allocate_slots has already cached what these
+    # cache_blocks calls could, so the differential cannot see their order; kept so
+    # that the manager gets vLLM's call order whatever it does with it.)
+    prefix_only = is_async
+    prefix_ended = False
     for req_id, n in scheduler_output.num_scheduled_tokens.items():
         request = requests.get(req_id)
         if request is None:
@@ -330,13 +409,16 @@ def split_update(
             continue
         if request.client_index != 0:
             return None
+        if prefix_ended:
+            rest[req_id] = n
+            continue
         tokens = sampled[index[req_id]]
         if (
             n == 1
             and len(tokens) == 1
             and request.status == RequestStatus.RUNNING
             and not request.num_stale_output_tokens
-            and not request.num_output_placeholders
+            and (is_async or not request.num_output_placeholders)
             and not request.mm_features
             and request.structured_output_request is None
             and request.pooling_params is None
@@ -350,12 +432,26 @@ def split_update(
             steady.append((request, tokens))
         else:
             rest[req_id] = n
+            if prefix_only:
+                if not steady:
+                    return None
+                prefix_ended = True
     if not steady:
         return None
     built: dict[str, EngineCoreOutput] = {}
+    cache_blocks = sched.kv_cache_manager.cache_blocks
+    resolve = 1 if "resolve_placeholder" not in BROKEN_RULES else 0
     for request, tokens in steady:
         request.num_in_flight_tokens -= 1
         request.append_output_token_ids(tokens[0])
+        if request.num_output_placeholders:
+            # vLLM's (0.33: update_from_output; 0.32, 0.30: the AsyncScheduler's
+            # _update_request_with_output) for a running request's output.
+            request.num_output_placeholders -= resolve
+            if _PROFILE.async_cache_blocks_in_scheduler:
+                cache_blocks(request, request.num_computed_tokens - request.num_in_flight_tokens)
+            else:
+                cache_blocks(request, request.num_computed_tokens - request.num_output_placeholders)
         built[request.request_id] = EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=tokens,

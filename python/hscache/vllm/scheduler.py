@@ -109,4 +109,30 @@ class Scheduler(HscacheSchedulerMixin, _VllmScheduler):
 
 
 class AsyncScheduler(HscacheSchedulerMixin, _VllmAsyncScheduler):
-    """vLLM's ``AsyncScheduler`` with hscache's KV-cache and encoder-cache managers."""
+    """vLLM's ``AsyncScheduler`` with hscache's KV-cache and encoder-cache managers, and
+    the steady decode step's fast path with vLLM's async semantics (output placeholders)
+    where the profile enables it and ``HSCACHE_FAST_STEP`` is not ``0``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fast_step = fast_step.enabled()
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        if self.fast_step:
+            out = fast_step.schedule(self, throttle_prefills, is_async=True)
+            if out is not None:
+                return out
+        return super().schedule(throttle_prefills)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        if self.fast_step:
+            split = fast_step.split_update(
+                self, scheduler_output, model_runner_output, is_async=True
+            )
+            if split is not None:
+                rest, built = split
+                outputs = super().update_from_output(rest, model_runner_output)
+                return fast_step.merge_outputs(scheduler_output, outputs, built)
+        return super().update_from_output(scheduler_output, model_runner_output)

@@ -127,8 +127,33 @@ class VllmProfile:
     """``hscache.vllm.Scheduler`` serves steady decode steps with its fast path
     (``hscache.vllm.fast_step``): the versions whose scheduler-level differential with
     the fast path on (``tests/scheduler/test_scheduler_fast_path.py``) passes. The fast path
-    follows vLLM 0.33's ``schedule()`` / ``update_from_output()``; 0.32 and 0.30 run
-    vLLM's code for every step."""
+    follows each version's ``schedule()`` / ``update_from_output()`` by the fields below."""
+    prefill_cadence: bool = True
+    """``schedule()`` keeps the local prefill cadence (``local_prefill_interval``) and its
+    counters ``num_executed_steps`` / ``last_prefill_step`` (0.33); 0.32 and 0.30 have
+    none of them."""
+    skip_drafts: bool = True
+    """``SchedulerOutput.skip_drafts``, from the scheduler's ``can_skip_drafts`` and
+    ``_drafts_unused`` (0.33); 0.32 and 0.30 have no such field."""
+    encoder_input_updates: bool = True
+    """``SchedulerOutput.encoder_input_updates`` (``_get_encoder_input_updates``, 0.33);
+    0.32 and 0.30 have no such field."""
+    kv_holding_queues: bool = True
+    """The waiting side is ``waiting`` + ``kv_holding_waiting`` + ``deferred_waiting``, and a
+    step that does not defer prefills records ``prefill_capacity_bound`` as "more waiting
+    than deferred" (0.33, 0.32); 0.30 has ``waiting`` + ``skipped_waiting`` and records
+    ``bool(waiting)``."""
+    aux_output_connector: bool = True
+    """The scheduler has an ``aux_output_connector`` (0.33, 0.32); 0.30 has none."""
+    routed_experts_in_scheduler: bool = False
+    """The scheduler itself snapshots and returns routed experts
+    (``enable_return_routed_experts``, 0.30); 0.32 / 0.33 do it through the aux output
+    connector."""
+    prompt_token_id_logprobs: bool = True
+    """``ModelRunnerOutput.prompt_token_id_logprobs_dict`` exists (0.33, 0.32)."""
+    encoder_cache_mismatch: bool = True
+    """The scheduler rejects requests on an encoder-cache embedding mismatch
+    (``encoder_cache_mismatch_reqs``, 0.33, 0.32)."""
     extra_keys_form: str = "tagged"
     """How block-hash extra keys are written, handed to the core's block hasher
     (``RequestBlockHasher(extra_keys=...)``, ``ExtraKeysForm`` in ``src/extra_keys.rs``):
@@ -163,6 +188,10 @@ _V032 = VllmProfile(
     null_block_ref_counted=True,
     mamba_caching_needs_align=False,
     async_cache_blocks_in_scheduler=False,
+    prefill_cadence=False,
+    skip_drafts=False,
+    encoder_input_updates=False,
+    fast_step=True,
 )
 
 _V030 = dataclasses.replace(
@@ -175,6 +204,11 @@ _V030 = dataclasses.replace(
     hisparse_residency_updates=False,
     spec_dcp_sharded_field=False,
     extra_keys_form="untagged",
+    kv_holding_queues=False,
+    aux_output_connector=False,
+    routed_experts_in_scheduler=True,
+    prompt_token_id_logprobs=False,
+    encoder_cache_mismatch=False,
 )
 
 _RELEASE = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)(.*)$")
