@@ -9,8 +9,9 @@ and, for the talker's prefix caching (off upstream, see docs/omni.md), ``talker_
 (``omni`` with the talker's prefix caching on) and ``talker_pc_fixed`` (the same with the
 scaffolding's span-aligned talker inputs, ``HSCACHE_E2E_TALKER_SPAN_FIX=1``).
 Writes a JSON: per request the talker's token ids and the thinker's ``num_cached_tokens``,
-per round its wall time, the stage start time, and the probe records (who served the
-caches, their counters) of every engine process. Checks live in
+per round its kind, wall time and the thinker scheduler's probe record after it (the
+proof that its hard case happened), the stage start time, and the probe records (who
+served the caches, their counters) of every engine process. Checks live in
 ``test_omni_pipeline.py``. Usage (vLLM 0.30 venv):
 ``python tests/omni_e2e/run_pipeline.py --arm hscache --model DIR --out arm.json``.
 """
@@ -322,6 +323,14 @@ def _abort(omni: Any, probe_dir: Path, rnd: Round, params: list[Any]) -> dict[st
 def run(arm: str, model: Path, out_path: Path, async_scheduling: bool) -> dict[str, Any]:
     # Before vllm-omni is imported: it resolves its platform once per process.
     os.environ.update(arm_env(arm))
+    # This checkout's scaffolding, in this process and the spawned stage engines, whichever
+    # checkout last pip-installed the plugin into the shared venv (its entry points are
+    # the same in every checkout; the modules are found by name).
+    plugin = str(Path(__file__).resolve().parent / "plugin")
+    sys.path.insert(0, plugin)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [plugin, *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
     work = Path(tempfile.mkdtemp(prefix=f"hscache-omni-{arm}-"))
     probe_dir = work / "probe"
     os.environ["HSCACHE_E2E_PROBE_DIR"] = str(probe_dir)
