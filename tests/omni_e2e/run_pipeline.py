@@ -9,8 +9,9 @@ and, for the talker's prefix caching (off upstream, see docs/omni.md), ``talker_
 (``omni`` with the talker's prefix caching on) and ``talker_pc_fixed`` (the same with the
 scaffolding's span-aligned talker inputs, ``HSCACHE_E2E_TALKER_SPAN_FIX=1``).
 Writes a JSON: per request the talker's token ids and the thinker's ``num_cached_tokens``,
-per round its wall time, the stage start time, and the probe records (who served the
-caches, their counters) of every engine process. Checks live in
+per round its kind, wall time and the thinker scheduler's probe record after it (the
+proof that its hard case happened), the stage start time, and the probe records (who
+served the caches, their counters) of every engine process. Checks live in
 ``test_omni_pipeline.py``. Usage (vLLM 0.30 venv):
 ``python tests/omni_e2e/run_pipeline.py --arm hscache --model DIR --out arm.json``.
 """
@@ -47,21 +48,51 @@ def _prefix(seed: int, n: int) -> list[int]:
     return [TEXT_ID_BASE + (seed * 7919 + i * 104729) % 50000 for i in range(n)]
 
 
-def workload() -> list[tuple[bool, list[tuple[str, list[int]]]]]:
-    """Rounds of (name, prompt token ids), each with whether its thinker hits are
-    independent of timing.
+GATE_TOKEN = 999  # the probe holds [GATE_TOKEN, k, ...] prompts until k have arrived
+PREEMPT_MAX_TOKENS = 130  # two 9-block prompts decoding 130 tokens: 28 blocks > 23
+ABORT_MAX_TOKENS = 300  # the aborted request would decode this long; aborted long before
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    """A round of prompts sent in one ``Omni.generate`` call.
+
+    ``kind``: which case it is (``abort`` is sent and aborted by hand, not generated);
+    ``deterministic``: its thinker hits are independent of timing;
+    ``thinker_max_tokens``: the thinker's decode length in this round."""
+
+    kind: str
+    deterministic: bool
+    prompts: list[tuple[str, list[int]]]
+    thinker_max_tokens: int = THINKER_MAX_TOKENS
+
+
+def _gated(k: int, seed: int, n: int) -> list[int]:
+    return [GATE_TOKEN, k, *_prefix(seed, n - 2)]
+
+
+def workload() -> list[Round]:
+    """The rounds.
 
     1. Cold caches: two long shared prefixes (5 and 4 blocks), one prompt twice (its twin
        hits the first's blocks if they were computed before it arrived, or is computed
        beside it in the same step).
     2. Exact repeats of round 1 and new suffixes over the same prefixes (deterministic).
     3. Pressure: four prompts over fresh prefixes, 13 blocks each, in the thinker's pool
-       of 24 blocks (23 usable): every cached block of rounds 1-2 is recycled, and two
-       requests prefilling at once cannot both fit, so running requests are preempted
-       and resumed.
+       of 24 blocks (23 usable): every cached block of rounds 1-2 is recycled (two
+       prefilling at once may not fit: preemption here depends on timing).
     4. Recycled blocks: repeats of round 3's last prompts (hits on blocks whose previous
        tenants were round 1-3's) and of round 1's (recomputed or partly hit).
-    The thinker prefills at most 64 tokens a step: every prompt is a chunked prefill.
+    5. Same step: three identical 40-token prompts, gated by the probe so that all three
+       are scheduled in one step: the second and third hit the first one's block while
+       it is being computed in that very step.
+    6. Preemption: two gated 9-block prompts decoding 130 tokens together: 28 blocks in
+       23, so the later one is preempted and resumed (hitting its own cached blocks).
+    7. Abort: one 101-token prompt decoding up to 300 tokens, aborted through
+       ``Omni.abort`` once the thinker has decoded a few tokens of it.
+    8. After the abort: its prompt again and a new suffix over its first 3 blocks, which
+       hit the blocks (and rows) the aborted request computed (deterministic).
+    The thinker prefills at most 64 tokens a step: every long prompt is a chunked prefill.
     """
     a, b = _prefix(1, 160), _prefix(2, 128)
     round1 = [
@@ -83,7 +114,23 @@ def workload() -> list[tuple[bool, list[tuple[str, list[int]]]]]:
         ("a1_late", round1[0][1]),
         ("b1_late", round1[3][1]),
     ]
-    return [(False, round1), (True, round2), (False, pressure), (False, recycled)]
+    same = _gated(3, 50, 40)
+    x = _prefix(70, 96) + _prefix(71, 5)
+    return [
+        Round("shared", False, round1),
+        Round("repeat", True, round2),
+        Round("pressure", False, pressure),
+        Round("recycled", False, recycled),
+        Round("same_step", True, [("s1", same), ("s2", same), ("s3", same)]),
+        Round(
+            "preempt",
+            True,
+            [("q1", _gated(2, 60, 288)), ("q2", _gated(2, 61, 288))],
+            thinker_max_tokens=PREEMPT_MAX_TOKENS,
+        ),
+        Round("abort", True, [("x", x)], thinker_max_tokens=ABORT_MAX_TOKENS),
+        Round("after_abort", True, [("x_again", x), ("x_branch", x[:96] + _prefix(72, 9))]),
+    ]
 
 
 def register_pipeline() -> None:
@@ -172,13 +219,121 @@ def _stage_outputs(out: Any) -> tuple[int | None, list[int], int | None]:
     return stage, token_ids, getattr(inner, "num_cached_tokens", None)
 
 
+def _params(thinker_max_tokens: int) -> list[Any]:
+    from vllm import SamplingParams
+
+    return [
+        SamplingParams(
+            temperature=0.0, max_tokens=thinker_max_tokens, repetition_penalty=1.1, seed=42
+        ),
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=TALKER_MAX_TOKENS,
+            repetition_penalty=1.05,
+            seed=42,
+            stop_token_ids=[8294],
+        ),
+    ]
+
+
+def _generate(omni: Any, rnd: Round, params: list[Any]) -> dict[str, Any]:
+    """One ``Omni.generate`` call with all the round's prompts (submitted together)."""
+    outs = omni.generate(
+        [{"prompt_token_ids": ids} for _, ids in rnd.prompts], params, use_tqdm=False
+    )
+    by_req: dict[str, dict[str, Any]] = {}
+    order = {}
+    for out in outs:
+        stage, token_ids, cached = _stage_outputs(out)
+        rec = by_req.setdefault(out.request_id, {})
+        if stage == 0:
+            rec["thinker_token_ids"] = token_ids
+            rec["thinker_num_cached_tokens"] = cached
+        else:
+            rec["talker_token_ids"] = token_ids
+            rec["talker_num_cached_tokens"] = cached
+        order[out.request_id] = int(str(out.request_id).split("_", 1)[0])
+    requests = {}
+    for req_id, rec in by_req.items():
+        name, ids = rnd.prompts[order[req_id]]
+        requests[name] = {**rec, "prompt_len": len(ids)}
+    return requests
+
+
+def _thinker_record(probe_dir: Path) -> dict[str, Any]:
+    """The thinker scheduler's latest probe record ({} before the probe wrote one)."""
+    for path in sorted(probe_dir.glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        for sched in record["schedulers"]:
+            if sched["stage"] == "thinker":
+                return dict(sched)
+    return {}
+
+
+def _wait_for(probe_dir: Path, what: str, ok: Any, timeout_s: float = 120.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        record = _thinker_record(probe_dir)
+        if record and ok(record):
+            return record
+        time.sleep(0.05)
+    raise TimeoutError(f"the thinker never showed {what}: {_thinker_record(probe_dir)}")
+
+
+def _abort(omni: Any, probe_dir: Path, rnd: Round, params: list[Any]) -> dict[str, Any]:
+    """Submits the round's one prompt as ``Omni.generate`` does, waits (by the probe) until
+    the thinker is decoding it, aborts it through ``Omni.abort`` (vllm-omni's abort path:
+    orchestrator, then each stage's engine core), and waits until the thinker has
+    finished it and holds no KV block. Records what the probe saw then."""
+    ((name, ids),) = rnd.prompts
+    req_id = f"0_abort-{name}"
+    params = omni._maybe_force_final_only_for_llm_stages(params)
+    final = omni._compute_final_stage_id(None)
+    before = _thinker_record(probe_dir).get("aborted", 0)
+    omni.engine.add_request(
+        request_id=req_id,
+        prompt={"prompt_token_ids": ids},
+        sampling_params_list=params,
+        final_stage_id=final,
+        final_output_stage_ids=omni._compute_final_output_stage_ids(None) or [final],
+    )
+    decoding = _wait_for(
+        probe_dir,
+        f"{req_id} decoding",
+        lambda r: r.get("running", {}).get(req_id, 0) >= len(ids) + 4,
+    )
+    omni.abort([req_id])
+    done = _wait_for(
+        probe_dir,
+        f"{req_id} aborted and freed",
+        lambda r: r.get("aborted", 0) > before and r["unfinished"] == 0 and r["kv_usage"] == 0,
+    )
+    return {
+        name: {
+            "aborted_at_computed_tokens": decoding["running"][req_id],
+            "aborted_blocks": done.get("aborted_blocks", 0),
+            "prompt_len": len(ids),
+        }
+    }
+
+
 def run(arm: str, model: Path, out_path: Path, async_scheduling: bool) -> dict[str, Any]:
     # Before vllm-omni is imported: it resolves its platform once per process.
     os.environ.update(arm_env(arm))
+    # This checkout's scaffolding, in this process and the spawned stage engines, whichever
+    # checkout last pip-installed the plugin into the shared venv (its entry points are
+    # the same in every checkout; the modules are found by name).
+    plugin = str(Path(__file__).resolve().parent / "plugin")
+    sys.path.insert(0, plugin)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [plugin, *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
     work = Path(tempfile.mkdtemp(prefix=f"hscache-omni-{arm}-"))
     probe_dir = work / "probe"
     os.environ["HSCACHE_E2E_PROBE_DIR"] = str(probe_dir)
-    from vllm import SamplingParams
     from vllm_omni import Omni
 
     register_pipeline()
@@ -194,42 +349,23 @@ def run(arm: str, model: Path, out_path: Path, async_scheduling: bool) -> dict[s
     omni = Omni(model=str(model), deploy_config=str(deploy), log_stats=False)
     result["start_s"] = time.perf_counter() - t0
     try:
-        params = [
-            SamplingParams(
-                temperature=0.0, max_tokens=THINKER_MAX_TOKENS, repetition_penalty=1.1, seed=42
-            ),
-            SamplingParams(
-                temperature=0.0,
-                max_tokens=TALKER_MAX_TOKENS,
-                repetition_penalty=1.05,
-                seed=42,
-                stop_token_ids=[8294],
-            ),
-        ]
-        for deterministic, prompts in workload():
+        for rnd in workload():
+            params = _params(rnd.thinker_max_tokens)
             t = time.perf_counter()
-            outs = omni.generate(
-                [{"prompt_token_ids": ids} for _, ids in prompts], params, use_tqdm=False
-            )
+            if rnd.kind == "abort":
+                requests = _abort(omni, probe_dir, rnd, params)
+            else:
+                requests = _generate(omni, rnd, params)
             wall = time.perf_counter() - t
-            by_req: dict[str, dict[str, Any]] = {}
-            order = {}
-            for out in outs:
-                stage, token_ids, cached = _stage_outputs(out)
-                rec = by_req.setdefault(out.request_id, {})
-                if stage == 0:
-                    rec["thinker_token_ids"] = token_ids
-                    rec["thinker_num_cached_tokens"] = cached
-                else:
-                    rec["talker_token_ids"] = token_ids
-                    rec["talker_num_cached_tokens"] = cached
-                order[out.request_id] = int(str(out.request_id).split("_", 1)[0])
-            requests = {}
-            for req_id, rec in by_req.items():
-                name, ids = prompts[order[req_id]]
-                requests[name] = {**rec, "prompt_len": len(ids)}
+            time.sleep(0.5)  # the probe's record after the round
             result["rounds"].append(
-                {"wall_s": wall, "requests": requests, "deterministic": deterministic}
+                {
+                    "kind": rnd.kind,
+                    "wall_s": wall,
+                    "requests": requests,
+                    "deterministic": rnd.deterministic,
+                    "thinker": _thinker_record(probe_dir),
+                }
             )
         time.sleep(1.0)  # the probe threads write every 0.2 s
         result["probes"] = [json.loads(p.read_text()) for p in sorted(probe_dir.glob("*.json"))]

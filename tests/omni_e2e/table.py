@@ -2,7 +2,9 @@
 
 One row per arm: requests served, the thinker's and the talker's cached tokens (all
 rounds), how many requests' talker tokens equal the cold run's, the thinker's preemptions,
-stage-engine start and per-round wall times.
+the most identical prompts it scheduled in one step (and how many hit a twin's blocks
+then), the requests it aborted (and the KV blocks they held), stage-engine start and
+per-round wall times.
 Usage: ``python tests/omni_e2e/table.py RESULTS_DIR``.
 """
 
@@ -19,6 +21,7 @@ def _talker(arm: dict[str, Any]) -> dict[tuple[int, str], list[int]]:
         (i, name): rec["talker_token_ids"]
         for i, rnd in enumerate(arm["rounds"])
         for name, rec in rnd["requests"].items()
+        if "talker_token_ids" in rec  # not the aborted request
     }
 
 
@@ -33,7 +36,13 @@ def rows(results: Path) -> list[list[str]]:
             if not path.exists():
                 continue
             arm = json.loads(path.read_text())
-            reqs = [r for rnd in arm["rounds"] for r in rnd["requests"].values()]
+            reqs = [
+                r
+                for rnd in arm["rounds"]
+                for r in rnd["requests"].values()
+                if "talker_token_ids" in r
+            ]
+            thinker = arm["rounds"][-1].get("thinker", {})
             talker = _talker(arm)
             same = sum(talker[k] == cold.get(k) for k in talker)
             out.append(
@@ -52,6 +61,8 @@ def rows(results: Path) -> list[list[str]]:
                             if s["stage"] == "thinker"
                         )
                     ),
+                    f"{thinker.get('same_step_max', 0)} ({thinker.get('same_step_hits', 0)})",
+                    f"{thinker.get('aborted', 0)} ({thinker.get('aborted_blocks', 0)})",
                     f"{arm['start_s']:.0f} s",
                     " / ".join(f"{r['wall_s']:.2f} s" for r in arm["rounds"]),
                 ]
@@ -68,6 +79,8 @@ def main(argv: list[str]) -> int:
         "talker cached tokens",
         "talker tokens = cold",
         "thinker preemptions",
+        "same-step twins (hits)",
+        "aborted (blocks held)",
         "stage start",
         "wall per round",
     ]

@@ -1,13 +1,16 @@
 """Checks of hscache's vllm-omni end-to-end run (``scripts/omni_e2e.sh``), read from its JSONs.
 
-Each arm of ``run_pipeline.py`` served the same two rounds of prompts through a real
+Each arm of ``run_pipeline.py`` served the same rounds of prompts through a real
 thinker -> talker pipeline (vllm-omni 0.30 on vLLM 0.30, CPU). Here: the talker's tokens of
 every request, fed the thinker's hidden states, equal the cold run's (thinker prefix caching
-off) with vllm-omni's cache and with hscache's; the thinker's cached tokens are the same
-under vLLM's and hscache's KV-cache managers, and round 2 really hit; and in the hscache arm
-hscache served both parts (its KV-cache manager in the thinker's scheduler, its
-hidden-state cache in the thinker's runner, nonzero counters, rows served from the cache),
-``HSCACHE_STRICT=1`` ruling out a fallback. ``HSCACHE_OMNI_E2E_RESULTS`` names the folder
+off) with vllm-omni's cache and with hscache's, preemption included; the hard cases
+really happened in every arm (identical prompts scheduled in one step and hitting each
+other's blocks, a preemption, an abort of a request holding blocks, then freed); the
+thinker's cached tokens are the same under vLLM's and hscache's KV-cache managers, and the
+repeat rounds really hit; and in the hscache arm hscache served both parts (its
+KV-cache manager in the thinker's scheduler, its hidden-state cache in the thinker's
+runner, nonzero counters, rows served from the cache), ``HSCACHE_STRICT=1`` ruling out a
+fallback. ``HSCACHE_OMNI_E2E_RESULTS`` names the folder
 of ``<arm>.json`` files (``cold``, ``omni``, ``hscache``, optionally with a ``-sync``
 suffix for ``async_scheduling: false``); without it the module is skipped.
 """
@@ -39,12 +42,22 @@ def _load(name: str) -> dict[str, Any]:
     return data
 
 
-def _requests(arm: dict[str, Any]) -> dict[tuple[int, str], dict[str, Any]]:
+def _requests(arm: dict[str, Any]) -> dict[tuple[int, str], Any]:
+    """Every generated request by (round, name) (the aborted request has no output)."""
     return {
         (i, name): rec
         for i, rnd in enumerate(arm["rounds"])
+        if rnd.get("kind") != "abort"
         for name, rec in rnd["requests"].items()
     }
+
+
+def _round(arm: dict[str, Any], kind: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The round of that kind, and the thinker's probe record of the round before it."""
+    kinds = [rnd.get("kind") for rnd in arm["rounds"]]
+    assert kind in kinds, kinds
+    i = kinds.index(kind)
+    return arm["rounds"][i], (arm["rounds"][i - 1]["thinker"] if i else {})
 
 
 def _suffixes() -> list[str]:
@@ -78,26 +91,58 @@ def test_talker_tokens_equal_the_cold_run(arm: str, suffix: str) -> None:
         assert warm[key]["talker_token_ids"] == rec["talker_token_ids"], key
 
 
+@pytest.mark.parametrize("name", ["cold", "omni", "hscache"])
+def test_the_hard_cases_happened(name: str, suffix: str) -> None:
+    """The thinker's probe records, round by round, prove each hard case happened."""
+    arm = _load(name + suffix)
+    warm = name != "cold"
+    rnd, before = _round(arm, "same_step")
+    after = rnd["thinker"]
+    # The three identical prompts were scheduled for the first time in one step, and (with
+    # prefix caching) two of them hit the first one's block computed in that step. Cold,
+    # the 64-token budget admits two of them (40 tokens, then a 24-token chunk).
+    assert after["same_step_max"] >= (3 if warm else 2), after
+    hits = after.get("same_step_hits", 0) - before.get("same_step_hits", 0)
+    assert hits == (2 if warm else 0), (before, after)
+    cached = [r["thinker_num_cached_tokens"] for r in rnd["requests"].values()]
+    assert sorted(cached) == ([0, arm["block_size"], arm["block_size"]] if warm else [0] * 3)
+    rnd, before = _round(arm, "preempt")
+    assert rnd["thinker"]["preemptions"] > before.get("preemptions", 0), (before, rnd)
+    rnd, before = _round(arm, "abort")
+    (rec,) = rnd["requests"].values()
+    after = rnd["thinker"]
+    assert rec["aborted_at_computed_tokens"] > rec["prompt_len"], rec  # it was decoding
+    assert after["aborted"] == before.get("aborted", 0) + 1, (before, after)
+    held = after["aborted_blocks"] - before.get("aborted_blocks", 0)
+    assert held * arm["block_size"] >= rec["prompt_len"], (before, after)
+    assert after["unfinished"] == 0 and after["kv_usage"] == 0, after  # all freed
+
+
 def test_thinker_cached_tokens_equal_between_vllm_and_hscache(suffix: str) -> None:
     """Hits that do not depend on timing are equal; the others are whole blocks.
 
     Requests reach the thinker one by one while it steps, so whether a round-1 request
-    finds its twin's blocks already computed depends on timing; round 2 (``deterministic``)
-    only repeats and continues prefixes that round 1 left cached."""
+    finds its twin's blocks already computed depends on timing; the ``deterministic``
+    rounds only repeat and continue prefixes left cached (round 2; after the abort, the
+    aborted request's), or are gated by the probe (same step, preemption)."""
+    min_hits = {"repeat": 4, "after_abort": 3}
     arms = {name: _load(name + suffix) for name in ("cold", "omni", "hscache")}
     block = arms["hscache"]["block_size"]
     for name, arm in arms.items():
         for rnd in arm["rounds"]:
+            if rnd.get("kind") == "abort":
+                continue
             for req, rec in rnd["requests"].items():
                 cached = rec["thinker_num_cached_tokens"]
                 assert cached % block == 0 and cached < rec["prompt_len"], (name, req, cached)
                 assert name != "cold" or cached == 0, (req, cached)
     for i, rnd in enumerate(arms["omni"]["rounds"]):
-        if not rnd["deterministic"]:
+        if not rnd["deterministic"] or rnd.get("kind") == "abort":
             continue
         ours = arms["hscache"]["rounds"][i]["requests"]
         for req, rec in rnd["requests"].items():
-            assert rec["thinker_num_cached_tokens"] >= 4 * block, (req, rec)
+            hit = min_hits.get(rnd.get("kind", "repeat"), 0) * block
+            assert rec["thinker_num_cached_tokens"] >= hit, (req, rec)
             assert ours[req]["thinker_num_cached_tokens"] == rec["thinker_num_cached_tokens"], req
 
 

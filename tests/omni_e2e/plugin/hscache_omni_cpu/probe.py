@@ -5,10 +5,18 @@ engines included. With ``HSCACHE_E2E_PROBE_DIR`` set it records each vLLM ``Sche
 and each hidden-state prefix cache (vllm-omni's ``OmniPrefixCacheManager`` or hscache's
 ``OmniHiddenStateCache``) built in the process, and a daemon thread rewrites
 ``<dir>/<pid>.json`` a few times a second: per scheduler its stage, class and KV-cache
-manager class and how many requests it preempted; per prefix cache its class and
-counters; and ``hscache.stats()``
-(``HSCACHE_STATS=1``). Stage processes end by signal, so a periodic file is the record
-that survives them; the driver reads it after a short wait.
+manager class, how many requests it preempted, the most requests with one same prompt
+it scheduled for the first time in one step and how many of those hit blocks (a
+same-step twin's), the requests it aborted and the KV blocks they held then, its running
+requests' computed tokens, unfinished requests and KV usage; per prefix cache its class
+and counters; and ``hscache.stats()`` (``HSCACHE_STATS=1``). Stage processes end by
+signal, so a periodic file is the record that survives them; the driver reads it after a
+short wait.
+
+It also *gates* arrivals, to make same-step cases deterministic: a prompt whose first
+token is :data:`GATE_TOKEN` and second a count ``k`` is held back from the scheduler until
+``k`` such prompts have arrived, then all are added at once (so they are scheduled in the
+same step whatever the timing of their arrival; ``run_pipeline.py`` sends such groups).
 """
 
 from __future__ import annotations
@@ -26,6 +34,84 @@ _schedulers: list[weakref.ref[Any]] = []
 _caches: list[weakref.ref[Any]] = []
 _started = False
 _preemptions: dict[int, int] = {}  # id(scheduler) -> requests it preempted
+GATE_TOKEN = 999  # a gated prompt: [GATE_TOKEN, k, ...] (ids below make_model's fillers)
+_gated: dict[tuple[int, int], list[Any]] = {}  # (id(scheduler), k) -> held requests
+# id(scheduler) -> counters: same_step_max, same_step_hits, aborted, aborted_blocks
+_counters: dict[int, dict[str, int]] = {}
+
+
+def _count(sched: Any, key: str, add: int = 0, at_least: int | None = None) -> None:
+    counters = _counters.setdefault(id(sched), {})
+    counters[key] = counters.get(key, 0) + add
+    if at_least is not None:
+        counters[key] = max(counters[key], at_least)
+
+
+def _gate_arrivals(cls: type) -> None:
+    original = cls.add_request
+    if getattr(original, "hscache_probe", False):
+        return
+
+    def add_request(self: Any, request: Any) -> None:
+        ids = list(getattr(request, "prompt_token_ids", None) or [])[:2]
+        if len(ids) < 2 or ids[0] != GATE_TOKEN:
+            return original(self, request)
+        held = _gated.setdefault((id(self), ids[1]), [])
+        held.append(request)
+        if len(held) < ids[1]:
+            return None
+        del _gated[(id(self), ids[1])]
+        for req in held:
+            original(self, req)
+        return None
+
+    add_request.hscache_probe = True  # type: ignore[attr-defined]
+    cls.add_request = add_request  # type: ignore[attr-defined]
+
+
+def _watch_steps(cls: type) -> None:
+    original = cls.schedule
+    if getattr(original, "hscache_probe", False):
+        return
+
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        groups: dict[tuple[int, ...], list[Any]] = {}
+        for new in getattr(out, "scheduled_new_reqs", None) or []:
+            if new.prompt_token_ids is not None:
+                groups.setdefault(tuple(new.prompt_token_ids), []).append(new)
+        for group in groups.values():
+            _count(self, "same_step_max", at_least=len(group))
+            if len(group) > 1:
+                _count(self, "same_step_hits", sum(g.num_computed_tokens > 0 for g in group))
+        return out
+
+    schedule.hscache_probe = True  # type: ignore[attr-defined]
+    cls.schedule = schedule  # type: ignore[attr-defined]
+
+
+def _watch_aborts(cls: type) -> None:
+    original = cls.finish_requests
+    if getattr(original, "hscache_probe", False):
+        return
+
+    def finish_requests(self: Any, request_ids: Any, finished_status: Any) -> Any:
+        aborted = getattr(finished_status, "name", "") == "FINISHED_ABORTED"
+        if aborted and request_ids is not None:
+            ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+            for req_id in ids:
+                request = self.requests.get(req_id)
+                if request is None or request.is_finished():
+                    continue
+                _count(self, "aborted", 1)
+                if request in self.running:
+                    blocks = self.kv_cache_manager.get_block_ids(req_id)
+                    _count(self, "aborted_blocks", sum(len(b) for b in blocks))
+            return original(self, ids, finished_status)
+        return original(self, request_ids, finished_status)
+
+    finish_requests.hscache_probe = True  # type: ignore[attr-defined]
+    cls.finish_requests = finish_requests  # type: ignore[attr-defined]
 
 
 def _record_instances(cls: type, into: list[weakref.ref[Any]]) -> None:
@@ -82,6 +168,10 @@ def snapshot() -> dict[str, Any]:
                 "kv_cache_manager": _name(manager),
                 "enable_caching": bool(getattr(manager, "enable_caching", False)),
                 "preemptions": _preemptions.get(id(sched), 0),
+                **_counters.get(id(sched), {}),
+                "running": {r.request_id: r.num_computed_tokens for r in list(sched.running)},
+                "unfinished": sched.get_num_unfinished_requests(),
+                "kv_usage": float(getattr(manager, "usage", -1.0)),
             }
         )
     caches = [_cache_report(c) for c in (r() for r in list(_caches)) if c is not None]
@@ -121,6 +211,9 @@ def register() -> None:
 
     _record_instances(Scheduler, _schedulers)
     _count_preemptions(Scheduler)
+    _gate_arrivals(Scheduler)
+    _watch_steps(Scheduler)
+    _watch_aborts(Scheduler)
     try:
         from vllm_omni.core.prefix_cache.manager import OmniPrefixCacheManager
 
