@@ -80,10 +80,12 @@ class HscacheSchedulerMixin:
         )
 
 
-class Scheduler(HscacheSchedulerMixin, _VllmScheduler):
-    """vLLM's synchronous ``Scheduler`` with hscache's KV-cache and encoder-cache managers,
-    and the steady decode step's fast path (``hscache.vllm.fast_step``) where the vLLM
-    version's profile enables it and ``HSCACHE_FAST_STEP`` is not ``0``."""
+class _FastStepMixin:
+    """The steady decode step's fast path (``hscache.vllm.fast_step``) in front of vLLM's
+    ``schedule()`` / ``update_from_output()``, where the vLLM version's profile enables it
+    and ``HSCACHE_FAST_STEP`` is not ``0``; ``_is_async`` selects vLLM's async semantics."""
+
+    _is_async = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -91,48 +93,32 @@ class Scheduler(HscacheSchedulerMixin, _VllmScheduler):
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         if self.fast_step:
-            out = fast_step.schedule(self, throttle_prefills)
+            out = fast_step.schedule(self, throttle_prefills, is_async=self._is_async)
             if out is not None:
                 return out
-        return super().schedule(throttle_prefills)
-
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-    ) -> dict[int, EngineCoreOutputs]:
-        if self.fast_step:
-            split = fast_step.split_update(self, scheduler_output, model_runner_output)
-            if split is not None:
-                rest, built = split
-                outputs = super().update_from_output(rest, model_runner_output)
-                return fast_step.merge_outputs(scheduler_output, outputs, built)
-        return super().update_from_output(scheduler_output, model_runner_output)
-
-
-class AsyncScheduler(HscacheSchedulerMixin, _VllmAsyncScheduler):
-    """vLLM's ``AsyncScheduler`` with hscache's KV-cache and encoder-cache managers, and
-    the steady decode step's fast path with vLLM's async semantics (output placeholders)
-    where the profile enables it and ``HSCACHE_FAST_STEP`` is not ``0``."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.fast_step = fast_step.enabled()
-
-    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
-        if self.fast_step:
-            out = fast_step.schedule(self, throttle_prefills, is_async=True)
-            if out is not None:
-                return out
-        return super().schedule(throttle_prefills)
+        return super().schedule(throttle_prefills)  # type: ignore[misc,no-any-return]
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
         if self.fast_step:
             split = fast_step.split_update(
-                self, scheduler_output, model_runner_output, is_async=True
+                self, scheduler_output, model_runner_output, is_async=self._is_async
             )
             if split is not None:
                 rest, built = split
-                outputs = super().update_from_output(rest, model_runner_output)
+                outputs = super().update_from_output(rest, model_runner_output)  # type: ignore[misc]
                 return fast_step.merge_outputs(scheduler_output, outputs, built)
-        return super().update_from_output(scheduler_output, model_runner_output)
+        return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc,no-any-return]
+
+
+class Scheduler(HscacheSchedulerMixin, _FastStepMixin, _VllmScheduler):
+    """vLLM's synchronous ``Scheduler`` with hscache's KV-cache and encoder-cache managers,
+    and the steady decode step's fast path."""
+
+
+class AsyncScheduler(HscacheSchedulerMixin, _FastStepMixin, _VllmAsyncScheduler):
+    """vLLM's ``AsyncScheduler`` with hscache's KV-cache and encoder-cache managers, and
+    the steady decode step's fast path with vLLM's async semantics (output placeholders)."""
+
+    _is_async = True
