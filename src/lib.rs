@@ -27,6 +27,7 @@ pub mod request_table;
 pub mod shield;
 pub mod slots;
 pub mod stats;
+pub mod step;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod types;
