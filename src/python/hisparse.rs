@@ -23,7 +23,9 @@ use super::convert::count;
 use super::errors::InvalidArgumentError;
 use super::manager::PyKVCacheCore;
 use crate::error::{Error, Result};
-use crate::manager::hisparse::{HiSparseRequestState, PublicationRequests};
+use crate::manager::hisparse::{
+    HiSparseCoordinator, HiSparseCtx, HiSparseRequestState, PublicationRequests,
+};
 use crate::manager::KVCacheManager;
 use crate::types::BlockId;
 
@@ -208,6 +210,52 @@ impl PyHiSparseCore {
     }
 }
 
+impl PyHiSparseCore {
+    /// One call on the owner's HiSparse coordinator.
+    fn call<T>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut HiSparseCoordinator, &mut HiSparseCtx<'_>) -> Result<T>,
+    ) -> PyResult<T> {
+        let mut this = self.owner.bind(py).try_borrow_mut()?;
+        Ok(this.core.hisparse_call(f)?)
+    }
+
+    /// One call, then the KV events it recorded published.
+    fn call_flushed(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut HiSparseCoordinator, &mut HiSparseCtx<'_>) -> Result<()>,
+    ) -> PyResult<()> {
+        let slf = self.owner.bind(py);
+        slf.try_borrow_mut()?.core.hisparse_call(f)?;
+        PyKVCacheCore::flush(slf, None)
+    }
+
+    /// One call that asks about publications' requests ([`Publications`]), then the
+    /// KV events it recorded published.
+    fn call_with_publications(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(
+            &mut HiSparseCoordinator,
+            &mut HiSparseCtx<'_>,
+            &Publications<'_, '_>,
+        ) -> Result<()>,
+    ) -> PyResult<()> {
+        let slf = self.owner.bind(py);
+        {
+            let mut this = slf.try_borrow_mut()?;
+            let this = &mut *this;
+            let oracle = Publications::new(py, &this.publications);
+            this.core
+                .hisparse_call(|h, ctx| f(h, ctx, &oracle))
+                .map_err(|e| oracle.error(e))?;
+        }
+        PyKVCacheCore::flush(slf, None)
+    }
+}
+
 #[pymethods]
 impl PyHiSparseCore {
     // ---- layout ---------------------------------------------------------------------
@@ -221,10 +269,9 @@ impl PyHiSparseCore {
 
     /// Sets `max_spill_pages` or `transition_watermark` (vLLM code assigns them).
     fn set(&self, py: Python<'_>, name: &str, value: i64) -> PyResult<()> {
-        let mut this = self.owner.bind(py).try_borrow_mut()?;
         let n = count(name, value)?;
         let which = name.to_owned();
-        this.core.hisparse_call(|h, _| {
+        self.call(py, |h, _| {
             match which.as_str() {
                 "max_spill_pages" => h.set_max_spill_pages(n),
                 "transition_watermark" => h.set_transition_watermark(n),
@@ -243,12 +290,8 @@ impl PyHiSparseCore {
 
     /// vLLM's `advance_scheduled(pairs of (request_id, num_tokens))`.
     fn advance_scheduled(&self, py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<()> {
-        let slf = self.owner.bind(py);
         let requests = rid_counts(requests)?;
-        slf.try_borrow_mut()?
-            .core
-            .hisparse_call(|h, ctx| h.advance_scheduled(ctx, &requests))?;
-        PyKVCacheCore::flush(slf, None)
+        self.call_flushed(py, |h, ctx| h.advance_scheduled(ctx, &requests))
     }
 
     /// vLLM's `plan_prefix_materialization`.
@@ -258,21 +301,15 @@ impl PyHiSparseCore {
         request_id: &str,
         num_computed_tokens: i64,
     ) -> PyResult<()> {
-        let slf = self.owner.bind(py);
         let n = count("num_computed_tokens", num_computed_tokens)?;
-        slf.try_borrow_mut()?
-            .core
-            .hisparse_call(|h, ctx| h.plan_prefix_materialization(ctx, request_id, n))?;
-        PyKVCacheCore::flush(slf, None)
+        self.call_flushed(py, |h, ctx| {
+            h.plan_prefix_materialization(ctx, request_id, n)
+        })
     }
 
     /// vLLM's `update_residency`.
     fn update_residency(&self, py: Python<'_>, request_id: &str) -> PyResult<()> {
-        let slf = self.owner.bind(py);
-        slf.try_borrow_mut()?
-            .core
-            .hisparse_call(|h, ctx| h.update_residency(ctx, request_id))?;
-        PyKVCacheCore::flush(slf, None)
+        self.call_flushed(py, |h, ctx| h.update_residency(ctx, request_id))
     }
 
     /// vLLM's `commit_computed_blocks`.
@@ -282,11 +319,8 @@ impl PyHiSparseCore {
         request_id: &str,
         num_host_pages: i64,
     ) -> PyResult<()> {
-        let mut this = self.owner.bind(py).try_borrow_mut()?;
         let n = count("num_host_pages", num_host_pages)?;
-        Ok(this
-            .core
-            .hisparse_call(|h, ctx| h.commit_computed_blocks(ctx, request_id, n))?)
+        self.call(py, |h, ctx| h.commit_computed_blocks(ctx, request_id, n))
     }
 
     /// vLLM's `record_pending_host_import`.
@@ -296,21 +330,16 @@ impl PyHiSparseCore {
         request_id: &str,
         num_tokens: i64,
     ) -> PyResult<()> {
-        let mut this = self.owner.bind(py).try_borrow_mut()?;
         let n = count("num_tokens", num_tokens)?;
-        Ok(this.core.hisparse_call(|h, _| {
+        self.call(py, |h, _| {
             h.record_pending_host_import(request_id, n);
             Ok(())
-        })?)
+        })
     }
 
     /// vLLM's `finish_host_import`.
     fn finish_host_import(&self, py: Python<'_>, request_id: &str, failed: bool) -> PyResult<()> {
-        let slf = self.owner.bind(py);
-        slf.try_borrow_mut()?
-            .core
-            .hisparse_call(|h, ctx| h.finish_host_import(ctx, request_id, failed))?;
-        PyKVCacheCore::flush(slf, None)
+        self.call_flushed(py, |h, ctx| h.finish_host_import(ctx, request_id, failed))
     }
 
     /// vLLM's `complete_host_import`.
@@ -320,12 +349,8 @@ impl PyHiSparseCore {
         request_id: &str,
         num_computed_tokens: i64,
     ) -> PyResult<()> {
-        let slf = self.owner.bind(py);
         let n = count("num_computed_tokens", num_computed_tokens)?;
-        slf.try_borrow_mut()?
-            .core
-            .hisparse_call(|h, ctx| h.complete_host_import(ctx, request_id, n))?;
-        PyKVCacheCore::flush(slf, None)
+        self.call_flushed(py, |h, ctx| h.complete_host_import(ctx, request_id, n))
     }
 
     /// vLLM's `build_offload_command`: None without resident groups, else the
@@ -336,10 +361,7 @@ impl PyHiSparseCore {
         &self,
         py: Python<'_>,
     ) -> PyResult<Option<Vec<(u64, BlockId, Vec<BlockId>, bool, bool)>>> {
-        let mut this = self.owner.bind(py).try_borrow_mut()?;
-        let cmd = this
-            .core
-            .hisparse_call(|h, _| Ok(h.build_offload_command()))?;
+        let cmd = self.call(py, |h, _| Ok(h.build_offload_command()))?;
         Ok(cmd.map(|ts| {
             ts.into_iter()
                 .map(|t| {
@@ -357,10 +379,7 @@ impl PyHiSparseCore {
 
     /// vLLM's `take_host_block_copies`: `(source, copy)` host block ids.
     fn take_host_block_copies(&self, py: Python<'_>) -> PyResult<Vec<(BlockId, BlockId)>> {
-        let mut this = self.owner.bind(py).try_borrow_mut()?;
-        Ok(this.core.hisparse_call(
-            super::super::manager::hisparse::HiSparseCoordinator::take_host_block_copies,
-        )?)
+        self.call(py, HiSparseCoordinator::take_host_block_copies)
     }
 
     /// vLLM's `release_completed_host_copies`.
@@ -369,11 +388,9 @@ impl PyHiSparseCore {
         py: Python<'_>,
         dst_block_ids: Vec<BlockId>,
     ) -> PyResult<()> {
-        let slf = self.owner.bind(py);
-        slf.try_borrow_mut()?
-            .core
-            .hisparse_call(|h, ctx| h.release_completed_host_copies(ctx, &dst_block_ids))?;
-        PyKVCacheCore::flush(slf, None)
+        self.call_flushed(py, |h, ctx| {
+            h.release_completed_host_copies(ctx, &dst_block_ids)
+        })
     }
 
     /// vLLM's `build_row_mirrors`: `(source_starts, destination_start, num_rows)`.
@@ -383,11 +400,8 @@ impl PyHiSparseCore {
         py: Python<'_>,
         requests: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<(Vec<usize>, usize, usize)>> {
-        let mut this = self.owner.bind(py).try_borrow_mut()?;
         let requests = rid_ranges(requests)?;
-        let mirrors = this
-            .core
-            .hisparse_call(|h, ctx| h.build_row_mirrors(ctx, &requests))?;
+        let mirrors = self.call(py, |h, ctx| h.build_row_mirrors(ctx, &requests))?;
         Ok(mirrors
             .into_iter()
             .map(|m| (m.source_starts.to_vec(), m.destination_start, m.num_rows))
@@ -400,11 +414,8 @@ impl PyHiSparseCore {
         py: Python<'_>,
         requests: &Bound<'_, PyAny>,
     ) -> PyResult<bool> {
-        let mut this = self.owner.bind(py).try_borrow_mut()?;
         let requests = rid_ranges(requests)?;
-        Ok(this
-            .core
-            .hisparse_call(|h, ctx| h.all_context_pages_resident(ctx, &requests))?)
+        self.call(py, |h, ctx| h.all_context_pages_resident(ctx, &requests))
     }
 
     /// vLLM's `take_residency_updates`: `(request_id, pages, block_ids per resident
@@ -415,14 +426,11 @@ impl PyHiSparseCore {
         py: Python<'_>,
         request_ids: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<(String, Vec<usize>, Vec<Vec<BlockId>>)>> {
-        let mut this = self.owner.bind(py).try_borrow_mut()?;
         let ids = request_ids
             .try_iter()?
             .map(|r| Ok(r?.extract::<String>()?.into_boxed_str()))
             .collect::<PyResult<Vec<_>>>()?;
-        let updates = this
-            .core
-            .hisparse_call(|h, ctx| h.take_residency_updates(ctx, &ids))?;
+        let updates = self.call(py, |h, ctx| h.take_residency_updates(ctx, &ids))?;
         Ok(updates
             .into_iter()
             .map(|(rid, u)| (rid.into(), u.pages, u.block_ids))
@@ -431,10 +439,7 @@ impl PyHiSparseCore {
 
     /// vLLM's `has_pending_reclamation`.
     fn has_pending_reclamation(&self, py: Python<'_>) -> PyResult<bool> {
-        let mut this = self.owner.bind(py).try_borrow_mut()?;
-        Ok(this
-            .core
-            .hisparse_call(|h, ctx| h.has_pending_reclamation(ctx))?)
+        self.call(py, |h, ctx| h.has_pending_reclamation(ctx))
     }
 
     /// vLLM's `has_pending_work`.
@@ -444,7 +449,7 @@ impl PyHiSparseCore {
             this.core
                 .coordinator()
                 .hisparse()
-                .is_some_and(super::super::manager::hisparse::HiSparseCoordinator::has_pending_work)
+                .is_some_and(HiSparseCoordinator::has_pending_work)
         })
     }
 
@@ -455,32 +460,16 @@ impl PyHiSparseCore {
         enqueued_counts: &Bound<'_, PyAny>,
         completed_counts: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let slf = self.owner.bind(py);
         let enqueued = id_counts(enqueued_counts)?;
         let completed = id_counts(completed_counts)?;
-        {
-            let mut this = slf.try_borrow_mut()?;
-            let this = &mut *this;
-            let oracle = Publications::new(slf.py(), &this.publications);
-            this.core
-                .hisparse_call(|h, ctx| h.update_spills(ctx, &enqueued, &completed, &oracle))
-                .map_err(|e| oracle.error(e))?;
-        }
-        PyKVCacheCore::flush(slf, None)
+        self.call_with_publications(py, |h, ctx, oracle| {
+            h.update_spills(ctx, &enqueued, &completed, oracle)
+        })
     }
 
     /// vLLM's `HiSparseCoordinator.free(request_id)` alone.
     fn free(&self, py: Python<'_>, request_id: &str) -> PyResult<()> {
-        let slf = self.owner.bind(py);
-        {
-            let mut this = slf.try_borrow_mut()?;
-            let this = &mut *this;
-            let oracle = Publications::new(slf.py(), &this.publications);
-            this.core
-                .hisparse_call(|h, ctx| h.free(ctx, request_id, &oracle))
-                .map_err(|e| oracle.error(e))?;
-        }
-        PyKVCacheCore::flush(slf, None)
+        self.call_with_publications(py, |h, ctx, oracle| h.free(ctx, request_id, oracle))
     }
 
     // ---- state, for the views ----------------------------------------------------------
