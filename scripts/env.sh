@@ -25,20 +25,8 @@ export HSCACHE_ROOT HSCACHE_CACHE
 
 _hs_log() { printf '[hscache env] %s\n' "$*" >&2; }
 
-# Runs a command, showing its output only if it fails (or with HSCACHE_VERBOSE=1).
-_hs_quiet() {
-    local log="$1"
-    shift
-    if [[ "${HSCACHE_VERBOSE:-0}" == 1 ]]; then
-        "$@" 2>&1 | tee "$log"
-        return "${PIPESTATUS[0]}"
-    fi
-    if ! "$@" >"$log" 2>&1; then
-        _hs_log "FAILED: $* (last lines of $log follow)"
-        tail -n 40 "$log" >&2
-        return 1
-    fi
-}
+# The quiet runner: hscache_quiet LOG TAG CMD... (output shown only on failure).
+source "$HSCACHE_ROOT/scripts/quiet.sh"
 
 _hs_python="${HSCACHE_PYTHON:-}"
 if [[ -z "$_hs_python" ]]; then
@@ -63,8 +51,8 @@ _hs_make_venv() {
     "$_hs_python" -m venv "$HSCACHE_VENV"
     local pip=("$HSCACHE_VENV/bin/python" -m pip --disable-pip-version-check)
     local log="$HSCACHE_VENV/install.log"
-    _hs_quiet "$log" timeout 1800 "${pip[@]}" install --no-input -r "${_hs_reqs[0]}"
-    _hs_quiet "$log.nodeps" timeout 600 "${pip[@]}" install --no-input --no-deps -r "${_hs_reqs[1]}"
+    hscache_quiet "$log" "" timeout 1800 "${pip[@]}" install --no-input -r "${_hs_reqs[0]}"
+    hscache_quiet "$log.nodeps" "" timeout 600 "${pip[@]}" install --no-input --no-deps -r "${_hs_reqs[1]}"
     echo "$_hs_hash" >"$_hs_stamp"
     _hs_log "venv ready in $((SECONDS - t0)) s"
 }
@@ -93,7 +81,7 @@ _hs_extra="$HSCACHE_ROOT/requirements/test-extra.txt"
 if [[ -f "$_hs_extra" ]]; then
     _hs_extra_stamp="$HSCACHE_VENV/.hscache-test-extra-$(sha256sum "$_hs_extra" | cut -c1-12)"
     if [[ ! -f "$_hs_extra_stamp" ]]; then
-        _hs_quiet "$HSCACHE_VENV/test-extra.log" python -m pip --disable-pip-version-check \
+        hscache_quiet "$HSCACHE_VENV/test-extra.log" "" python -m pip --disable-pip-version-check \
             install --no-input -r "$_hs_extra"
         touch "$_hs_extra_stamp"
     fi
@@ -107,7 +95,7 @@ export VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 if [[ "${HSCACHE_SKIP_BUILD:-0}" != 1 ]]; then
     _hs_t0=$SECONDS
     mkdir -p "$HSCACHE_CACHE"
-    (cd "$HSCACHE_ROOT" && _hs_quiet "$HSCACHE_CACHE/maturin-develop.log" \
+    (cd "$HSCACHE_ROOT" && hscache_quiet "$HSCACHE_CACHE/maturin-develop.log" "" \
         timeout 1800 maturin develop --release)
     _hs_log "hscache built and installed into the venv ($((SECONDS - _hs_t0)) s)"
     unset _hs_t0

@@ -17,6 +17,9 @@
 # failure, whether or not the caller has `set -e`, and then exports no HSCACHE_PY<TAG>.
 # Knobs: HSCACHE_VENV<TAG>, HSCACHE_PYTHON (interpreter for a new venv), HSCACHE_VERBOSE=1.
 
+# The quiet runner: hscache_quiet LOG TAG CMD... (output shown only on failure).
+source "$(dirname "${BASH_SOURCE[0]}")/quiet.sh"
+
 hscache_vllm_env() {
     local tag="$1" label="$2" size="$3"
     local venv_var="HSCACHE_VENV$tag" py_var="HSCACHE_PY$tag"
@@ -48,7 +51,7 @@ hscache_vllm_env() {
         exec {lock_fd}>&-
     fi
     ((ok)) && { _hv_install_hscache || ok=0; }
-    unset -f _hv_make_venv _hv_install_hscache _hv_quiet
+    unset -f _hv_make_venv _hv_install_hscache
     if ((ok)); then
         unset -f _hv_log
         export "$venv_var=$venv" "$py_var=$venv/bin/python"
@@ -59,20 +62,6 @@ hscache_vllm_env() {
     return 1
 }
 
-# Runs a command, showing its output only if it fails (or with HSCACHE_VERBOSE=1).
-_hv_quiet() {
-    local log="$1"
-    shift
-    if [[ "${HSCACHE_VERBOSE:-0}" == 1 ]]; then
-        "$@" 2>&1 | tee "$log"
-        return "${PIPESTATUS[0]}"
-    fi
-    if ! "$@" >"$log" 2>&1; then
-        _hv_log "FAILED: $* (last lines of $log follow)"
-        tail -n 40 "$log" >&2
-        return 1
-    fi
-}
 
 # (uses hscache_vllm_env's locals: tag, label, size, python, pyver, reqs, hash, venv, stamp)
 _hv_make_venv() {
@@ -82,8 +71,8 @@ _hv_make_venv() {
     "$python" -m venv "$venv" || return 1
     local pip=("$venv/bin/python" -m pip --disable-pip-version-check)
     local log="$venv/install.log"
-    _hv_quiet "$log" timeout 1800 "${pip[@]}" install --no-input -r "${reqs[0]}" || return 1
-    _hv_quiet "$log.nodeps" timeout 900 "${pip[@]}" install --no-input --no-deps \
+    hscache_quiet "$log" "$tag" timeout 1800 "${pip[@]}" install --no-input -r "${reqs[0]}" || return 1
+    hscache_quiet "$log.nodeps" "$tag" timeout 900 "${pip[@]}" install --no-input --no-deps \
         --require-hashes -r "${reqs[1]}" || return 1
     echo "$hash" >"$stamp" || return 1
     _hv_log "$label venv ready in $((SECONDS - t0)) s"
@@ -93,12 +82,12 @@ _hv_make_venv() {
 _hv_install_hscache() {
     local dist="$HSCACHE_CACHE/wheels-vllm$tag" wheel whash
     rm -rf "$dist"
-    (cd "$HSCACHE_ROOT" && _hv_quiet "$HSCACHE_CACHE/maturin-build-vllm$tag.log" \
+    (cd "$HSCACHE_ROOT" && hscache_quiet "$HSCACHE_CACHE/maturin-build-vllm$tag.log" "$tag" \
         timeout 1800 maturin build --release --out "$dist") || return 1
     wheel="$(ls "$dist"/hscache-*.whl)" || return 1
     whash="$(sha256sum "$wheel" | cut -c1-16)" || return 1
     if [[ "$(cat "$venv/.hscache-wheel" 2>/dev/null || true)" != "$whash" ]]; then
-        _hv_quiet "$venv/hscache-install.log" "$venv/bin/python" -m pip \
+        hscache_quiet "$venv/hscache-install.log" "$tag" "$venv/bin/python" -m pip \
             --disable-pip-version-check install --no-input --no-deps --force-reinstall \
             "$wheel" || return 1
         echo "$whash" >"$venv/.hscache-wheel"
