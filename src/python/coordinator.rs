@@ -47,6 +47,37 @@ impl PyKVCacheCore {
     }
 }
 
+/// The token counts of both `get_num_blocks_to_allocate` forms (the coordinator's and
+/// one group's), checked non-negative.
+struct AllocationCounts {
+    num_tokens: usize,
+    total_computed_tokens: usize,
+    num_local_computed_tokens: usize,
+    num_tokens_main_model: usize,
+    prefill_end: usize,
+}
+
+impl AllocationCounts {
+    fn read(
+        num_tokens: i64,
+        total_computed_tokens: i64,
+        num_local_computed_tokens: i64,
+        num_tokens_main_model: i64,
+        prefill_end: i64,
+    ) -> PyResult<Self> {
+        Ok(Self {
+            num_tokens: count("num_tokens", num_tokens)?,
+            total_computed_tokens: count("total_computed_tokens", total_computed_tokens)?,
+            num_local_computed_tokens: count(
+                "num_local_computed_tokens",
+                num_local_computed_tokens,
+            )?,
+            num_tokens_main_model: count("num_tokens_main_model", num_tokens_main_model)?,
+            prefill_end: count("prefill_end", prefill_end)?,
+        })
+    }
+}
+
 #[pyclass(name = "KVCacheCoordinatorCore", module = "hscache._core", frozen)]
 pub struct PyKVCacheCoordinatorCore {
     /// The manager whose coordinator this is (borrowed per call).
@@ -298,6 +329,13 @@ impl PyKVCacheCoordinatorCore {
         prefill_end: i64,
     ) -> PyResult<i64> {
         let slf = self.owner.bind(py);
+        let c = AllocationCounts::read(
+            num_tokens,
+            total_computed_tokens,
+            num_local_computed_tokens,
+            num_tokens_main_model,
+            prefill_end,
+        )?;
         let mut hits = GroupedBlockIds::new();
         let host_group = slf.try_borrow()?.core.host_group();
         for (g, group) in new_computed_blocks.try_iter()?.enumerate() {
@@ -310,17 +348,14 @@ impl PyKVCacheCoordinatorCore {
             .core
             .coordinator_num_blocks_to_allocate(&NumBlocksToAllocate {
                 request_id,
-                num_tokens: count("num_tokens", num_tokens)?,
+                num_tokens: c.num_tokens,
                 hits: hits.view(),
                 num_encoder_tokens: count("num_encoder_tokens", num_encoder_tokens)?,
-                total_computed_tokens: count("total_computed_tokens", total_computed_tokens)?,
-                num_local_computed_tokens: count(
-                    "num_local_computed_tokens",
-                    num_local_computed_tokens,
-                )?,
-                num_tokens_main_model: count("num_tokens_main_model", num_tokens_main_model)?,
+                total_computed_tokens: c.total_computed_tokens,
+                num_local_computed_tokens: c.num_local_computed_tokens,
+                num_tokens_main_model: c.num_tokens_main_model,
                 apply_admission_cap,
-                prefill_end: count("prefill_end", prefill_end)?,
+                prefill_end: c.prefill_end,
             })?)
     }
 
@@ -427,18 +462,22 @@ impl PyKVCacheCoordinatorCore {
         let host = slf.try_borrow()?.core.host_group() == Some(g);
         let mut hits = Vec::new();
         ids_in(slf, new_computed_blocks, host, &mut hits)?;
+        let c = AllocationCounts::read(
+            num_tokens,
+            total_computed_tokens,
+            num_local_computed_tokens,
+            num_tokens_main_model,
+            prefill_end,
+        )?;
         let q = NumBlocksQuery {
             request_id,
-            num_tokens: count("num_tokens", num_tokens)?,
+            num_tokens: c.num_tokens,
             new_computed_blocks: &hits,
-            total_computed_tokens: count("total_computed_tokens", total_computed_tokens)?,
-            num_local_computed_tokens: count(
-                "num_local_computed_tokens",
-                num_local_computed_tokens,
-            )?,
-            num_tokens_main_model: count("num_tokens_main_model", num_tokens_main_model)?,
+            total_computed_tokens: c.total_computed_tokens,
+            num_local_computed_tokens: c.num_local_computed_tokens,
+            num_tokens_main_model: c.num_tokens_main_model,
             apply_admission_cap,
-            prefill_end: count("prefill_end", prefill_end)?,
+            prefill_end: c.prefill_end,
         };
         Ok(slf
             .try_borrow_mut()?
