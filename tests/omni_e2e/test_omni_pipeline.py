@@ -10,9 +10,13 @@ thinker's cached tokens are the same under vLLM's and hscache's KV-cache manager
 repeat rounds really hit; and in the hscache arm hscache served both parts (its
 KV-cache manager in the thinker's scheduler, its hidden-state cache in the thinker's
 runner, nonzero counters, rows served from the cache), ``HSCACHE_STRICT=1`` ruling out a
-fallback. ``HSCACHE_OMNI_E2E_RESULTS`` names the folder
-of ``<arm>.json`` files (``cold``, ``omni``, ``hscache``, optionally with a ``-sync``
-suffix for ``async_scheduling: false``); without it the module is skipped.
+fallback. The ``hybrid`` arm (a thinker with a full-attention and a sliding-window layer,
+which vllm-omni's own cache refuses): its talker tokens equal its in-engine cold
+reference's, its hits are vLLM's under the window, the thinker really had the two
+KV-cache groups (vllm-omni's check refused them), hscache served both parts.
+``HSCACHE_OMNI_E2E_RESULTS`` names the folder of ``<arm>.json`` files (``cold``, ``omni``,
+``hscache``, optionally with a ``-sync`` suffix for ``async_scheduling: false``;
+``hybrid``); without it the module is skipped.
 """
 
 from __future__ import annotations
