@@ -13,7 +13,10 @@
 # a probe reporting which caches served) into that venv, makes a tiny random Qwen2.5-Omni
 # (tests/omni_e2e/make_model.py; nothing downloaded), runs tests/omni_e2e/run_pipeline.py
 # once per arm (cold: thinker prefix caching off; omni: vllm-omni's cache; hscache:
-# HSCACHE=1 + HSCACHE_OMNI_PREFIX_CACHE=1 + HSCACHE_STRICT=1), checks the JSONs with
+# HSCACHE=1 + HSCACHE_OMNI_PREFIX_CACHE=1 + HSCACHE_STRICT=1), then the hybrid arm (the
+# hscache arm on a second tiny model whose thinker has a full-attention and a 64-token
+# sliding-window layer, `make_model.py --sliding-window 64`, a layout vllm-omni's own cache
+# refuses; its cold reference runs in the same engine), checks the JSONs with
 # tests/omni_e2e/test_omni_pipeline.py and prints a table. Each arm starts two stage
 # engines (~1-3 min on 2 cores). Work folder: ${HSCACHE_OMNI_E2E_WORK:-$HSCACHE_CACHE/omni_e2e}.
 set -euo pipefail
@@ -52,6 +55,21 @@ unset HSCACHE HSCACHE_PARITY HSCACHE_DISABLE HSCACHE_OMNI_PREFIX_CACHE HSCACHE_S
     { tail -n 20 "$work/plugin-install.log" >&2; exit 1; }
 "$HSCACHE_PY030" tests/omni_e2e/make_model.py "$work/model" >"$work/make_model.log" 2>&1 ||
     { tail -n 20 "$work/make_model.log" >&2; exit 1; }
+"$HSCACHE_PY030" tests/omni_e2e/make_model.py "$work/model-swa" --sliding-window 64 \
+    >>"$work/make_model.log" 2>&1 || { tail -n 20 "$work/make_model.log" >&2; exit 1; }
+
+run_arm() { # arm, model, json name, run_pipeline flags...
+    local arm="$1" model="$2" name="$3"
+    shift 3
+    local log="$results/$name.log"
+    if ! timeout 900 "$HSCACHE_PY030" tests/omni_e2e/run_pipeline.py --arm "$arm" \
+        --model "$model" --out "$results/$name.json" "$@" >"$log" 2>&1; then
+        echo "omni-e2e: arm $name failed (last lines of $log follow)" >&2
+        tail -n 40 "$log" >&2
+        exit 1
+    fi
+    grep -E "^$arm: start" "$log" || true
+}
 
 for suffix in "${suffixes[@]}"; do
     arms=(cold omni hscache)
@@ -59,16 +77,10 @@ for suffix in "${suffixes[@]}"; do
     for arm in "${arms[@]}"; do
         flags=()
         if [[ "$suffix" == "-sync" ]]; then flags+=(--sync); fi
-        log="$results/$arm$suffix.log"
-        if ! timeout 900 "$HSCACHE_PY030" tests/omni_e2e/run_pipeline.py --arm "$arm" \
-            --model "$work/model" --out "$results/$arm$suffix.json" "${flags[@]}" >"$log" 2>&1; then
-            echo "omni-e2e: arm $arm$suffix failed (last lines of $log follow)" >&2
-            tail -n 40 "$log" >&2
-            exit 1
-        fi
-        grep -E "^$arm: start" "$log" || true
+        run_arm "$arm" "$work/model" "$arm$suffix" "${flags[@]}"
     done
 done
+run_arm hybrid "$work/model-swa" hybrid
 
 HSCACHE_OMNI_E2E_RESULTS="$results" "$HSCACHE_PY030" -m pytest -q -p no:cacheprovider \
     tests/omni_e2e/test_omni_pipeline.py

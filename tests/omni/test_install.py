@@ -1,7 +1,12 @@
-"""``hscache.omni.install``: vllm-omni's runners build hscache's cache instead of their own
-(``HSCACHE_OMNI_PREFIX_CACHE=1``). Skipped without vllm-omni 0.30."""
+"""``hscache.omni.install`` / ``register``: vllm-omni's runners build hscache's cache instead
+of their own (``HSCACHE_OMNI_PREFIX_CACHE=1``), hybrid KV layouts included, which
+vllm-omni's own check refuses. Skipped without vllm-omni 0.30."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -10,36 +15,83 @@ runner_mixin = pytest.importorskip(
     reason="needs vllm-omni 0.30 (the environment of scripts/vllm030_env.sh)",
 )
 
-from hscache.omni import OmniHiddenStateCache, install  # noqa: E402
+from hscache.exceptions import InvalidArgumentError  # noqa: E402
+from hscache.omni import OmniHiddenStateCache, install, register  # noqa: E402
+from hscache.omni.switch import KVGroupView  # noqa: E402
+from vllm_omni.core.prefix_cache import group_view  # noqa: E402
+from vllm_omni.core.prefix_cache.interface import OmniPrefixCacheUnmatchError  # noqa: E402
+
+HOOKED = (
+    (runner_mixin, "OmniPrefixCacheManager"),
+    (runner_mixin, "get_prefix_cache_group_view"),
+    (group_view, "check_prefix_cache_kv_groups"),
+)
 
 
-def test_install_swaps_the_runners_manager(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(runner_mixin, "OmniPrefixCacheManager", runner_mixin.OmniPrefixCacheManager)
+@pytest.fixture(autouse=True)
+def _vllm_omni_restored(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every name the switch hooks is put back after each test."""
+    for module, name in HOOKED:
+        current = getattr(module, name)
+        monkeypatch.setattr(module, name, getattr(current, "hscache_original", current))
     monkeypatch.delenv("HSCACHE_OMNI_PREFIX_CACHE", raising=False)
+    monkeypatch.setenv("HSCACHE_OMNI_STORAGE", "cpu")
+    yield
+
+
+class View:
+    def batch_req_ids(self) -> list[str]:
+        return []
+
+
+def _groups(*kinds: str) -> list[Any]:
+    """vLLM 0.30's KV-cache groups, one layer each: ``full`` or ``window`` (64 tokens)."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    out = []
+    for i, kind in enumerate(kinds):
+        common: dict[str, Any] = {
+            "block_size": 32,
+            "num_kv_heads": 1,
+            "head_size": 32,
+            "dtype": torch.float32,
+        }
+        spec = (
+            FullAttentionSpec(**common)
+            if kind == "full"
+            else SlidingWindowSpec(**common, sliding_window=64)
+        )
+        out.append(KVCacheGroupSpec([f"layers.{i}.attn"], spec))
+    return out
+
+
+def test_install_switches_the_runners_manager() -> None:
+    original = runner_mixin.OmniPrefixCacheManager
     assert not install()
-    assert runner_mixin.OmniPrefixCacheManager is not OmniHiddenStateCache
-    monkeypatch.setenv("HSCACHE_OMNI_PREFIX_CACHE", "1")
-    assert install()
-    assert runner_mixin.OmniPrefixCacheManager is OmniHiddenStateCache
+    assert runner_mixin.OmniPrefixCacheManager is original  # off: nothing is touched
+    assert install(force=True)
+    build = runner_mixin.OmniPrefixCacheManager
+    assert build.hscache_original is original
+    cfg = SimpleNamespace(num_blocks=4, block_size=4)
+    assert isinstance(build(cfg, View()), OmniHiddenStateCache)  # whatever the env says
+    install(force=True)  # twice: harmless, the originals stay reachable
+    assert runner_mixin.OmniPrefixCacheManager.hscache_original is original
 
 
 def test_plugin_switch_decides_when_the_cache_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
     """The plugin's switch reads the environment when a runner builds its cache (a
     deploy YAML's per-stage env applies by then), not when the plugin loads."""
-    from types import SimpleNamespace
-
-    from hscache.omni import register
 
     class Theirs:
         def __init__(self, config: object, view: object) -> None:
             self.config = config
 
-    class View:
-        def batch_req_ids(self) -> list[str]:
-            return []
-
     monkeypatch.setattr(runner_mixin, "OmniPrefixCacheManager", Theirs)
-    monkeypatch.delenv("HSCACHE_OMNI_PREFIX_CACHE", raising=False)
     register()
     register()  # idempotent
     build = runner_mixin.OmniPrefixCacheManager
@@ -47,5 +99,58 @@ def test_plugin_switch_decides_when_the_cache_is_built(monkeypatch: pytest.Monke
     cfg = SimpleNamespace(num_blocks=4, block_size=4)
     assert isinstance(build(cfg, View()), Theirs)
     monkeypatch.setenv("HSCACHE_OMNI_PREFIX_CACHE", "1")
-    monkeypatch.setenv("HSCACHE_OMNI_STORAGE", "cpu")
     assert isinstance(build(cfg, View()), OmniHiddenStateCache)
+
+
+@pytest.mark.parametrize("kinds", [("window", "full"), ("full", "window")])
+def test_hybrid_layout_refused_by_vllm_omni_served_by_hscache(
+    monkeypatch: pytest.MonkeyPatch, kinds: tuple[str, str]
+) -> None:
+    """vllm-omni's own check refuses a full + sliding-window layout; with hscache's cache on,
+    the runner's check passes, its view names the full-attention group and the cache built
+    follows that group's block tables."""
+    groups = _groups(*kinds)
+    full = kinds.index("full")
+    with pytest.raises(
+        OmniPrefixCacheUnmatchError, match="single full-attention kv-cache group; found 2"
+    ):
+        group_view.check_prefix_cache_kv_groups(groups)
+    register()
+    # Off (the environment, read now): vllm-omni's refusal stands.
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="found 2"):
+        group_view.check_prefix_cache_kv_groups(groups)
+    monkeypatch.setenv("HSCACHE_OMNI_PREFIX_CACHE", "1")
+    group_view.check_prefix_cache_kv_groups(groups)  # hscache's rule: a full group exists
+    batch = SimpleNamespace(req_ids=["a", "b"])
+    view = runner_mixin.get_prefix_cache_group_view(batch, 32, kv_cache_groups=groups)
+    assert isinstance(view, KVGroupView)
+    assert (view.kv_cache_group, view.block_size, view.batch_req_ids()) == (full, 32, ["a", "b"])
+    cache = runner_mixin.OmniPrefixCacheManager(SimpleNamespace(num_blocks=8, block_size=32), view)
+    assert isinstance(cache, OmniHiddenStateCache)
+    assert cache._kv_cache_group == full
+
+
+def test_layout_without_a_full_attention_group_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HSCACHE_OMNI_PREFIX_CACHE", "1")
+    register()
+    with pytest.raises(InvalidArgumentError, match="no KV-cache group carries full-attention"):
+        group_view.check_prefix_cache_kv_groups(_groups("window"))
+    with pytest.raises(InvalidArgumentError, match="no KV-cache group carries full-attention"):
+        group_view.check_prefix_cache_kv_groups(_groups("window", "window"))
+
+
+def test_one_group_keeps_vllm_omnis_view() -> None:
+    """A one-group layout gets vllm-omni's own view (group 0), as before; so does any
+    layout while hscache's cache is off."""
+    from hscache.omni.switch import _group_view
+
+    seen: list[Any] = []
+
+    def theirs(input_batch: Any, block_size: int, kv_cache_groups: Any = None) -> str:
+        seen.append(kv_cache_groups)
+        return "vllm-omni's view"
+
+    one, two = _groups("full"), _groups("window", "full")
+    assert _group_view(theirs, lambda: True)(None, 32, kv_cache_groups=one) == "vllm-omni's view"
+    assert _group_view(theirs, lambda: False)(None, 32, kv_cache_groups=two) == "vllm-omni's view"
+    assert seen == [one, two]

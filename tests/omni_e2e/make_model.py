@@ -6,7 +6,17 @@ head_dim 32; token2wav shrunk), random weights from a fixed seed saved with
 ``save_pretrained``, and a tokenizer built locally with ``tokenizers``: byte-level BPE padded
 with filler entries so that Qwen's special tokens keep their real ids (151643...151656),
 wrapped as a Qwen2 tokenizer. Nothing is downloaded. Runs in the vLLM 0.30 + vllm-omni 0.30
-environment (``scripts/vllm030_env.sh``); ``python tests/omni_e2e/make_model.py DIR``.
+environment (``scripts/vllm030_env.sh``);
+``python tests/omni_e2e/make_model.py DIR [--sliding-window W]``.
+
+``--sliding-window W`` makes the thinker a hybrid: its text layer 0 full attention, layer 1
+sliding window of ``W`` tokens (``use_sliding_window``, ``sliding_window``, ``layer_types``,
+as transformers' Qwen2 configs say it), the same seeded weights. vLLM 0.30's Qwen2 does
+not read ``layer_types`` (it builds every layer with the model-wide window, which vLLM sets
+only when *all* layers slide), so the scaffolding plugin gives each layer its window
+(``hscache_omni_cpu.hybrid``); ``max_window_layers`` stays the layer count because vLLM's
+Qwen2 asserts exactly that when the layer types are mixed (``qwen2.py``,
+``Qwen2Model.__init__``).
 """
 
 from __future__ import annotations
@@ -45,7 +55,7 @@ CHAT_TEMPLATE = (
 TEXT_VOCAB = 152064  # the real thinker's; every special id above must be inside it
 
 
-def _config() -> Any:
+def _config(sliding_window: int | None = None) -> Any:
     from transformers import Qwen2_5OmniConfig
 
     rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 6, 6]}
@@ -61,6 +71,12 @@ def _config() -> Any:
         "layer_types": ["full_attention"] * 2,
         "rope_parameters": rope,
     }
+    if sliding_window is not None:
+        text.update(
+            use_sliding_window=True,
+            sliding_window=sliding_window,
+            layer_types=["full_attention", "sliding_attention"],
+        )
     thinker = {
         "text_config": text,
         "vision_config": {
@@ -178,8 +194,9 @@ def _processor(out: Path) -> None:
     processor.save_pretrained(str(out))
 
 
-def make(out: Path) -> Path:
-    """Writes config, weights and tokenizer to ``out`` (skipped when already complete)."""
+def make(out: Path, sliding_window: int | None = None) -> Path:
+    """Writes config, weights and tokenizer to ``out`` (skipped when already complete);
+    ``sliding_window``: the thinker's layer 1 slides over that many tokens (a hybrid)."""
     stamp = out / ".hscache-model-complete"
     if stamp.exists():
         return out
@@ -188,7 +205,7 @@ def make(out: Path) -> Path:
 
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(SEED)
-    model = Qwen2_5OmniForConditionalGeneration(_config())
+    model = Qwen2_5OmniForConditionalGeneration(_config(sliding_window))
     model.save_pretrained(str(out))
     _tokenizer(out)
     _processor(out)
@@ -198,5 +215,20 @@ def make(out: Path) -> Path:
     return out
 
 
+def main(argv: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument(
+        "--sliding-window", type=int, default=None, help="the thinker's layer 1 window"
+    )
+    args = parser.parse_args(argv)
+    if args.sliding_window is not None and args.sliding_window <= 0:
+        parser.error("--sliding-window must be > 0")
+    print(make(args.out, args.sliding_window))
+    return 0
+
+
 if __name__ == "__main__":
-    print(make(Path(sys.argv[1])))
+    sys.exit(main(sys.argv[1:]))

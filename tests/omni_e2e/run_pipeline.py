@@ -5,9 +5,13 @@ scaffolding plugin ``tests/omni_e2e/plugin`` must be installed in the venv): qwe
 stages 0 (thinker) and 1 (talker), the thinker's latent hidden states passed to the talker.
 Arms: ``cold`` (thinker prefix caching off), ``omni`` (vllm-omni's own hidden-state cache),
 ``hscache`` (hscache's KV-cache manager and hidden-state cache, ``HSCACHE_STRICT=1``);
-and, for the talker's prefix caching (off upstream, see docs/omni.md), ``talker_pc``
-(``omni`` with the talker's prefix caching on) and ``talker_pc_fixed`` (the same with the
-scaffolding's span-aligned talker inputs, ``HSCACHE_E2E_TALKER_SPAN_FIX=1``).
+``hybrid``: the ``hscache`` arm on a thinker with a full-attention and a sliding-window
+layer (``make_model.py --sliding-window``), which vllm-omni's own cache refuses, over its
+own workload (:func:`hybrid_workload`) whose last round recomputes every request cold in
+the same engine (a per-request ``cache_salt``: no hit); and, for the talker's prefix
+caching (off upstream, see docs/omni.md), ``talker_pc`` (``omni`` with the talker's prefix
+caching on) and ``talker_pc_fixed`` (the same with the scaffolding's span-aligned talker
+inputs, ``HSCACHE_E2E_TALKER_SPAN_FIX=1``).
 Writes a JSON: per request the talker's token ids and the thinker's ``num_cached_tokens``,
 per round its kind, wall time and the thinker scheduler's probe record after it (the
 proof that its hard case happened), the stage start time, and the probe records (who
@@ -30,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 PIPELINE = "hscache_e2e_thinker_talker"
-ARMS = ("cold", "omni", "hscache", "talker_pc", "talker_pc_fixed")
+ARMS = ("cold", "omni", "hscache", "hybrid", "talker_pc", "talker_pc_fixed")
 BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32
 # The KV pools, in blocks: the thinker's small (blocks get recycled, requests preempted).
 THINKER_BLOCKS = 24
@@ -59,12 +63,14 @@ class Round:
 
     ``kind``: which case it is (``abort`` is sent and aborted by hand, not generated);
     ``deterministic``: its thinker hits are independent of timing;
-    ``thinker_max_tokens``: the thinker's decode length in this round."""
+    ``thinker_max_tokens``: the thinker's decode length in this round;
+    ``salted``: each prompt carries its own ``cache_salt`` (no prefix hit: a cold run)."""
 
     kind: str
     deterministic: bool
     prompts: list[tuple[str, list[int]]]
     thinker_max_tokens: int = THINKER_MAX_TOKENS
+    salted: bool = False
 
 
 def _gated(k: int, seed: int, n: int) -> list[int]:
@@ -130,6 +136,39 @@ def workload() -> list[Round]:
         ),
         Round("abort", True, [("x", x)], thinker_max_tokens=ABORT_MAX_TOKENS),
         Round("after_abort", True, [("x_again", x), ("x_branch", x[:96] + _prefix(72, 9))]),
+    ]
+
+
+def hybrid_workload() -> list[Round]:
+    """The ``hybrid`` arm's rounds (a thinker whose layer 1 slides over 64 tokens, two
+    blocks: vLLM's sliding-window manager hits only where the two blocks before the hit's
+    end are still cached, and frees a running request's blocks that fell out of the window).
+
+    1. Cold caches: a 6-block prefix with a tail, and a 5-block one with a tail.
+    2. Hits under the window (deterministic: only round 1's blocks are hit): an exact
+       repeat (6 blocks), a new tail over the whole 6-block prefix, a new tail after its
+       first 3 blocks (the window's blocks 1-2 were freed by round 1's request once out of
+       its window, and are hit from the free queue), the other prompt again (5 blocks).
+    3. Reference: every request of rounds 1-2 again, each with its own ``cache_salt``
+       (no prefix hit, no cached row: a cold run of the same engine).
+    """
+    a, b = _prefix(81, 192), _prefix(82, 160)
+    seed = [("h1", a + _prefix(91, 13)), ("g1", b + _prefix(92, 9))]
+    hits = [
+        ("h1_again", seed[0][1]),
+        ("h2", a + _prefix(93, 21)),
+        ("h3", a[:96] + _prefix(94, 30)),
+        ("g1_again", seed[1][1]),
+    ]
+    reference = [
+        (f"{kind}/{name}", ids)
+        for kind, rnd in (("seed", seed), ("hits", hits))
+        for name, ids in rnd
+    ]
+    return [
+        Round("seed", False, seed),
+        Round("hits", True, hits),
+        Round("reference", True, reference, salted=True),
     ]
 
 
@@ -201,7 +240,7 @@ def deploy_yaml(arm: str, async_scheduling: bool) -> str:
 
 
 def arm_env(arm: str) -> dict[str, str]:
-    on = arm == "hscache"
+    on = arm in ("hscache", "hybrid")
     return {
         "HSCACHE_OMNI_CPU": "1",  # the scaffolding's CPU platform (tests/omni_e2e/plugin)
         "HSCACHE": "1" if on else "0",
@@ -238,9 +277,11 @@ def _params(thinker_max_tokens: int) -> list[Any]:
 
 def _generate(omni: Any, rnd: Round, params: list[Any]) -> dict[str, Any]:
     """One ``Omni.generate`` call with all the round's prompts (submitted together)."""
-    outs = omni.generate(
-        [{"prompt_token_ids": ids} for _, ids in rnd.prompts], params, use_tqdm=False
-    )
+    prompts: list[dict[str, Any]] = [{"prompt_token_ids": ids} for _, ids in rnd.prompts]
+    if rnd.salted:
+        for prompt, (name, _) in zip(prompts, rnd.prompts, strict=True):
+            prompt["cache_salt"] = f"cold:{name}"
+    outs = omni.generate(prompts, params, use_tqdm=False)
     by_req: dict[str, dict[str, Any]] = {}
     order = {}
     for out in outs:
@@ -320,6 +361,14 @@ def _abort(omni: Any, probe_dir: Path, rnd: Round, params: list[Any]) -> dict[st
     }
 
 
+def _thinker_text_config(model: Path) -> dict[str, Any]:
+    """The served model's thinker layout (which layers slide, over how many tokens)."""
+    config = json.loads((model / "config.json").read_text())
+    text = config["thinker_config"]["text_config"]
+    keys = ("use_sliding_window", "sliding_window", "layer_types", "max_window_layers")
+    return {k: text.get(k) for k in keys}
+
+
 def run(arm: str, model: Path, out_path: Path, async_scheduling: bool) -> dict[str, Any]:
     # Before vllm-omni is imported: it resolves its platform once per process.
     os.environ.update(arm_env(arm))
@@ -343,13 +392,14 @@ def run(arm: str, model: Path, out_path: Path, async_scheduling: bool) -> dict[s
         "arm": arm,
         "async_scheduling": async_scheduling,
         "block_size": BLOCK_SIZE,
+        "thinker_text_config": _thinker_text_config(model),
         "rounds": [],
     }
     t0 = time.perf_counter()
     omni = Omni(model=str(model), deploy_config=str(deploy), log_stats=False)
     result["start_s"] = time.perf_counter() - t0
     try:
-        for rnd in workload():
+        for rnd in hybrid_workload() if arm == "hybrid" else workload():
             params = _params(rnd.thinker_max_tokens)
             t = time.perf_counter()
             if rnd.kind == "abort":

@@ -4,7 +4,8 @@ One row per arm: requests served, the thinker's and the talker's cached tokens (
 rounds), how many requests' talker tokens equal the cold run's, the thinker's preemptions,
 the most identical prompts it scheduled in one step (and how many hit a twin's blocks
 then), the requests it aborted (and the KV blocks they held), stage-engine start and
-per-round wall times.
+per-round wall times. The ``hybrid`` arm's row counts its warm requests (rounds ``seed`` and
+``hits``), compared with their cold references in its ``reference`` round.
 Usage: ``python tests/omni_e2e/table.py RESULTS_DIR``.
 """
 
@@ -67,7 +68,38 @@ def rows(results: Path) -> list[list[str]]:
                     " / ".join(f"{r['wall_s']:.2f} s" for r in arm["rounds"]),
                 ]
             )
+    hybrid = results / "hybrid.json"
+    if hybrid.exists():
+        out.append(_hybrid_row(json.loads(hybrid.read_text())))
     return out
+
+
+def _hybrid_row(arm: dict[str, Any]) -> list[str]:
+    rounds = {rnd["kind"]: rnd for rnd in arm["rounds"]}
+    reference = rounds["reference"]["requests"]
+    warm = {
+        f"{kind}/{name}": rec
+        for kind in ("seed", "hits")
+        for name, rec in rounds[kind]["requests"].items()
+    }
+    same = sum(
+        rec["talker_token_ids"] == reference.get(key, {}).get("talker_token_ids")
+        for key, rec in warm.items()
+    )
+    thinker = rounds["reference"].get("thinker", {})
+    return [
+        "hybrid",
+        "sync" if not arm["async_scheduling"] else "async",
+        str(len(warm)),
+        str(sum(int(r["thinker_num_cached_tokens"] or 0) for r in warm.values())),
+        str(sum(int(r.get("talker_num_cached_tokens") or 0) for r in warm.values())),
+        f"{same}/{len(warm)} (reference)",
+        str(thinker.get("preemptions", 0)),
+        f"{thinker.get('same_step_max', 0)} ({thinker.get('same_step_hits', 0)})",
+        f"{thinker.get('aborted', 0)} ({thinker.get('aborted_blocks', 0)})",
+        f"{arm['start_s']:.0f} s",
+        " / ".join(f"{r['wall_s']:.2f} s" for r in arm["rounds"]),
+    ]
 
 
 def main(argv: list[str]) -> int:

@@ -10,9 +10,13 @@ thinker's cached tokens are the same under vLLM's and hscache's KV-cache manager
 repeat rounds really hit; and in the hscache arm hscache served both parts (its
 KV-cache manager in the thinker's scheduler, its hidden-state cache in the thinker's
 runner, nonzero counters, rows served from the cache), ``HSCACHE_STRICT=1`` ruling out a
-fallback. ``HSCACHE_OMNI_E2E_RESULTS`` names the folder
-of ``<arm>.json`` files (``cold``, ``omni``, ``hscache``, optionally with a ``-sync``
-suffix for ``async_scheduling: false``); without it the module is skipped.
+fallback. The ``hybrid`` arm (a thinker with a full-attention and a sliding-window layer,
+which vllm-omni's own cache refuses): its talker tokens equal its in-engine cold
+reference's, its hits are vLLM's under the window, the thinker really had the two
+KV-cache groups (vllm-omni's check refused them), hscache served both parts.
+``HSCACHE_OMNI_E2E_RESULTS`` names the folder of ``<arm>.json`` files (``cold``, ``omni``,
+``hscache``, optionally with a ``-sync`` suffix for ``async_scheduling: false``;
+``hybrid``); without it the module is skipped.
 """
 
 from __future__ import annotations
@@ -169,3 +173,77 @@ def test_the_omni_arm_ran_vllm_omnis_cache(suffix: str) -> None:
     thinker = _thinker(arm["probes"])
     assert not thinker["kv_cache_manager"].startswith("hscache.")
     assert [c["class"] for c in _caches(arm["probes"])] == [OMNI_CACHE]
+
+
+# The hybrid arm's thinker hits (run_pipeline.hybrid_workload, round "hits"), vLLM 0.30's
+# rule: with its default prefix_cache_retention_interval (0) the sliding-window group keeps
+# a finished request's window blocks only at its replay boundary (its prompt's last block)
+# and shared-prefix junctions, so `h3` (the first 3 of the 6 shared blocks and a new tail)
+# hits nothing where full attention alone would hit 96 tokens; vLLM's own manager decides
+# the same offline on this workload.
+HYBRID_HITS = {"h1_again": 192, "h2": 192, "h3": 0, "g1_again": 160}
+
+
+def _hybrid() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The hybrid arm, its warm requests by name and its cold references by name."""
+    arm = _load("hybrid")
+    rounds = {rnd["kind"]: rnd for rnd in arm["rounds"]}
+    assert list(rounds) == ["seed", "hits", "reference"], list(rounds)
+    warm = {
+        f"{kind}/{name}": rec
+        for kind in ("seed", "hits")
+        for name, rec in rounds[kind]["requests"].items()
+    }
+    return arm, warm, rounds["reference"]["requests"]
+
+
+def test_hybrid_talker_tokens_equal_the_cold_reference() -> None:
+    """Every request of the hybrid thinker, hits included, hands the talker the rows that
+    give the tokens of its cold recomputation (a ``cache_salt`` of its own: no hit)."""
+    _, warm, reference = _hybrid()
+    assert warm.keys() == reference.keys()
+    for key, ref in reference.items():
+        assert ref["thinker_num_cached_tokens"] == 0, (key, ref)
+        assert ref["talker_token_ids"], f"{key}: the talker produced no tokens"
+        assert warm[key]["thinker_token_ids"] == ref["thinker_token_ids"], key
+        assert warm[key]["talker_token_ids"] == ref["talker_token_ids"], key
+    hits = {key.split("/", 1)[1]: rec["thinker_num_cached_tokens"] for key, rec in warm.items()}
+    assert {k: hits[k] for k in HYBRID_HITS} == HYBRID_HITS, hits
+    assert hits["h1"] == hits["g1"] == 0, hits
+
+
+def test_hybrid_thinker_had_two_groups_that_vllm_omni_refuses() -> None:
+    """The thinker's KV-cache config (read by the probe in its scheduler) had a
+    full-attention and a sliding-window group, of the model's window; vllm-omni's own
+    check refuses it (its message), the talker's one group it accepts."""
+    arm, _, _ = _hybrid()
+    text = arm["thinker_text_config"]
+    assert text["layer_types"] == ["full_attention", "sliding_attention"], text
+    thinker = _thinker(arm["probes"])
+    groups = thinker["kv_cache_groups"]
+    assert [(g["spec"], g["sliding_window"]) for g in groups] == [
+        ("FullAttentionSpec", None),
+        ("SlidingWindowSpec", text["sliding_window"]),
+    ], groups
+    assert thinker["omni_prefix_cache_check"] == (
+        "OmniPrefixCacheUnmatchError: omni prefix caching requires a single full-attention "
+        "kv-cache group; found 2. disable enable_prefix_caching for this model"
+    ), thinker
+    (talker,) = [s for p in arm["probes"] for s in p["schedulers"] if s["stage"] == "talker"]
+    assert talker["omni_prefix_cache_check"] == "accepted", talker
+
+
+def test_hybrid_hscache_served_both_parts() -> None:
+    """hscache's KV-cache manager held the two groups; its hidden-state cache followed the
+    full-attention group and served the hits' rows: no miss, stale or partial read."""
+    arm, _, _ = _hybrid()
+    thinker = _thinker(arm["probes"])
+    assert thinker["kv_cache_manager"] == HSCACHE_MANAGER and thinker["enable_caching"]
+    caches = _caches(arm["probes"])
+    assert [c["class"] for c in caches] == [HSCACHE_CACHE], caches
+    full = [g["spec"] for g in thinker["kv_cache_groups"]].index("FullAttentionSpec")
+    assert caches[0]["kv_cache_group"] == full, caches
+    stats = caches[0]["stats"]
+    served = sum(v for k, v in HYBRID_HITS.items())
+    assert stats["reads_served"] == 3 and stats["cached_rows_served"] == served, stats
+    assert stats["read_misses"] == stats["stale_reads"] == stats["partial_reads"] == 0, stats

@@ -8,7 +8,8 @@ and each hidden-state prefix cache (vllm-omni's ``OmniPrefixCacheManager`` or hs
 manager class, how many requests it preempted, the most requests with one same prompt
 it scheduled for the first time in one step and how many of those hit blocks (a
 same-step twin's), the requests it aborted and the KV blocks they held then, its running
-requests' computed tokens, unfinished requests and KV usage; per prefix cache its class
+requests' computed tokens, unfinished requests and KV usage, its KV-cache groups and
+vllm-omni's own prefix cache's verdict on them; per prefix cache its class, KV-cache group
 and counters; and ``hscache.stats()`` (``HSCACHE_STATS=1``). Stage processes end by
 signal, so a periodic file is the record that survives them; the driver reads it after a
 short wait.
@@ -38,6 +39,7 @@ GATE_TOKEN = 999  # a gated prompt: [GATE_TOKEN, k, ...] (ids below make_model's
 _gated: dict[tuple[int, int], list[Any]] = {}  # (id(scheduler), k) -> held requests
 # id(scheduler) -> counters: same_step_max, same_step_hits, aborted, aborted_blocks
 _counters: dict[int, dict[str, int]] = {}
+_layouts: dict[int, dict[str, Any]] = {}  # id(scheduler) -> _kv_layout, made once
 
 
 def _count(sched: Any, key: str, add: int = 0, at_least: int | None = None) -> None:
@@ -144,8 +146,41 @@ def _name(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
+def _kv_layout(sched: Any) -> dict[str, Any]:
+    """The scheduler's KV-cache groups (spec class, block size, window) and what vllm-omni's
+    own prefix cache says of them: its check at KV-cache init
+    (``check_prefix_cache_kv_groups``, the original where hscache's switch replaced it),
+    ``"accepted"`` or the refusal's message."""
+    groups = list(getattr(getattr(sched, "kv_cache_config", None), "kv_cache_groups", ()))
+    out: dict[str, Any] = {
+        "kv_cache_groups": [
+            {
+                "spec": type(g.kv_cache_spec).__name__,
+                "block_size": int(g.kv_cache_spec.block_size),
+                "sliding_window": getattr(g.kv_cache_spec, "sliding_window", None),
+                "layers": list(g.layer_names),
+            }
+            for g in groups
+        ]
+    }
+    try:
+        from vllm_omni.core.prefix_cache import group_view
+    except ImportError:
+        return out
+    check = group_view.check_prefix_cache_kv_groups
+    check = getattr(check, "hscache_original", check)
+    try:
+        check(groups)
+        out["omni_prefix_cache_check"] = "accepted"
+    except Exception as exc:  # vllm-omni's refusal is the record
+        out["omni_prefix_cache_check"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
 def _cache_report(cache: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"class": _name(cache)}
+    if hasattr(cache, "_kv_cache_group"):  # hscache's: the group whose tables it follows
+        out["kv_cache_group"] = int(cache._kv_cache_group)
     inner = getattr(cache, "cache", None)  # hscache's HiddenStateCache, once built
     if inner is not None and callable(getattr(inner, "stats", None)):
         out["stats"] = {k: int(v) for k, v in inner.stats().items()}
@@ -172,6 +207,7 @@ def snapshot() -> dict[str, Any]:
                 "running": {r.request_id: r.num_computed_tokens for r in list(sched.running)},
                 "unfinished": sched.get_num_unfinished_requests(),
                 "kv_usage": float(getattr(manager, "usage", -1.0)),
+                **_layouts.setdefault(id(sched), _kv_layout(sched)),
             }
         )
     caches = [_cache_report(c) for c in (r() for r in list(_caches)) if c is not None]
@@ -201,8 +237,14 @@ def _write_forever(directory: Path) -> None:
 
 
 def register() -> None:
-    """The plugin: does nothing unless ``HSCACHE_E2E_PROBE_DIR`` is set; idempotent."""
+    """The plugin: with ``HSCACHE_OMNI_CPU=1``, Qwen2 layers get their own sliding window
+    (:mod:`hscache_omni_cpu.hybrid`); the probe does nothing unless ``HSCACHE_E2E_PROBE_DIR``
+    is set; idempotent."""
     global _started
+    if os.environ.get("HSCACHE_OMNI_CPU") == "1":
+        from hscache_omni_cpu import hybrid
+
+        hybrid.install()
     directory = os.environ.get("HSCACHE_E2E_PROBE_DIR")
     if not directory or _started:
         return
