@@ -156,8 +156,9 @@ step_after vllm032-env router-e2e bash scripts/router_e2e.sh
 step_after build vllm030-env source scripts/vllm030_env.sh
 step_after vllm030-env vllm030-pytest run_pytest030
 step_after vllm030-env vllm030-omni run_omni030
-# vllm-omni's real engine: a tiny random Qwen2.5-Omni thinker -> talker on CPU, three arms
-# (cold, vllm-omni's cache, hscache's KV manager + hidden-state cache); ~7 min.
+# vllm-omni's real engine: a tiny random Qwen2.5-Omni thinker -> talker on CPU, four arms
+# (cold, vllm-omni's cache, hscache's KV manager + hidden-state cache, and a hybrid
+# full + sliding-window thinker that only hscache serves); ~5 min unloaded.
 step_after vllm030-env omni-e2e bash scripts/omni_e2e.sh
 step_after vllm030-env vllm030-upstream env VLLM_PLUGINS=hscache \
     bash tests/vllm_upstream/run.sh --vllm 0.30 --swap
