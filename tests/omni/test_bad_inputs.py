@@ -246,6 +246,9 @@ def test_only_plain_rows_are_copied_once_more() -> None:
     sid = cache.save_outputs(x, {"mm.codes": x * 2}, num_tokens_unpadded=5, num_tokens_padded=5)
     kept = cache._steps[sid].plain["__hidden_states__"]
     assert [t.shape[0] for t in kept] == [3]
+    # warm()'s step wrote and kept a's 8 rows; this one writes 5, gathers b's 10 rows
+    # (cached prefix + its 2 new rows) and keeps c's 3.
+    assert cache.row_copies() == {"written": 13, "gathered": 10, "kept": 11}
     out = cache.materialize(sid, ["b", "c"])
     assert out.hidden_states is not None
     assert torch.equal(out.hidden_states["b"], torch.cat([a, b_new]))

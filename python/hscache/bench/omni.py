@@ -299,12 +299,14 @@ def run(cfg: OmniBenchConfig) -> dict[str, Any]:
                 hits += sum(1 for new in so.scheduled_new_reqs if new.num_computed_tokens)
             elif d != decisions:
                 raise RuntimeError(f"step {step}: arm {arm.name} scheduled differently")
+    ours = next(a for a in arms if a.name == "hscache")
     return {
         "concurrency": cfg.concurrency,
         "steps": cfg.steps,
         "hit_requests": hits,
         "requests": next_id,
         "arms": {a.name: _summary(a.times) for a in arms},
+        "rows": {k: v / total for k, v in ours.cache.row_copies().items()},
     }
 
 
@@ -366,18 +368,26 @@ def format_table(results: Sequence[dict[str, Any]], cfg: OmniBenchConfig) -> str
         "hscache's step in bookkeeping at most 1.2x the no-cache step",
         "",
         "| concurrent | hscache cache | bookkeeping | row copies | hscache step / none step "
-        "(total) | hscache-w1 step / none step (bookkeeping, median, mean) |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "(total) | hscache-w1 step / none step (bookkeeping, median, mean) "
+        "| rows per step: written / gathered / kept |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         a = r["arms"]
         hs, w1, no = a["hscache"], a["hscache-w1"], a["none"]
+        rows = r["rows"]
         lines.append(
             f"| {r['concurrency']} | {hs['cache']:.0f} | {w1['cache']:.0f} "
             f"| {hs['cache'] - w1['cache']:.0f} | {hs['step'] / no['step']:.2f}x "
-            f"| {w1['step'] / no['step']:.2f}x, {w1['step_mean'] / no['step_mean']:.2f}x |"
+            f"| {w1['step'] / no['step']:.2f}x, {w1['step_mean'] / no['step_mean']:.2f}x "
+            f"| {rows['written']:.1f} / {rows['gathered']:.1f} / {rows['kept']:.1f} |"
         )
     lines.append("")
+    lines.append(
+        "rows per step (means over every step, per key): written into the cache, gathered "
+        "for the hits, kept as the host copy of the plain requests' rows (a copy of the "
+        "whole step would keep every written row)."
+    )
     lines.append(
         "step = schedule() + update_from_output() + the cache's new_step_starts, "
         "save_outputs and materialize; scheduler = the first two; cache = the last three. "

@@ -218,6 +218,9 @@ class OmniHiddenStateCache:
         self._consumed = threading.Condition(self._lock)
         self._savers_waiting = 0  # notify only when a save waits for room
         self._steps: dict[int, _SavedStep] = {}
+        # Rows moved per key by the saves: into the cache, gathered for the hits, and
+        # kept as the host copy of the plain requests' rows (``row_copies()``).
+        self._rows_moved = {"written": 0, "gathered": 0, "kept": 0}
 
     # ------------------------------------------------------------------ properties
 
@@ -234,6 +237,14 @@ class OmniHiddenStateCache:
     def bytes_per_token(self) -> int:
         """Bytes one KV slot costs, all per-token keys together (0 before the cache exists)."""
         return 0 if self._cache is None else self._cache.bytes_per_token()
+
+    def row_copies(self) -> dict[str, int]:
+        """Rows (per key) the saves copied so far: ``written`` into the cache, ``gathered``
+        for the hits (cached prefix and this step's rows), ``kept`` as the host copy of
+        the plain requests' rows (the rows a hit or a refused request would otherwise
+        have copied once more are ``written + gathered - kept`` short of ``2 * written +
+        gathered``)."""
+        return dict(self._rows_moved)
 
     def unconsumed_steps(self) -> list[int]:
         """Saved step ids not yet materialized or discarded."""
@@ -310,6 +321,10 @@ class OmniHiddenStateCache:
             )
         # The copies run unlocked (the output thread may materialize an older step
         # meanwhile); nobody knows `step_id` before it is returned.
+        moved = self._rows_moved
+        moved["written"] += plan.num_rows
+        moved["gathered"] += reads.num_rows
+        moved["kept"] += sum(plain_sizes)
         try:
             self._keep(saved, step_rows, flat, prefix, plain_rows, plain_sizes)
         except BaseException:
