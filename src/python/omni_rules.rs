@@ -14,7 +14,7 @@ use super::buffers::i64_bytearray;
 use super::convert::{count_arg, expect_attr, Int};
 use super::slot_facts::as_str;
 use crate::shield::Shielded;
-use crate::slots::{OmniRuleError, OmniStepRules, SavePlan};
+use crate::slots::{OmniStepRules, SavePlan};
 
 /// `(step_id, prefix positions, plain_rows or None, plain_sizes)`.
 type SavedTuple<'py> = (u64, Vec<u32>, Option<Bound<'py, PyByteArray>>, Vec<usize>);
@@ -67,17 +67,18 @@ impl PyOmniSavePlan {
 }
 
 /// A step id as Python gave it: any object; only a non-negative `int` (not a `bool`)
-/// can be one, anything else is refused as not an unconsumed step.
-fn step_id_arg(core: &OmniStepRules, step_id: &Bound<'_, PyAny>) -> Result<u64, OmniRuleError> {
+/// can be one, anything else is refused as not an unconsumed step (`Err`: how the
+/// object shows, for the error). Read before the rules are borrowed: `repr` may run
+/// Python code.
+fn step_id_arg(step_id: &Bound<'_, PyAny>) -> Result<u64, String> {
     if step_id.is_instance_of::<PyInt>() && !step_id.is_instance_of::<PyBool>() {
         if let Ok(id) = step_id.extract::<u64>() {
             return Ok(id);
         }
     }
-    let shown = step_id
+    Err(step_id
         .repr()
-        .map_or_else(|_| "?".to_owned(), |s| s.to_string());
-    Err(core.step_id_error(shown))
+        .map_or_else(|_| "?".to_owned(), |s| s.to_string()))
 }
 
 /// `req_ids` as `&str`s (a `TypeError` for a non-`str` item).
@@ -143,7 +144,7 @@ impl PyOmniStepRules {
 
     /// Begins a step from vLLM's `SchedulerOutput`; returns whether the previous step
     /// was begun and never saved (plan it without rows first).
-    fn begin_step(&mut self, scheduler_output: &Bound<'_, PyAny>) -> PyResult<bool> {
+    fn begin_step(slf: &Bound<'_, Self>, scheduler_output: &Bound<'_, PyAny>) -> PyResult<bool> {
         let py = scheduler_output.py();
         let so = scheduler_output;
         let attr = |name| expect_attr(so, name, "vLLM's SchedulerOutput");
@@ -198,18 +199,25 @@ impl PyOmniStepRules {
             .zip(counts)
             .map(|(s, n)| Ok((s.to_str()?, n)))
             .collect::<PyResult<_>>()?;
-        self.core.write("begin_step", |c| {
+        // Borrowed only now: reading the output above may run Python code, and so let
+        // the output thread in (its `materialize` borrows these rules too).
+        slf.borrow_mut().core.write("begin_step", |c| {
             Ok::<_, PyErr>(c.begin_step(&finished, &new, &scheduled)?)
         })
     }
 
     /// Lays out the begun step's rows in the runner's `batch` order; `num_tokens` is
     /// the step's unpadded row count.
-    fn lay_out(&self, batch: &Bound<'_, PyAny>, num_tokens: Int) -> PyResult<PyOmniSavePlan> {
+    fn lay_out(
+        slf: &Bound<'_, Self>,
+        batch: &Bound<'_, PyAny>,
+        num_tokens: Int,
+    ) -> PyResult<PyOmniSavePlan> {
         let batch = str_items(batch)?;
         let ids: Vec<&str> = batch.iter().map(|s| s.to_str()).collect::<PyResult<_>>()?;
         let n = count_arg("num_tokens", num_tokens)?;
-        let plan = self
+        let plan = slf
+            .borrow()
             .core
             .read("lay_out", |c| Ok::<_, PyErr>(c.lay_out(&ids, n)?))?;
         Ok(PyOmniSavePlan { plan })
@@ -255,23 +263,25 @@ impl PyOmniStepRules {
     /// whether it gets its cached prefix, and its index among the step's prefix
     /// requests or among its plain ones (`save`'s order).
     fn materialize(
-        &mut self,
+        slf: &Bound<'_, Self>,
         step_id: &Bound<'_, PyAny>,
         req_ids: &Bound<'_, PyAny>,
     ) -> PyResult<(Vec<u32>, Vec<bool>)> {
         let items = str_items(req_ids)?;
         let ids: Vec<&str> = items.iter().map(|s| s.to_str()).collect::<PyResult<_>>()?;
-        self.core.write("materialize", |c| {
-            let id = step_id_arg(c, step_id)?;
+        let step_id = step_id_arg(step_id);
+        slf.borrow_mut().core.write("materialize", |c| {
+            let id = step_id.map_err(|shown| c.step_id_error(shown))?;
             let picks = c.materialize(id, &ids)?;
             Ok::<_, PyErr>((picks.index, picks.prefix))
         })
     }
 
     /// Consumes `step_id` without reading it.
-    fn discard(&mut self, step_id: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.core.write("discard", |c| {
-            let id = step_id_arg(c, step_id)?;
+    fn discard(slf: &Bound<'_, Self>, step_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let step_id = step_id_arg(step_id);
+        slf.borrow_mut().core.write("discard", |c| {
+            let id = step_id.map_err(|shown| c.step_id_error(shown))?;
             Ok::<_, PyErr>(c.discard(id)?)
         })
     }
