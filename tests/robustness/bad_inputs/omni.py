@@ -2,7 +2,8 @@
 ``hscache.omni.OmniHiddenStateCache`` (live requests, first hits, spans, who is served
 what, consume-once step ids).
 
-The state: blocks of 4 tokens, at most 2 unconsumed steps. Step 1 scheduled ``a`` (new,
+The state: blocks of 4 tokens, at most 2 unconsumed steps. A first step (``z``) was saved
+and consumed. Step 1 scheduled ``a`` (new,
 8 tokens) and ``b`` (new, a 4-token hit the mirror refused: unservable) and was saved,
 unconsumed; step 2 (``a`` 1 more token) is begun, not saved. The fingerprint is the
 unconsumed step ids, the live count, whether a step is pending and the pending step's
@@ -41,7 +42,10 @@ def _fingerprint(t: OmniStepRules) -> Any:
 
 def rules(limit: int = 2, pending: bool = True) -> Ctx:
     t = OmniStepRules(block_size=4, max_unconsumed_steps=limit)
-    t.begin_step(_so(new=[("a", 0), ("b", 4)], scheduled={"a": 8, "b": 1}))
+    t.begin_step(_so(new=[("z", 0)], scheduled={"z": 4}))
+    consumed = t.save(t.lay_out(["z"], 4))[0]
+    t.materialize(consumed, ["z"])
+    t.begin_step(_so(new=[("a", 0), ("b", 4)], scheduled={"a": 8, "b": 1}, finished=["z"]))
     plan = t.lay_out(["b", "a"], 9)
     step = t.save(plan, hits=[], misses=[0])[0]
     if pending:
@@ -56,6 +60,7 @@ def rules(limit: int = 2, pending: bool = True) -> Ctx:
         lambda: _fingerprint(t),
         {
             "step": step,
+            "consumed": consumed,
             "saved_plan": plan,
             "foreign": other.lay_out(["a"], 1),
             "other_step": other_step,
@@ -166,6 +171,8 @@ ROWS = [
     R("materialize", "negative step id", SI, lambda f, c: f(-1, ["a"])),
     R("materialize", "step id = 2**70", SI, lambda f, c: f(2**70, ["a"])),
     R("materialize", "req_ids holds an int", IA, lambda f, c: f(c.x["step"], [5])),
+    R("materialize", "a step id consumed already", SI, lambda f, c: f(c.x["consumed"], ["z"])),
+    R("discard", "a step id consumed already", SI, lambda f, c: f(c.x["consumed"])),
     R("discard", "a step id never issued", SI, lambda f, c: f(2**62)),
     R("discard", "another cache's step id", SI, lambda f, c: f(c.x["other_step"])),
     R("discard", "step id is None", SI, lambda f, c: f(None)),
