@@ -12,6 +12,7 @@ use pyo3::exceptions::{
 use pyo3::prelude::*;
 
 use crate::error::{Error, ErrorKind};
+use crate::slots::OmniRuleError;
 
 create_exception!(hscache._core, UnknownRequestError, PyKeyError);
 create_exception!(hscache._core, BlockIdError, PyValueError);
@@ -25,6 +26,22 @@ create_exception!(hscache._core, EncoderCacheFullError, PyValueError);
 create_exception!(hscache._core, UnknownEncoderEntryError, PyKeyError);
 create_exception!(hscache._core, InternalError, PyRuntimeError);
 create_exception!(hscache._core, InvariantError, InternalError);
+create_exception!(
+    hscache._core,
+    StepIdError,
+    InvalidArgumentError,
+    "A step id that is not an unconsumed step of this cache: consumed already, never \
+     saved, issued by another cache, or one too many steps left unconsumed."
+);
+create_exception!(
+    hscache._core,
+    UnservableHitError,
+    PyRuntimeError,
+    "A request's prefix hit whose cached rows the slot mirror could not validate (never \
+     written in the blocks' current versions). vllm-omni's contract makes this fatal (its \
+     ``OmniPrefixCacheUnmatchError``): serving only the step's rows would hand the next \
+     stage a truncated prompt."
+);
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -69,6 +86,8 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     invariant.setattr("__bases__", bases)?;
     m.add("InvariantError", invariant)?;
+    m.add("StepIdError", py.get_type::<StepIdError>())?;
+    m.add("UnservableHitError", py.get_type::<UnservableHitError>())?;
     Ok(())
 }
 
@@ -91,6 +110,22 @@ impl From<Error> for PyErr {
             ErrorKind::Internal => InternalError::new_err(msg),
             ErrorKind::Invariant => InvariantError::new_err(msg),
             ErrorKind::OutOfMemory => PyMemoryError::new_err(msg),
+        }
+    }
+}
+
+impl From<OmniRuleError> for PyErr {
+    fn from(e: OmniRuleError) -> PyErr {
+        let msg = e.to_string();
+        match e {
+            OmniRuleError::StepId { .. } | OmniRuleError::NoRoom { .. } => {
+                StepIdError::new_err(msg)
+            }
+            OmniRuleError::UnknownRequests { .. } => UnknownRequestError::new_err(msg),
+            OmniRuleError::Unservable { .. } => UnservableHitError::new_err(msg),
+            OmniRuleError::MisalignedHit { .. } | OmniRuleError::Invalid(_) => {
+                InvalidArgumentError::new_err(msg)
+            }
         }
     }
 }

@@ -21,12 +21,12 @@ mod hasher;
 mod hisparse;
 mod hisparse_groups;
 mod manager;
+mod omni_rules;
 mod pool;
 mod prefill_skip;
 mod retention;
 mod slot_facts;
 mod slots;
-mod step_ledger;
 
 // Sibling modules address it as `super::buffers`.
 pub(crate) use convert::buffers;
@@ -97,7 +97,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<hisparse::PyHiSparseCore>()?;
     m.add_class::<slots::PySlotMirror>()?;
     m.add_class::<slots::PySlotReads>()?;
-    m.add_class::<step_ledger::PyStepLedger>()?;
+    m.add_class::<omni_rules::PyOmniStepRules>()?;
+    m.add_class::<omni_rules::PyOmniSavePlan>()?;
     m.add_function(wrap_pyfunction!(prefill_skip::prefill_skip, m)?)?;
     m.add_class::<encoder_cache::PyEncoderCacheCore>()?;
     m.add_class::<encoder_decoder::PyEncoderDecoderCacheCore>()?;

@@ -81,6 +81,7 @@
 
 mod commit;
 mod ledger;
+mod omni_rules;
 mod plan;
 #[cfg(test)]
 mod tests;
@@ -93,6 +94,9 @@ use crate::types::BlockId;
 
 pub use commit::{ReadEntry, StepReads};
 pub use ledger::StepLedger;
+pub use omni_rules::{
+    OmniRuleError, OmniStepRules, Picks, SavePlan, SavedStep, Served, UnservableReason,
+};
 pub use plan::{Assignment, PrefillSkipRequest, ScheduledRequest, StepInput};
 
 /// The block size, with shift / mask for the (usual) power of two: a decode step maps

@@ -208,8 +208,52 @@ def test_hit_on_unwritten_rows_is_refused_not_zeros() -> None:
 
 def test_non_aligned_hit_is_refused_before_anything_changes() -> None:
     cache, _, _ = warm()
+    live = cache.rules.num_live
     with pytest.raises(InvalidArgumentError):
         cache.new_step_starts(sched(new=(("b", [1, 2, 3], 6, 2),)))
+    assert cache.rules.num_live == live and not cache.rules.has_pending_step
+
+
+@pytest.mark.parametrize("mutant", [None, "continuation_hit"])
+def test_a_live_request_resent_as_new_gets_this_steps_rows(mutant: str | None) -> None:
+    """A request resent among ``scheduled_new_reqs`` while live (vllm-omni's async-chunk
+    continuation, vLLM's V2-runner resumption) gets this step's rows only, as vllm-omni
+    serves it, not its prefix again. vLLM's own scheduler never resends one, so the
+    differential does not reach this rule: it and its mutant are checked here."""
+    cache, view = make()
+    a = rows(8, 0.0)
+    sid = step(cache, view, sched(new=(("a", [1, 2], 0, 8),)), a, **{"mm.codes": a})
+    cache.materialize(sid, ["a"])
+    if mutant is not None:
+        cache.rules._break_rule(mutant)
+    x = rows(1, 50.0)
+    sid = step(cache, view, sched(new=(("a", [1, 2, 3], 8, 1),)), x, **{"mm.codes": x})
+    out = cache.materialize(sid, ["a"])
+    assert out.hidden_states is not None
+    served_step_rows = torch.equal(out.hidden_states["a"], x)
+    assert served_step_rows == (mutant is None)
+
+
+def test_only_plain_rows_are_copied_once_more() -> None:
+    """A step with a served hit and a plain request keeps a copy of the plain request's
+    rows only (the hit's rows are in its gathered rows); both are served right."""
+    cache, view, a = warm()
+    b_new, c = rows(2, 100.0), rows(3, 200.0)
+    so = sched(new=(("b", [1, 2, 3], 8, 2), ("c", [4], 0, 3)), finished=("a",))
+    cache.new_step_starts(so)
+    view.order = ["c", "b"]
+    x = torch.cat([c, b_new])
+    sid = cache.save_outputs(x, {"mm.codes": x * 2}, num_tokens_unpadded=5, num_tokens_padded=5)
+    kept = cache._steps[sid].plain["__hidden_states__"]
+    assert [t.shape[0] for t in kept] == [3]
+    # warm()'s step wrote and kept a's 8 rows; this one writes 5, gathers b's 10 rows
+    # (cached prefix + its 2 new rows) and keeps c's 3.
+    assert cache.row_copies() == {"written": 13, "gathered": 10, "kept": 11}
+    out = cache.materialize(sid, ["b", "c"])
+    assert out.hidden_states is not None
+    assert torch.equal(out.hidden_states["b"], torch.cat([a, b_new]))
+    assert torch.equal(out.hidden_states["c"], c)
+    assert torch.equal(out.mm_outputs["mm.codes"]["c"], c * 2)
 
 
 def test_batch_that_does_not_match_the_step_is_refused() -> None:

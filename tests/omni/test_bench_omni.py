@@ -20,7 +20,10 @@ def test_bench_omni_prints_its_table(capsys: pytest.CaptureFixture[str]) -> None
     out = capsys.readouterr().out
     assert "| concurrent | arm | step median | step mean | scheduler median" in out
     for c in (3,):
-        for arm in ("none", "none+hs-kv", "vllm-omni", "hscache"):
+        for arm in ("none", "none+hs-kv", "vllm-omni", "hscache", "hscache-w1"):
             assert sum(line.startswith(f"| {c} | {arm} |") for line in out.splitlines()) == 1
         ratios = [line for line in out.splitlines() if line.startswith(f"| {c} | 6 |")]
         assert len(ratios) == 1 and ratios[0].count("x") >= 5
+        assert "| concurrent | hscache cache | bookkeeping | row copies |" in out
+        split = [line for line in out.splitlines() if line.startswith(f"| {c} | ")]
+        assert len(split) == 5 + 1 + 1 and split[-1].count("x") == 3

@@ -9,7 +9,13 @@ order rotates), on vllm-omni's own ``OmniARScheduler`` built offline
 - ``none+hs-kv``: no hidden-state cache, hscache's KV-cache manager;
 - ``vllm-omni``: vllm-omni's ``OmniPrefixCacheManager``, vLLM's KV-cache manager;
 - ``hscache``: hscache's ``OmniHiddenStateCache`` and KV-cache manager
-  (``hscache.omni.OmniARScheduler``).
+  (``hscache.omni.OmniARScheduler``);
+- ``hscache-w1``: the same with every per-token output one element wide, the control
+  that splits hscache's cost: its cache time is the **bookkeeping** (step begin, the
+  rules' and the mirror's decisions, the ledger, the hit decisions, and every torch call's
+  fixed cost, with next to no bytes copied); ``hscache`` minus ``hscache-w1`` is the
+  **row copies** (the cache write, the host copy of the plain requests' rows, the hits'
+  gather), side by side in one run.
 
 Per step and arm: ``schedule()``, the cache's ``new_step_starts`` (before the runner's
 batch update, as vllm-omni's runners call it), ``save_outputs`` of the step's hidden states
@@ -25,7 +31,9 @@ replaced at once, so prefix hits happen on every arrival. All four arms must mak
 scheduling decisions (checked every step).
 
 Reported per concurrency: medians over the measured steps of the whole step's bookkeeping
-(scheduler + cache) and of the cache's own three calls, and ratios measured in the same run.
+(scheduler + cache) and of the cache's own three calls, and ratios measured in the same run:
+hscache's step against the no-cache step in total and in bookkeeping only (the
+``hscache-w1`` step), beside its row copies.
 ``--threads`` (default 1) sets torch's intra-op threads: with torch's default, every op
 above its parallel grain size (a few hundred rows of a narrow key) wakes the OpenMP pool,
 which on a loaded host costs milliseconds per op in the arms that use torch (both caches)
@@ -50,7 +58,7 @@ import torch
 
 __all__ = ["ARMS", "OmniBenchConfig", "main", "run"]
 
-ARMS = ("none", "none+hs-kv", "vllm-omni", "hscache")
+ARMS = ("none", "none+hs-kv", "vllm-omni", "hscache", "hscache-w1")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MM_KEY = "talker.codes"
 
@@ -164,7 +172,8 @@ def _build_arms(cfg: OmniBenchConfig) -> list[_Arm]:
     max_blocks = per_req + 2
     arms: list[_Arm] = []
     for name in ARMS:
-        cls = hscache.omni.OmniARScheduler if name in ("none+hs-kv", "hscache") else OmniARScheduler
+        ours = name in ("none+hs-kv", "hscache", "hscache-w1")
+        cls = hscache.omni.OmniARScheduler if ours else OmniARScheduler
         sched = make_scheduler(
             cls,
             num_blocks,
@@ -181,7 +190,7 @@ def _build_arms(cfg: OmniBenchConfig) -> list[_Arm]:
             )
             arm.cache = OmniPrefixCacheManager(pc, FullAttentionGroupView(batch, bs))  # type: ignore[arg-type,unused-ignore]
             arm.cache.register_policy(ModelCachePolicy())
-        elif name == "hscache":
+        elif name in ("hscache", "hscache-w1"):
             pc = PrefixCacheConfig(num_blocks=num_blocks, block_size=bs)
             arm.cache = OmniHiddenStateCache(
                 pc, FullAttentionGroupView(batch, bs), settings=OmniSettings(storage="cpu")
@@ -213,6 +222,8 @@ def run(cfg: OmniBenchConfig) -> dict[str, Any]:
     pad = 8
     hidden_buf = torch.randn(cfg.token_budget + pad, cfg.hidden).to(dtype)
     mm_buf = torch.randn(cfg.token_budget + pad, cfg.mm_width)
+    # The control's outputs: one element per token and key.
+    narrow = (hidden_buf[:, :1].clone(), mm_buf[:, :1].clone())
     prefixes = [
         [rng.randrange(1, 30000) for _ in range(cfg.prefix_len)] for _ in range(cfg.prefixes)
     ]
@@ -252,10 +263,11 @@ def run(cfg: OmniBenchConfig) -> dict[str, Any]:
             padded = n + (-n % pad)
             c_ns = t2 - t1
             if cache is not None and n:
+                hid, mm = narrow if arm.name == "hscache-w1" else (hidden_buf, mm_buf)
                 t3 = time.perf_counter_ns()
                 step_id = cache.save_outputs(
-                    hidden_buf[:padded],
-                    {MM_KEY: mm_buf[:padded]},
+                    hid[:padded],
+                    {MM_KEY: mm[:padded]},
                     num_tokens_unpadded=n,
                     num_tokens_padded=padded,
                 )
@@ -287,12 +299,14 @@ def run(cfg: OmniBenchConfig) -> dict[str, Any]:
                 hits += sum(1 for new in so.scheduled_new_reqs if new.num_computed_tokens)
             elif d != decisions:
                 raise RuntimeError(f"step {step}: arm {arm.name} scheduled differently")
+    ours = next(a for a in arms if a.name == "hscache")
     return {
         "concurrency": cfg.concurrency,
         "steps": cfg.steps,
         "hit_requests": hits,
         "requests": next_id,
         "arms": {a.name: _summary(a.times) for a in arms},
+        "rows": {k: v / total for k, v in ours.cache.row_copies().items()},
     }
 
 
@@ -347,7 +361,33 @@ def format_table(results: Sequence[dict[str, Any]], cfg: OmniBenchConfig) -> str
             f"| {hs['step'] / no['step']:.2f}x, {hs['step_mean'] / no['step_mean']:.2f}x "
             f"| {hs['step'] / nh['step']:.2f}x |"
         )
+    lines += [
+        "",
+        "hscache's cache split (medians, us): bookkeeping = the hscache-w1 arm's cache time "
+        "(outputs 1 element wide), row copies = hscache's cache time minus it; the goal: "
+        "hscache's step in bookkeeping at most 1.2x the no-cache step",
+        "",
+        "| concurrent | hscache cache | bookkeeping | row copies | hscache step / none step "
+        "(total) | hscache-w1 step / none step (bookkeeping, median, mean) "
+        "| rows per step: written / gathered / kept |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        a = r["arms"]
+        hs, w1, no = a["hscache"], a["hscache-w1"], a["none"]
+        rows = r["rows"]
+        lines.append(
+            f"| {r['concurrency']} | {hs['cache']:.0f} | {w1['cache']:.0f} "
+            f"| {hs['cache'] - w1['cache']:.0f} | {hs['step'] / no['step']:.2f}x "
+            f"| {w1['step'] / no['step']:.2f}x, {w1['step_mean'] / no['step_mean']:.2f}x "
+            f"| {rows['written']:.1f} / {rows['gathered']:.1f} / {rows['kept']:.1f} |"
+        )
     lines.append("")
+    lines.append(
+        "rows per step (means over every step, per key): written into the cache, gathered "
+        "for the hits, kept as the host copy of the plain requests' rows (a copy of the "
+        "whole step would keep every written row)."
+    )
     lines.append(
         "step = schedule() + update_from_output() + the cache's new_step_starts, "
         "save_outputs and materialize; scheduler = the first two; cache = the last three. "

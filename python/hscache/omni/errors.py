@@ -1,25 +1,21 @@
-"""The errors :class:`hscache.omni.OmniHiddenStateCache` raises beyond hscache's own.
+"""The errors :class:`hscache.omni.OmniHiddenStateCache` raises beyond hscache's own (the
+first two come from the Rust rules, ``hscache._core``).
 
 Each is raised before anything changes: after catching one, the cache is as it was.
 """
 
 from __future__ import annotations
 
+from hscache._core import StepIdError, UnservableHitError
 from hscache.exceptions import InvalidArgumentError
 
 __all__ = ["StepIdError", "UnservableHitError", "UnsupportedOutputError"]
 
-
-class StepIdError(InvalidArgumentError):
-    """A step id that is not an unconsumed step of this cache: consumed already, never
-    saved, issued by another cache, or one too many steps left unconsumed."""
-
-
-class UnservableHitError(RuntimeError):
-    """A request's prefix hit whose cached rows the slot mirror could not validate (never
-    written in the blocks' current versions). vllm-omni's contract makes this fatal (its
-    ``OmniPrefixCacheUnmatchError``): serving only the step's rows would hand the next
-    stage a truncated prompt."""
+# StepIdError (an InvalidArgumentError): a step id that is not an unconsumed step of this
+# cache: consumed already, never saved, issued by another cache, or one too many steps
+# left unconsumed. UnservableHitError (a RuntimeError): a request's prefix hit whose
+# cached rows the slot mirror could not validate; vllm-omni's contract makes it fatal.
+# Both are raised by the Rust rules (src/slots/omni_rules.rs), documented there.
 
 
 class UnsupportedOutputError(InvalidArgumentError):

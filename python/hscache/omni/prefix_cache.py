@@ -24,8 +24,17 @@ blocks, resumptions, finishes and preemptions), bumps the version of every block
 fresh, lays out and checks the step's write slots, counts the rows written and validates
 every hit against the versions: a hit whose rows were not all written in their blocks'
 current versions is a miss, which this class reports as :class:`UnservableHitError`
-(never zeros, never another request's rows). A Rust ``StepLedger`` decides which step ids
-may be consumed (issued here, not consumed yet, at most ``max_unconsumed_steps`` waiting).
+(never zeros, never another request's rows). The Rust ``OmniStepRules``
+(``src/slots/omni_rules.rs``) takes the rest: the live requests, which new requests are
+first hits (block aligned, else ``InvalidArgumentError``), a step begun and never saved,
+the step's spans in the runner's batch order, which requests of a saved step are served
+their prefix, refused (with the reason) or served this step's rows, which step ids
+(issued here, not consumed yet, at most ``max_unconsumed_steps`` waiting) and request ids
+a ``materialize`` may ask for. This class keeps the tensors: it splits the outputs, writes
+them through the mirror's plan and keeps, per saved step, the gathered full rows of the
+prefix requests and one host copy of the other requests' rows (the runner reuses its
+output buffers; the rows of a prefix request are in its gathered rows, a refused
+request's rows are never handed out, so neither is copied again).
 Hits are gathered when the step is saved,
 after its writes (same-step hits read the rows this step wrote), so a materialize one step
 late is unaffected by blocks reused in between.
@@ -47,10 +56,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from hscache._core import StepLedger
-from hscache.exceptions import InvalidArgumentError, UnknownRequestError
+from hscache._core import OmniSavePlan, OmniStepRules
+from hscache.exceptions import InvalidArgumentError
+from hscache.hidden_state_steps import StepRows, index_view
 from hscache.hidden_states import HiddenStateCache
-from hscache.omni.errors import StepIdError, UnservableHitError, UnsupportedOutputError
+from hscache.omni.errors import StepIdError, UnsupportedOutputError
 from hscache.omni.settings import OmniSettings
 
 __all__ = ["HIDDEN_KEY", "OmniHiddenStateCache", "StageOutputs"]
@@ -83,16 +93,18 @@ class _Key:
 
 @dataclass
 class _SavedStep:
-    """A saved step, until materialized or discarded."""
+    """A saved step's tensors, until materialized or discarded (what each request is
+    served, and which ids may be asked for, is the Rust rules' record of the step)."""
 
-    spans: dict[str, tuple[int, int]]
-    """``req_id -> [start, end)`` of its rows in ``rows``, in the save-time batch order."""
-    rows: dict[str, torch.Tensor]
-    """``key -> this step's rows`` (host copies)."""
-    hits: dict[str, dict[str, torch.Tensor]]
-    """``req_id -> key -> full rows`` of the requests whose hit was served."""
-    unservable: dict[str, str] = field(default_factory=dict)
-    """``req_id -> why`` for hits the mirror refused."""
+    req_ids: list[str]
+    """The step's requests in row order (vllm-omni's batch order at save)."""
+    sizes: list[int]
+    """Rows of each request, in row order."""
+    plain: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    """``key -> per plain request`` (the rules' plain order): views of one host copy of
+    the plain requests' rows, the only rows of the step kept."""
+    prefix: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    """Per request served its prefix (the rules' prefix order): ``key -> full rows``."""
     leftover: dict[str, Any] = field(default_factory=dict)
     """Outputs that are not one row per token, passed through."""
 
@@ -188,20 +200,27 @@ class OmniHiddenStateCache:
         # The first saved step with rows had no per-token output: nothing is ever cached
         # (and no backlog kept).
         self._keyless = False
-        # This step's SchedulerOutput, planned at save (the batch order is known then).
+        # This step's SchedulerOutput, planned in the mirror at save (the batch order is
+        # known then).
         self._pending: Any = None
-        self._live: set[str] = set()
-        self._first_hits: set[str] = set()
-        # Which step ids may be consumed (Rust: issued here, once, at most `limit` waiting);
-        # `_steps` holds their rows.
-        self._ledger = StepLedger(limit=self._settings.max_unconsumed_steps)
+        # Every decision (live requests, first hits, spans, who is served what, which
+        # step ids and request ids may be consumed) is the Rust rules'; `_steps` holds
+        # the saved steps' tensors.
+        self._rules = OmniStepRules(
+            block_size=self._block_size,
+            max_unconsumed_steps=self._settings.max_unconsumed_steps,
+        )
         # materialize / discard_step may run on vllm-omni's async output thread while the
-        # engine thread saves the next step: the ledger and `_steps` change under this lock
-        # (materialize reads only the step's own tensors, never the mirror or the storage).
+        # engine thread saves the next step: the rules' step record and `_steps` change
+        # under this lock (materialize reads only the step's own tensors, never the
+        # mirror or the storage).
         self._lock = threading.Lock()
         self._consumed = threading.Condition(self._lock)
         self._savers_waiting = 0  # notify only when a save waits for room
         self._steps: dict[int, _SavedStep] = {}
+        # Rows moved per key by the saves: into the cache, gathered for the hits, and
+        # kept as the host copy of the plain requests' rows (``row_copies()``).
+        self._rows_moved = {"written": 0, "gathered": 0, "kept": 0}
 
     # ------------------------------------------------------------------ properties
 
@@ -210,13 +229,26 @@ class OmniHiddenStateCache:
         """The hidden-state cache (None until the first saved step with rows)."""
         return self._cache
 
+    @property
+    def rules(self) -> OmniStepRules:
+        """The Rust rules: live requests, first hits, saved steps (``src/slots/omni_rules.rs``)."""
+        return self._rules
+
     def bytes_per_token(self) -> int:
         """Bytes one KV slot costs, all per-token keys together (0 before the cache exists)."""
         return 0 if self._cache is None else self._cache.bytes_per_token()
 
+    def row_copies(self) -> dict[str, int]:
+        """Rows (per key) the saves copied so far: ``written`` into the cache, ``gathered``
+        for the hits (cached prefix and this step's rows), ``kept`` as the host copy of
+        the plain requests' rows (the rows a hit or a refused request would otherwise
+        have copied once more are ``written + gathered - kept`` short of ``2 * written +
+        gathered``)."""
+        return dict(self._rows_moved)
+
     def unconsumed_steps(self) -> list[int]:
         """Saved step ids not yet materialized or discarded."""
-        return self._ledger.outstanding()
+        return self._rules.unconsumed_steps()
 
     # ------------------------------------------------------------------ interface
 
@@ -231,29 +263,13 @@ class OmniHiddenStateCache:
 
     def new_step_starts(self, scheduler_output: Any) -> None:
         """Takes one step's ``SchedulerOutput`` (before the runner updates its batch)."""
-        finished = set(getattr(scheduler_output, "finished_req_ids", None) or ())
-        live = self._live - finished
-        first_hits: set[str] = set()
-        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
-            req_id = new.req_id
-            if req_id in live:
-                continue  # a continuation: vllm-omni serves no prefix again
-            live.add(req_id)
-            hit = int(new.num_computed_tokens or 0)
-            if hit:
-                if hit % self._block_size:
-                    raise InvalidArgumentError(
-                        f"request {req_id!r}: a hit of {hit} tokens is not block aligned "
-                        f"(block_size {self._block_size}); KV-connector loads are not served"
-                    )
-                first_hits.add(req_id)
-        # Everything checked: apply. A step never saved is planned without a write (its
-        # rows count as never written) before this one.
-        if self._pending is not None:
-            self._plan_unsaved(self._pending)
-        self._pending = scheduler_output
-        self._live = live
-        self._first_hits = first_hits
+        # The rules check the step (first hits block aligned), then take it; a step
+        # never saved is planned without a write (its rows count as never written)
+        # before this one.
+        unsaved = self._rules.begin_step(scheduler_output)
+        previous, self._pending = self._pending, scheduler_output
+        if unsaved:
+            self._plan_unsaved(previous)
 
     def save_outputs(
         self,
@@ -264,42 +280,58 @@ class OmniHiddenStateCache:
         num_tokens_padded: int,
     ) -> int:
         """Writes this step's rows, serves its hits; returns the step id to consume."""
-        so = self._pending
-        if so is None:
-            raise InvalidArgumentError("save_outputs without new_step_starts for this step")
-        self._wait_for_room()
         n = int(num_tokens_unpadded)
-        scheduled: Mapping[str, int] = so.num_scheduled_tokens
-        order = [r for r in self._view.batch_req_ids() if scheduled.get(r, 0) > 0]
-        if n != sum(scheduled[r] for r in order) or len(order) != len(scheduled):
-            raise InvalidArgumentError(
-                f"num_tokens_unpadded={n} with {len(order)} of {len(scheduled)} scheduled "
-                f"requests in the batch ({sum(scheduled.values())} tokens scheduled)"
-            )
+        plan = self._rules.lay_out(self._view.batch_req_ids(), n)
+        so = self._pending
+        self._wait_for_room()
         rows, rest = _split(
             hidden_states, mm_outputs, n, int(num_tokens_padded), self._cache_hidden
         )
         keys = self._check_keys(rows) if n else {}
-        spans: dict[str, tuple[int, int]] = {}
-        start = 0
-        for r in order:
-            spans[r] = (start, start + scheduled[r])
-            start += scheduled[r]
         # Everything checked: change state.
-        self._pending = None
-        saved = _SavedStep(spans=spans, rows={}, hits={}, leftover=_host_copy(rest))
+        saved = _SavedStep(req_ids=plan.req_ids, sizes=plan.sizes, leftover=_host_copy(rest))
         if n and not keys and self._cache is None and not self._keyless:
             self._keyless = True
             self._backlog.clear()
         if not n or not keys:
             self._plan_unsaved(so)
-        else:
-            if self._cache is None:
-                self._build(keys, rows)
-            assert self._cache is not None
-            self._serve(so, order, rows, saved)
-        with self._lock:  # room was checked above; consumers only make more
-            step_id = self._ledger.issue()
+            self._pending = None
+            with self._lock:  # room was checked above; consumers only make more
+                step_id = self._rules.save(plan)[0]
+                self._steps[step_id] = saved
+            return step_id
+        if self._cache is None:
+            self._build(keys, rows)
+        assert self._cache is not None
+        flat = {name: t.reshape(t.shape[0], -1) for name, t in rows.items()}
+        self._pending = None
+        try:
+            step_rows = self._write(so, plan, flat)
+        except BaseException:
+            # The mirror may have planned the step, which is then never committed (its
+            # rows count as never written): the rules drop it too (saved without rows,
+            # consumed at once), so that no later step plans it again.
+            with self._lock:
+                self._rules.discard(self._rules.save(plan)[0])
+            raise
+        reads = step_rows.reads
+        with self._lock:
+            step_id, prefix, plain_rows, plain_sizes = self._rules.save(
+                plan, hits=reads.plan_indices, misses=reads.misses
+            )
+        # The copies run unlocked (the output thread may materialize an older step
+        # meanwhile); nobody knows `step_id` before it is returned.
+        moved = self._rows_moved
+        moved["written"] += plan.num_rows
+        moved["gathered"] += reads.num_rows
+        moved["kept"] += sum(plain_sizes)
+        try:
+            self._keep(saved, step_rows, flat, prefix, plain_rows, plain_sizes)
+        except BaseException:
+            with self._lock:
+                self._rules.discard(step_id)
+            raise
+        with self._lock:
             self._steps[step_id] = saved
         return step_id
 
@@ -307,42 +339,23 @@ class OmniHiddenStateCache:
         """Per-request rows of a saved step (see the module doc); consumes ``step_id``."""
         req_ids = list(req_ids)
         with self._lock:
-            saved = self._saved(step_id)
-            unknown = [r for r in req_ids if r not in saved.spans]
-            if unknown:
-                raise UnknownRequestError(
-                    f"materialize(step {step_id}): {unknown[:8]} were not in the step's batch"
-                )
-            bad = [r for r in req_ids if r in saved.unservable]
-            if bad:
-                raise UnservableHitError(
-                    f"step {step_id}: the prefix hits of {bad[:8]} could not be served "
-                    f"({saved.unservable[bad[0]]})"
-                )
-            self._ledger.consume(step_id)
-            del self._steps[step_id]
+            # The rules refuse (StepIdError, UnknownRequestError, UnservableHitError)
+            # before consuming anything.
+            index, prefix = self._rules.materialize(step_id, req_ids)
+            saved = self._steps.pop(step_id)
             if self._savers_waiting:
                 self._consumed.notify_all()
         hidden: dict[str, torch.Tensor] | None = None
         mm: dict[str, dict[str, Any]] = {}
         for name, key in self._keys.items():
-            step_rows = saved.rows.get(name)
-            if step_rows is None:
+            plain = saved.plain.get(name)
+            if plain is None:
                 continue
             flat = len(key.row_shape) == 1
-            if not flat:
-                step_rows = step_rows.reshape(step_rows.shape[0], *key.row_shape)
-            # One split for the whole batch (views), not a slice per request.
-            sizes = [end - begin for begin, end in saved.spans.values()]
-            views = dict(zip(saved.spans, torch.split(step_rows, sizes), strict=True))
             per_req: dict[str, torch.Tensor] = {}
-            for r in req_ids:
-                full = saved.hits.get(r)
-                if full is None:
-                    per_req[r] = views[r]
-                else:
-                    t = full[name]
-                    per_req[r] = t if flat else t.reshape(t.shape[0], *key.row_shape)
+            for r, i, full in zip(req_ids, index, prefix, strict=True):
+                t = saved.prefix[i][name] if full else plain[i]
+                per_req[r] = t if flat else t.reshape(t.shape[0], *key.row_shape)
             if name == HIDDEN_KEY:
                 hidden = per_req
             else:
@@ -354,8 +367,7 @@ class OmniHiddenStateCache:
     def discard_step(self, step_id: int) -> None:
         """Consumes ``step_id`` without reading it (its rows stay cached)."""
         with self._lock:
-            self._saved(step_id)
-            self._ledger.consume(step_id)
+            self._rules.discard(step_id)
             del self._steps[step_id]
             if self._savers_waiting:
                 self._consumed.notify_all()
@@ -372,9 +384,9 @@ class OmniHiddenStateCache:
         with self._consumed:
             while True:
                 try:
-                    self._ledger.check_room()
+                    self._rules.check_room()
                     return
-                except InvalidArgumentError as e:
+                except StepIdError as e:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise StepIdError(
@@ -386,20 +398,6 @@ class OmniHiddenStateCache:
                         self._consumed.wait(left)
                     finally:
                         self._savers_waiting -= 1
-
-    def _saved(self, step_id: object) -> _SavedStep:
-        """The rows of an outstanding step; ``StepIdError`` for any other id."""
-        if (
-            isinstance(step_id, int)
-            and not isinstance(step_id, bool)
-            and step_id > 0
-            and step_id in self._ledger
-        ):
-            return self._steps[step_id]
-        raise StepIdError(
-            f"step id {step_id!r} is not an unconsumed step of this cache (consumed "
-            f"already, never saved, or another cache's); unconsumed: {self.unconsumed_steps()}"
-        )
 
     def _plan_unsaved(self, so: Any) -> None:
         """Applies a step nothing was saved for: its tables count, its rows do not."""
@@ -471,35 +469,44 @@ class OmniHiddenStateCache:
         self._cache = cache
         self._keys = keys
 
-    def _serve(
-        self,
-        so: Any,
-        order: list[str],
-        rows: Mapping[str, torch.Tensor],
-        saved: _SavedStep,
-    ) -> None:
+    def _write(self, so: Any, plan: OmniSavePlan, flat: Mapping[str, torch.Tensor]) -> StepRows:
         """Plans, writes and commits the step in the mirror; gathers its served hits."""
         cache = self._cache
         assert cache is not None
-        flat = {name: t.reshape(t.shape[0], -1) for name, t in rows.items()}
-        plan = cache.update_from_scheduler_output(so, order=order)
-        if plan.num_rows != next(iter(flat.values())).shape[0]:
+        step = cache.update_from_scheduler_output(so, order=plan.req_ids)
+        if step.num_rows != plan.num_rows:
             raise InvalidArgumentError(
-                f"the step has {next(iter(flat.values())).shape[0]} rows; the mirror "
-                f"planned {plan.num_rows}"
+                f"the step has {plan.num_rows} rows; the mirror planned {step.num_rows}"
             )
-        step_rows = cache.write_and_gather(plan, flat)
-        served = set(step_rows.hits)
-        misses = set(step_rows.misses)
-        for r in order:
-            if r not in self._first_hits:
-                continue
-            if r in served:
-                saved.hits[r] = {name: step_rows.rows(r, name).cpu() for name in flat}
-            else:
-                why = "rows not written in the blocks' current versions"
-                saved.unservable[r] = why if r in misses else "no hit was planned"
-        saved.rows = {name: t.detach().to("cpu", copy=True) for name, t in flat.items()}
+        return cache.write_and_gather(step, flat)
+
+    @staticmethod
+    def _keep(
+        saved: _SavedStep,
+        step_rows: StepRows,
+        flat: Mapping[str, torch.Tensor],
+        prefix: list[int],
+        plain_rows: bytearray | None,
+        plain_sizes: list[int],
+    ) -> None:
+        """Keeps what the step's materialize may hand out, in host memory: the full rows
+        of the requests served their prefix (the mirror's gather), and one copy of the
+        plain requests' rows (the runner reuses its output buffers). Rows of the prefix
+        requests and of refused hits are not copied again."""
+        req_ids = saved.req_ids
+        saved.prefix = [
+            {name: step_rows.rows(req_ids[i], name).cpu() for name in flat} for i in prefix
+        ]
+        if plain_rows is None:  # every request plain: the whole step
+            copies = {name: t.detach().to("cpu", copy=True) for name, t in flat.items()}
+        elif plain_sizes:
+            idx = index_view(plain_rows)
+            copies = {name: t.index_select(0, idx.to(t.device)).cpu() for name, t in flat.items()}
+        else:  # nothing plain: nothing of the step's own rows is ever handed out
+            saved.plain = {name: () for name in flat}
+            return
+        # One split per key for the whole batch (views), not a slice per request.
+        saved.plain = {name: torch.split(t, plain_sizes) for name, t in copies.items()}
 
     def _pass_through(
         self, saved: _SavedStep, req_ids: list[str], mm: dict[str, dict[str, Any]]
@@ -511,17 +518,20 @@ class OmniHiddenStateCache:
             for key, val in saved.leftover.items():
                 mm[key] = dict.fromkeys(req_ids, val)
             return
-        order = list(saved.spans)
-        total = sum(e - s for s, e in saved.spans.values())
+        order = saved.req_ids
+        starts = [0]
+        for n in saved.sizes:
+            starts.append(starts[-1] + n)
+        total = starts[-1]
         for key, val in saved.leftover.items():
-            mm[key] = {
-                r: to_payload_element(
+            mm[key] = {}
+            for r in req_ids:
+                i = order.index(r)
+                mm[key][r] = to_payload_element(
                     val,
-                    order.index(r),
-                    start=saved.spans[r][0],
-                    end=saved.spans[r][1],
+                    i,
+                    start=starts[i],
+                    end=starts[i + 1],
                     pass_lists_through=True,
                     seq_len=total,
                 )
-                for r in req_ids
-            }

@@ -1,0 +1,182 @@
+//! Unit tests of `OmniStepRules` (`omni_rules.rs`): each rule, its bad inputs, its mutants.
+
+use super::*;
+
+fn rules() -> OmniStepRules {
+    OmniStepRules::new(4, 2).unwrap()
+}
+
+/// Begins, lays out in `batch` order with every scheduled row, saves.
+fn step(
+    r: &mut OmniStepRules,
+    new: &[(&str, usize)],
+    scheduled: &[(&str, usize)],
+    batch: &[&str],
+    reads: Option<(&[usize], &[usize])>,
+) -> SavedStep {
+    r.begin_step(&[], new, scheduled).unwrap();
+    let n = scheduled.iter().map(|s| s.1).sum();
+    let plan = r.lay_out(batch, n).unwrap();
+    r.save(&plan, reads).unwrap()
+}
+
+#[test]
+fn first_hits_are_served_their_prefix_and_continuations_are_not() {
+    let mut r = rules();
+    let s = step(
+        &mut r,
+        &[("a", 8), ("b", 0)],
+        &[("a", 2), ("b", 3)],
+        &["b", "a"],
+        Some((&[1], &[])),
+    );
+    assert_eq!(s.served, vec![Served::Plain, Served::Prefix]);
+    // `a` resent among the new requests (a resumption) is a continuation.
+    let s2 = step(&mut r, &[("a", 12)], &[("a", 1)], &["a"], Some((&[0], &[])));
+    assert_eq!(s2.served, vec![Served::Plain]);
+    assert_eq!(
+        (s.prefix.clone(), s.plain_sizes.clone()),
+        (vec![1], vec![3])
+    );
+    assert_eq!(s.plain_rows, Some(vec![0, 1, 2]));
+    let picks = r.materialize(s.step_id, &["a", "b"]).unwrap();
+    assert_eq!(picks.index, vec![0, 0]);
+    assert_eq!(picks.prefix, vec![true, false]);
+    assert_eq!(s2.plain_rows, None, "every request plain: the whole step");
+}
+
+#[test]
+fn a_finished_request_is_new_again() {
+    let mut r = rules();
+    step(&mut r, &[("a", 0)], &[("a", 4)], &["a"], Some((&[], &[])));
+    r.begin_step(&["a"], &[("a", 4)], &[("a", 1)]).unwrap();
+    let plan = r.lay_out(&["a"], 1).unwrap();
+    assert_eq!(plan.first_hit, vec![true]);
+}
+
+#[test]
+fn misses_are_unservable_with_their_reason() {
+    let mut r = rules();
+    let s = step(
+        &mut r,
+        &[("a", 4), ("b", 4), ("c", 0)],
+        &[("a", 1), ("b", 1), ("c", 1)],
+        &["a", "b", "c"],
+        Some((&[], &[0])),
+    );
+    let why = |i: usize| s.served[i];
+    assert_eq!(why(0), Served::Unservable(UnservableReason::NotWritten));
+    assert_eq!(why(1), Served::Unservable(UnservableReason::NotPlanned));
+    assert_eq!(why(2), Served::Plain);
+    let err = r.materialize(s.step_id, &["c", "b"]).unwrap_err();
+    assert!(matches!(
+        err,
+        OmniRuleError::Unservable {
+            reason: UnservableReason::NotPlanned,
+            ..
+        }
+    ));
+    assert_eq!(
+        r.unconsumed_steps(),
+        &[s.step_id],
+        "a refusal consumes nothing"
+    );
+    assert!(r.materialize(s.step_id, &["c"]).is_ok());
+}
+
+#[test]
+fn an_unsaved_step_serves_no_prefix() {
+    let mut r = rules();
+    let s = step(&mut r, &[("a", 4)], &[("a", 1)], &["a"], None);
+    assert_eq!(s.served, vec![Served::Plain]);
+}
+
+#[test]
+fn bad_input_changes_nothing() {
+    let mut r = rules();
+    // Misaligned hit.
+    let e = r.begin_step(&[], &[("a", 3)], &[("a", 1)]).unwrap_err();
+    assert!(matches!(e, OmniRuleError::MisalignedHit { hit: 3, .. }));
+    assert!(!r.has_pending_step() && r.num_live() == 0);
+    // Save without a begun step, then a batch that is not the step's.
+    assert!(r.lay_out(&["a"], 1).is_err());
+    r.begin_step(&[], &[("a", 0), ("b", 0)], &[("a", 2), ("b", 2)])
+        .unwrap();
+    assert!(r.lay_out(&["a"], 4).is_err(), "b missing from the batch");
+    assert!(r.lay_out(&["a", "b"], 5).is_err(), "token count");
+    assert!(r.lay_out(&["a", "b", "a"], 4).is_err(), "a twice");
+    // A plan of other rules, and a plan taken twice.
+    let mut o = OmniStepRules::new(4, 2).unwrap();
+    o.begin_step(&[], &[("a", 0), ("b", 0)], &[("a", 2), ("b", 2)])
+        .unwrap();
+    let foreign = o.lay_out(&["a", "b"], 4).unwrap();
+    assert!(r.save(&foreign, None).is_err());
+    let plan = r.lay_out(&["b", "a"], 4).unwrap();
+    assert!(
+        r.save(&plan, Some((&[7], &[]))).is_err(),
+        "read past the step"
+    );
+    assert!(r.has_pending_step());
+    let s = r.save(&plan, None).unwrap();
+    assert!(r.save(&plan, None).is_err(), "saved already");
+    // Step ids: unknown request, another's id, consumed twice, no room.
+    assert!(matches!(
+        r.materialize(s.step_id, &["a", "zz"]),
+        Err(OmniRuleError::UnknownRequests { .. })
+    ));
+    assert!(matches!(
+        r.discard(s.step_id + 1000),
+        Err(OmniRuleError::StepId { .. })
+    ));
+    assert_eq!(r.unconsumed_steps(), &[s.step_id]);
+    r.discard(s.step_id).unwrap();
+    assert!(matches!(
+        r.discard(s.step_id),
+        Err(OmniRuleError::StepId { .. })
+    ));
+    step(&mut r, &[], &[("a", 1)], &["a"], None);
+    step(&mut r, &[], &[("a", 1)], &["a"], None);
+    r.begin_step(&[], &[], &[("a", 1)]).unwrap();
+    let plan = r.lay_out(&["a"], 1).unwrap();
+    assert!(matches!(
+        r.save(&plan, None),
+        Err(OmniRuleError::NoRoom { .. })
+    ));
+    assert!(r.has_pending_step());
+    assert!(OmniStepRules::new(0, 2).is_err() && OmniStepRules::new(4, 0).is_err());
+}
+
+#[test]
+fn a_step_never_saved_is_reported_by_the_next() {
+    let mut r = rules();
+    assert!(!r.begin_step(&[], &[("a", 0)], &[("a", 4)]).unwrap());
+    assert!(r.begin_step(&[], &[], &[("a", 1)]).unwrap());
+    let plan = r.lay_out(&["a"], 1).unwrap();
+    r.save(&plan, None).unwrap();
+    assert!(!r.begin_step(&[], &[], &[("a", 1)]).unwrap());
+}
+
+#[test]
+fn every_mutant_changes_a_decision() {
+    for name in OmniStepRules::RULE_MUTANTS {
+        let mut r = rules();
+        r.break_rule_for_tests(name).unwrap();
+        let run = |r: &mut OmniStepRules| -> (Vec<Served>, Vec<u32>, Vec<Served>) {
+            let s = step(
+                r,
+                &[("a", 4), ("b", 4)],
+                &[("b", 1), ("a", 1)],
+                &["a", "b"],
+                Some((&[0], &[1])),
+            );
+            let s2 = step(r, &[("a", 8)], &[("a", 1)], &["a"], Some((&[0], &[])));
+            r.begin_step(&[], &[], &[("b", 1), ("a", 1)]).unwrap();
+            let plan = r.lay_out(&["a", "b"], 2).unwrap();
+            (s.served, plan.batch_positions, s2.served)
+        };
+        let broken = run(&mut r);
+        let good = run(&mut rules());
+        assert_ne!(broken, good, "mutant {name} changed nothing");
+    }
+    assert!(rules().break_rule_for_tests("nope").is_err());
+}
