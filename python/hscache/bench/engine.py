@@ -32,8 +32,9 @@ time. Checked: every arm's output tokens equal stock's (greedy; a difference is 
 and makes the command exit 1), every hscache arm ran on hscache's scheduler and KV-cache
 manager, and the fast path served steps in the ``hscache+fast`` arm and none in the
 ``hscache`` arm (counted by wrapping ``fast_step.schedule`` / ``fast_step.split_update``
-in the arm's process: steps it served and requests it took out of
-``update_from_output``).
+in the arm's process: the ``schedule()`` steps it served, and the share of the output
+tokens whose ``update_from_output()`` it served; with async scheduling it takes only the
+steady outputs before the first one vLLM must serve, so finishing requests cost it more).
 """
 
 from __future__ import annotations
@@ -345,17 +346,20 @@ def _columns(r: dict[str, Any]) -> dict[str, float]:
         "model_frac": r["model_frac"],
         "steps": r["steps"],
         "fast": (r["fast_path"] or {}).get("steps", 0),
+        "fast_outputs": (r["fast_path"] or {}).get("requests", 0) / r["output_tokens"],
     }
 
 
 def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> str:
     """The Markdown table: medians over the repeats, ratios against stock's medians. The
     scheduler's CPU ms per step: ``schedule()`` + ``update_from_output()``, the run's total
-    over its steps; its share and the model's: of the run's CPU time."""
+    over its steps; its share and the model's: of the run's CPU time. The fast path's
+    steps: ``schedule()`` calls it served of all; its outputs: the share of the output
+    tokens whose ``update_from_output()`` it served."""
     lines = [
         "| concurrent | arm | output tok/s | vs stock | tok/CPU-s | vs stock | step ms | "
         "step CPU ms | scheduler CPU ms/step | vs stock | scheduler share | model share | "
-        "fast-path steps |",
+        "fast path: steps, outputs |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for k, n in enumerate(int(c) for c in args.concurrency.split(",")):
@@ -371,7 +375,8 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> s
                 f"{a['cpu_tps']:.0f} | {a['cpu_tps'] / st['cpu_tps']:.2f}x | "
                 f"{a['step_ms']:.1f} | {a['step_cpu_ms']:.1f} | {a['sched_ms']:.2f} | "
                 f"{st['sched_ms'] / a['sched_ms']:.2f}x | {100 * a['sched_frac']:.1f} % | "
-                f"{100 * a['model_frac']:.1f} % | {a['fast']:.0f} / {a['steps']:.0f} |"
+                f"{100 * a['model_frac']:.1f} % | {a['fast']:.0f} / {a['steps']:.0f}, "
+                f"{100 * a['fast_outputs']:.0f} % |"
             )
     return "\n".join(lines)
 
