@@ -89,10 +89,11 @@ def test_the_table_has_medians_and_ratios_to_stock() -> None:
     # An outlier run changes no median.
     runs["stock"][0] = copy.deepcopy(runs["stock"][0])
     runs["stock"][0]["results"][0]["wall_s"] = 1e6
-    table = report(runs, argparse.Namespace(concurrency="4,8")).splitlines()
-    assert table[0].startswith("| concurrent | arm | output tok/s | vs stock | tok/CPU-s |")
-    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in table[2:]}
-    assert len(rows) == 6
+    tables = report(runs, argparse.Namespace(concurrency="4,8")).split("\n\n")
+    measured, estimate = (t.splitlines() for t in tables)
+    assert measured[0].startswith("| concurrent | arm | output tok/s | vs stock | tok/CPU-s |")
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in measured[2:]}
+    assert len(rows) == 6 and len(estimate) == 8
     # Medians of 100, 110, 120 (x1, x1.1, x1.2 per repeat): 110 for stock, 165 with fast.
     assert "| 4 | stock | 110 | 1.00x | 220 | 1.00x |" in rows[("4", "stock")]
     assert "| 8 | hscache+fast | 165 | 1.50x | 330 | 1.50x |" in rows[("8", "hscache+fast")]
@@ -104,3 +105,35 @@ def test_hidden_size_must_fit_the_cpu_heads(capsys: pytest.CaptureFixture[str]) 
     with pytest.raises(SystemExit):
         main(["--hidden", "48"])
     assert "--hidden must be a multiple of 32" in capsys.readouterr().err
+
+
+def test_a_non_cpu_vllm_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import hscache.bench.engine as engine
+
+    monkeypatch.setattr(engine, "_cpu_build", lambda: False)
+    assert main(["--quick"]) == 2
+    assert "not a CPU build" in capsys.readouterr().err
+
+
+def test_the_estimate_gives_every_arm_the_least_model_time() -> None:
+    """The model does the same work in every arm; the estimate adds each arm's median
+    scheduler and rest of the engine to the least model time any run measured."""
+    runs = _runs()
+    host = {"stock": 0.2, "hscache": 0.1, "hscache+fast": 0.05}
+    least = {"stock": 0.7, "hscache": 0.6, "hscache+fast": 0.5}
+    for arm, reps in runs.items():
+        for k, run in enumerate(reps):
+            r = run["results"][0]
+            r["cpu_s"], r["steps"] = 1.0, 10
+            r["schedule_frac"] = r["update_frac"] = host[arm] / 2
+            r["model_frac"] = least[arm] + 0.02 * k
+    estimate = report(runs, argparse.Namespace(concurrency="4")).split("\n\n")[1]
+    # ms per step: model median / least, rest (1 - host - model, median), least of all
+    # (50) + scheduler + rest, stock's over it.
+    assert estimate.splitlines()[2:] == [
+        "| 4 | stock | 72.00 | 70.00 | 8.00 | 78.00 | 1.00x |",
+        "| 4 | hscache | 62.00 | 60.00 | 28.00 | 88.00 | 0.89x |",
+        "| 4 | hscache+fast | 52.00 | 50.00 | 43.00 | 98.00 | 0.80x |",
+    ]
