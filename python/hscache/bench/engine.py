@@ -504,6 +504,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.model is None:
         name = f"llama-h{args.hidden}-l{args.layers}-v{args.vocab}"
         args.model = make_model(args.work / name, args.hidden, args.layers, args.vocab)
+    from hscache.bench.runner import core_build_info
+
+    core = core_build_info()
+    print(
+        f"hscache {core['version']} ({core['build_profile']} build of hscache._core) from "
+        f"{Path(__file__).parent.parent}"
+    )
+    if "debug" in (core["build_profile"] or "").lower():
+        print("WARNING: a DEBUG build of hscache._core; its timings mean nothing.")
     mode = "Scheduler" if args.sync else "AsyncScheduler"
     print(
         f"vLLM {vllm.__version__} real engine on CPU ({mode}),"
