@@ -17,17 +17,24 @@ there (how many steps and requests it served, how many it left to vLLM):
   and ``update_from_output()`` leaves those requests to vLLM and serves the others;
 - a KV connector (vLLM's ``ExampleConnector`` over an empty directory): the fast path
   declines both phases;
-- the layout families: full attention, full + sliding window, full + chunked local
-  attention, full + Mamba in ``align`` mode (vLLM's block-aligned split: the fast path
-  declines ``schedule()``) and in ``none`` mode (prefix caching off: it serves).
+- the layout families beyond full attention and full + sliding window (which
+  ``test_scheduler_fast_path.py`` runs): full + chunked local attention, full + Mamba in
+  ``align`` mode (vLLM's block-aligned split: the fast path declines ``schedule()``) and
+  in ``none`` mode (prefix caching off: it serves).
+
+Blind mutants: each boundary hidden from the fast path for one phase must make the
+differential fail (else the scenario would not see it). And the decode bench
+(``bench-scheduler --decode --layout``) runs the hybrids.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import zlib
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,9 +82,19 @@ class Boundary(Scenario):
     """Whether it must serve some requests' ``update_from_output()`` (else: none)."""
 
 
+SPEC = Boundary(spec_tokens=2, aborts=0.0, schedule_served=False, update_served=False)
+STRUCTURED = Boundary(structured=4, expect=("update_mixed", "structured_left"))
+STRUCTURED_ASYNC = Boundary(
+    structured=4, seed=1, async_scheduling=True, expect=("structured_left",)
+)
+CONNECTOR = Boundary(connector=True, schedule_served=False, update_served=False)
+CONNECTOR_ASYNC = Boundary(
+    connector=True, seed=1, async_scheduling=True, schedule_served=False, update_served=False
+)
+
 BOUNDARIES = [
     # Speculative decoding: both phases declined, every step.
-    Boundary(spec_tokens=2, aborts=0.0, schedule_served=False, update_served=False),
+    SPEC,
     Boundary(spec_tokens=3, seed=1, kv_events=True, schedule_served=False, update_served=False),
     Boundary(
         spec_tokens=2,
@@ -87,15 +104,13 @@ BOUNDARIES = [
         update_served=False,
     ),
     # Structured output among plain decodes.
-    Boundary(structured=4, expect=("update_mixed", "structured_left")),
+    STRUCTURED,
     Boundary(structured=3, seed=3, kv_events=True, expect=("update_mixed", "structured_left")),
-    Boundary(structured=4, seed=1, async_scheduling=True, expect=("structured_left",)),
+    STRUCTURED_ASYNC,
     Boundary(structured=5, layout="full+swa", num_blocks=96, seed=4, expect=("update_mixed",)),
     # A KV connector: both phases declined.
-    Boundary(connector=True, schedule_served=False, update_served=False),
-    Boundary(
-        connector=True, seed=1, async_scheduling=True, schedule_served=False, update_served=False
-    ),
+    CONNECTOR,
+    CONNECTOR_ASYNC,
     # Layout families.
     Boundary(layout="full+chunked", num_blocks=96, seed=2, expect=("update_mixed",)),
     Boundary(layout="full+chunked", num_blocks=96, kv_events=True, seed=5, async_scheduling=True),
@@ -359,11 +374,74 @@ def test_fast_path_boundary_keeps_vllms_decisions(b: Boundary, tmp_path: Path) -
         assert counts[boundary] > 0, (boundary, counts)
 
 
+@contextlib.contextmanager
+def _hidden(sched: Any, boundary: str) -> Iterator[None]:
+    """Hides ``boundary`` from the fast path for one call: what it sees is a scheduler
+    without structured-output requests, without a connector, or without drafting."""
+    if boundary == "structured":
+        saved = [(r, r.structured_output_request) for r in sched.requests.values()]
+        for r, _ in saved:
+            r.structured_output_request = None
+    elif boundary == "connector":
+        saved_connector, sched.connector = sched.connector, None
+    else:
+        config, num_spec = sched.vllm_config.speculative_config, sched.num_spec_tokens
+        object.__setattr__(sched.vllm_config, "speculative_config", None)
+        sched.num_spec_tokens = 0
+    try:
+        yield
+    finally:
+        if boundary == "structured":
+            for r, so in saved:
+                r.structured_output_request = so
+        elif boundary == "connector":
+            sched.connector = saved_connector
+        else:
+            object.__setattr__(sched.vllm_config, "speculative_config", config)
+            sched.num_spec_tokens = num_spec
+
+
+# (boundary hidden, phase it is hidden from, scenario). Hiding a boundary from the other
+# phases goes unnoticed: a connector from update_from_output (ExampleConnector has
+# nothing to do for a request that continues, and the step has no connector output),
+# drafting from the synchronous update (the per-request check on scheduled drafts
+# suffices there) and from async scheduling (every decode carries draft placeholders,
+# which the per-request checks decline).
+BLIND = [
+    ("structured", "schedule", STRUCTURED),
+    ("structured", "split_update", STRUCTURED),
+    ("structured", "split_update", STRUCTURED_ASYNC),
+    ("connector", "schedule", CONNECTOR),
+    ("connector", "schedule", CONNECTOR_ASYNC),
+    ("spec", "schedule", SPEC),
+]
+
+
+@pytest.mark.parametrize(
+    ("boundary", "phase", "b"), BLIND, ids=[f"{x}-{p}-{_id(b)}" for x, p, b in BLIND]
+)
+def test_fast_path_blind_to_its_boundary_is_caught(
+    boundary: str, phase: str, b: Boundary, tmp_path: Path
+) -> None:
+    """Each boundary is one the scenarios see: the fast path with it hidden from one
+    phase makes a decision or output differ from vLLM's."""
+    real = getattr(fast_step, phase)
+
+    def blind(sched: Any, *a: Any, **kw: Any) -> Any:
+        with _hidden(sched, boundary):
+            return real(sched, *a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fast_step, phase, blind)
+        with pytest.raises(AssertionError, match=r"^step \d+: "):
+            run_boundary(b, tmp_path)
+
+
 def test_stub_model_exercises_the_boundaries(tmp_path: Path) -> None:
     """The stub model and drafter make vLLM accept drafts and reject some, and the stub
     grammar makes vLLM finish a structured-output request with an error (else the
     scenarios above prove less than they say)."""
-    spec = BOUNDARIES[0]
+    spec = SPEC
     sched, _, hbs = _build(VllmScheduler, spec, tmp_path)
     drafted = accepted = 0
     for step, new in enumerate(_stream(spec, hbs)):
@@ -379,7 +457,7 @@ def test_stub_model_exercises_the_boundaries(tmp_path: Path) -> None:
         sched.update_draft_token_ids(_drafts(spec, step, out))
     assert 0 < accepted < drafted, (accepted, drafted)
 
-    structured = BOUNDARIES[3]
+    structured = STRUCTURED
     sched, _, hbs = _build(VllmScheduler, structured, tmp_path)
     errors = 0
     for step, new in enumerate(_stream(structured, hbs)):
