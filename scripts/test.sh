@@ -70,17 +70,17 @@ step_after() {
 }
 
 # The version tests, the differential suite, HiSparse's random traces and the steady-decode
-# fast path's differential against vLLM 0.32 (hscache's other tests are written against
-# 0.33's interfaces).
+# fast path's differentials (steady streams, and at its boundaries) against vLLM 0.32
+# (hscache's other tests are written against 0.33's interfaces).
 run_pytest032() {
     [[ -n "${HSCACHE_PY032:-}" ]] || source scripts/vllm032_env.sh || return 1
     timeout 1800 "$HSCACHE_PY032" -m pytest -q -p no:cacheprovider \
         tests/versions/test_vllm_versions.py tests/differential/test_differential_vllm.py tests/hisparse/test_hisparse.py \
-        tests/scheduler/test_scheduler_fast_path.py
+        tests/scheduler/test_scheduler_fast_path.py tests/scheduler/test_fast_path_boundaries.py
 }
 
 # vLLM 0.30 (the release vllm-omni runs on): the version tests, the differential suite, the
-# scheduler hooks and the steady-decode fast path's differential. vllm-omni, installed in the same environment, registers a vLLM general
+# scheduler hooks and the steady-decode fast path's differentials. vllm-omni, installed in the same environment, registers a vLLM general
 # plugin that patches vLLM (its own Request class) in every process that loads plugins: the
 # KV side runs with hscache's plugin alone, as a stock vLLM 0.30 deployment would.
 run_pytest030() {
@@ -88,7 +88,7 @@ run_pytest030() {
     VLLM_PLUGINS=hscache timeout 1800 "$HSCACHE_PY030" -m pytest -q -p no:cacheprovider \
         tests/versions/test_vllm_versions.py tests/differential/test_differential_vllm.py \
         tests/scheduler/test_scheduler_hook.py tests/scheduler/test_scheduler_step.py \
-        tests/scheduler/test_scheduler_fast_path.py
+        tests/scheduler/test_scheduler_fast_path.py tests/scheduler/test_fast_path_boundaries.py
 }
 
 # hscache's hidden-state cache as vllm-omni's prefix cache, against vllm-omni's own

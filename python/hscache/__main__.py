@@ -58,10 +58,10 @@ def info() -> int:
 def bench_decode_main(args: argparse.Namespace) -> int:
     """Print the whole decode step, stock vLLM vs hscache with the fast path off and on
     (see :mod:`hscache.bench.decode_step`)."""
-    from hscache.bench.decode_step import bench_decode
-    from hscache.bench.layouts import LAYOUTS
+    from hscache.bench.decode_step import bench_decode, fast_path_off_reason
+    from hscache.bench.layouts import LAYOUTS, VARIANTS
 
-    layouts = list(LAYOUTS) if args.layout == "all" else [args.layout]
+    layouts = [*LAYOUTS, *VARIANTS] if args.layout == "all" else [args.layout]
     workloads = ["steady", "mixed"] if args.workload == "both" else [args.workload]
     events = [False, True] if args.kv_events == "both" else [args.kv_events == "on"]
     mode = "AsyncScheduler, batch queue of two" if args.async_scheduling else "Scheduler"
@@ -69,9 +69,10 @@ def bench_decode_main(args: argparse.Namespace) -> int:
         f"whole schedule() + update_from_output() step ({mode}), median CPU us over "
         f"{args.steps} steps x {args.repeat} runs (decisions and outputs identical at "
         "every step)\n"
-        f"{'layout':>13} {'workload':>8} {'events':>6} {'running':>7} {'vLLM':>9} "
+        f"{'layout':>15} {'workload':>8} {'events':>6} {'running':>7} {'vLLM':>9} "
         f"{'hscache':>9} {'+fast':>9} {'ratio':>7} {'+fast ratio':>11}"
     )
+    off: dict[str, str] = {}
     for layout in layouts:
         for workload in workloads:
             for ev in events:
@@ -86,12 +87,21 @@ def bench_decode_main(args: argparse.Namespace) -> int:
                         seed=args.seed,
                         async_scheduling=args.async_scheduling,
                     )
+                    note = ""
+                    if not r["fast_served"]:
+                        note = "  schedule() not fast (1)"
+                        off[layout] = fast_path_off_reason(layout)
                     print(
-                        f"{layout:>13} {workload:>8} {'on' if ev else 'off':>6} {running:>7} "
+                        f"{layout:>15} {workload:>8} {'on' if ev else 'off':>6} {running:>7} "
                         f"{r['vllm_us']:9.1f} {r['hscache_us']:9.1f} {r['hscache+fast_us']:9.1f} "
-                        f"{r['manager_ratio']:6.2f}x {r['fast_ratio']:10.2f}x",
+                        f"{r['manager_ratio']:6.2f}x {r['fast_ratio']:10.2f}x{note}",
                         flush=True,
                     )
+    for layout, reason in off.items():
+        print(
+            f"(1) {layout}: the fast path declines schedule() ({reason}); +fast is "
+            "hscache's manager with the fast update_from_output() split"
+        )
     return 0
 
 
@@ -207,7 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sched.add_argument(
         "--layout",
         default="full",
-        help="full, full+swa, full+mamba, full+chunked, or all",
+        help="full, full+swa, full+mamba, full+chunked, or all; with --decode also "
+        "full+mamba-none (Mamba without prefix caching; in all)",
     )
     sched.add_argument(
         "--decode",

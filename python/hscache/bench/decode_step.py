@@ -34,7 +34,7 @@ from typing import Any
 
 import hscache.testing  # noqa: F401 (vLLM's CPU / offline environment defaults)
 
-__all__ = ["SIDES", "bench_decode", "run_decode"]
+__all__ = ["SIDES", "bench_decode", "fast_path_off_reason", "run_decode"]
 
 SIDES = ("vllm", "hscache", "hscache+fast")
 _PROMPT = 64
@@ -93,9 +93,11 @@ def run_decode(
     seed: int = 0,
     check: list[Any] | None = None,
     async_scheduling: bool = False,
+    served: list[bool] | None = None,
 ) -> list[int]:
     """Per-step ns of ``schedule() + update_from_output()`` for ``steps`` steps after
-    ``running`` requests have been admitted and prefilled."""
+    ``running`` requests have been admitted and prefilled (and one untimed step).
+    ``served`` gets whether the fast path served that untimed step's ``schedule()``."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 
@@ -103,6 +105,7 @@ def run_decode(
     from hscache.bench.layouts import layout_config
     from hscache.testing.offline_scheduler import make_scheduler, summarize_output
     from hscache.testing.requests import init_none_hash
+    from hscache.vllm import fast_step
 
     init_none_hash("sha256")
     groups = len(layout.split("+"))
@@ -117,6 +120,7 @@ def run_decode(
         lc.kv_cache_config,
         block_size=lc.scheduler_block_size,
         cache=lc.cache,
+        enable_prefix_caching=lc.enable_prefix_caching,
         max_num_seqs=running + 8,
         max_num_batched_tokens=max(8192, 2 * running),
         max_model_len=4096,
@@ -133,34 +137,56 @@ def run_decode(
         sched.update_from_output(out, _runner_output(out, step, sched.requests, mixed))
         step += 1
     arrivals = iter(_requests(steps, running, seed, lc.hash_block_size, mixed))
-    times: list[int] = []
     # Steps scheduled whose update_from_output is due (async: the engine's batch queue).
     pending: deque[tuple[Any, Any]] = deque()
     depth = 2 if async_scheduling else 1
+
+    def one_step(k: int) -> int:
+        """Steps once (an arrival first on every eighth step of ``mixed``); the ns spent
+        in ``schedule()`` and ``update_from_output()``."""
+        nonlocal step
+        if mixed and k % 8 == 0:
+            sched.add_request(next(arrivals))
+        t0 = time.thread_time_ns()
+        out = sched.schedule()
+        t1 = time.thread_time_ns()
+        pending.append((out, _runner_output(out, step, sched.requests, mixed)))
+        eco: dict[int, Any] = {}
+        t2 = time.thread_time_ns()
+        if len(pending) >= depth:
+            eco = sched.update_from_output(*pending.popleft())
+        t3 = time.thread_time_ns()
+        step += 1
+        if check is not None:
+            # A digest, not the objects: keeping every step's outputs alive would make
+            # the garbage collector's passes (timed) grow with the run.
+            tokens = [(o.request_id, o.new_token_ids) for e in eco.values() for o in e.outputs]
+            summary = repr((summarize_output(out), tokens)).encode()
+            check.append(hashlib.sha256(summary).hexdigest())
+        return (t1 - t0) + (t3 - t2)
+
+    # One untimed step on every side (the same stream): on the fast side it tells
+    # whether the fast path serves this layout's steady step.
+    probe = fast_step.schedule
+    served_steps: list[Any] = []
+
+    def probed(*a: Any, **kw: Any) -> Any:
+        out = probe(*a, **kw)
+        served_steps.append(out)
+        return out
+
+    fast_step.schedule = probed
+    try:
+        one_step(-1)
+    finally:
+        fast_step.schedule = probe
+    if served is not None:
+        served.append(any(o is not None for o in served_steps))
+    times: list[int] = []
     gc.collect()
     gc.freeze()
     try:
-        for k in range(steps):
-            if mixed and k % 8 == 0:
-                sched.add_request(next(arrivals))
-            t0 = time.thread_time_ns()
-            out = sched.schedule()
-            t1 = time.thread_time_ns()
-            pending.append((out, _runner_output(out, step, sched.requests, mixed)))
-            eco: dict[int, Any] = {}
-            t2 = time.thread_time_ns()
-            if len(pending) >= depth:
-                eco = sched.update_from_output(*pending.popleft())
-            t3 = time.thread_time_ns()
-            times.append((t1 - t0) + (t3 - t2))
-            step += 1
-            if check is not None:
-                # A digest, not the objects: keeping every step's outputs alive would make
-                # the garbage collector's passes (timed) grow with the run.
-                tokens = [(o.request_id, o.new_token_ids) for e in eco.values() for o in e.outputs]
-                summary = repr((summarize_output(out), tokens)).encode()
-                check.append(hashlib.sha256(summary).hexdigest())
-                del tokens, summary
+        times = [one_step(k) for k in range(steps)]
         while pending:
             sched.update_from_output(*pending.popleft())
     finally:
@@ -179,9 +205,13 @@ def bench_decode(
     seed: int = 0,
     async_scheduling: bool = False,
 ) -> dict[str, float]:
-    """Median whole-step µs of each side (:data:`SIDES`) and the ratios to stock vLLM;
+    """Median whole-step µs of each side (:data:`SIDES`), the ratios to stock vLLM and
+    ``fast_served`` (1.0 when the fast path served the steady ``schedule()``, else 0.0:
+    the ``+fast`` side then has only its ``update_from_output()`` split,
+    :func:`fast_path_off_reason`);
     raises ``RuntimeError`` if the sides' decisions or outputs differ at any step."""
     per_side: dict[str, list[int]] = {s: [] for s in SIDES}
+    served: list[bool] = []
     for r in range(repeat):
         order = list(SIDES) if r % 2 == 0 else list(reversed(SIDES))
         seen: dict[str, list[Any]] = {}
@@ -197,6 +227,7 @@ def bench_decode(
                 seed=seed,
                 check=seen[side],
                 async_scheduling=async_scheduling,
+                served=served if side == "hscache+fast" else None,
             )
         for side in SIDES[1:]:
             if seen[side] != seen["vllm"]:
@@ -211,4 +242,17 @@ def bench_decode(
         **{f"{s}_us": med[s] for s in SIDES},
         "manager_ratio": med["vllm"] / med["hscache"],
         "fast_ratio": med["vllm"] / med["hscache+fast"],
+        "fast_served": float(all(served)),
     }
+
+
+def fast_path_off_reason(layout: str) -> str:
+    """Why the fast path declines ``layout``'s steady ``schedule()`` (``bench_decode``'s
+    ``fast_served`` is 0): the one step condition a layout can break."""
+    from hscache.bench.layouts import layout_config
+
+    if layout_config(layout, 64).cache.get("mamba_cache_mode") == "align":
+        return (
+            "Mamba 'align' mode: vLLM splits chunks block-aligned (need_mamba_block_aligned_split)"
+        )
+    return "a step condition of hscache.vllm.fast_step.schedule failed"

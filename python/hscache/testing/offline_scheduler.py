@@ -18,7 +18,15 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from vllm.config import CacheConfig, KVEventsConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import (
+    CacheConfig,
+    KVEventsConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import ModelRunnerOutput
@@ -76,11 +84,15 @@ def make_vllm_config(
     model_path: Path | None = None,
     cache: Mapping[str, Any] | None = None,
     kv_cache_events: bool | KVEventsConfig = False,
+    speculative_config: SpeculativeConfig | None = None,
+    kv_transfer_config: KVTransferConfig | None = None,
 ) -> VllmConfig:
     """The engine configuration of an offline scheduler (see :func:`make_scheduler`).
     ``cache``: further ``CacheConfig`` fields (``mamba_cache_mode``, ``prefix_match_unit``,
     ``enable_mamba_shared_prefix_checkpoint``, ...); ``kv_cache_events``: KV events on
-    (published nowhere), or the ``KVEventsConfig`` to use (a real publisher)."""
+    (published nowhere), or the ``KVEventsConfig`` to use (a real publisher);
+    ``speculative_config`` and ``kv_transfer_config`` as vLLM's own scheduler tests pass
+    them (an ngram drafter, a KV connector)."""
     model_config = ModelConfig(
         model=str(model_path or model_dir()),
         dtype="float16",
@@ -121,6 +133,8 @@ def make_vllm_config(
         model_config=model_config,
         cache_config=cache_config,
         kv_events_config=events,
+        speculative_config=speculative_config,
+        kv_transfer_config=kv_transfer_config,
     )
 
 
@@ -140,13 +154,16 @@ def make_scheduler(
     model_path: Path | None = None,
     cache: Mapping[str, Any] | None = None,
     kv_cache_events: bool | KVEventsConfig = False,
+    speculative_config: SpeculativeConfig | None = None,
+    kv_transfer_config: KVTransferConfig | None = None,
 ) -> Any:
     """A vLLM ``Scheduler`` (or subclass ``cls``) over ``kv_cache``: a ``KVCacheConfig``, or a
     block count for one full-attention group of ``block_size``-token blocks. The scheduler
     and hash block sizes are resolved from the config as vLLM's engine resolves them.
     ``watermark`` and ``scheduler_reserve_full_isl`` (admissions need the whole prompt to
     fit: ``full_sequence_must_fit``) are vLLM's defaults when None. ``cache`` and
-    ``kv_cache_events``: see :func:`make_vllm_config` (``cache["block_size"]`` is the
+    ``kv_cache_events``, ``speculative_config``, ``kv_transfer_config``: see
+    :func:`make_vllm_config` (``cache["block_size"]`` is the
     engine's ``cache_config.block_size`` when it differs from ``block_size``, as for a
     Mamba model, whose scheduler block is the Mamba block)."""
     vllm_config = make_vllm_config(
@@ -162,6 +179,8 @@ def make_scheduler(
         model_path=model_path,
         cache=cache,
         kv_cache_events=kv_cache_events,
+        speculative_config=speculative_config,
+        kv_transfer_config=kv_transfer_config,
     )
     kv_cache_config = (
         full_attention_config(kv_cache, block_size) if isinstance(kv_cache, int) else kv_cache
@@ -170,6 +189,7 @@ def make_scheduler(
         kv_cache_config,
         enable_caching=enable_prefix_caching,
         prefix_match_unit=(cache or {}).get("prefix_match_unit"),
+        kv_connector=kv_transfer_config is not None,
     )
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     register_all_kvcache_specs(vllm_config)  # type: ignore[no-untyped-call]
