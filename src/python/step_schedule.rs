@@ -96,6 +96,13 @@ fn read_facts(r: &Bound<'_, PyAny>) -> PyResult<(ScheduleFacts, i64)> {
         structured_output: !attr(r, intern!(py, "structured_output_request"))?.is_none(),
         ..ScheduleFacts::default()
     };
+    // Counts vLLM keeps non-negative: a caller's mistake is refused before anything
+    // changes (the allocation reads `num_computed_tokens` as a count).
+    count("request.num_computed_tokens", facts.num_computed_tokens)?;
+    count(
+        "request.num_output_placeholders",
+        facts.num_output_placeholders,
+    )?;
     if facts.reads_length() {
         facts.num_prompt_tokens = int_attr(r, intern!(py, "num_prompt_tokens"))?;
         facts.max_tokens = int_attr(r, intern!(py, "max_tokens"))?;
