@@ -197,32 +197,39 @@ impl PyKVCacheCore {
             )));
         }
         let statuses = Self::watermark_statuses(slf, true)?;
-        // Every request is one the core holds: checked before anything changes.
-        let mut ids = Vec::with_capacity(n - start);
-        {
-            let this = slf.try_borrow()?;
-            this.core.read("schedule_decodes", |c| {
-                for i in start..n {
-                    let rid = request_id(&running.get_item(i)?)?;
-                    if c.coordinator().request(rid.to_str()?).is_none() {
-                        return Err(UnknownRequestError::new_err(format!(
-                            "running[{i}]: request {rid} holds no blocks in this manager"
-                        )));
-                    }
-                    ids.push(rid);
-                }
-                Ok::<_, PyErr>(())
-            })?;
-        }
-        let (computed, outputs) = if start == 0 {
-            match decide(running, &step, broken)? {
-                Some(counts) => counts,
-                None => return Ok(None),
-            }
+        // One pass before anything changes: every request is one the core holds and, in
+        // the deciding call (`start == 0`), a plain decode.
+        let deciding = start == 0;
+        let mut requests = Vec::with_capacity(n - start);
+        let (mut computed, mut outputs) = if deciding {
+            (Vec::with_capacity(n), Vec::with_capacity(n))
         } else {
             (Vec::new(), Vec::new())
         };
-        if start == 0 {
+        let plain = slf.try_borrow()?.core.read("schedule_decodes", |c| {
+            for (i, r) in running.iter().enumerate().skip(start) {
+                let rid = request_id(&r)?;
+                if c.coordinator().request(rid.to_str()?).is_none() {
+                    return Err(UnknownRequestError::new_err(format!(
+                        "running[{i}]: request {rid} holds no blocks in this manager"
+                    )));
+                }
+                if deciding {
+                    let (facts, num_output_tokens) = read_facts(&r)?;
+                    if !plain_decode(&facts, &step, broken) {
+                        return Ok(false);
+                    }
+                    computed.push(facts.num_computed_tokens);
+                    outputs.push(num_output_tokens);
+                }
+                requests.push((r, rid));
+            }
+            Ok::<_, PyErr>(true)
+        })?;
+        if !plain {
+            return Ok(None);
+        }
+        if deciding {
             slf.try_borrow_mut()?
                 .core
                 .shielded("new_step_starts", |c| {
@@ -239,13 +246,13 @@ impl PyKVCacheCore {
         let mut blocks: Vec<BlockId> = Vec::new();
         let mut ends: SmallVec<[usize; 4]> = SmallVec::new();
         let mut next = start;
-        for (i, rid) in (start..n).zip(&ids) {
-            let request = running.get_item(i)?;
+        for (k, (request, rid)) in requests.iter().enumerate() {
+            let i = start + k;
             let num_computed = match computed.get(i) {
                 Some(&c) => count("request.num_computed_tokens", c)?,
                 None => count(
                     "request.num_computed_tokens",
-                    int_attr(&request, intern!(py, "num_computed_tokens"))?,
+                    int_attr(request, intern!(py, "num_computed_tokens"))?,
                 )?,
             };
             let rid = rid.to_str()?;
@@ -254,7 +261,7 @@ impl PyKVCacheCore {
             let (fits, flush) = {
                 let mut this = slf.try_borrow_mut()?;
                 let req = PyRequest::with_computed(
-                    &request,
+                    request,
                     rid,
                     num_computed,
                     statuses
@@ -274,7 +281,7 @@ impl PyKVCacheCore {
                 (fits, flush)
             };
             if flush {
-                Self::flush(slf, Some(&request))?;
+                Self::flush(slf, Some(request))?;
             }
             if !fits? {
                 break;
