@@ -12,9 +12,10 @@ rare events (preemption, stats), and hands everything else to vLLM's code unchan
   anything): no request waiting, no connector, speculative decoding, LoRA, pipeline
   parallelism, deferred frees or priority policy, and every running request a plain
   decode (one known token to compute, no encoder inputs, no structured output, no
-  placeholders, within ``max_model_len``) that the token budget does not bind.
-  Preemption under pool pressure follows vLLM's FCFS rule with vLLM's own
-  ``_preempt_request``.
+  placeholders, within ``max_model_len``) that the token budget does not bind. The
+  per-request rule (``src/step/schedule.rs``) and the allocations are one core call
+  (``KVCacheCore.schedule_decodes``). Preemption under pool pressure follows vLLM's
+  FCFS rule with vLLM's own ``_preempt_request``.
 - :func:`split_update` takes, out of a step's ``update_from_output``, the requests whose
   sampled token certainly does not stop them (:func:`certainly_continues`, the negation
   of vLLM's ``check_stop`` for one token) and that need nothing but the token appended
