@@ -181,6 +181,31 @@ class KVCacheCore:
         num_lookahead_tokens: int = 0,
     ) -> tuple[int, bytearray, bytearray]: ...
     def core_free_batch(self, handles: list[int] | bytes) -> None: ...
+    def schedule_decodes(
+        self,
+        running: list[Any],
+        start: int,
+        step: int,
+        is_async: bool,
+        max_model_len: int,
+        num_sampled_tokens_per_step: int,
+        num_lookahead_tokens: int = 0,
+        broken_rules: Iterable[str] | None = None,
+    ) -> tuple[int, list[tuple[list[int], ...] | None], list[int], list[int]] | None:
+        """The ``schedule()`` phase of a steady decode step (``hscache.vllm.fast_step``).
+
+        With ``start == 0``: ``None`` (nothing changed) unless every request of
+        ``running`` is a plain decode this step (``src/step/schedule.rs``); then the
+        manager's step starts and ``allocate_slots(request, 1,
+        num_lookahead_tokens=...)`` runs for each request in order, up to the first that
+        does not fit. Returns ``(next, new_block_ids, num_computed_tokens,
+        num_output_tokens)``: ``next`` is the first request not allocated (the caller
+        preempts from the tail and calls again with ``start=next``, which only
+        allocates), ``new_block_ids`` what ``get_block_ids(allow_none=True)`` gives for
+        each allocated request, and the two count lists (every request's, for
+        ``CachedRequestData``; empty when ``start > 0``). Every request must hold blocks
+        in this manager (``UnknownRequestError`` otherwise, before anything changes).
+        ``broken_rules``: test-only mutants (names of ``fast_step.RULES``)."""
     def check_invariants(self) -> None: ...
     def state_digest(self) -> int: ...
     @property
@@ -495,6 +520,18 @@ SlotPlan = tuple[int, int, list[str], bytearray, bytearray, bytearray | None, Pr
 # (num_logits, max_query_len, reduced, (len logits_indices_padded, len query_start_loc,
 # len num_kept), int32 buffer of those three back to back, one 0/1 byte per token).
 PrefillSkipRaw = tuple[int, int, bool, tuple[int, int, int], bytearray, bytearray]
+
+def plain_decodes(
+    running: list[Any],
+    step: int,
+    is_async: bool,
+    max_model_len: int,
+    num_sampled_tokens_per_step: int,
+    broken_rules: Iterable[str] | None = None,
+) -> tuple[list[int], list[int]] | None:
+    """``KVCacheCore.schedule_decodes``'s decision alone, for a manager that is not the
+    core: every request's ``(num_computed_tokens, num_output_tokens)`` when each is a
+    plain decode this step, else ``None``."""
 
 def prefill_skip(
     num_scheduled_tokens: list[int] | bytes,

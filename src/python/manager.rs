@@ -153,6 +153,22 @@ impl PyKVCacheCore {
         })
     }
 
+    /// `[RequestStatus.WAITING, RequestStatus.PREEMPTED]` where an `allocate_slots`
+    /// call's watermark may apply (other requests scheduled, and a watermark), which
+    /// is when the core reads a request's status; None otherwise. A bare core (no
+    /// vLLM bindings) is refused.
+    pub(crate) fn watermark_statuses<'py>(
+        slf: &Bound<'py, Self>,
+        has_scheduled_reqs: bool,
+    ) -> PyResult<Option<[Bound<'py, PyAny>; 2]>> {
+        let this = slf.try_borrow()?;
+        let [w, p] = &this.bindings()?.statuses;
+        Ok(
+            (has_scheduled_reqs && this.core.config().watermark_blocks > 0)
+                .then(|| [w.bind(slf.py()).clone(), p.bind(slf.py()).clone()]),
+        )
+    }
+
     /// The empty singleton.
     pub(crate) fn empty_blocks<'py>(
         slf: &Bound<'py, Self>,
@@ -650,12 +666,7 @@ impl PyKVCacheCore {
         // The status is read only for the watermark, which applies only when there is
         // one and other requests are scheduled. A bare core (no vLLM bindings) cannot
         // build the result: it is refused here, before anything changes.
-        let statuses = {
-            let this = slf.try_borrow()?;
-            let [w, p] = &this.bindings()?.statuses;
-            (has_scheduled_reqs && this.core.config().watermark_blocks > 0)
-                .then(|| [w.bind(slf.py()).clone(), p.bind(slf.py()).clone()])
-        };
+        let statuses = Self::watermark_statuses(slf, has_scheduled_reqs)?;
         let mut hits = GroupedBlockIds::new();
         let adopt_hits = match new_computed_blocks {
             Some(blocks) => {

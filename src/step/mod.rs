@@ -5,8 +5,8 @@
 //! pure functions over per-request facts, so that the binding (`src/python/step_*.rs`)
 //! only reads a `Request`'s fields, calls them and writes back what vLLM's code would:
 //!
-//! - [`schedule`]: whether a running request is a plain decode this step, and the step's
-//!   allocation over the core's running batch.
+//! - [`schedule`]: whether a running request is a plain decode this step (the step's
+//!   allocation is the manager's `allocate_slots` per request, driven by the binding).
 //! - [`update`]: whether a sampled token certainly does not stop a request (the negation
 //!   of vLLM's `check_stop` for one token), and which requests need nothing but the token
 //!   appended.

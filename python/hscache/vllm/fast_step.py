@@ -12,9 +12,10 @@ rare events (preemption, stats), and hands everything else to vLLM's code unchan
   anything): no request waiting, no connector, speculative decoding, LoRA, pipeline
   parallelism, deferred frees or priority policy, and every running request a plain
   decode (one known token to compute, no encoder inputs, no structured output, no
-  placeholders, within ``max_model_len``) that the token budget does not bind.
-  Preemption under pool pressure follows vLLM's FCFS rule with vLLM's own
-  ``_preempt_request``.
+  placeholders, within ``max_model_len``) that the token budget does not bind. The
+  per-request rule (``src/step/schedule.rs``) and the allocations are one core call
+  (``KVCacheCore.schedule_decodes``). Preemption under pool pressure follows vLLM's
+  FCFS rule with vLLM's own ``_preempt_request``.
 - :func:`split_update` takes, out of a step's ``update_from_output``, the requests whose
   sampled token certainly does not stop them (:func:`certainly_continues`, the negation
   of vLLM's ``check_stop`` for one token) and that need nothing but the token appended
@@ -44,6 +45,7 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
 
+from hscache._core import KVCacheCore, plain_decodes
 from hscache.vllm.version import require
 
 __all__ = [
@@ -118,44 +120,32 @@ def _step_applies(sched: Any) -> bool:
     )
 
 
-def _all_plain_decodes(sched: Any, step: int, is_async: bool) -> bool:
-    """Every running request schedules exactly its one decode token this step.
-
-    With async scheduling the token to compute may be the placeholder of the previous
-    step's output (``num_output_placeholders``); a request whose in-flight output is sure
-    to reach ``max_tokens`` is one vLLM skips, so the step is vLLM's to serve.
-
-    The ``max_model_len`` room is a defensive check: in a synchronous step without
-    drafts a request that reached ``max_model_len`` has stopped (``check_stop``)."""
-    room = sched.max_model_len - sched.num_sampled_tokens_per_step
-    any_len = "plain_decode" in BROKEN_RULES
-    last_step = "async_last_step" not in BROKEN_RULES
-    for r in sched.running:
-        placeholders = r.num_output_placeholders
-        if (
-            (placeholders and not is_async)
-            or (r.is_prefill_chunk and not any_len)
-            or r.spec_token_ids
-            or r.mm_features
-            or r.structured_output_request is not None
-            or step < r.next_decode_eligible_step
-            or (len(r._all_token_ids) + placeholders - r.num_computed_tokens != 1 and not any_len)
-            or r.num_computed_tokens >= room
-        ):
-            return False
-        if (
-            placeholders
-            and last_step
-            and r.num_computed_tokens + 2 - placeholders >= r.num_prompt_tokens + r.max_tokens
-        ):
-            return False
-    return True
+def _allocate_each(
+    manager: Any, running: list[Request], start: int, lookahead: int
+) -> tuple[int, list[Any]]:
+    """``allocate_slots(request, 1)`` for ``running[start:]`` through a manager that is
+    not the core (parity mode, vLLM's own manager), up to the first that does not fit:
+    ``(its index, the new block ids of the others)``."""
+    allocate = manager.allocate_slots
+    new_block_ids: list[Any] = []
+    for i in range(start, len(running)):
+        blocks = allocate(running[i], 1, num_lookahead_tokens=lookahead)
+        if blocks is None:
+            return i, new_block_ids
+        new_block_ids.append(blocks.get_block_ids(allow_none=True))
+    return len(running), new_block_ids
 
 
 def schedule(sched: Any, throttle_prefills: bool, is_async: bool = False) -> SchedulerOutput | None:
     """vLLM's ``schedule()`` for a steady decode step, or ``None`` (nothing changed)
     when the step is not one. ``is_async``: ``sched`` is an ``AsyncScheduler`` (its
-    ``_update_after_schedule`` adds output placeholders)."""
+    ``_update_after_schedule`` adds output placeholders).
+
+    The per-request rule (``src/step/schedule.rs``: every running request a plain
+    decode, with async scheduling's last-step rule and the ``max_model_len`` room) and
+    the allocations are one core call (``KVCacheCore.schedule_decodes``), which stops at
+    the first request that does not fit; this function preempts from the tail with
+    vLLM's ``_preempt_request`` and resumes the call from that request."""
     if not _step_applies(sched):
         return None
     running: list[Request] = sched.running
@@ -165,14 +155,37 @@ def schedule(sched: Any, throttle_prefills: bool, is_async: bool = False) -> Sch
     ):
         return None
     step = sched.current_step + 1
-    if not _all_plain_decodes(sched, step, is_async):
-        return None
-
-    # From here on the step is served: the same state changes as vLLM's, in its order.
-    sched.current_step = step
     manager = sched.kv_cache_manager
+    lookahead = sched.num_lookahead_tokens
+    broken = BROKEN_RULES or None
+    if isinstance(manager, KVCacheCore):
+        decided = manager.schedule_decodes(
+            running,
+            0,
+            step,
+            is_async,
+            sched.max_model_len,
+            sched.num_sampled_tokens_per_step,
+            lookahead,
+            broken,
+        )
+        if decided is None:
+            return None
+        done, new_block_ids, num_computed_tokens, num_output_tokens = decided
+    else:
+        counts = plain_decodes(
+            running, step, is_async, sched.max_model_len, sched.num_sampled_tokens_per_step, broken
+        )
+        if counts is None:
+            return None
+        num_computed_tokens, num_output_tokens = counts
+        manager.new_step_starts()
+        done, new_block_ids = _allocate_each(manager, running, 0, lookahead)
+
+    # From here on the step is served: the same state changes as vLLM's, in its order
+    # (the manager's step has started and the requests before `done` are allocated).
+    sched.current_step = step
     timestamp = time.monotonic()
-    manager.new_step_starts()
     # Every running request is a decode, so "any running decode" is "any running".
     defer_prefills = throttle_prefills and not sched.prefill_capacity_bound
     if (
@@ -184,34 +197,48 @@ def schedule(sched: Any, throttle_prefills: bool, is_async: bool = False) -> Sch
     ):
         defer_prefills = True
 
-    allocate = manager.allocate_slots
-    lookahead = sched.num_lookahead_tokens
-    scheduled: list[Request] = []
-    new_block_ids: list[Any] = []
+    # Pool pressure: `running[done]` did not fit. vLLM preempts from the tail and
+    # retries it, until it fits or is itself the victim.
     preempted = False
+    while done < len(running) and "preempt" not in BROKEN_RULES:
+        request = running[done]
+        victim = running[-1]
+        if not sched._request_blocks_can_be_freed(victim):
+            break
+        running.pop()
+        sched._preempt_request(victim, timestamp, drop_stale_output=sched.requires_kv_delivery)
+        preempted = True
+        if victim is request:
+            break
+        if isinstance(manager, KVCacheCore):
+            resumed = manager.schedule_decodes(
+                running,
+                done,
+                step,
+                is_async,
+                sched.max_model_len,
+                sched.num_sampled_tokens_per_step,
+                lookahead,
+                broken,
+            )
+            if resumed is None:  # pragma: no cover (a resuming call only allocates)
+                raise RuntimeError("schedule_decodes refused a resumed step")
+            done, more, _, _ = resumed
+        else:
+            done, more = _allocate_each(manager, running, done, lookahead)
+        new_block_ids += more
+    scheduled = running[:done]
+    if done < n:
+        num_computed_tokens = num_computed_tokens[:done]
+        num_output_tokens = num_output_tokens[:done]
+
     skip_drafts = _PROFILE.skip_drafts
     drafts_needed = not skip_drafts or not sched.can_skip_drafts
-    i = 0
-    while i < len(running):
-        request = running[i]
-        blocks = allocate(request, 1, num_lookahead_tokens=lookahead)
-        while blocks is None and "preempt" not in BROKEN_RULES:
-            victim = running[-1]
-            if not sched._request_blocks_can_be_freed(victim):
+    if not drafts_needed:
+        for r in scheduled:
+            if not sched._drafts_unused(r, r.num_computed_tokens, 1):
+                drafts_needed = True
                 break
-            running.pop()
-            sched._preempt_request(victim, timestamp, drop_stale_output=sched.requires_kv_delivery)
-            preempted = True
-            if victim is request:
-                break
-            blocks = allocate(request, 1, num_lookahead_tokens=lookahead)
-        if blocks is None:
-            break
-        scheduled.append(request)
-        new_block_ids.append(blocks.get_block_ids(allow_none=True))
-        i += 1
-        if not drafts_needed:
-            drafts_needed = not sched._drafts_unused(request, request.num_computed_tokens, 1)
 
     # The waiting queues are empty: vLLM's admission loop admits nothing, and records
     # whether admissions were capacity-bound on a step it does not defer.
@@ -243,8 +270,8 @@ def schedule(sched: Any, throttle_prefills: bool, is_async: bool = False) -> Sch
         new_token_ids=[],
         all_token_ids=all_token_ids,
         new_block_ids=new_block_ids,
-        num_computed_tokens=[r.num_computed_tokens for r in scheduled],
-        num_output_tokens=[len(r._output_token_ids) + r.num_output_placeholders for r in scheduled],
+        num_computed_tokens=num_computed_tokens,
+        num_output_tokens=num_output_tokens,
     )
     # The fields only some versions' SchedulerOutput has.
     extra: dict[str, Any] = {}

@@ -92,7 +92,22 @@ impl<'a, 'py> PyRequest<'a, 'py> {
                 .getattr(intern!(py, "num_computed_tokens"))?
                 .extract()?,
         )?;
-        Ok(Self {
+        Ok(Self::with_computed(
+            request,
+            request_id,
+            num_computed_tokens,
+            statuses,
+        ))
+    }
+
+    /// A request whose `num_computed_tokens` the caller has already read.
+    pub(crate) fn with_computed(
+        request: &Bound<'py, PyAny>,
+        request_id: &'a str,
+        num_computed_tokens: usize,
+        statuses: Option<StatusObjects<'a, 'py>>,
+    ) -> Self {
+        Self {
             request: request.clone(),
             request_id,
             num_computed_tokens,
@@ -103,7 +118,7 @@ impl<'a, 'py> PyRequest<'a, 'py> {
             shared_prefix_boundary: OnceCell::new(),
             block_hashes: OnceCell::new(),
             py_err: RefCell::new(None),
-        })
+        }
     }
 
     /// Keeps a Python error for the caller; the core sees a typed error.

@@ -1,0 +1,137 @@
+"""``KVCacheCore.schedule_decodes`` (``src/python/step_schedule.rs``), the ``schedule()``
+phase of the steady decode step, call by call against vLLM's own manager.
+
+The differential (``test_scheduler_fast_path.py``) proves the fast path end to end; this
+file pins the call's contract: the decision is all-or-nothing and changes nothing when it
+refuses, the allocations are vLLM's ``allocate_slots(request, 1)`` per request with
+``get_block_ids(allow_none=True)``'s ids (full attention and a sliding-window hybrid),
+it stops at the first request that does not fit and resumes there, and the rule names it
+takes are ``fast_step.RULES``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
+from hscache import exceptions as hx
+from hscache._core import plain_decodes
+from hscache.bench.layouts import layout_config
+from hscache.testing.manager import manager_kwargs
+from hscache.testing.requests import init_none_hash, make_request
+from hscache.vllm import KVCacheManager, fast_step
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
+
+pytestmark = pytest.mark.vllm
+
+STEP = {"step": 1, "is_async": False, "max_model_len": 4096, "num_sampled_tokens_per_step": 1}
+
+
+@pytest.fixture(autouse=True)
+def _none_hash() -> None:
+    init_none_hash("sha256")
+
+
+def _managers(layout: str, num_blocks: int) -> tuple[Any, Any]:
+    """hscache's manager and vLLM's, on the same configuration (KV events on)."""
+    kwargs = manager_kwargs(layout_config(layout, num_blocks).kv_cache_config)
+    return KVCacheManager(**kwargs), VllmKVCacheManager(**kwargs)
+
+
+def _prefilled(
+    managers: tuple[Any, Any], n: int, prompt_len: int, first: int = 0
+) -> list[tuple[Any, Any]]:
+    """Requests ``r{first}``... (``n``) prefilled on both managers, each with one output
+    token to decode."""
+    pairs = []
+    for i in range(first, first + n):
+        prompt = [(i * 97 + j) % 1000 for j in range(prompt_len)]
+        pair = (make_request(f"r{i}", prompt), make_request(f"r{i}", prompt))
+        for m, r in zip(managers, pair, strict=True):
+            assert m.allocate_slots(r, prompt_len) is not None
+            r.num_computed_tokens = prompt_len
+            r.append_output_token_ids(7)
+        pairs.append(pair)
+    return pairs
+
+
+@pytest.mark.parametrize("layout", ["full", "full+swa"])
+def test_allocations_are_vllms_per_request(layout: str) -> None:
+    ours, theirs = _managers(layout, 256)
+    # Prompts of 15, 16 and 17 tokens: the decode fits in place, needs a new block, fits.
+    pairs = [p for i, n in enumerate((15, 16, 17)) for p in _prefilled((ours, theirs), 1, n, i)]
+    ours_running = [a for a, _ in pairs]
+    result = ours.schedule_decodes(ours_running, 0, **STEP)
+    assert result is not None
+    done, new_block_ids, computed, outputs = result
+    expected = []
+    for _, b in pairs:
+        blocks = theirs.allocate_slots(b, 1)
+        assert blocks is not None
+        expected.append(blocks.get_block_ids(allow_none=True))
+    assert done == len(pairs)
+    assert new_block_ids == expected
+    assert any(ids is None for ids in expected) and any(ids is not None for ids in expected)
+    assert computed == [a.num_computed_tokens for a in ours_running]
+    assert outputs == [1, 1, 1]
+    for a, _ in pairs:
+        assert ours.get_block_ids(a.request_id) == theirs.get_block_ids(a.request_id)
+
+
+def test_refusal_changes_nothing() -> None:
+    managers = _managers("full", 64)
+    ours = managers[0]
+    pairs = _prefilled(managers, 3, 16)
+    running = [a for a, _ in pairs]
+    running[2].num_computed_tokens -= 1  # two tokens to compute: not a plain decode
+    before = ours.state_digest()
+    assert ours.schedule_decodes(running, 0, **STEP) is None
+    assert ours.state_digest() == before
+    assert plain_decodes(running, **STEP) is None
+    running[2].num_computed_tokens += 1
+    assert plain_decodes(running, **STEP) == ([16, 16, 16], [1, 1, 1])
+
+
+def test_stops_at_the_first_that_does_not_fit_and_resumes() -> None:
+    # 5 usable blocks (block 0 is the null block): three one-block prompts take 3, and
+    # each decode needs a second block, so the third request's does not fit.
+    ours, theirs = _managers("full", 6)
+    pairs = _prefilled((ours, theirs), 3, 16)
+    running = [a for a, _ in pairs]
+    result = ours.schedule_decodes(running, 0, **STEP)
+    assert result is not None
+    done, new_block_ids, _, _ = result
+    assert done == 2 and len(new_block_ids) == 2
+    for _, b in pairs[:2]:
+        assert theirs.allocate_slots(b, 1) is not None
+    assert theirs.allocate_slots(pairs[2][1], 1) is None
+    # The Scheduler frees a victim (here the first request) and resumes at entry 2,
+    # which only allocates.
+    ours.free(running[0])
+    theirs.free(pairs[0][1])
+    resumed = ours.schedule_decodes(running, 2, **STEP)
+    assert resumed is not None
+    done, more, computed, outputs = resumed
+    expected = theirs.allocate_slots(pairs[2][1], 1)
+    assert expected is not None
+    assert (done, more, computed, outputs) == (3, [expected.get_block_ids(allow_none=True)], [], [])
+
+
+def test_rule_names_are_fast_steps() -> None:
+    assert plain_decodes([], **STEP, broken_rules=fast_step.RULES) == ([], [])
+    with pytest.raises(hx.InvalidArgumentError):
+        plain_decodes([], **STEP, broken_rules=["no_such_rule"])
+
+
+def test_async_placeholder_is_the_token_to_compute() -> None:
+    managers = _managers("full", 64)
+    ((a, _),) = _prefilled(managers, 1, 20)
+    a.num_computed_tokens += 1  # the output token's decode is in flight
+    a.num_output_placeholders = 1
+    step = {**STEP, "is_async": True}
+    assert plain_decodes([a], **STEP) is None  # placeholders need async scheduling
+    assert plain_decodes([a], **step) == ([21], [2])
+    a.max_tokens = a.num_output_tokens + 1  # the in-flight output reaches max_tokens
+    assert plain_decodes([a], **step) is None
+    assert plain_decodes([a], **step, broken_rules={"async_last_step"}) == ([21], [2])
