@@ -27,6 +27,7 @@ mod retention;
 mod slot_facts;
 mod slots;
 mod step_ledger;
+mod step_update;
 
 // Sibling modules address it as `super::buffers`.
 pub(crate) use convert::buffers;
@@ -98,6 +99,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<slots::PySlotMirror>()?;
     m.add_class::<slots::PySlotReads>()?;
     m.add_class::<step_ledger::PyStepLedger>()?;
+    m.add_class::<step_update::PyStepUpdate>()?;
     m.add_function(wrap_pyfunction!(prefill_skip::prefill_skip, m)?)?;
     m.add_class::<encoder_cache::PyEncoderCacheCore>()?;
     m.add_class::<encoder_decoder::PyEncoderDecoderCacheCore>()?;
