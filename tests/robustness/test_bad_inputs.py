@@ -29,10 +29,11 @@ from tests.robustness.bad_inputs import (
     hidden,
     manager,
     pool,
+    step_update,
 )
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "bad_inputs.md"
-MODULES = (manager, pool, encoder, hasher, hidden)
+MODULES = (manager, pool, encoder, hasher, hidden, step_update)
 ROWS: list[Row] = [r for m in MODULES for r in m.ROWS]
 ACCEPTED: list[Accepted] = [a for m in MODULES for a in m.ACCEPTED]
 SURFACES: list[Surface] = [s for m in MODULES for s in m.SURFACES]
