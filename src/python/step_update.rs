@@ -36,7 +36,58 @@ pub struct PyStepUpdate {
     running: Py<PyAny>,
     /// `EngineCoreOutput`.
     output_class: Py<PyAny>,
+    /// Where `output_class` is a msgspec struct whose first fields are `request_id`,
+    /// `new_token_ids` and whose [`OUTPUT_FIELDS`] have plain defaults: those defaults.
+    /// An output is then built from the two positional fields, and the others set
+    /// only where they differ from their default (the same struct, without the
+    /// keyword dict a call from Rust needs).
+    output_defaults: Option<Vec<Py<PyAny>>>,
+    /// [`OUTPUT_FIELDS`], interned.
+    output_names: Vec<Py<PyString>>,
     cache_blocks_at: CacheBlocksAt,
+}
+
+/// The fields of a steady request's `EngineCoreOutput` besides `request_id` and
+/// `new_token_ids`, in the order the outputs are built (vLLM's: `take_events` runs
+/// after `stop_reason` is read).
+const OUTPUT_FIELDS: [&str; 4] = [
+    "stop_reason",
+    "events",
+    "trace_headers",
+    "num_nans_in_logits",
+];
+
+/// The defaults of [`OUTPUT_FIELDS`] in `class` (see `PyStepUpdate::output_defaults`),
+/// or None where the class is not such a struct.
+fn struct_defaults(class: &Bound<'_, PyAny>) -> Option<Vec<Py<PyAny>>> {
+    let py = class.py();
+    let fields: Vec<String> = class
+        .getattr(intern!(py, "__struct_fields__"))
+        .ok()?
+        .extract()
+        .ok()?;
+    let defaults = class
+        .getattr(intern!(py, "__struct_defaults__"))
+        .ok()?
+        .cast_into::<PyTuple>()
+        .ok()?;
+    if fields.get(..2)? != ["request_id", "new_token_ids"] {
+        return None;
+    }
+    // The defaults belong to the last fields.
+    let first_default = fields.len().checked_sub(defaults.len())?;
+    OUTPUT_FIELDS
+        .iter()
+        .map(|name| {
+            let i = fields
+                .iter()
+                .position(|f| f == name)?
+                .checked_sub(first_default)?;
+            let d = defaults.get_item(i).ok()?;
+            // A plain value only: a default factory would make a fresh object per struct.
+            (d.is_none() || d.is_exact_instance_of::<pyo3::types::PyInt>()).then(|| d.unbind())
+        })
+        .collect()
 }
 
 /// A steady request, read and planned, waiting for its writes.
@@ -199,6 +250,11 @@ impl PyStepUpdate {
         Ok(Self {
             running,
             output_class: output_class.clone().unbind(),
+            output_defaults: struct_defaults(output_class),
+            output_names: OUTPUT_FIELDS
+                .iter()
+                .map(|n| PyString::intern(output_class.py(), n).unbind())
+                .collect(),
             cache_blocks_at,
         })
     }
@@ -328,19 +384,6 @@ impl PyStepUpdate {
                     Some(t) => t.extract::<Int>()?.0,
                     None => 0,
                 };
-                let num_tokens = len_i64(all_token_ids.len());
-                let num_output_tokens = len_i64(output_token_ids.len());
-                let stop = if params.is_none() {
-                    None
-                } else {
-                    Some(Self::stop_facts(
-                        &params,
-                        &request,
-                        &mut stop_ids,
-                        num_tokens,
-                        num_output_tokens,
-                    )?)
-                };
                 let facts = UpdateFacts {
                     num_scheduled_tokens: n.extract::<Int>()?.0,
                     num_sampled_tokens,
@@ -362,9 +405,20 @@ impl PyStepUpdate {
                     },
                     num_logprobs,
                     prompt_logprobs,
-                    stop,
                 };
-                let verdict = is_steady(&facts, token_id, &step);
+                let verdict = is_steady(&facts, token_id, &step, || {
+                    if params.is_none() {
+                        return Ok(None);
+                    }
+                    Self::stop_facts(
+                        &params,
+                        &request,
+                        &mut stop_ids,
+                        len_i64(all_token_ids.len()),
+                        len_i64(output_token_ids.len()),
+                    )
+                    .map(Some)
+                })?;
                 match split.take(client, verdict) {
                     Take::NotServed => return Ok(None),
                     Take::Rest => rest.push((req_id, n)),
@@ -428,26 +482,40 @@ impl PyStepUpdate {
                     cache.call1((r, upto))?;
                 }
                 let request_id = r.getattr(intern!(py, "request_id"))?;
-                let kwargs = PyDict::new(py);
-                kwargs.set_item(intern!(py, "request_id"), &request_id)?;
-                kwargs.set_item(intern!(py, "new_token_ids"), &s.tokens)?;
-                kwargs.set_item(
-                    intern!(py, "stop_reason"),
+                let values = [
                     r.getattr(intern!(py, "stop_reason"))?,
-                )?;
-                kwargs.set_item(
-                    intern!(py, "events"),
                     r.call_method0(intern!(py, "take_events"))?,
-                )?;
-                kwargs.set_item(
-                    intern!(py, "trace_headers"),
                     r.getattr(intern!(py, "trace_headers"))?,
-                )?;
-                kwargs.set_item(
-                    intern!(py, "num_nans_in_logits"),
                     r.getattr(intern!(py, "num_nans_in_logits"))?,
-                )?;
-                let output = output_class.call(PyTuple::empty(py), Some(&kwargs))?;
+                ];
+                let output = match &self.output_defaults {
+                    Some(defaults) => {
+                        let output = output_class.call1((&request_id, &s.tokens))?;
+                        for ((name, value), default) in
+                            self.output_names.iter().zip(&values).zip(defaults)
+                        {
+                            // As the keyword would: unless it is the default (None, or
+                            // an int equal to the default int).
+                            let default = default.bind(py);
+                            let same = value.is(default)
+                                || (value.is_exact_instance_of::<pyo3::types::PyInt>()
+                                    && value.eq(default)?);
+                            if !same {
+                                output.setattr(name.bind(py), value)?;
+                            }
+                        }
+                        output
+                    }
+                    None => {
+                        let kwargs = PyDict::new(py);
+                        kwargs.set_item(intern!(py, "request_id"), &request_id)?;
+                        kwargs.set_item(intern!(py, "new_token_ids"), &s.tokens)?;
+                        for (name, value) in self.output_names.iter().zip(values) {
+                            kwargs.set_item(name.bind(py), value)?;
+                        }
+                        output_class.call(PyTuple::empty(py), Some(&kwargs))?
+                    }
+                };
                 built.set_item(request_id, output)?;
             }
             Ok(Some((built, remaining)))

@@ -76,7 +76,7 @@ pub fn certainly_continues(
 
 /// What `update_from_output` reads of one scheduled request, besides its stop facts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct UpdateFacts<'a> {
+pub struct UpdateFacts {
     /// The request's entry in `SchedulerOutput.num_scheduled_tokens`.
     pub num_scheduled_tokens: i64,
     /// How many tokens it sampled (`len(sampled_token_ids[i])`).
@@ -101,8 +101,6 @@ pub struct UpdateFacts<'a> {
     pub num_logprobs: bool,
     /// The step has prompt logprobs for it (either dict of the runner output).
     pub prompt_logprobs: bool,
-    /// The stop facts; `None` without sampling params.
-    pub stop: Option<StopFacts<'a>>,
 }
 
 /// What is the same for every request of the step.
@@ -125,7 +123,7 @@ pub struct UpdateStep {
 /// (stale output, synchronous placeholders, encoder inputs, a grammar, pooling,
 /// prefill stats, drafts, logprobs, prompt logprobs). The stop check is apart:
 /// [`certainly_continues`].
-pub fn needs_only_append(facts: &UpdateFacts<'_>, step: &UpdateStep) -> bool {
+pub fn needs_only_append(facts: &UpdateFacts, step: &UpdateStep) -> bool {
     facts.num_scheduled_tokens == 1
         && facts.num_sampled_tokens == 1
         && facts.running
@@ -141,12 +139,18 @@ pub fn needs_only_append(facts: &UpdateFacts<'_>, step: &UpdateStep) -> bool {
 }
 
 /// Whether the request is steady: its token needs nothing but appending and
-/// certainly does not stop it.
-pub fn is_steady(facts: &UpdateFacts<'_>, token: i64, step: &UpdateStep) -> bool {
-    needs_only_append(facts, step)
-        && facts
-            .stop
-            .is_some_and(|s| certainly_continues(&s, token, step.max_model_len, step.broken))
+/// certainly does not stop it. `stop` reads its stop facts (`None` without sampling
+/// params), only for a request that needs nothing but the append.
+pub fn is_steady<'s, E>(
+    facts: &UpdateFacts,
+    token: i64,
+    step: &UpdateStep,
+    stop: impl FnOnce() -> std::result::Result<Option<StopFacts<'s>>, E>,
+) -> std::result::Result<bool, E> {
+    if !needs_only_append(facts, step) {
+        return Ok(false);
+    }
+    Ok(stop()?.is_some_and(|s| certainly_continues(&s, token, step.max_model_len, step.broken)))
 }
 
 /// The client rule: vLLM attaches the step's stats and finished ids to the clients in
@@ -322,7 +326,7 @@ mod tests {
         }
     }
 
-    fn facts(stop: StopFacts<'_>) -> UpdateFacts<'_> {
+    fn facts() -> UpdateFacts {
         UpdateFacts {
             num_scheduled_tokens: 1,
             num_sampled_tokens: 1,
@@ -336,7 +340,6 @@ mod tests {
             drafts: false,
             num_logprobs: false,
             prompt_logprobs: false,
-            stop: Some(stop),
         }
     }
 
@@ -439,9 +442,8 @@ mod tests {
 
     #[test]
     fn only_a_plain_one_token_output_needs_only_append() {
-        let s = stop(&[]);
-        assert!(needs_only_append(&facts(s), &STEP));
-        let cases: [fn(&mut UpdateFacts<'_>); 12] = [
+        assert!(needs_only_append(&facts(), &STEP));
+        let cases: [fn(&mut UpdateFacts); 12] = [
             |f| f.num_scheduled_tokens = 2,
             |f| f.num_sampled_tokens = 0,
             |f| f.running = false,
@@ -456,7 +458,7 @@ mod tests {
             |f| f.prompt_logprobs = true,
         ];
         for (i, case) in cases.iter().enumerate() {
-            let mut f = facts(s);
+            let mut f = facts();
             case(&mut f);
             assert!(!needs_only_append(&f, &STEP), "case {i}");
         }
@@ -466,7 +468,7 @@ mod tests {
     fn async_takes_placeholders_and_logprobs_count_only_when_sampled() {
         let f = UpdateFacts {
             num_output_placeholders: 1,
-            ..facts(stop(&[]))
+            ..facts()
         };
         let step = UpdateStep {
             is_async: true,
@@ -475,7 +477,7 @@ mod tests {
         assert!(needs_only_append(&f, &step));
         let f = UpdateFacts {
             num_logprobs: true,
-            ..facts(stop(&[]))
+            ..facts()
         };
         let step = UpdateStep {
             has_logprobs: false,
@@ -491,11 +493,21 @@ mod tests {
 
     #[test]
     fn steady_needs_sampling_params_and_a_continuing_token() {
-        let f = facts(stop(&[]));
-        assert!(is_steady(&f, 7, &STEP));
-        assert!(!is_steady(&f, 2, &STEP));
-        let f = UpdateFacts { stop: None, ..f };
-        assert!(!is_steady(&f, 7, &STEP));
+        let ids = [];
+        let read = || Ok::<_, ()>(Some(stop(&ids)));
+        assert_eq!(is_steady(&facts(), 7, &STEP, read), Ok(true));
+        assert_eq!(is_steady(&facts(), 2, &STEP, read), Ok(false));
+        assert_eq!(
+            is_steady(&facts(), 7, &STEP, || Ok::<_, ()>(None)),
+            Ok(false)
+        );
+        // Stop facts are read only for a request that needs nothing but the append.
+        let f = UpdateFacts {
+            running: false,
+            ..facts()
+        };
+        assert_eq!(is_steady(&f, 7, &STEP, || Err(())), Ok(false));
+        assert_eq!(is_steady(&facts(), 7, &STEP, || Err(())), Err(()));
     }
 
     #[test]
