@@ -77,7 +77,7 @@ run_pytest032() {
     timeout 1800 "$HSCACHE_PY032" -m pytest -q -p no:cacheprovider \
         tests/versions/test_vllm_versions.py tests/differential/test_differential_vllm.py tests/hisparse/test_hisparse.py \
         tests/scheduler/test_scheduler_fast_path.py tests/scheduler/test_fast_path_boundaries.py \
-        tests/scheduler/test_step_schedule.py
+        tests/scheduler/test_step_schedule.py tests/scheduler/test_step_update.py
 }
 
 # vLLM 0.30 (the release vllm-omni runs on): the version tests, the differential suite, the
@@ -90,7 +90,7 @@ run_pytest030() {
         tests/versions/test_vllm_versions.py tests/differential/test_differential_vllm.py \
         tests/scheduler/test_scheduler_hook.py tests/scheduler/test_scheduler_step.py \
         tests/scheduler/test_scheduler_fast_path.py tests/scheduler/test_fast_path_boundaries.py \
-        tests/scheduler/test_step_schedule.py
+        tests/scheduler/test_step_schedule.py tests/scheduler/test_step_update.py
 }
 
 # hscache's hidden-state cache as vllm-omni's prefix cache, against vllm-omni's own

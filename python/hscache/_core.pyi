@@ -614,6 +614,30 @@ class OmniSavePlan:
     def rules_id(self) -> int: ...
 
 @final
+class StepUpdate:
+    """The steady requests of a step's ``update_from_output`` served in one call
+    (``hscache.vllm.fast_step.split_update``; rules in ``src/step/update.rs``)."""
+
+    def __new__(
+        cls, *, running: Any, output_class: Callable[..., Any], cache_blocks_at: str
+    ) -> StepUpdate: ...
+    def split(
+        self,
+        requests: dict[str, Any],
+        num_scheduled_tokens: dict[str, int],
+        sampled_token_ids: list[Any],
+        req_id_to_index: dict[str, int],
+        *,
+        drafts: Mapping[str, Any],
+        prompt_logprobs: Iterable[Mapping[str, Any]],
+        has_logprobs: bool,
+        max_model_len: int,
+        is_async: bool,
+        cache_blocks: Callable[[Any, int], Any] | None = None,
+        broken: Iterable[str] | None = None,
+    ) -> tuple[dict[str, Any], dict[str, int]] | None: ...
+
+@final
 class SlotMirror:
     """Worker-side mirror of KV block assignments: versions, slot mappings, validated reads."""
 

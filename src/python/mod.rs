@@ -28,6 +28,7 @@ mod retention;
 mod slot_facts;
 mod slots;
 mod step_schedule;
+mod step_update;
 
 // Sibling modules address it as `super::buffers`.
 pub(crate) use convert::buffers;
@@ -101,6 +102,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<omni_rules::PyOmniStepRules>()?;
     m.add_class::<omni_rules::PyOmniSavePlan>()?;
     m.add_function(wrap_pyfunction!(step_schedule::plain_decodes, m)?)?;
+    m.add_class::<step_update::PyStepUpdate>()?;
     m.add_function(wrap_pyfunction!(prefill_skip::prefill_skip, m)?)?;
     m.add_class::<encoder_cache::PyEncoderCacheCore>()?;
     m.add_class::<encoder_decoder::PyEncoderDecoderCacheCore>()?;

@@ -39,8 +39,10 @@ from hscache.testing.requests import init_none_hash, make_request, request_block
 from hscache.vllm import AsyncScheduler as HscacheAsyncScheduler
 from hscache.vllm import Scheduler as HscacheScheduler
 from hscache.vllm import fast_step
+from hscache.vllm.block_hasher import get_request_block_hasher as hscache_request_block_hasher
 from hscache.vllm.version import require
 from vllm.sampling_params import RepetitionDetectionParams
+from vllm.utils.hashing import sha256
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
@@ -81,6 +83,10 @@ class Scenario:
     parity: bool = False
     """hscache's Scheduler runs in parity mode (``HSCACHE_PARITY=1``): every manager call
     the fast path makes is also made on vLLM's manager, and answers compared."""
+    hscache_hasher: bool = False
+    """hscache's requests hash their blocks with hscache's block hasher (as under
+    ``hscache.vllm.Scheduler`` in vLLM's engine), whose calls the fast path skips where
+    no block completes; vLLM's keep vLLM's."""
 
 
 SCENARIOS = [
@@ -107,6 +113,8 @@ SCENARIOS = [
     Scenario(async_scheduling=True, seed=2, aborts=0.0, kv_events=True, parity=True),
     Scenario(async_scheduling=True, layout="full+swa", num_blocks=96, kv_events=True, seed=3),
     Scenario(async_scheduling=True, num_blocks=400, max_model_len=160, seed=4),
+    Scenario(kv_events=True, seed=1, hscache_hasher=True),
+    Scenario(async_scheduling=True, kv_events=True, seed=1, hscache_hasher=True),
 ]
 
 
@@ -175,10 +183,15 @@ def _scheduler_state(s: Any) -> tuple[Any, ...]:
     )
 
 
-def _stream(sc: Scenario, hash_block_size: int) -> Iterator[list[Request]]:
-    """Per step, the new requests: bursts separated by stretches without arrivals."""
+def _stream(sc: Scenario, hash_block_size: int, hscache: bool = False) -> Iterator[list[Request]]:
+    """Per step, the new requests: bursts separated by stretches without arrivals.
+    ``hscache``: they hash their blocks with hscache's hasher (same hashes)."""
     init_none_hash("sha256")
-    hasher = request_block_hasher(hash_block_size, "sha256")
+    hasher = (
+        hscache_request_block_hasher(hash_block_size, sha256)
+        if hscache
+        else request_block_hasher(hash_block_size, "sha256")
+    )
     rng = random.Random(sc.seed)
     prefixes = [[rng.randrange(VOCAB, 50000) for _ in range(32)] for _ in range(3)]
     n = 0
@@ -316,7 +329,7 @@ def run_differential(sc: Scenario) -> dict[str, int]:
 
     rng = random.Random(sc.seed + 1000)
     # Each scheduler gets its own Request objects (the same stream built twice).
-    streams = (_stream(sc, hbs), _stream(sc, hbs))
+    streams = (_stream(sc, hbs), _stream(sc, hbs, sc.hscache_hasher))
     # Scheduled steps whose update_from_output is still due (the engine's batch queue).
     pending: deque[tuple[int, Any, Any, Any, Any]] = deque()
     depth = 2 if sc.async_scheduling else 1
@@ -374,7 +387,12 @@ def run_differential(sc: Scenario) -> dict[str, int]:
 
 
 @pytest.mark.parametrize(
-    "sc", SCENARIOS, ids=lambda s: f"{s.layout}-seed{s.seed}{'-parity' if s.parity else ''}"
+    "sc",
+    SCENARIOS,
+    ids=lambda s: (
+        f"{s.layout}-seed{s.seed}{'-parity' if s.parity else ''}"
+        f"{'-hscache-hasher' if s.hscache_hasher else ''}"
+    ),
 )
 def test_fast_path_makes_vllms_decisions_and_outputs(sc: Scenario) -> None:
     served = run_differential(sc)

@@ -230,6 +230,12 @@ def get_request_block_hasher(
             return vllm_hasher(request)
 
     request_block_hasher.hscache_algo = algo  # type: ignore[attr-defined]
+    # Read by the fast path's update (src/python/step_update.rs): with these it knows
+    # when a call would return nothing (no new full block), and skips it.
+    request_block_hasher.hscache_hash_window = (  # type: ignore[attr-defined]
+        size,
+        num_hash_lookahead_tokens,
+    )
     return request_block_hasher
 
 

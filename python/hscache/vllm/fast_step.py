@@ -17,11 +17,12 @@ rare events (preemption, stats), and hands everything else to vLLM's code unchan
   (``KVCacheCore.schedule_decodes``). Preemption under pool pressure follows vLLM's
   FCFS rule with vLLM's own ``_preempt_request``.
 - :func:`split_update` takes, out of a step's ``update_from_output``, the requests whose
-  sampled token certainly does not stop them (:func:`certainly_continues`, the negation
-  of vLLM's ``check_stop`` for one token) and that need nothing but the token appended
-  (no logprobs, placeholders, drafts, stale output, encoder inputs, grammar, pooling,
-  prefill stats); :func:`merge_outputs` puts their ``EngineCoreOutput`` s back in vLLM's
-  order. The other requests (finishing ones included) go through vLLM's
+  sampled token certainly does not stop them (the negation of vLLM's ``check_stop`` for
+  one token) and that need nothing but the token appended (no logprobs, placeholders,
+  drafts, stale output, encoder inputs, grammar, pooling, prefill stats), and appends
+  their tokens, in one core call (``hscache._core.StepUpdate``; the rules are
+  ``src/step/update.rs``); :func:`merge_outputs` puts their ``EngineCoreOutput`` s back
+  in vLLM's order. The other requests (finishing ones included) go through vLLM's
   ``update_from_output``.
 
 ``HSCACHE_FAST_STEP=0`` turns it off; it is on only for the vLLM versions whose profile
@@ -45,13 +46,12 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
 
-from hscache._core import KVCacheCore, plain_decodes
+from hscache._core import KVCacheCore, StepUpdate, plain_decodes
 from hscache.vllm.version import require
 
 __all__ = [
     "BROKEN_RULES",
     "RULES",
-    "certainly_continues",
     "enabled",
     "merge_outputs",
     "schedule",
@@ -81,6 +81,15 @@ RULES = (
 
 BROKEN_RULES: set[str] = set()
 """Test only: the rules (names of :data:`RULES`) the fast path breaks, for mutants."""
+
+# update_from_output's steady requests, served by the core (src/python/step_update.rs):
+# vLLM's objects it compares with and builds, and where this version's async
+# cache_blocks call caches up to.
+_STEP_UPDATE = StepUpdate(
+    running=RequestStatus.RUNNING,
+    output_class=EngineCoreOutput,
+    cache_blocks_at="in_flight" if _PROFILE.async_cache_blocks_in_scheduler else "placeholders",
+)
 
 
 def enabled() -> bool:
@@ -351,26 +360,6 @@ def _async_after_schedule(sched: Any, scheduled: list[Request], out: SchedulerOu
             r.next_decode_eligible_step = next_step
 
 
-def certainly_continues(request: Request, token: int, max_model_len: int) -> bool:
-    """Whether vLLM's ``check_stop`` certainly returns False once ``token`` is appended
-    to ``request`` (False when it would stop, or when only vLLM's code can tell)."""
-    params = request.sampling_params
-    if params is None:
-        return False
-    if token == params.eos_token_id and "stop_eos" not in BROKEN_RULES:
-        return False
-    if params.stop_token_ids and token in params.stop_token_ids:
-        return "stop_token_ids" in BROKEN_RULES
-    if "stop_length" not in BROKEN_RULES and (
-        len(request._all_token_ids) + 1 >= max_model_len
-        or len(request._output_token_ids) + 1 >= request.max_tokens
-    ):
-        return False
-    if len(request._output_token_ids) + 1 < params.min_tokens:
-        return True
-    return params.repetition_detection is None or "repetition" in BROKEN_RULES
-
-
 def _update_applies(sched: Any, output: Any) -> bool:
     """The step-level conditions of :func:`split_update`."""
     return (
@@ -401,6 +390,11 @@ def split_update(
     vLLM's ``update_from_output`` must still process (the others), and the outputs
     built, by request id; ``None`` (nothing changed) when the step is not served.
 
+    The decisions and the writes are one core call (``StepUpdate.split``,
+    ``src/python/step_update.rs`` over ``src/step/update.rs``): a request is steady when
+    its token needs nothing but appending and certainly does not stop it (the negation
+    of vLLM's ``check_stop`` for one token); every request must belong to client 0.
+
     ``is_async`` (an ``AsyncScheduler``): a steady request's output also resolves its
     placeholder and caches its blocks, as vLLM does per request in scheduling order;
     so that the manager sees those calls in vLLM's order, only the steady requests
@@ -410,83 +404,25 @@ def split_update(
     sampled = output.sampled_token_ids
     if not sampled:
         return None
-    index = output.req_id_to_index
-    requests = sched.requests
-    max_model_len = sched.max_model_len
-    wants_logprobs = output.logprobs is not None and "logprobs" not in BROKEN_RULES
-    prompt_logprobs = output.prompt_logprobs_dict
-    prompt_token_logprobs = (
-        output.prompt_token_id_logprobs_dict if _PROFILE.prompt_token_id_logprobs else {}
+    split = _STEP_UPDATE.split(
+        sched.requests,
+        scheduler_output.num_scheduled_tokens,
+        sampled,
+        output.req_id_to_index,
+        drafts=scheduler_output.scheduled_spec_decode_tokens,
+        prompt_logprobs=(
+            output.prompt_logprobs_dict,
+            output.prompt_token_id_logprobs_dict if _PROFILE.prompt_token_id_logprobs else {},
+        ),
+        has_logprobs=output.logprobs is not None,
+        max_model_len=sched.max_model_len,
+        is_async=is_async,
+        cache_blocks=sched.kv_cache_manager.cache_blocks,
+        broken=BROKEN_RULES,
     )
-    spec = scheduler_output.scheduled_spec_decode_tokens
-    # Every request must belong to client 0: vLLM attaches the step's stats and
-    # finished ids by the order clients first appear.
-    steady: list[tuple[Request, list[int]]] = []
-    rest: dict[str, int] = {}
-    # Async: after the first request vLLM serves, every request is vLLM's. (Not a
-    # mutant rule: the next schedule()'s allocate_slots has already cached what these
-    # cache_blocks calls could, so the differential cannot see their order; kept so
-    # that the manager gets vLLM's call order whatever it does with it.)
-    prefix_only = is_async
-    prefix_ended = False
-    for req_id, n in scheduler_output.num_scheduled_tokens.items():
-        request = requests.get(req_id)
-        if request is None:
-            rest[req_id] = n
-            continue
-        if request.client_index != 0:
-            return None
-        if prefix_ended:
-            rest[req_id] = n
-            continue
-        tokens = sampled[index[req_id]]
-        if (
-            n == 1
-            and len(tokens) == 1
-            and request.status == RequestStatus.RUNNING
-            and not request.num_stale_output_tokens
-            and (is_async or not request.num_output_placeholders)
-            and not request.mm_features
-            and request.structured_output_request is None
-            and request.pooling_params is None
-            and request.prefill_stats is None
-            and req_id not in spec
-            and not (wants_logprobs and request.sampling_params.num_logprobs is not None)
-            and req_id not in prompt_logprobs
-            and req_id not in prompt_token_logprobs
-            and certainly_continues(request, tokens[0], max_model_len)
-        ):
-            steady.append((request, tokens))
-        else:
-            rest[req_id] = n
-            if prefix_only:
-                if not steady:
-                    return None
-                prefix_ended = True
-    if not steady:
+    if split is None:
         return None
-    built: dict[str, EngineCoreOutput] = {}
-    cache_blocks = sched.kv_cache_manager.cache_blocks
-    resolve = 1 if "resolve_placeholder" not in BROKEN_RULES else 0
-    for request, tokens in steady:
-        request.num_in_flight_tokens -= 1
-        request.append_output_token_ids(tokens[0])
-        if request.num_output_placeholders:
-            # vLLM's (0.33: update_from_output; 0.32, 0.30: the AsyncScheduler's
-            # _update_request_with_output) for a running request's output.
-            request.num_output_placeholders -= resolve
-            if _PROFILE.async_cache_blocks_in_scheduler:
-                cache_blocks(request, request.num_computed_tokens - request.num_in_flight_tokens)
-            else:
-                cache_blocks(request, request.num_computed_tokens - request.num_output_placeholders)
-        built[request.request_id] = EngineCoreOutput(
-            request_id=request.request_id,
-            new_token_ids=tokens,
-            stop_reason=request.stop_reason,
-            events=request.take_events(),
-            trace_headers=request.trace_headers,
-            num_nans_in_logits=request.num_nans_in_logits,
-        )
+    built, rest = split
     remaining = copy.copy(scheduler_output)
     remaining.num_scheduled_tokens = rest
     return remaining, built
