@@ -201,7 +201,7 @@ impl PyOmniStepRules {
             .collect::<PyResult<_>>()?;
         // Borrowed only now: reading the output above may run Python code, and so let
         // the output thread in (its `materialize` borrows these rules too).
-        slf.borrow_mut().core.write("begin_step", |c| {
+        slf.try_borrow_mut()?.core.write("begin_step", |c| {
             Ok::<_, PyErr>(c.begin_step(&finished, &new, &scheduled)?)
         })
     }
@@ -270,7 +270,7 @@ impl PyOmniStepRules {
         let items = str_items(req_ids)?;
         let ids: Vec<&str> = items.iter().map(|s| s.to_str()).collect::<PyResult<_>>()?;
         let step_id = step_id_arg(step_id);
-        slf.borrow_mut().core.write("materialize", |c| {
+        slf.try_borrow_mut()?.core.write("materialize", |c| {
             let id = step_id.map_err(|shown| c.step_id_error(shown))?;
             let picks = c.materialize(id, &ids)?;
             Ok::<_, PyErr>((picks.index, picks.prefix))
@@ -280,7 +280,7 @@ impl PyOmniStepRules {
     /// Consumes `step_id` without reading it.
     fn discard(slf: &Bound<'_, Self>, step_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let step_id = step_id_arg(step_id);
-        slf.borrow_mut().core.write("discard", |c| {
+        slf.try_borrow_mut()?.core.write("discard", |c| {
             let id = step_id.map_err(|shown| c.step_id_error(shown))?;
             Ok::<_, PyErr>(c.discard(id)?)
         })

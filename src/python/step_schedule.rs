@@ -16,6 +16,7 @@
 //!
 //! This file only converts: the rule is the core's, the allocation the manager's.
 
+use pyo3::exceptions::PyTypeError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyString, PyTuple};
@@ -38,14 +39,15 @@ type Scheduled<'py> = (
     Bound<'py, PyList>,
 );
 
-/// The rules named in `names` (an iterable of `fast_step.RULES` names).
-fn broken_rules(names: &Bound<'_, PyAny>) -> PyResult<BrokenRules> {
+/// The rules named in `names` (an iterable of `fast_step.RULES` names): `TypeError` for
+/// anything but names, `InvalidArgumentError` for an unknown one. Both phases read it.
+pub(super) fn broken_rules(names: &Bound<'_, PyAny>) -> PyResult<BrokenRules> {
     let mut broken = BrokenRules::NONE;
     for name in names.try_iter()? {
         let name = name?;
         let name = name
             .cast::<PyString>()
-            .map_err(|_| InvalidArgumentError::new_err("broken_rules must hold rule names"))?;
+            .map_err(|_| PyTypeError::new_err("broken rules must be rule names (str)"))?;
         let name = name.to_str()?;
         let rule = Rule::from_name(name)
             .ok_or_else(|| InvalidArgumentError::new_err(format!("no fast-path rule {name:?}")))?;
@@ -214,15 +216,19 @@ impl PyKVCacheCore {
                         "running[{i}]: request {rid} holds no blocks in this manager"
                     )));
                 }
-                if deciding {
+                let num_computed = if deciding {
                     let (facts, num_output_tokens) = read_facts(&r)?;
                     if !plain_decode(&facts, &step, broken) {
                         return Ok(false);
                     }
                     computed.push(facts.num_computed_tokens);
                     outputs.push(num_output_tokens);
-                }
-                requests.push((r, rid));
+                    facts.num_computed_tokens
+                } else {
+                    int_attr(&r, intern!(py, "num_computed_tokens"))?
+                };
+                let num_computed = count("request.num_computed_tokens", num_computed)?;
+                requests.push((r, rid, num_computed));
             }
             Ok::<_, PyErr>(true)
         })?;
@@ -246,15 +252,9 @@ impl PyKVCacheCore {
         let mut blocks: Vec<BlockId> = Vec::new();
         let mut ends: SmallVec<[usize; 4]> = SmallVec::new();
         let mut next = start;
-        for (k, (request, rid)) in requests.iter().enumerate() {
+        for (k, (request, rid, num_computed)) in requests.iter().enumerate() {
             let i = start + k;
-            let num_computed = match computed.get(i) {
-                Some(&c) => count("request.num_computed_tokens", c)?,
-                None => count(
-                    "request.num_computed_tokens",
-                    int_attr(request, intern!(py, "num_computed_tokens"))?,
-                )?,
-            };
+            let num_computed = *num_computed;
             let rid = rid.to_str()?;
             blocks.clear();
             ends.clear();

@@ -34,7 +34,7 @@ use crate::step::update::{
     completes_no_block, is_steady, plan_append, AppendCounts, AppendPlan, CacheBlocksAt, StepSplit,
     StopFacts, Take, UpdateFacts, UpdateStep,
 };
-use crate::step::{BrokenRules, Rule};
+use crate::step::BrokenRules;
 
 /// The vLLM objects the call compares with and builds: read once, at construction.
 #[pyclass(name = "StepUpdate", module = "hscache._core", frozen)]
@@ -105,6 +105,14 @@ struct Steady<'py> {
     output_token_ids: Bound<'py, PyList>,
     all_token_ids: Bound<'py, PyList>,
     plan: AppendPlan,
+    /// Read before any write, so that a request that cannot be served is refused with
+    /// nothing changed: the output's fields, the hasher and its hashes.
+    request_id: Bound<'py, PyAny>,
+    stop_reason: Bound<'py, PyAny>,
+    trace_headers: Bound<'py, PyAny>,
+    num_nans_in_logits: Bound<'py, PyAny>,
+    hasher: Bound<'py, PyAny>,
+    block_hashes: Option<Bound<'py, PyAny>>,
 }
 
 const REQUEST: &str = "a vLLM Request";
@@ -116,21 +124,6 @@ fn int_attr(obj: &Bound<'_, PyAny>, name: &Bound<'_, PyString>, expected: &str) 
 
 fn len_i64(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
-}
-
-fn broken_rules(broken: &Bound<'_, PyAny>) -> PyResult<BrokenRules> {
-    let mut rules = BrokenRules::NONE;
-    for name in broken.try_iter()? {
-        let name = name?;
-        let name = name
-            .cast::<PyString>()
-            .map_err(|_| PyTypeError::new_err("broken must be an iterable of rule names (str)"))?;
-        let text = name.to_str()?;
-        let rule = Rule::from_name(text)
-            .ok_or_else(|| InvalidArgumentError::new_err(format!("unknown rule {text:?}")))?;
-        rules = rules.with(rule);
-    }
-    Ok(rules)
 }
 
 /// `hasher.hscache_hash_window` (`(hash_block_size, num_hash_lookahead_tokens)`, set on
@@ -292,20 +285,19 @@ impl PyStepUpdate {
         window: &mut Option<(usize, Option<(usize, usize)>)>,
     ) -> PyResult<()> {
         let py = s.request.obj.py();
-        let hasher = s.request.attr(intern!(py, "_block_hasher"))?;
-        if hasher.is_none() {
+        let hasher = &s.hasher;
+        let Some(block_hashes) = &s.block_hashes else {
             return Ok(());
-        }
+        };
         let key = hasher.as_ptr() as usize;
         let known = match *window {
             Some((k, w)) if k == key => w,
             _ => {
-                let w = hash_window(&hasher);
+                let w = hash_window(hasher);
                 *window = Some((key, w));
                 w
             }
         };
-        let block_hashes = s.request.attr(intern!(py, "block_hashes"))?;
         if let Some((size, lookahead)) = known {
             if completes_no_block(block_hashes.len()?, s.all_token_ids.len(), size, lookahead) {
                 return Ok(());
@@ -410,7 +402,7 @@ impl PyStepUpdate {
                 max_model_len: max_model_len.0,
                 cache_blocks_at: self.cache_blocks_at,
                 broken: match broken {
-                    Some(b) => broken_rules(b)?,
+                    Some(b) => super::step_schedule::broken_rules(b)?,
                     None => BrokenRules::NONE,
                 },
             };
@@ -538,7 +530,23 @@ impl PyStepUpdate {
                         let token = token.ok_or_else(|| {
                             InvalidArgumentError::new_err("a steady request without its token")
                         })?;
+                        let request_id = request.attr(intern!(py, "request_id"))?;
+                        request_id.hash()?;
+                        let hasher = request.attr(intern!(py, "_block_hasher"))?;
+                        let block_hashes = if hasher.is_none() {
+                            None
+                        } else {
+                            let hashes = request.attr(intern!(py, "block_hashes"))?;
+                            hashes.len()?;
+                            Some(hashes)
+                        };
                         steady.push(Steady {
+                            stop_reason: request.attr(intern!(py, "stop_reason"))?,
+                            trace_headers: request.attr(intern!(py, "trace_headers"))?,
+                            num_nans_in_logits: request.attr(intern!(py, "num_nans_in_logits"))?,
+                            request_id,
+                            hasher,
+                            block_hashes,
                             request,
                             tokens,
                             token,
@@ -575,16 +583,16 @@ impl PyStepUpdate {
                     r.setattr(intern!(py, "num_output_placeholders"), placeholders)?;
                     cache.call1((r, upto))?;
                 }
-                let request_id = req.attr(intern!(py, "request_id"))?;
+                let request_id = &s.request_id;
                 let values = [
-                    req.attr(intern!(py, "stop_reason"))?,
+                    s.stop_reason.clone(),
                     Self::take_events(req)?,
-                    req.attr(intern!(py, "trace_headers"))?,
-                    req.attr(intern!(py, "num_nans_in_logits"))?,
+                    s.trace_headers.clone(),
+                    s.num_nans_in_logits.clone(),
                 ];
                 let output = match &self.output_defaults {
                     Some(defaults) => {
-                        let output = output_class.call1((&request_id, &s.tokens))?;
+                        let output = output_class.call1((request_id, &s.tokens))?;
                         for ((name, value), default) in
                             self.output_names.iter().zip(&values).zip(defaults)
                         {
@@ -602,7 +610,7 @@ impl PyStepUpdate {
                     }
                     None => {
                         let kwargs = PyDict::new(py);
-                        kwargs.set_item(intern!(py, "request_id"), &request_id)?;
+                        kwargs.set_item(intern!(py, "request_id"), request_id)?;
                         kwargs.set_item(intern!(py, "new_token_ids"), &s.tokens)?;
                         for (name, value) in self.output_names.iter().zip(values) {
                             kwargs.set_item(name.bind(py), value)?;

@@ -355,7 +355,12 @@ impl OmniStepRules {
         map.reserve(scheduled.len());
         let mut total = 0usize;
         for &(req_id, n) in scheduled {
-            total = total.saturating_add(n);
+            if n == 0 {
+                continue; // scheduled nothing: no rows, as the batch layout skips it
+            }
+            total = total.checked_add(n).ok_or_else(|| {
+                OmniRuleError::Invalid("the step's scheduled tokens overflow".into())
+            })?;
             if map.insert(req_id.to_owned(), n).is_some() {
                 return Err(OmniRuleError::Invalid(format!(
                     "request {req_id:?} is scheduled twice"
@@ -382,7 +387,11 @@ impl OmniStepRules {
         self.pending = Some(PendingStep {
             seq,
             scheduled: map,
-            scheduled_order: scheduled.iter().map(|(r, _)| (*r).to_owned()).collect(),
+            scheduled_order: scheduled
+                .iter()
+                .filter(|(_, n)| *n != 0)
+                .map(|(r, _)| (*r).to_owned())
+                .collect(),
             num_scheduled_tokens: total,
             first_hits,
         });
@@ -412,7 +421,9 @@ impl OmniStepRules {
             let i = u32::try_from(i)
                 .map_err(|_| OmniRuleError::Invalid("the batch has over 2**32 requests".into()))?;
             positions.push(i);
-            total += n;
+            total = total.checked_add(n).ok_or_else(|| {
+                OmniRuleError::Invalid("the batch's scheduled tokens overflow".into())
+            })?;
         }
         if total != num_tokens || positions.len() != p.scheduled.len() {
             return Err(OmniRuleError::Invalid(format!(

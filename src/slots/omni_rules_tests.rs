@@ -180,3 +180,22 @@ fn every_mutant_changes_a_decision() {
     }
     assert!(rules().break_rule_for_tests("nope").is_err());
 }
+
+#[test]
+fn overflowing_counts_are_refused_and_zero_entries_schedule_nothing() {
+    let mut r = rules();
+    let big = usize::MAX / 2 + 1;
+    let e = r
+        .begin_step(&[], &[], &[("a", big), ("b", big)])
+        .unwrap_err();
+    assert!(matches!(e, OmniRuleError::Invalid(_)));
+    assert!(!r.has_pending_step() && r.num_live() == 0);
+    // A request scheduled for 0 tokens has no rows: the batch without it is the step's.
+    r.begin_step(&[], &[], &[("a", 2), ("b", 0)]).unwrap();
+    let plan = r.lay_out(&["a"], 2).unwrap();
+    assert_eq!(plan.req_ids, vec!["a".to_owned()]);
+    assert!(
+        r.lay_out(&["a", "b"], 2).is_ok(),
+        "b's 0 tokens are skipped"
+    );
+}

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hscache._core import KVCacheCore
 from hscache.bench.layouts import layout_config
 from hscache.testing.offline_scheduler import make_scheduler
 from hscache.vllm import AsyncScheduler as HscacheAsyncScheduler
@@ -269,8 +270,12 @@ def run_boundary(b: Boundary, storage: Path) -> dict[str, int]:
     ref, ref_events, hbs = _build(ref_cls, b, storage)
     with pytest.MonkeyPatch.context() as env:
         env.setattr(fast_step, "_PROFILE", dataclasses.replace(PROFILE, fast_step=True))
+        for name in ("HSCACHE_DISABLE", "HSCACHE_PARITY", "HSCACHE_FAST_STEP"):
+            env.delenv(name, raising=False)
         cand, cand_events, _ = _build(cand_cls, b, storage)
     assert cand.fast_step
+    # hscache's core serves the candidate (not vLLM's manager after a fallback).
+    assert isinstance(cand.kv_cache_manager, KVCacheCore)
     orig_schedule, orig_split = fast_step.schedule, fast_step.split_update
 
     def counted_schedule(sched: Any, *a: Any, **kw: Any) -> Any:

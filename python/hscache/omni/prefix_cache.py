@@ -218,6 +218,7 @@ class OmniHiddenStateCache:
         self._consumed = threading.Condition(self._lock)
         self._savers_waiting = 0  # notify only when a save waits for room
         self._steps: dict[int, _SavedStep] = {}
+        self._saving: set[int] = set()  # step ids issued, their rows not kept yet
         # Rows moved per key by the saves: into the cache, gathered for the hits, and
         # kept as the host copy of the plain requests' rows (``row_copies()``).
         self._rows_moved = {"written": 0, "gathered": 0, "kept": 0}
@@ -319,6 +320,7 @@ class OmniHiddenStateCache:
             step_id, prefix, plain_rows, plain_sizes = self._rules.save(
                 plan, hits=reads.plan_indices, misses=reads.misses
             )
+            self._saving.add(step_id)
         # The copies run unlocked (the output thread may materialize an older step
         # meanwhile); nobody knows `step_id` before it is returned.
         moved = self._rows_moved
@@ -329,9 +331,11 @@ class OmniHiddenStateCache:
             self._keep(saved, step_rows, flat, prefix, plain_rows, plain_sizes)
         except BaseException:
             with self._lock:
+                self._saving.discard(step_id)
                 self._rules.discard(step_id)
             raise
         with self._lock:
+            self._saving.discard(step_id)
             self._steps[step_id] = saved
         return step_id
 
@@ -341,6 +345,7 @@ class OmniHiddenStateCache:
         with self._lock:
             # The rules refuse (StepIdError, UnknownRequestError, UnservableHitError)
             # before consuming anything.
+            self._refuse_saving(step_id)
             index, prefix = self._rules.materialize(step_id, req_ids)
             saved = self._steps.pop(step_id)
             if self._savers_waiting:
@@ -367,6 +372,7 @@ class OmniHiddenStateCache:
     def discard_step(self, step_id: int) -> None:
         """Consumes ``step_id`` without reading it (its rows stay cached)."""
         with self._lock:
+            self._refuse_saving(step_id)
             self._rules.discard(step_id)
             del self._steps[step_id]
             if self._savers_waiting:
@@ -398,6 +404,12 @@ class OmniHiddenStateCache:
                         self._consumed.wait(left)
                     finally:
                         self._savers_waiting -= 1
+
+    def _refuse_saving(self, step_id: object) -> None:
+        """``StepIdError`` for a step id issued but still being saved (its rows are not
+        kept yet); called under the lock, before the rules consume anything."""
+        if isinstance(step_id, int) and step_id in self._saving:
+            raise StepIdError(f"step {step_id} is still being saved")
 
     def _plan_unsaved(self, so: Any) -> None:
         """Applies a step nothing was saved for: its tables count, its rows do not."""

@@ -386,6 +386,14 @@ ROWS = [
     R("schedule_decodes", "negative start", IA, lambda f, c: _decodes(c, start=-1)),
     R("schedule_decodes", "start past the end", IA, lambda f, c: _decodes(c, start=2)),
     R("schedule_decodes", "start is a str", TE, lambda f, c: _decodes(c, start="0")),
+    R(
+        "schedule_decodes",
+        "a resumed call whose later request's num_computed_tokens is a str",
+        TE,
+        lambda f, c: _decodes(
+            c, [_decode("a"), _decode("a"), _with(_decode("a"), num_computed_tokens="x")], start=1
+        ),
+    ),
     R("schedule_decodes", "step is None", TE, lambda f, c: _decodes(c, step=None)),
     R("schedule_decodes", "negative max_model_len", IA, lambda f, c: _decodes(c, max_model_len=-1)),
     R(
@@ -403,7 +411,7 @@ ROWS = [
     R(
         "schedule_decodes",
         "broken_rules hold an int",
-        IA,
+        TE,
         lambda f, c: _decodes(c, broken_rules=[1]),
     ),
     R(

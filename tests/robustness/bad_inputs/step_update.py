@@ -96,6 +96,17 @@ def with_b(**fields: Any) -> Any:
     return build
 
 
+def without_b(name: str) -> Any:
+    """The target with request ``b``'s field ``name`` gone (read after ``a``, steady)."""
+
+    def build() -> Ctx:
+        c = target()
+        delattr(c.x["requests"]["b"], name)
+        return c
+
+    return build
+
+
 S = "StepUpdate"
 R, A = makers(S, target)
 
@@ -181,6 +192,20 @@ ROWS = [
         IA,
         lambda f, c: _split(c, is_async=True),
         with_b(num_output_placeholders=1),
+    ),
+    R(
+        "split",
+        "b without num_nans_in_logits (a steady before it)",
+        TE,
+        lambda f, c: _split(c),
+        without_b("num_nans_in_logits"),
+    ),
+    R(
+        "split",
+        "b's request_id a list (a steady before it)",
+        TE,
+        lambda f, c: _split(c),
+        with_b(request_id=[1]),
     ),
     R("split", "an unknown broken rule", IA, lambda f, c: _split(c, broken=["nope"])),
     R("split", "broken rules that are not str", TE, lambda f, c: _split(c, broken=[1])),
