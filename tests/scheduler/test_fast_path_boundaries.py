@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import vllm
 from hscache._core import KVCacheCore
 from hscache.bench.layouts import layout_config
 from hscache.testing.offline_scheduler import make_scheduler
@@ -274,8 +275,13 @@ def run_boundary(b: Boundary, storage: Path) -> dict[str, int]:
             env.delenv(name, raising=False)
         cand, cand_events, _ = _build(cand_cls, b, storage)
     assert cand.fast_step
-    # hscache's core serves the candidate (not vLLM's manager after a fallback).
-    assert isinstance(cand.kv_cache_manager, KVCacheCore)
+    # hscache's core serves the candidate (not vLLM's manager after a fallback). vLLM
+    # 0.30's Mamba rules are not built: its Mamba layouts fall back, logged and
+    # allowlisted (docs/vllm_versions.md), which proves nothing here.
+    if not isinstance(cand.kv_cache_manager, KVCacheCore):
+        if "mamba" in b.layout and vllm.__version__.startswith("0.30."):
+            pytest.skip("vLLM 0.30's Mamba rules are not built: hscache falls back")
+        raise AssertionError(f"{type(cand.kv_cache_manager)} serves the candidate")
     orig_schedule, orig_split = fast_step.schedule, fast_step.split_update
 
     def counted_schedule(sched: Any, *a: Any, **kw: Any) -> Any:
