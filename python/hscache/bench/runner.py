@@ -2,7 +2,8 @@
 
 Owns the ``bench`` sub-command's arguments (:func:`add_arguments`), the selection of scenarios,
 the build-profile banner (with a loud warning for debug builds of ``hscache._core``), the
-progress bar (tqdm when importable, else a plain stderr line) and :func:`run`, which runs the
+progress display (on a terminal: tqdm when importable, else a one-line stderr counter;
+redirected to a file or under CI, one line per scenario run) and :func:`run`, which runs the
 scenarios through :mod:`hscache.bench.driver` and prints/writes the :mod:`~hscache.bench.report`.
 """
 
@@ -227,16 +228,29 @@ def _banner(
     out.flush()
 
 
+def _interactive() -> bool:
+    """A terminal to redraw a progress bar on: stderr is a TTY and not under CI (``CI`` set
+    to anything but ``false`` / ``0``, as CI services do)."""
+    ci = os.environ.get("CI", "").strip().lower()
+    return sys.stderr.isatty() and ci in ("", "0", "false")
+
+
 class _Progress:
-    """tqdm when importable and enabled, else a throttled one-line stderr counter."""
+    """On a terminal, tqdm when importable, else a throttled one-line stderr counter;
+    otherwise (output to a file, CI) no redrawn bar but one line per scenario run, written
+    when it ends: a log holds no carriage-return updates."""
 
     def __init__(self, total: int, desc: str, enabled: bool) -> None:
         self.total = total
         self.desc = desc
         self.enabled = enabled
+        self.interactive = enabled and _interactive()
         self._bar: Any = None
         self._last = 0.0
-        if not enabled:
+        self._done = 0
+        self._t0 = time.monotonic()
+        self._closed = False
+        if not self.interactive:
             return
         try:
             from tqdm import tqdm
@@ -245,7 +259,8 @@ class _Progress:
         self._bar = tqdm(total=total, desc=desc, unit="step", leave=False, file=sys.stderr)
 
     def update(self, done: int, total: int) -> None:
-        if not self.enabled:
+        self._done = done
+        if not self.interactive:
             return
         if self._bar is not None:
             self._bar.update(done - self._bar.n)
@@ -257,10 +272,17 @@ class _Progress:
             sys.stderr.flush()
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         if self._bar is not None:
             self._bar.close()
-        elif self.enabled:
+        elif self.interactive:
             sys.stderr.write("\r" + " " * (len(self.desc) + 30) + "\r")
+            sys.stderr.flush()
+        elif self.enabled:
+            elapsed = time.monotonic() - self._t0
+            sys.stderr.write(f"  {self.desc}: {self._done}/{self.total} steps in {elapsed:.1f} s\n")
             sys.stderr.flush()
 
 
@@ -367,7 +389,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             "WARNING: hscache._core is a DEBUG build; these numbers are not meaningful.",
             file=stream,
         )
-    _write_outputs(args, info, overhead, summaries, runs, modes_of_runs, fallbacks, stream)
+    if not _write_outputs(args, info, overhead, summaries, runs, modes_of_runs, fallbacks, stream):
+        return 1
     return 0
 
 
@@ -460,8 +483,9 @@ def _write_outputs(
     modes_of_runs: list[str],
     fallbacks: list[str],
     stream: TextIO,
-) -> None:
-    """``--json`` and ``--plot``."""
+) -> bool:
+    """``--json`` and ``--plot``; False when a file that was asked for could not be
+    written (``--plot`` without matplotlib): the run then exits non-zero."""
     from hscache.bench.report import to_json, write_json, write_plot
 
     if args.json:
@@ -496,3 +520,5 @@ def _write_outputs(
                 "(pip install -r requirements/bench-plot.txt, or run scripts/bench.sh once)",
                 file=stream,
             )
+            return False
+    return True
