@@ -276,11 +276,24 @@ def test_mode_selection(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_parity_mode_keeps_vllms_stream(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HSCACHE_PARITY", "1")
+    """Under ``HSCACHE_PARITY=1`` a compact request is ignored: the parity manager hands
+    out, batch for batch, exactly the events vLLM's own manager publishes on the same
+    trace, where the same request without parity would have merged some."""
+    from hscache.vllm.parity import ParityKVCacheManager
+    from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
+
     kwargs = manager_kwargs(full_attention_config(40), enable_kv_cache_events=True)
+    compact = _drive(KVCacheManager(**kwargs, kv_events_mode="compact"), seed=5, steps=60)
+    theirs = _drive(VllmKVCacheManager(**kwargs), seed=5, steps=60)
+    monkeypatch.setenv("HSCACHE_PARITY", "1")
     m = KVCacheManager(**kwargs, kv_events_mode="compact")
-    # The parity manager compares every batch with vLLM's: a compact stream would raise.
-    _drive(m, seed=5, steps=60)
+    assert isinstance(m, ParityKVCacheManager)
+    ours = _drive(m, seed=5, steps=60)
+    assert sum(map(len, compact)) < sum(map(len, theirs)), "the trace must merge some events"
+    assert len(ours) == len(theirs)
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        encode = msgspec.msgpack.encode
+        assert [encode(e) for e in a] == [encode(e) for e in b], f"step {i}"
 
 
 def test_taken_events_are_never_extended() -> None:
