@@ -13,14 +13,26 @@ Prints per-file counts, then every failure that is not expected:
   test of vLLM's internals that hscache deliberately does not mirror). Keep it short;
   every line is a debt.
 
+A listed test is expected to fail *for its reason*, not by its node id alone: its failure
+message must match the line's ``[message ~ REGEX]`` (required in the swap lists), else the
+message pattern of its reason class (``CLASSES`` / ``NODE_CLASSES`` below, which
+``--write-known`` writes). A listed test that fails with another message is an unexpected
+failure, shown with both.
+
+With ``--swap`` the run must also prove the swap was on: the results name the swapped
+``KVCacheManager``, the swapped-in class was constructed at least once, the census is not
+empty and hscache served at least one manager, and ``HSCACHE_DISABLE`` was not set (with it,
+hscache's constructor returns vLLM's manager: vLLM would be tested against itself).
+
 With ``--swap`` it also prints the *census*: every KV-cache manager the tests built, by
 layout, and whether hscache served it or fell back to vLLM's manager (and why). A fallback
 whose reason matches no regex of ``census_allowlist.txt`` fails the run: hscache promises
 to serve every layout except those listed there.
 
-Exits 1 if any test failed (or errored) unexpectedly, 0 otherwise. Expected failures that
-pass are reported, not fatal: delete their lines. ``--write-known`` rewrites
-known_failures.txt from a run without the swap, classifying each failure by its message.
+Exits 1 if any test failed (or errored) unexpectedly or the swap is not proven, 0
+otherwise. Expected failures that pass are reported, not fatal: delete their lines.
+``--write-known`` rewrites known_failures.txt from a run without the swap, classifying each
+failure by its message.
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ import re
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 # (known failures without the swap, allowed failures with it) per vLLM series
@@ -42,11 +55,13 @@ LISTS = {
 VERSION = {"0.33": "0.33.0", "0.32": "0.32.0", "0.30": "0.30.0"}
 CENSUS_ALLOWLIST = HERE / "census_allowlist.txt"
 
-# (reason, pattern over the node id), tried first: failures whose message says little.
+# (reason, pattern over the node id, pattern its message must match), tried first:
+# failures whose message says little.
 NODE_CLASSES = [
     (
         "device: worker-side KV transfer asserts CUDA/XPU tensors",
         r"^tests/v1/kv_offload/cpu/test_gpu_worker\.py::",
+        r"^AssertionError$",  # a bare assert on the tensors' device, nothing else
     ),
 ]
 # (reason, pattern over the failure message), first match wins.
@@ -71,28 +86,87 @@ CLASSES = [
 ]
 
 
-def read_list(path: Path) -> dict[str, str]:
-    """node id -> reason, from a list file (``node_id  # reason`` lines, ``#`` comments)."""
-    out: dict[str, str] = {}
+MESSAGE_FIELD = re.compile(r"\s*\[message ~ (?P<regex>.+)\]\s*$")
+
+
+def read_list(path: Path, *, need_message: bool = False) -> dict[str, tuple[str, str]]:
+    """node id -> (reason, regex its failure message must match), from a list file
+    (``node_id  # reason  [message ~ REGEX]`` lines, ``#`` comments). Without a
+    ``[message ~ ...]`` field the regex is the reason class's (``class_pattern``); a line
+    with neither (or, with ``need_message``, without the field) is a SystemExit."""
+    out: dict[str, tuple[str, str]] = {}
     if not path.exists():
         return out
-    for raw in path.read_text().splitlines():
+    for n, raw in enumerate(path.read_text().splitlines(), 1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
         node, _, reason = line.partition(" #")
-        out[node.strip()] = reason.strip()
+        m = MESSAGE_FIELD.search(reason)
+        regex = m.group("regex") if m else None
+        reason = (reason[: m.start()] if m else reason).strip()
+        if regex is None and not need_message:
+            regex = class_pattern(node.strip(), reason)
+        if regex is None:
+            raise SystemExit(
+                f"{path}:{n}: no [message ~ REGEX] for {node.strip()}: an expected failure "
+                "is matched on its failure message, not on its node id alone"
+            )
+        try:
+            re.compile(regex)
+        except re.error as exc:
+            raise SystemExit(f"{path}:{n}: bad message regex {regex!r}: {exc}") from None
+        out[node.strip()] = (reason, regex)
     return out
 
 
+def class_pattern(node_id: str, reason: str) -> str | None:
+    """The message regex of the reason class named ``reason`` (None if none is)."""
+    for name, node_pattern, message_pattern in NODE_CLASSES:
+        if name == reason and re.search(node_pattern, node_id):
+            return message_pattern
+    for name, pattern in CLASSES:
+        if name == reason:
+            return pattern
+    return None
+
+
 def classify(node_id: str, message: str) -> str:
-    for reason, pattern in NODE_CLASSES:
-        if re.search(pattern, node_id):
+    for reason, pattern, message_pattern in NODE_CLASSES:
+        if re.search(pattern, node_id) and re.search(message_pattern, message):
             return reason
     for reason, pattern in CLASSES:
         if re.search(pattern, message):
             return reason
     return "other"
+
+
+def swap_problems(doc: dict[str, Any]) -> list[str]:
+    """Why a ``--swap`` run does not prove the swap was on (empty: it does)."""
+    problems = []
+    swapped = {name for name, *_ in doc.get("swap", [])}
+    if "KVCacheManager" not in swapped:
+        problems.append(
+            "the swap is OFF: no KVCacheManager was swapped in (HSCACHE_SWAP not 1 in pytest?)"
+        )
+    constructed = doc.get("constructed")
+    if not isinstance(constructed, int) or constructed <= 0:
+        problems.append(
+            f"the swapped-in class was constructed {constructed} times: the tests never "
+            "built it (or the count is unavailable)"
+        )
+    env = doc.get("env", {})
+    if env.get("HSCACHE_DISABLE", "").strip().lower() not in ("", "0", "false", "no", "off"):
+        problems.append(
+            f"HSCACHE_DISABLE={env['HSCACHE_DISABLE']} was set: hscache's constructor returned "
+            "vLLM's manager, so vLLM was tested against itself"
+        )
+    census: dict[str, int] = doc.get("census", {})
+    if not census:
+        problems.append("the census is empty: no KV-cache manager construction was recorded")
+    elif not any(n for key, n in census.items() if key.startswith("served")):
+        problems.append("the census has no manager served by hscache")
+    return problems
 
 
 def file_of(node_id: str) -> str:
@@ -171,17 +245,35 @@ def main() -> int:
         ]
         for reason in sorted(by_reason):
             lines += ["", f"# {reason} ({len(by_reason[reason])})"]
-            lines += [f"{n}  # {reason}" for n in by_reason[reason]]
+            for n in by_reason[reason]:
+                # A reason without a message class: the line carries its own message.
+                field = ""
+                if class_pattern(n, reason) is None:
+                    field = f"  [message ~ {re.escape(messages.get(n, '')[:160])}]"
+                lines.append(f"{n}  # {reason}{field}")
         known_path.write_text("\n".join(lines) + "\n")
         print(f"wrote {len(failing)} node ids to {known_path}")
         return 0
 
     expected = read_list(known_path)
     if args.swap:
-        expected.update(read_list(swap_known_path))
-    unexpected = sorted(n for n, o in results.items() if o in bad and n not in expected)
+        expected.update(read_list(swap_known_path, need_message=True))
+    # A listed test is expected to fail for its listed reason: its message must match.
+    other_reason = sorted(
+        n
+        for n, o in results.items()
+        if o in bad and n in expected and not re.search(expected[n][1], messages.get(n, ""))
+    )
+    unexpected = sorted(
+        n for n, o in results.items() if o in bad and (n not in expected or n in other_reason)
+    )
     fixed = sorted(n for n, o in results.items() if o == "passed" and n in expected)
-    failing_expected = sum(1 for n, o in results.items() if o in bad and n in expected)
+    failing_expected = sum(
+        1 for n, o in results.items() if o in bad and n in expected and n not in other_reason
+    )
+    not_swapped = swap_problems(doc) if args.swap else []
+    for problem in not_swapped:
+        print(f"SWAP NOT PROVEN: {problem}")
 
     unallowed = report_census(doc.get("census", {}), read_allowlist(CENSUS_ALLOWLIST))
     for reason in unallowed:
@@ -191,6 +283,9 @@ def main() -> int:
         print(f"expected to fail but passed (remove from the list): {n}")
     for n in unexpected:
         print(f"UNEXPECTED {results[n].upper()}: {n}\n    {messages.get(n, '')}")
+        if n in other_reason:
+            reason, regex = expected[n]
+            print(f"    (listed as failing for: {reason}; its message must match {regex!r})")
     if args.failed_out:
         args.failed_out.write_text("".join(f"{n}\n" for n in unexpected))
     total = Counter(results.values())
@@ -200,7 +295,7 @@ def main() -> int:
         f"{failing_expected} failed as expected, {len(unexpected)} failed unexpectedly, "
         f"{total['skipped']} skipped"
     )
-    return 1 if unexpected or unallowed else 0
+    return 1 if unexpected or unallowed or not_swapped else 0
 
 
 if __name__ == "__main__":

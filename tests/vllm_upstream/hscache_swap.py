@@ -26,7 +26,9 @@ What it does:
   block hasher is swapped the same way (``HSCACHE_SWAP_HASHER=0`` keeps vLLM's; or
   ``HSCACHE_SWAP_HASHER=module:func`` picks another).
 * **Results.** With ``HSCACHE_RESULTS=path`` the outcome of every test (``passed``, ``failed``,
-  ``error``, ``skipped``, ``xfailed``) is written there as JSON, for ``compare.py``.
+  ``error``, ``skipped``, ``xfailed``), each failure's message, the swaps made, how often the
+  swapped-in class was constructed, the census and the ``HSCACHE*`` environment are written
+  there as JSON, for ``compare.py``.
 """
 
 from __future__ import annotations
@@ -257,6 +259,9 @@ def pytest_unconfigure(config: Any) -> None:
             "swap": [[name, spec] for name, _, _, spec, _ in _state["swaps"]],
             "constructed": _state.get("constructed"),
             "census": _state.get("census", {}),
+            # hscache's switches as the tests saw them (compare.py refuses a swap run with
+            # HSCACHE_DISABLE on: vLLM's manager would serve every test).
+            "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("HSCACHE")},
             "results": _state["results"],
             "messages": _state["messages"],
         }
