@@ -205,12 +205,18 @@ def _struct_hash(cls: Any) -> str:
 
 
 def _lookup(module: str, owner: str | None, name: str) -> Any:
-    """The object at ``module.owner.name`` (the class's own ``__dict__`` entry), or None."""
+    """The object at ``module.owner.name`` (the ``__dict__`` entry of the class that
+    ``module`` defines as ``owner``), or None. The class is found in the MRO of what
+    ``module.owner`` is bound to now: vllm-omni rebinds ``vllm.v1.request.Request`` to its
+    subclass ``OmniRequest``, whose own methods are the per-class check's business."""
     mod = importlib.import_module(module)
     if owner is None:
         return getattr(mod, name, None)
-    cls = getattr(mod, owner, None)
-    return None if cls is None else vars(cls).get(name)
+    bound = getattr(mod, owner, None)
+    for cls in getattr(bound, "__mro__", ()):
+        if cls.__module__ == module and cls.__qualname__ == owner:
+            return vars(cls).get(name)
+    return None
 
 
 def _current() -> tuple[dict[str, str], dict[str, Any]]:
