@@ -111,7 +111,8 @@ step_after() {
 run_pytest032() {
     [[ -n "${HSCACHE_PY032:-}" ]] || source scripts/vllm032_env.sh || return 1
     timeout 1800 "$HSCACHE_PY032" -m pytest -q -p no:cacheprovider \
-        tests/versions/test_vllm_versions.py tests/differential/test_differential_vllm.py tests/hisparse/test_hisparse.py \
+        tests/versions/test_vllm_versions.py tests/versions/test_fast_step_guard.py \
+        tests/differential/test_differential_vllm.py tests/hisparse/test_hisparse.py \
         tests/scheduler/test_scheduler_fast_path.py tests/scheduler/test_fast_path_boundaries.py \
         tests/scheduler/test_step_schedule.py tests/scheduler/test_step_update.py
 }
@@ -123,7 +124,8 @@ run_pytest032() {
 run_pytest030() {
     [[ -n "${HSCACHE_PY030:-}" ]] || source scripts/vllm030_env.sh || return 1
     VLLM_PLUGINS=hscache timeout 1800 "$HSCACHE_PY030" -m pytest -q -p no:cacheprovider \
-        tests/versions/test_vllm_versions.py tests/differential/test_differential_vllm.py \
+        tests/versions/test_vllm_versions.py tests/versions/test_fast_step_guard.py \
+        tests/differential/test_differential_vllm.py \
         tests/scheduler/test_scheduler_hook.py tests/scheduler/test_scheduler_step.py \
         tests/scheduler/test_scheduler_fast_path.py tests/scheduler/test_fast_path_boundaries.py \
         tests/scheduler/test_step_schedule.py tests/scheduler/test_step_update.py

@@ -84,8 +84,8 @@ def test_install_switches_the_runners_manager() -> None:
 
 
 def test_plugin_switch_decides_when_the_cache_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The plugin's switch reads the environment when a runner builds its cache (a
-    deploy YAML's per-stage env applies by then), not when the plugin loads."""
+    """Not asked when the plugin loads: vllm-omni is left untouched. Asked: the switch is
+    in, and it reads the environment again when a runner builds its cache."""
 
     class Theirs:
         def __init__(self, config: object, view: object) -> None:
@@ -93,13 +93,16 @@ def test_plugin_switch_decides_when_the_cache_is_built(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(runner_mixin, "OmniPrefixCacheManager", Theirs)
     register()
+    assert runner_mixin.OmniPrefixCacheManager is Theirs  # not asked: untouched
+    monkeypatch.setenv("HSCACHE_OMNI_PREFIX_CACHE", "1")
+    register()
     register()  # idempotent
     build = runner_mixin.OmniPrefixCacheManager
     assert build.hscache_original is Theirs
     cfg = SimpleNamespace(num_blocks=4, block_size=4)
-    assert isinstance(build(cfg, View()), Theirs)
-    monkeypatch.setenv("HSCACHE_OMNI_PREFIX_CACHE", "1")
     assert isinstance(build(cfg, View()), OmniHiddenStateCache)
+    monkeypatch.setenv("HSCACHE_OMNI_PREFIX_CACHE", "0")
+    assert isinstance(build(cfg, View()), Theirs)
 
 
 @pytest.mark.parametrize("kinds", [("window", "full"), ("full", "window")])
@@ -115,8 +118,10 @@ def test_hybrid_layout_refused_by_vllm_omni_served_by_hscache(
         OmniPrefixCacheUnmatchError, match="single full-attention kv-cache group; found 2"
     ):
         group_view.check_prefix_cache_kv_groups(groups)
+    monkeypatch.setenv("HSCACHE_OMNI_PREFIX_CACHE", "1")
     register()
-    # Off (the environment, read now): vllm-omni's refusal stands.
+    # Off again (the environment, read now): vllm-omni's refusal stands.
+    monkeypatch.setenv("HSCACHE_OMNI_PREFIX_CACHE", "0")
     with pytest.raises(OmniPrefixCacheUnmatchError, match="found 2"):
         group_view.check_prefix_cache_kv_groups(groups)
     monkeypatch.setenv("HSCACHE_OMNI_PREFIX_CACHE", "1")

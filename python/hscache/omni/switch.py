@@ -1,8 +1,13 @@
 """The switch: vllm-omni's runners build hscache's cache when the settings say so.
 
-:func:`register` is hscache's ``vllm.general_plugins`` entry point ``hscache_omni``;
-:func:`install` switches at once, in code. What the environment says lives in
-:mod:`hscache.omni.settings`; the cache itself in :mod:`hscache.omni.prefix_cache`.
+:func:`register` is hscache's ``vllm.general_plugins`` entry point ``hscache_omni``, run in
+every vLLM process: it acts only where ``HSCACHE_OMNI_PREFIX_CACHE=1`` is set when the
+plugins load (a stage's environment is applied around its process's spawn), on a tested
+vllm-omni release (:data:`TESTED_VLLM_OMNI`), replacing its three attributes all or none,
+and never raises: anything it cannot do is one warning, vllm-omni unchanged. Not asked, it
+imports nothing of vllm-omni. :func:`install` switches at once, in code. What the
+environment says lives in :mod:`hscache.omni.settings`; the cache itself in
+:mod:`hscache.omni.prefix_cache`.
 
 Hybrid KV layouts (a sliding-window, chunked-local or Mamba group beside full attention):
 vllm-omni 0.30 refuses every layout but one full-attention group, at KV-cache init
@@ -17,6 +22,10 @@ With hscache's cache off, vllm-omni's own check and view run unchanged.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import importlib.metadata
+import importlib.util
 import logging
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
@@ -109,18 +118,41 @@ def _build_manager(original: Any, enabled: Enabled = _from_env) -> Any:
     return build
 
 
-def _switch(enabled: Enabled) -> None:
-    """Puts the three hooks into vllm-omni (once per process: a second call keeps the
-    first call's hooks; the originals stay reachable as ``hscache_original``)."""
-    from vllm_omni.core.prefix_cache import group_view, runner_mixin
+#: The vllm-omni releases the switch was tested on (``requirements/vllm030-nodeps.txt``).
+TESTED_VLLM_OMNI = ("0.30.0",)
 
-    hooks = (
-        (runner_mixin, "OmniPrefixCacheManager", _build_manager),
-        (runner_mixin, "get_prefix_cache_group_view", _group_view),
-        (group_view, "check_prefix_cache_kv_groups", _check_kv_groups),
-    )
-    for module, name, hook in hooks:
-        current = getattr(module, name)
+_RUNNER_MIXIN = "vllm_omni.core.prefix_cache.runner_mixin"
+_GROUP_VIEW = "vllm_omni.core.prefix_cache.group_view"
+#: What the switch replaces: (module, attribute, hook).
+_HOOKS: tuple[tuple[str, str, Callable[[Any, Enabled], Any]], ...] = (
+    (_RUNNER_MIXIN, "OmniPrefixCacheManager", _build_manager),
+    (_RUNNER_MIXIN, "get_prefix_cache_group_view", _group_view),
+    (_GROUP_VIEW, "check_prefix_cache_kv_groups", _check_kv_groups),
+)
+
+
+class VllmOmniMismatchError(RuntimeError):
+    """The installed vllm-omni lacks an attribute the switch replaces (renamed, moved):
+    nothing was replaced."""
+
+
+def _targets() -> list[tuple[Any, str, Callable[[Any, Enabled], Any], Any]]:
+    """Every attribute the switch replaces, looked up before any is: ``(module, name,
+    hook, current)``; :class:`VllmOmniMismatchError` naming the first one missing."""
+    found = []
+    for module_name, name, hook in _HOOKS:
+        module = importlib.import_module(module_name)
+        current = getattr(module, name, None)
+        if current is None:
+            raise VllmOmniMismatchError(f"{module_name} has no {name}")
+        found.append((module, name, hook, current))
+    return found
+
+
+def _switch(enabled: Enabled) -> None:
+    """Puts the three hooks into vllm-omni, all or none (once per process: a second call
+    keeps the first call's hooks; the originals stay reachable as ``hscache_original``)."""
+    for module, name, hook, current in _targets():
         if not hasattr(current, "hscache_original"):
             setattr(module, name, hook(current, enabled))
 
@@ -130,13 +162,12 @@ def install(force: bool = False) -> bool:
     of their own manager (hybrid layouts included), when ``HSCACHE_OMNI_PREFIX_CACHE=1``
     (or ``force``). Returns whether it did. Call it in every process that runs a model
     runner (a ``vllm_omni.general_plugins`` entry point does); calling it twice is
-    harmless."""
+    harmless. A vllm-omni without one of the attributes it replaces raises
+    :class:`VllmOmniMismatchError`, nothing replaced."""
     if not (force or OmniSettings.from_env().enabled):
         return False
-    from vllm_omni.core.prefix_cache import runner_mixin
-
-    current = runner_mixin.OmniPrefixCacheManager
-    if hasattr(current, "hscache_original"):
+    targets = _targets()
+    if any(hasattr(current, "hscache_original") for *_, current in targets):
         # The plugin's hooks read the environment when a cache is built: from now on,
         # hscache's whatever it says. Put the originals back and switch for good.
         _restore()
@@ -145,24 +176,58 @@ def install(force: bool = False) -> bool:
 
 
 def _restore() -> None:
-    from vllm_omni.core.prefix_cache import group_view, runner_mixin
-
-    for module, name in (
-        (runner_mixin, "OmniPrefixCacheManager"),
-        (runner_mixin, "get_prefix_cache_group_view"),
-        (group_view, "check_prefix_cache_kv_groups"),
-    ):
-        current = getattr(module, name)
+    for module, name, _, current in _targets():
         setattr(module, name, getattr(current, "hscache_original", current))
 
 
-def register() -> None:
-    """vLLM general plugin (entry point ``hscache_omni``): with vllm-omni installed, its
-    runners build their cache through :func:`_build_manager`, and its KV-group check and
-    group view defer to hscache's while ``HSCACHE_OMNI_PREFIX_CACHE=1``. Without vllm-omni
-    it does nothing; it never raises (a plugin must not break vLLM's start)."""
+def _installed_vllm_omni() -> str | None:
+    """The installed vllm-omni's version (its distribution's metadata: nothing imported),
+    ``"unknown"`` for a package without metadata, None when there is no vllm-omni."""
+    if importlib.util.find_spec("vllm_omni") is None:
+        return None
     try:
-        from vllm_omni.core.prefix_cache import group_view, runner_mixin  # noqa: F401
-    except Exception:  # no vllm-omni (or one that does not import): nothing to switch
-        return
+        return importlib.metadata.version("vllm-omni")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _register() -> str | None:
+    """What :func:`register` does; the reason it left vllm-omni unchanged, where it was
+    asked to switch and could not (None otherwise)."""
+    version = _installed_vllm_omni()
+    if version is None or not OmniSettings.from_env().enabled:
+        return None  # no vllm-omni, or not asked: nothing imported, nothing touched
+    if version.split("+", 1)[0] not in TESTED_VLLM_OMNI:
+        return (
+            f"vllm-omni {version} is not a release hscache's switch was tested with "
+            f"({', '.join(TESTED_VLLM_OMNI)})"
+        )
     _switch(_from_env)
+    return None
+
+
+def register() -> None:
+    """vLLM general plugin (entry point ``hscache_omni``, run in every vLLM process). Where
+    the process's environment asks for hscache's cache (``HSCACHE_OMNI_PREFIX_CACHE=1``: the
+    process's own, or its stage's, which vllm-omni applies around the stage's spawn) and
+    vllm-omni is a tested release (:data:`TESTED_VLLM_OMNI`), its runners build their
+    cache through :func:`_build_manager` and its KV-group check and group view defer to
+    hscache's while the variable stays set. Otherwise it imports nothing of vllm-omni and
+    changes nothing. It never raises (a plugin's exception would stop vLLM's start): a
+    vllm-omni it cannot switch (an untested release, a renamed attribute) is one warning,
+    vllm-omni unchanged."""
+    try:
+        reason = _register()
+    except Exception as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+    if reason is None:
+        return
+    with contextlib.suppress(Exception):
+        from hscache.vllm.plugin import use_vllm_log_handler
+
+        use_vllm_log_handler()
+    logger.warning(
+        "hscache: HSCACHE_OMNI_PREFIX_CACHE is set, but vllm-omni is left unchanged "
+        "(its own prefix cache serves): %s",
+        reason,
+    )

@@ -27,7 +27,9 @@ rare events (preemption, stats), and hands everything else to vLLM's code unchan
 
 ``HSCACHE_FAST_STEP=0`` turns it off; it is on only for the vLLM versions whose profile
 says so (``VllmProfile.fast_step``: the versions whose differential,
-``tests/scheduler/test_scheduler_fast_path.py``, passes); what those versions' schedulers
+``tests/scheduler/test_scheduler_fast_path.py``, passes), and only where the vLLM code it
+mirrors is the code tested, exact version and fingerprint, unoverridden by the scheduler
+or request class in use (``hscache.vllm.mirror``); what those versions' schedulers
 do differently comes from the profile's fields (``docs/fast_step.md``). ``BROKEN_RULES``
 is the test-only switch that breaks one rule at a time (the mutants the differential must
 catch).
@@ -47,6 +49,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
 
 from hscache._core import KVCacheCore, StepUpdate, plain_decodes
+from hscache.vllm import mirror
 from hscache.vllm.version import require
 
 __all__ = [
@@ -94,9 +97,14 @@ _STEP_UPDATE = StepUpdate(
 
 def enabled() -> bool:
     """Whether the fast path serves steps: the version's profile says it was proven,
-    and ``HSCACHE_FAST_STEP`` is not ``0``."""
+    ``HSCACHE_FAST_STEP`` is not ``0``, and the installed vLLM's mirrored code is the code
+    tested (``hscache.vllm.mirror.proven``: exact version, fingerprint)."""
     flag = os.environ.get("HSCACHE_FAST_STEP", "1").lower()
-    return _PROFILE.fast_step and flag not in ("0", "false", "no", "off")
+    return (
+        _PROFILE.fast_step
+        and flag not in ("0", "false", "no", "off")
+        and mirror.proven(EngineCoreOutput)
+    )
 
 
 def _nothing_waiting(sched: Any) -> bool:

@@ -35,7 +35,7 @@ from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
 
-from hscache.vllm import fast_step
+from hscache.vllm import fast_step, mirror
 from hscache.vllm.block_hasher import install_block_hasher
 from hscache.vllm.plugin import scheduler_bindings, use_vllm_log_handler
 from hscache.vllm.version import require
@@ -82,14 +82,23 @@ class HscacheSchedulerMixin:
 
 class _FastStepMixin:
     """The steady decode step's fast path (``hscache.vllm.fast_step``) in front of vLLM's
-    ``schedule()`` / ``update_from_output()``, where the vLLM version's profile enables it
-    and ``HSCACHE_FAST_STEP`` is not ``0``; ``_is_async`` selects vLLM's async semantics."""
+    ``schedule()`` / ``update_from_output()``, where the vLLM version's profile enables it,
+    ``HSCACHE_FAST_STEP`` is not ``0`` and the vLLM code it mirrors is the code tested, for
+    this scheduler's class and every request's (``hscache.vllm.mirror``); ``_is_async``
+    selects vLLM's async semantics."""
 
     _is_async = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fast_step = fast_step.enabled()
+        self.fast_step = fast_step.enabled() and mirror.scheduler_covered(type(self))
+
+    def add_request(self, request: Any) -> None:
+        # Requests are built by the engine (or a plugin's Request subclass): the first
+        # request of a class whose mirrored methods are not vLLM's turns the path off.
+        if self.fast_step and not mirror.request_covered(type(request)):
+            self.fast_step = False
+        super().add_request(request)  # type: ignore[misc]
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         if self.fast_step:
