@@ -132,9 +132,10 @@ def bench_loaded_main(args: argparse.Namespace) -> int:
         f"us over {args.steps} steps x {args.repeat} runs (decisions and outputs identical "
         "at every step)\n"
         "fast path served: 'schedule' of the schedule() calls, 'update' of the requests "
-        "updated; workload: share of steps with a queue / an admission / a chunked prefill\n"
+        "updated; workload: share of steps at max_num_seqs / with a queue / an admission / a "
+        "chunked prefill\n"
         f"{'variant':>7} {'running':>7} {'vLLM':>9} {'hscache':>9} {'ratio':>7} "
-        f"{'schedule':>8} {'update':>7}  {'queued':>6} {'admits':>6} {'chunked':>7}"
+        f"{'schedule':>8} {'update':>7}  {'full':>5} {'queued':>6} {'admits':>6} {'chunked':>7}"
     )
     for variant in variants:
         for running in (int(n) for n in args.loaded.split(",")):
@@ -149,7 +150,7 @@ def bench_loaded_main(args: argparse.Namespace) -> int:
             print(
                 f"{variant:>7} {running:>7} {r['vllm_us']:9.1f} {r['hscache_us']:9.1f} "
                 f"{r['ratio']:6.2f}x {r['schedule_share']:8.0%} {r['update_share']:7.0%}  "
-                f"{r['queued']:6.0%} {r['admitted']:6.0%} {r['chunked']:7.0%}",
+                f"{r['full']:5.0%} {r['queued']:6.0%} {r['admitted']:6.0%} {r['chunked']:7.0%}",
                 flush=True,
             )
     print("goal (issue 31): >= 4x the stock whole step at 256-1024 running")

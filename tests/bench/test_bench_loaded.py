@@ -35,6 +35,7 @@ def test_sides_compared_at_every_step_and_counters_reported(
     # The warm-up (filling the batch, 16 steps) and the timed steps, all compared.
     assert r["checked_steps"] >= 12 + 16
     assert r["queued"] == 1.0, "a request must wait at every timed step"
+    assert r["full"] >= 0.5, "most steps must run max_num_seqs requests"
     assert r["admitted"] > 0 and r["chunked"] > 0
     assert r["vllm_us"] > 0 and r["hscache_us"] > 0
     assert 0.0 <= r["schedule_share"] <= 1.0 and 0.0 <= r["update_share"] <= 1.0

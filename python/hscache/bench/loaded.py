@@ -160,7 +160,7 @@ def _drafts(out: Any, step: int, requests: Any, drafting: set[str]) -> Any:
     from vllm.v1.outputs import DraftTokenIds
 
     req_ids = list(out.num_scheduled_tokens)
-    drafts = []
+    drafts: list[list[int]] = []
     for rid in req_ids:
         if rid not in drafting or rid not in requests:
             drafts.append([])
@@ -245,7 +245,8 @@ def run_loaded(
     after the batch filled (``running`` requests) and 16 more steps; and the
     scheduler's ``fast_path_counts`` over the timed steps (empty for stock vLLM).
     ``check`` gets every step's digest (warm-up included); ``workload`` gets counts of
-    the timed steps: ``steps``, ``queued`` (a request waited when it began), ``admitted``
+    the timed steps: ``steps``, ``full`` (it ran ``max_num_seqs`` requests),
+    ``queued`` (a request waited when it began), ``admitted``
     (it admitted one), ``chunked`` (it scheduled a partial prefill), ``budget_bound``
     (it used the whole token budget)."""
     from vllm.lora.request import LoRARequest
@@ -294,7 +295,7 @@ def run_loaded(
     step = 0
     budget = sched.max_num_scheduled_tokens
     counts: dict[str, int] | None = getattr(sched, "fast_path_counts", None)
-    stats = dict.fromkeys(("steps", "queued", "admitted", "chunked", "budget_bound"), 0)
+    stats = dict.fromkeys(("steps", "full", "queued", "admitted", "chunked", "budget_bound"), 0)
 
     def one_step(timed: bool) -> int:
         nonlocal step
@@ -303,6 +304,7 @@ def run_loaded(
         t0 = time.thread_time_ns()
         out = sched.schedule()
         t1 = time.thread_time_ns()
+        full = len(sched.running) >= running
         requests = sched.requests
         pending.append((out, _runner_output(out, step, requests)))
         # Read before the update appends the sampled tokens.
@@ -321,6 +323,7 @@ def run_loaded(
             sched.update_draft_token_ids(_drafts(out, step, requests, drafting))
         if timed:
             stats["steps"] += 1
+            stats["full"] += full
             stats["queued"] += queued
             stats["admitted"] += bool(out.scheduled_new_reqs)
             stats["budget_bound"] += out.total_num_scheduled_tokens >= budget
@@ -363,7 +366,7 @@ def bench_loaded(
     """Median whole-step µs of each side (:data:`SIDES`, over the timed steps of every
     repeat), ``ratio`` (stock / hscache), the shares the fast path served
     (``schedule_share``: of the ``schedule()`` calls; ``update_share``: of the requests
-    updated), the workload's shares of timed steps (``queued``, ``admitted``,
+    updated), the workload's shares of timed steps (``full``, ``queued``, ``admitted``,
     ``chunked``, ``budget_bound``) and ``checked_steps`` (steps whose decisions and
     outputs were compared); raises ``RuntimeError`` at the first step where they differ."""
     per_side: dict[str, list[int]] = {s: [] for s in SIDES}
@@ -408,6 +411,9 @@ def bench_loaded(
         "ratio": med["vllm"] / med["hscache"],
         "schedule_share": sched_share,
         "update_share": update_share,
-        **{k: workload.get(k, 0) / n for k in ("queued", "admitted", "chunked", "budget_bound")},
+        **{
+            k: workload.get(k, 0) / n
+            for k in ("full", "queued", "admitted", "chunked", "budget_bound")
+        },
         "checked_steps": float(checked),
     }
