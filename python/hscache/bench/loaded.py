@@ -366,8 +366,9 @@ def bench_loaded(
     """Median whole-step µs of each side (:data:`SIDES`, over the timed steps of every
     repeat), ``ratio`` (stock / hscache), the shares the fast path served
     (``schedule_share``: of the ``schedule()`` calls; ``update_share``: of the requests
-    updated), the workload's shares of timed steps (``full``, ``queued``, ``admitted``,
-    ``chunked``, ``budget_bound``) and ``checked_steps`` (steps whose decisions and
+    updated; NaN where hscache's scheduler has no ``fast_path_counts``), the workload's
+    shares of timed steps (``full``, ``queued``, ``admitted``, ``chunked``,
+    ``budget_bound``) and ``checked_steps`` (steps whose decisions and
     outputs were compared); raises ``RuntimeError`` at the first step where they differ."""
     per_side: dict[str, list[int]] = {s: [] for s in SIDES}
     served: dict[str, int] = {}
@@ -403,8 +404,11 @@ def bench_loaded(
         checked += len(want)
     med = {s: statistics.median(v) / 1e3 for s, v in per_side.items()}
     n = max(1, workload.get("steps", 0))
-    sched_share = served.get("schedule_served", 0) / max(1, served.get("schedule_steps", 0))
-    update_share = served.get("update_served", 0) / max(1, served.get("update_requests", 0))
+    # NaN where hscache's scheduler has no counters (no fast path: the omni schedulers').
+    sched_share = update_share = math.nan
+    if served:
+        sched_share = served["schedule_served"] / max(1, served["schedule_steps"])
+        update_share = served["update_served"] / max(1, served["update_requests"])
     return {
         "vllm_us": med["vllm"],
         "hscache_us": med["hscache"],
