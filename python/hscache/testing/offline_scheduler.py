@@ -22,6 +22,7 @@ from vllm.config import (
     CacheConfig,
     KVEventsConfig,
     KVTransferConfig,
+    LoRAConfig,
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -86,13 +87,14 @@ def make_vllm_config(
     kv_cache_events: bool | KVEventsConfig = False,
     speculative_config: SpeculativeConfig | None = None,
     kv_transfer_config: KVTransferConfig | None = None,
+    lora_config: LoRAConfig | None = None,
 ) -> VllmConfig:
     """The engine configuration of an offline scheduler (see :func:`make_scheduler`).
     ``cache``: further ``CacheConfig`` fields (``mamba_cache_mode``, ``prefix_match_unit``,
     ``enable_mamba_shared_prefix_checkpoint``, ...); ``kv_cache_events``: KV events on
     (published nowhere), or the ``KVEventsConfig`` to use (a real publisher);
     ``speculative_config`` and ``kv_transfer_config`` as vLLM's own scheduler tests pass
-    them (an ngram drafter, a KV connector)."""
+    them (an ngram drafter, a KV connector); ``lora_config``: LoRA on (``max_loras``)."""
     model_config = ModelConfig(
         model=str(model_path or model_dir()),
         dtype="float16",
@@ -135,6 +137,7 @@ def make_vllm_config(
         kv_events_config=events,
         speculative_config=speculative_config,
         kv_transfer_config=kv_transfer_config,
+        lora_config=lora_config,
     )
 
 
@@ -156,13 +159,14 @@ def make_scheduler(
     kv_cache_events: bool | KVEventsConfig = False,
     speculative_config: SpeculativeConfig | None = None,
     kv_transfer_config: KVTransferConfig | None = None,
+    lora_config: LoRAConfig | None = None,
 ) -> Any:
     """A vLLM ``Scheduler`` (or subclass ``cls``) over ``kv_cache``: a ``KVCacheConfig``, or a
     block count for one full-attention group of ``block_size``-token blocks. The scheduler
     and hash block sizes are resolved from the config as vLLM's engine resolves them.
     ``watermark`` and ``scheduler_reserve_full_isl`` (admissions need the whole prompt to
     fit: ``full_sequence_must_fit``) are vLLM's defaults when None. ``cache`` and
-    ``kv_cache_events``, ``speculative_config``, ``kv_transfer_config``: see
+    ``kv_cache_events``, ``speculative_config``, ``kv_transfer_config``, ``lora_config``: see
     :func:`make_vllm_config` (``cache["block_size"]`` is the
     engine's ``cache_config.block_size`` when it differs from ``block_size``, as for a
     Mamba model, whose scheduler block is the Mamba block)."""
@@ -181,6 +185,7 @@ def make_scheduler(
         kv_cache_events=kv_cache_events,
         speculative_config=speculative_config,
         kv_transfer_config=kv_transfer_config,
+        lora_config=lora_config,
     )
     kv_cache_config = (
         full_attention_config(kv_cache, block_size) if isinstance(kv_cache, int) else kv_cache

@@ -44,6 +44,9 @@ _PROFILE = require()
 logger = logging.getLogger(__name__)
 _PATCH_LOCK = threading.Lock()
 
+FAST_PATH_COUNTS = ("schedule_steps", "schedule_served", "update_requests", "update_served")
+"""The keys of every hscache scheduler's ``fast_path_counts`` (``_FastStepMixin``)."""
+
 
 @contextlib.contextmanager
 def _hscache_managers() -> Iterator[None]:
@@ -85,13 +88,24 @@ class _FastStepMixin:
     ``schedule()`` / ``update_from_output()``, where the vLLM version's profile enables it,
     ``HSCACHE_FAST_STEP`` is not ``0`` and the vLLM code it mirrors is the code tested, for
     this scheduler's class and every request's (``hscache.vllm.mirror``); ``_is_async``
-    selects vLLM's async semantics."""
+    selects vLLM's async semantics.
+
+    ``fast_path_counts`` counts, per phase, what the fast path served (a few integer adds
+    per step; never reset by the scheduler, so a reader takes differences):
+
+    - ``schedule_steps``: calls of ``schedule()``;
+    - ``schedule_served``: those the fast path served, whole or in part;
+    - ``update_requests``: requests in ``update_from_output()`` calls (the scheduled
+      ones, ``len(scheduler_output.num_scheduled_tokens)``);
+    - ``update_served``: those whose update the fast path served.
+    """
 
     _is_async = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fast_step = fast_step.enabled() and mirror.scheduler_covered(type(self))
+        self.fast_path_counts: dict[str, int] = dict.fromkeys(FAST_PATH_COUNTS, 0)
 
     def add_request(self, request: Any) -> None:
         # Requests are built by the engine (or a plugin's Request subclass): the first
@@ -101,21 +115,27 @@ class _FastStepMixin:
         super().add_request(request)  # type: ignore[misc]
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        counts = self.fast_path_counts
+        counts["schedule_steps"] += 1
         if self.fast_step:
             out = fast_step.schedule(self, throttle_prefills, is_async=self._is_async)
             if out is not None:
+                counts["schedule_served"] += 1
                 return out
         return super().schedule(throttle_prefills)  # type: ignore[misc,no-any-return]
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
+        counts = self.fast_path_counts
+        counts["update_requests"] += len(scheduler_output.num_scheduled_tokens)
         if self.fast_step:
             split = fast_step.split_update(
                 self, scheduler_output, model_runner_output, is_async=self._is_async
             )
             if split is not None:
                 rest, built = split
+                counts["update_served"] += len(built)
                 outputs = super().update_from_output(rest, model_runner_output)  # type: ignore[misc]
                 return fast_step.merge_outputs(scheduler_output, outputs, built)
         return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc,no-any-return]
