@@ -6,12 +6,16 @@ A test that only runs code passes whenever that code does not raise, which prove
 this reads every ``test_*.py`` under ``tests/`` (ast only, nothing is imported) and, for
 each test function (``test_*`` at module level or in a ``Test*`` class), requires that its
 body checks something itself: an ``assert`` statement, ``pytest.raises`` / ``pytest.warns``
-/ ``pytest.fail`` / ``pytest.approx``, an explicit ``raise``, or a call of a helper that
-does (a function named so in ``tests/`` or ``python/hscache/testing/`` whose own body
-checks, followed transitively; a call is matched by the callee's last name, ``h(...)``,
-``mod.h(...)`` or ``self.h(...)``). Also accepted: a helper whose name says it checks
-(``assert_*``, ``check_*``, ``expect_*``, ``verify_*``, ``check``) and
-Hypothesis's ``run_state_machine_as_test``, whose rules assert.
+/ ``pytest.fail`` / ``pytest.approx``, an explicit ``raise``, a call whose name says it
+checks (``assert_*``, ``check_*``, ``expect_*``, ``verify_*``, ``check``; e.g. a manager's
+``check_invariants()``), Hypothesis's ``run_state_machine_as_test`` (whose rules assert), or
+a call of a helper of ``tests/`` or ``python/hscache/testing/`` that checks (an assert, a
+raised ``AssertionError`` or subclass such as the differential harness's ``Divergence``, or
+a call of another such helper, followed to a fixed point). A call reaches a helper only
+through what the module names: ``h(...)`` defined or imported there (re-exports followed),
+``module.h(...)``, ``self.h(...)``, or a method of a class of the module (building one
+reaches its methods); never ``obj.h(...)`` on an arbitrary object, whose method of that name
+proves nothing.
 
 A test that legitimately asserts nothing itself (its checks live in a fixture) is listed
 in ``EXEMPT`` with its reason. Prints every offender as ``path:line: name`` and exits 1.

