@@ -101,7 +101,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<slots::PySlotReads>()?;
     m.add_class::<omni_rules::PyOmniStepRules>()?;
     m.add_class::<omni_rules::PyOmniSavePlan>()?;
-    m.add_function(wrap_pyfunction!(step_schedule::plain_decodes, m)?)?;
+    m.add_class::<step_schedule::PyStepSchedule>()?;
+    m.add_function(wrap_pyfunction!(step_schedule::_break_step_rules, m)?)?;
     m.add_class::<step_update::PyStepUpdate>()?;
     m.add_function(wrap_pyfunction!(prefill_skip::prefill_skip, m)?)?;
     m.add_class::<encoder_cache::PyEncoderCacheCore>()?;

@@ -30,11 +30,12 @@ from tests.robustness.bad_inputs import (
     manager,
     omni,
     pool,
+    step_schedule,
     step_update,
 )
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "bad_inputs.md"
-MODULES = (manager, pool, encoder, hasher, hidden, omni, step_update)
+MODULES = (manager, pool, encoder, hasher, hidden, omni, step_schedule, step_update)
 ROWS: list[Row] = [r for m in MODULES for r in m.ROWS]
 ACCEPTED: list[Accepted] = [a for m in MODULES for a in m.ACCEPTED]
 SURFACES: list[Surface] = [s for m in MODULES for s in m.SURFACES]

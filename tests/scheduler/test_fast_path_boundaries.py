@@ -45,7 +45,8 @@ from hscache.bench.layouts import layout_config
 from hscache.testing.offline_scheduler import make_scheduler
 from hscache.vllm import AsyncScheduler as HscacheAsyncScheduler
 from hscache.vllm import Scheduler as HscacheScheduler
-from hscache.vllm import fast_step
+from hscache.vllm import step as fast_step
+from hscache.vllm.step import rules as step_rules
 from vllm.config import KVTransferConfig, SpeculativeConfig
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
@@ -270,7 +271,7 @@ def run_boundary(b: Boundary, storage: Path) -> dict[str, int]:
     )
     ref, ref_events, hbs = _build(ref_cls, b, storage)
     with pytest.MonkeyPatch.context() as env:
-        env.setattr(fast_step, "_PROFILE", dataclasses.replace(PROFILE, fast_step=True))
+        env.setattr(step_rules, "_PROFILE", dataclasses.replace(PROFILE, fast_step=True))
         for name in ("HSCACHE_DISABLE", "HSCACHE_PARITY", "HSCACHE_FAST_STEP"):
             env.delenv(name, raising=False)
         cand, cand_events, _ = _build(cand_cls, b, storage)

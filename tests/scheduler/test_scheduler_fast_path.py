@@ -1,4 +1,4 @@
-"""The steady decode step's fast path (``hscache.vllm.fast_step``) against vLLM's schedulers.
+"""The steady decode step's fast path (``hscache.vllm.step``) against vLLM's schedulers.
 
 Differential: vLLM's own ``Scheduler`` (over vLLM's manager) and ``hscache.vllm.Scheduler``
 with the fast path on get the same seeded stream (bursts of arrivals between stretches of
@@ -15,8 +15,8 @@ as vLLM's engine drives it with a batch queue of two (step N+1 is scheduled befo
 N's ``update_from_output``; a step that schedules nothing drains the queue), with the same
 comparisons after every call.
 
-Mutants: each rule of the fast path (``fast_step.RULES``) broken on its own
-(``fast_step.BROKEN_RULES``) must make the differential fail.
+Mutants: each rule of the fast path (``step.RULES``) broken on its own
+(``tests/scheduler/mutants.py``) must make the differential fail.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ from hscache.testing.offline_scheduler import make_scheduler
 from hscache.testing.requests import init_none_hash, make_request, request_block_hasher
 from hscache.vllm import AsyncScheduler as HscacheAsyncScheduler
 from hscache.vllm import Scheduler as HscacheScheduler
-from hscache.vllm import fast_step
+from hscache.vllm import step as fast_step
 from hscache.vllm.block_hasher import get_request_block_hasher as hscache_request_block_hasher
+from hscache.vllm.step import rules as step_rules
 from hscache.vllm.version import require
 from vllm.sampling_params import RepetitionDetectionParams
 from vllm.utils.hashing import sha256
@@ -47,6 +48,8 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncSchedu
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
+
+from tests.scheduler import mutants
 
 pytestmark = pytest.mark.vllm
 
@@ -303,7 +306,7 @@ def run_differential(sc: Scenario) -> dict[str, int]:
             env.setenv("HSCACHE_PARITY", "1")
         # The differential proves the fast path on every version, also where the
         # profile has it off (what turning it on there rests on).
-        env.setattr(fast_step, "_PROFILE", dataclasses.replace(PROFILE, fast_step=True))
+        env.setattr(step_rules, "_PROFILE", dataclasses.replace(PROFILE, fast_step=True))
         cand, cand_events, _ = _build(cand_cls, sc)
     assert cand.fast_step
     parity = type(cand.kv_cache_manager).__name__ == "ParityKVCacheManager"
@@ -436,13 +439,13 @@ def test_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("rule", fast_step.RULES)
-def test_each_broken_rule_is_caught(rule: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fast_step, "BROKEN_RULES", {rule})
-    for sc in SCENARIOS:
-        try:
-            run_differential(sc)
-        except AssertionError:
-            return
+def test_each_broken_rule_is_caught(rule: str) -> None:
+    with mutants.armed(rule):
+        for sc in SCENARIOS:
+            try:
+                run_differential(sc)
+            except AssertionError:
+                return
     pytest.fail(f"breaking {rule!r} went unnoticed")
 
 

@@ -35,7 +35,7 @@ from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
 
-from hscache.vllm import fast_step
+from hscache.vllm import step
 from hscache.vllm.block_hasher import install_block_hasher
 from hscache.vllm.plugin import scheduler_bindings, use_vllm_log_handler
 from hscache.vllm.version import require
@@ -81,7 +81,7 @@ class HscacheSchedulerMixin:
 
 
 class _FastStepMixin:
-    """The steady decode step's fast path (``hscache.vllm.fast_step``) in front of vLLM's
+    """The steady decode step's fast path (``hscache.vllm.step``) in front of vLLM's
     ``schedule()`` / ``update_from_output()``, where the vLLM version's profile enables it
     and ``HSCACHE_FAST_STEP`` is not ``0``; ``_is_async`` selects vLLM's async semantics."""
 
@@ -89,11 +89,11 @@ class _FastStepMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fast_step = fast_step.enabled()
+        self.fast_step = step.enabled()
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         if self.fast_step:
-            out = fast_step.schedule(self, throttle_prefills, is_async=self._is_async)
+            out = step.schedule(self, throttle_prefills, is_async=self._is_async)
             if out is not None:
                 return out
         return super().schedule(throttle_prefills)  # type: ignore[misc,no-any-return]
@@ -102,13 +102,13 @@ class _FastStepMixin:
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
         if self.fast_step:
-            split = fast_step.split_update(
+            split = step.split_update(
                 self, scheduler_output, model_runner_output, is_async=self._is_async
             )
             if split is not None:
                 rest, built = split
                 outputs = super().update_from_output(rest, model_runner_output)  # type: ignore[misc]
-                return fast_step.merge_outputs(scheduler_output, outputs, built)
+                return step.merge_outputs(scheduler_output, outputs, built)
         return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc,no-any-return]
 
 
