@@ -9,6 +9,10 @@ and the offline model directory.
   tests) cannot leak it into the next.
 - ``model_dir`` (session): the config-only model directory vLLM's ``Scheduler`` is built on
   (:func:`hscache.testing.offline_scheduler.model_dir`).
+- The ``hooks`` marker: a test that needs the test-only switches (mutants, armed faults)
+  of the test-hooks extension (``_core.TEST_HOOKS``; ``scripts/panic_python.sh`` builds it
+  and runs ``pytest -m hooks``). With the release extension such tests are deselected (the
+  summary says how many), never skipped: the release extension has no switch to arm.
 
 The factories themselves (requests, KV-cache configs, manager keywords, schedulers) live in
 the package, :mod:`hscache.testing`, shared with the benchmark. Not collected here:
@@ -29,6 +33,18 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 collect_ignore = ["vllm_upstream", "vllm_diff"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselects the ``hooks`` tests unless the extension is the test-hooks build."""
+    from hscache import _core
+
+    if _core.TEST_HOOKS:
+        return
+    hooks = [item for item in items if item.get_closest_marker("hooks") is not None]
+    if hooks:
+        config.hook.pytest_deselected(items=hooks)
+        items[:] = [item for item in items if item.get_closest_marker("hooks") is None]
 
 
 @pytest.fixture(autouse=True)

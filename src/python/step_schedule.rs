@@ -17,7 +17,6 @@
 //! once; the mutants are the process's ([`crate::step::armed`]). This file only
 //! converts: the rule is the core's, the allocation the manager's.
 
-use pyo3::exceptions::PyTypeError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyString, PyTuple};
@@ -42,7 +41,9 @@ type Scheduled<'py> = (
 
 /// The rules named in `names` (an iterable of rule names of either core phase):
 /// `TypeError` for anything but names, `InvalidArgumentError` for an unknown one.
+#[cfg(feature = "mutants")]
 fn broken_rules(names: &Bound<'_, PyAny>) -> PyResult<BrokenRules> {
+    use pyo3::exceptions::PyTypeError;
     let mut list = Vec::new();
     for name in names.try_iter()? {
         let name = name?;
@@ -55,8 +56,9 @@ fn broken_rules(names: &Bound<'_, PyAny>) -> PyResult<BrokenRules> {
         .map_err(|name| InvalidArgumentError::new_err(format!("no fast-path rule {name:?}")))
 }
 
-/// Test only: breaks the core rules named in `names` in this process (an empty
-/// iterable disarms them); see `tests/scheduler/mutants.py`.
+/// Test only (the `mutants` build): breaks the core rules named in `names` in this
+/// process (an empty iterable disarms them); see `tests/scheduler/mutants.py`.
+#[cfg(feature = "mutants")]
 #[pyfunction]
 pub(crate) fn _break_step_rules(names: &Bound<'_, PyAny>) -> PyResult<()> {
     crate::step::arm(broken_rules(names)?);

@@ -19,11 +19,14 @@
 //! `hscache.vllm.step.rules`.
 //!
 //! [`BrokenRules`] is the set of test-only mutants the differential must catch. The
-//! bindings ask [`armed`] for it; a mutant is a rule whose check is skipped.
+//! bindings ask [`armed`] for it: always empty, a constant, unless the crate is built
+//! with the `mutants` feature (the test-hooks extension of `scripts/panic_python.sh`),
+//! where `_core._break_step_rules` sets it for the process.
 
 pub mod schedule;
 pub mod update;
 
+#[cfg(feature = "mutants")]
 use std::sync::atomic::{AtomicU32, Ordering};
 
 /// A set of rules of one phase (implemented by [`step_rules!`]).
@@ -135,16 +138,28 @@ impl BrokenRules {
     }
 }
 
-/// The mutants armed in this process (test-only; see [`arm`]).
+/// The mutants armed in this process (the `mutants` build only; see [`arm`]).
+#[cfg(feature = "mutants")]
 static ARMED: AtomicU32 = AtomicU32::new(0);
 
-/// The rules broken in this process: what the bindings pass to the rules.
+/// The rules broken in this process: what the bindings pass to the rules. Without the
+/// `mutants` feature it is the constant [`BrokenRules::NONE`], so every mutant branch
+/// of a release build folds away.
 #[inline]
 pub fn armed() -> BrokenRules {
-    BrokenRules(ARMED.load(Ordering::Relaxed))
+    #[cfg(feature = "mutants")]
+    {
+        BrokenRules(ARMED.load(Ordering::Relaxed))
+    }
+    #[cfg(not(feature = "mutants"))]
+    {
+        BrokenRules::NONE
+    }
 }
 
-/// Test only: breaks `broken` in this process from now on (`NONE` disarms).
+/// Test only (the `mutants` build): breaks `broken` in this process from now on
+/// (`NONE` disarms).
+#[cfg(feature = "mutants")]
 pub fn arm(broken: BrokenRules) {
     ARMED.store(broken.0, Ordering::Relaxed);
 }

@@ -438,7 +438,14 @@ def test_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert fast_step.enabled()
 
 
-@pytest.mark.parametrize("rule", fast_step.RULES)
+@pytest.mark.parametrize(
+    "rule",
+    [
+        *step_rules.GLUE_RULES,
+        # The core's mutants exist only in the test-hooks extension.
+        *(pytest.param(r, marks=pytest.mark.hooks) for r in step_rules.CORE_RULES),
+    ],
+)
 def test_each_broken_rule_is_caught(rule: str) -> None:
     with mutants.armed(rule):
         for sc in SCENARIOS:

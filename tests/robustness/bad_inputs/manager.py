@@ -23,7 +23,7 @@ from hscache.testing.manager import manager_kwargs
 from hscache.testing.requests import make_request
 from hscache.vllm import KVCacheManager
 
-from . import Ctx, Surface, makers
+from . import Ctx, Surface, makers, needs_hooks
 
 PROMPT = list(range(70))
 IA, BI, UR, TE = hx.InvalidArgumentError, hx.BlockIdError, hx.UnknownRequestError, TypeError
@@ -56,6 +56,7 @@ def manager(**overrides: Any) -> Ctx:
     return _ctx(m, a=a, other=other)
 
 
+@needs_hooks
 def poisoned() -> Ctx:
     """A manager poisoned by a broken invariant found after a call (checked mode)."""
     ctx = manager()
@@ -70,6 +71,7 @@ def poisoned() -> Ctx:
     return ctx
 
 
+@needs_hooks
 def broken() -> Ctx:
     """A broken invariant that no call has checked yet (the manager is not poisoned)."""
     ctx = manager()

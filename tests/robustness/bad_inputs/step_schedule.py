@@ -12,7 +12,7 @@ from typing import Any
 from hscache import exceptions as hx
 from hscache._core import StepSchedule
 
-from . import Ctx, Surface, makers
+from . import Ctx, Surface, makers, needs_hooks
 from . import manager as _manager
 
 IA, UR, TE = hx.InvalidArgumentError, hx.UnknownRequestError, TypeError
@@ -28,6 +28,7 @@ def target() -> Ctx:
     return _on(_manager.manager())
 
 
+@needs_hooks
 def poisoned() -> Ctx:
     return _on(_manager.poisoned())
 
