@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
-# The Python side of the panic-safety step: builds the extension with the `fault-injection`
-# feature (a debug build: it compiles faster, and the shields behave the same) into its own
-# target directory, puts it in a copy of python/hscache (never over the
-# python/hscache/_core.abi3.so the other tests import), and runs tests/robustness/test_panic_python.py
-# against that copy: injected panics must surface as InternalError and poison only the
-# object that panicked.
+# The test-hooks step: builds the extension with the test-only cargo features
+# `fault-injection` (armed panics, src/fault.rs) and `mutants` (the mutant switches:
+# src/step/, src/manager/mutants.rs, the slot mirror's and omni rules'), a debug build (it
+# compiles faster, and the shields behave the same), into its own target directory, puts it
+# in a copy of python/hscache (never over the python/hscache/_core.abi3.so the other tests
+# import), and runs against that copy:
+#   - tests/robustness/test_panic_python.py: injected panics must surface as InternalError
+#     and poison only the object that panicked;
+#   - every test marked `hooks` (`pytest -m hooks`: the mutants the differentials must
+#     catch, the poisoned-manager rows of the bad-input matrix), which the release
+#     extension's run deselects (tests/conftest.py);
+#   - tests/test_release_build.py, which finds every switch in this build (and none in the
+#     release one).
 #
 # Expects the environment of scripts/env.sh (sourced by scripts/test.sh).
 #   HSCACHE_FAULT_TARGET  cargo target directory for the feature build
@@ -13,7 +20,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 target="${HSCACHE_FAULT_TARGET:-$PWD/target/fault-injection}"
-cargo build --quiet --features python,fault-injection --target-dir "$target"
+cargo build --quiet --features python,fault-injection,mutants --target-dir "$target"
 
 pkg="$(mktemp -d)"
 trap 'rm -rf "$pkg"' EXIT
@@ -27,3 +34,10 @@ if [[ "$n_skipped" != 0 ]]; then
     echo "the fault-injection build has no _arm_fault: tests/robustness/test_panic_python.py skipped"
     exit 1
 fi
+hooks="$(PYTHONPATH="$pkg" python -c 'from hscache import _core; print(int(_core.TEST_HOOKS))')"
+if [[ "$hooks" != 1 ]]; then
+    echo "the test-hooks build has no mutants (_core.TEST_HOOKS is false)"
+    exit 1
+fi
+PYTHONPATH="$pkg" python -m pytest -q -p no:cacheprovider -m hooks tests
+PYTHONPATH="$pkg" python -m pytest -q -p no:cacheprovider tests/test_release_build.py

@@ -295,6 +295,7 @@ impl FreeKVCacheBlockQueue {
     /// Test-only corruption (invariant mutants, `src/manager/mutants.rs`): overwrites the
     /// `next` link of `block_id` (the head sentinel for `None`) and the free count.
     #[doc(hidden)]
+    #[cfg(any(test, feature = "testing", feature = "mutants"))]
     pub fn corrupt_for_tests(
         &mut self,
         block_id: Option<BlockId>,

@@ -456,6 +456,7 @@ impl BlockHashToBlockMap {
     /// Test-only corruption (invariant mutants): overwrites block `block_id`'s
     /// primary key in place, leaving its chain where it was (a stale entry).
     #[doc(hidden)]
+    #[cfg(any(test, feature = "testing", feature = "mutants"))]
     pub fn corrupt_key_for_tests(&mut self, block_id: BlockId, key: BlockHashWithGroupId) {
         if let Some(slot) = self.keys.get_mut(block_id as usize) {
             *slot = Some(key);

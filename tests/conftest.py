@@ -9,6 +9,10 @@ and the offline model directory.
   tests) cannot leak it into the next.
 - ``model_dir`` (session): the config-only model directory vLLM's ``Scheduler`` is built on
   (:func:`hscache.testing.offline_scheduler.model_dir`).
+- The ``hooks`` marker: a test that needs the test-only switches (mutants, armed faults)
+  of the test-hooks extension (``_core.TEST_HOOKS``; ``scripts/panic_python.sh`` builds it
+  and runs ``pytest -m hooks``). With the release extension such tests are deselected (the
+  summary says how many), never skipped: the release extension has no switch to arm.
 
 - Under ``CI=true`` a skip whose reason ``EXPECTED_SKIPS`` does not name fails the run
   (a test that skips for a reason nobody expected, e.g. the vLLM sdist missing, passes no
@@ -75,6 +79,18 @@ def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
         else:
             print(line)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselects the ``hooks`` tests unless the extension is the test-hooks build."""
+    from hscache import _core
+
+    if _core.TEST_HOOKS:
+        return
+    hooks = [item for item in items if item.get_closest_marker("hooks") is not None]
+    if hooks:
+        config.hook.pytest_deselected(items=hooks)
+        items[:] = [item for item in items if item.get_closest_marker("hooks") is None]
 
 
 @pytest.fixture(autouse=True)

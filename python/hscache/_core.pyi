@@ -1,10 +1,11 @@
 """Type stubs of the compiled extension ``hscache._core`` (built from ``src/python/``)."""
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal, final, overload
+from typing import Any, ClassVar, Literal, final, overload
 
 __version__: str
 build_profile: str
+TEST_HOOKS: bool
 
 def stats() -> dict[str, dict[str, float]]: ...
 def enable_stats(on: bool = True) -> None: ...
@@ -181,40 +182,12 @@ class KVCacheCore:
         num_lookahead_tokens: int = 0,
     ) -> tuple[int, bytearray, bytearray]: ...
     def core_free_batch(self, handles: list[int] | bytes) -> None: ...
-    def schedule_decodes(
-        self,
-        running: list[Any],
-        start: int,
-        step: int,
-        is_async: bool,
-        max_model_len: int,
-        num_sampled_tokens_per_step: int,
-        num_lookahead_tokens: int = 0,
-        broken_rules: Iterable[str] | None = None,
-    ) -> tuple[int, list[tuple[list[int], ...] | None], list[int], list[int]] | None:
-        """The ``schedule()`` phase of a steady decode step (``hscache.vllm.fast_step``).
-
-        With ``start == 0``: ``None`` (nothing changed) unless every request of
-        ``running`` is a plain decode this step (``src/step/schedule.rs``); then the
-        manager's step starts and ``allocate_slots(request, 1,
-        num_lookahead_tokens=...)`` runs for each request in order, up to the first that
-        does not fit. Returns ``(next, new_block_ids, num_computed_tokens,
-        num_output_tokens)``: ``next`` is the first request not allocated (the caller
-        preempts from the tail and calls again with ``start=next``, which only
-        allocates), ``new_block_ids`` what ``get_block_ids(allow_none=True)`` gives for
-        each allocated request, and the two count lists (every request's, for
-        ``CachedRequestData``; empty when ``start > 0``). Every request must hold blocks
-        in this manager (``UnknownRequestError`` otherwise, before anything changes).
-        ``broken_rules``: test-only mutants (names of ``fast_step.RULES``)."""
     def check_invariants(self) -> None: ...
     def state_digest(self) -> int: ...
     @property
     def check_invariants_after_ops(self) -> bool: ...
     @check_invariants_after_ops.setter
     def check_invariants_after_ops(self, on: bool) -> None: ...
-    def _break_invariant(self, name: str) -> None: ...
-    @staticmethod
-    def _invariant_mutants() -> list[str]: ...
     @property
     def num_kv_cache_groups(self) -> int: ...
     def core_reset_all_prefix_caches(self) -> bool: ...
@@ -521,18 +494,6 @@ SlotPlan = tuple[int, int, list[str], bytearray, bytearray, bytearray | None, Pr
 # len num_kept), int32 buffer of those three back to back, one 0/1 byte per token).
 PrefillSkipRaw = tuple[int, int, bool, tuple[int, int, int], bytearray, bytearray]
 
-def plain_decodes(
-    running: list[Any],
-    step: int,
-    is_async: bool,
-    max_model_len: int,
-    num_sampled_tokens_per_step: int,
-    broken_rules: Iterable[str] | None = None,
-) -> tuple[list[int], list[int]] | None:
-    """``KVCacheCore.schedule_decodes``'s decision alone, for a manager that is not the
-    core: every request's ``(num_computed_tokens, num_output_tokens)`` when each is a
-    plain decode this step, else ``None``."""
-
 def prefill_skip(
     num_scheduled_tokens: list[int] | bytes,
     num_spec_tokens: list[int] | bytes | None = None,
@@ -596,9 +557,6 @@ class OmniStepRules:
         self, step_id: object, req_ids: Iterable[str]
     ) -> tuple[list[int], list[bool]]: ...
     def discard(self, step_id: object) -> None: ...
-    def _break_rule(self, name: str) -> None: ...
-    @staticmethod
-    def _rule_mutants() -> list[str]: ...
 
 @final
 class OmniSavePlan:
@@ -614,10 +572,54 @@ class OmniSavePlan:
     def rules_id(self) -> int: ...
 
 @final
+class StepSchedule:
+    """The ``schedule()`` phase of one scheduler's steady decode steps
+    (``hscache.vllm.step.schedule``; rules in ``src/step/schedule.rs``)."""
+
+    RULES: ClassVar[list[str]]
+    def __new__(
+        cls,
+        *,
+        is_async: bool,
+        max_model_len: int,
+        num_sampled_tokens_per_step: int,
+        num_lookahead_tokens: int = 0,
+    ) -> StepSchedule: ...
+    @property
+    def is_async(self) -> bool: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def num_sampled_tokens_per_step(self) -> int: ...
+    @property
+    def num_lookahead_tokens(self) -> int: ...
+    def plain_decodes(self, running: list[Any], step: int) -> tuple[list[int], list[int]] | None:
+        """The decision alone, for a manager that is not the core: every request's
+        ``(num_computed_tokens, num_output_tokens)`` when each is a plain decode at
+        ``step``, else ``None``."""
+    def decodes(
+        self, manager: KVCacheCore, running: list[Any], start: int, step: int
+    ) -> tuple[int, list[tuple[list[int], ...] | None], list[int], list[int]] | None:
+        """The phase at ``step`` on ``manager``.
+
+        With ``start == 0``: ``None`` (nothing changed) unless every request of
+        ``running`` is a plain decode this step (``src/step/schedule.rs``); then the
+        manager's step starts and ``allocate_slots(request, 1,
+        num_lookahead_tokens=...)`` runs for each request in order, up to the first that
+        does not fit. Returns ``(next, new_block_ids, num_computed_tokens,
+        num_output_tokens)``: ``next`` is the first request not allocated (the caller
+        preempts from the tail and calls again with ``start=next``, which only
+        allocates), ``new_block_ids`` what ``get_block_ids(allow_none=True)`` gives for
+        each allocated request, and the two count lists (every request's, for
+        ``CachedRequestData``; empty when ``start > 0``). Every request must hold blocks
+        in ``manager`` (``UnknownRequestError`` otherwise, before anything changes)."""
+
+@final
 class StepUpdate:
     """The steady requests of a step's ``update_from_output`` served in one call
-    (``hscache.vllm.fast_step.split_update``; rules in ``src/step/update.rs``)."""
+    (``hscache.vllm.step.update.split_update``; rules in ``src/step/update.rs``)."""
 
+    RULES: ClassVar[list[str]]
     def __new__(
         cls, *, running: Any, output_class: Callable[..., Any], cache_blocks_at: str
     ) -> StepUpdate: ...
@@ -634,7 +636,6 @@ class StepUpdate:
         max_model_len: int,
         is_async: bool,
         cache_blocks: Callable[[Any, int], Any] | None = None,
-        broken: Iterable[str] | None = None,
     ) -> tuple[dict[str, Any], dict[str, int]] | None: ...
 
 @final
@@ -690,10 +691,6 @@ class SlotMirror:
     ) -> SlotPlan: ...
     def commit(self, step_id: int, mirror_id: int) -> SlotReads: ...
     def revalidate(self, reads: SlotReads) -> int: ...
-    def _break_rule(self, name: str) -> None:
-        """Test only: breaks one of the mirror's rules; throw the mirror away after."""
-    @staticmethod
-    def _rule_mutants() -> list[str]: ...
     def block_state(self, block_id: int) -> tuple[int, int]: ...
     def block_skip_rows(self, block_id: int) -> int: ...
     def block_table(self, req_id: str) -> list[int]: ...

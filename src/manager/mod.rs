@@ -50,6 +50,7 @@ mod grouped;
 pub mod hisparse;
 mod hit_check;
 pub mod mamba;
+#[cfg(any(test, feature = "testing", feature = "mutants"))]
 pub mod mutants;
 mod past_facade;
 mod poison;

@@ -1,8 +1,10 @@
 //! Invariant mutants: test-only corruptions that each break exactly one
 //! structural invariant, so tests can prove `check_invariants()` catches it.
 //!
-//! Compiled into every build (the Python tests reach them through
-//! `KVCacheCore._break_invariant`), but nothing outside tests calls them: each one
+//! Compiled only for tests: the crate's own (`cfg(test)`, the `testing` feature of the
+//! cargo tests) and the `mutants` feature (the Python tests reach them through
+//! `KVCacheCore._break_invariant` in the test-hooks extension that
+//! `scripts/panic_python.sh` builds); never in the extension maturin builds. Each one
 //! deliberately leaves the manager in a state no operation can produce. A mutated
 //! manager must be thrown away.
 

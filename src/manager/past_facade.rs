@@ -279,6 +279,7 @@ impl KVCacheManager {
 
     /// Test-only: the external reference counts, mutable (invariant mutants).
     #[doc(hidden)]
+    #[cfg(any(test, feature = "testing", feature = "mutants"))]
     pub fn corrupt_external_refs_for_tests(&mut self) -> &mut Vec<i32> {
         &mut self.external_refs
     }
@@ -286,6 +287,7 @@ impl KVCacheManager {
     /// Test-only: the device pool, mutable, past the poison guard (invariant
     /// mutants).
     #[doc(hidden)]
+    #[cfg(any(test, feature = "testing", feature = "mutants"))]
     pub fn corrupt_pool_for_tests(&mut self) -> &mut BlockPool {
         self.coordinator.block_pool_mut()
     }

@@ -632,6 +632,7 @@ impl BlockPool {
 
     /// Test-only corruption for the invariant mutants (`src/manager/mutants.rs`).
     #[doc(hidden)]
+    #[cfg(any(test, feature = "testing", feature = "mutants"))]
     pub fn corrupt_for_tests(&mut self) -> CorruptPool<'_> {
         CorruptPool(self)
     }
@@ -639,8 +640,10 @@ impl BlockPool {
 
 /// Raw, unchecked access to a pool's structures (invariant mutants only).
 #[doc(hidden)]
+#[cfg(any(test, feature = "testing", feature = "mutants"))]
 pub struct CorruptPool<'a>(&'a mut BlockPool);
 
+#[cfg(any(test, feature = "testing", feature = "mutants"))]
 impl CorruptPool<'_> {
     /// Sets a block's ref count without touching the free queue.
     pub fn set_ref_cnt(&mut self, block_id: BlockId, rc: u32) {

@@ -1100,8 +1100,9 @@ impl PyKVCacheCore {
         self.core.set_check_invariants(on);
     }
 
-    /// Test only: breaks one invariant (`hscache.testing` names them); the
-    /// manager must then be thrown away.
+    /// Test only (the `mutants` build): breaks one invariant (`hscache.testing` names
+    /// them); the manager must then be thrown away.
+    #[cfg(feature = "mutants")]
     fn _break_invariant(&mut self, name: &str) -> PyResult<()> {
         let mutant = crate::manager::mutants::Mutant::from_name(name).ok_or_else(|| {
             InvalidArgumentError::new_err(format!("no invariant mutant {name:?}"))
@@ -1112,6 +1113,7 @@ impl PyKVCacheCore {
     }
 
     /// The names `_break_invariant` accepts.
+    #[cfg(feature = "mutants")]
     #[staticmethod]
     fn _invariant_mutants() -> Vec<&'static str> {
         crate::manager::mutants::Mutant::ALL

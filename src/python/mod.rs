@@ -42,6 +42,11 @@ const BUILD_PROFILE: &str = if cfg!(debug_assertions) {
     "release"
 };
 
+/// Whether this extension carries the test-only switches (the `mutants` feature:
+/// `_break_step_rules`, `_break_invariant`, `_break_rule`): only the test-hooks build
+/// of `scripts/panic_python.sh` does.
+const TEST_HOOKS: bool = cfg!(feature = "mutants");
+
 /// Per-operation latency counters of the drop-in: `{op: {calls, total_ns, mean_ns,
 /// p50_ns, p90_ns, p99_ns}}` (percentiles are log2-bucket upper bounds).
 #[pyfunction]
@@ -86,6 +91,7 @@ fn _arm_fault(site: &str, skip: usize) {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("build_profile", BUILD_PROFILE)?;
+    m.add("TEST_HOOKS", TEST_HOOKS)?;
     m.add_function(wrap_pyfunction!(stats, m)?)?;
     m.add_function(wrap_pyfunction!(enable_stats, m)?)?;
     m.add_function(wrap_pyfunction!(reset_stats, m)?)?;
@@ -101,7 +107,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<slots::PySlotReads>()?;
     m.add_class::<omni_rules::PyOmniStepRules>()?;
     m.add_class::<omni_rules::PyOmniSavePlan>()?;
-    m.add_function(wrap_pyfunction!(step_schedule::plain_decodes, m)?)?;
+    m.add_class::<step_schedule::PyStepSchedule>()?;
+    #[cfg(feature = "mutants")]
+    m.add_function(wrap_pyfunction!(step_schedule::_break_step_rules, m)?)?;
     m.add_class::<step_update::PyStepUpdate>()?;
     m.add_function(wrap_pyfunction!(prefill_skip::prefill_skip, m)?)?;
     m.add_class::<encoder_cache::PyEncoderCacheCore>()?;

@@ -286,8 +286,10 @@ impl PyOmniStepRules {
         })
     }
 
-    /// Test only: breaks one of the rules (a name of `_rule_mutants()`), so that the
-    /// differential against vllm-omni's cache can prove it notices.
+    /// Test only (the `mutants` build): breaks one of the rules (a name of
+    /// `_rule_mutants()`), so that the differential against vllm-omni's cache can prove
+    /// it notices.
+    #[cfg(feature = "mutants")]
     fn _break_rule(&mut self, name: &str) -> PyResult<()> {
         self.core.write("_break_rule", |c| {
             Ok::<_, PyErr>(c.break_rule_for_tests(name)?)
@@ -295,6 +297,7 @@ impl PyOmniStepRules {
     }
 
     /// The names `_break_rule` accepts.
+    #[cfg(feature = "mutants")]
     #[staticmethod]
     fn _rule_mutants() -> Vec<&'static str> {
         OmniStepRules::RULE_MUTANTS.to_vec()

@@ -444,14 +444,17 @@ impl PySlotMirror {
             .write("revalidate", |c| Ok(c.revalidate(&mut reads.reads)?))
     }
 
-    /// Test only: breaks one of the mirror's rules (a name of `_rule_mutants()`), so
-    /// that a differential proves it notices; the mirror must then be thrown away.
+    /// Test only (the `mutants` build): breaks one of the mirror's rules (a name of
+    /// `_rule_mutants()`), so that a differential proves it notices; the mirror must
+    /// then be thrown away.
+    #[cfg(feature = "mutants")]
     fn _break_rule(&mut self, name: &str) -> PyResult<()> {
         self.core
             .write("_break_rule", |c| Ok(c.break_rule_for_tests(name)?))
     }
 
     /// The names `_break_rule` accepts.
+    #[cfg(feature = "mutants")]
     #[staticmethod]
     fn _rule_mutants() -> Vec<&'static str> {
         SlotMirror::RULE_MUTANTS.to_vec()

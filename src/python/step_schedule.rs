@@ -1,22 +1,22 @@
-//! The `schedule()` phase of the steady decode step (`crate::step::schedule`,
-//! `hscache.vllm.fast_step.schedule`): `KVCacheCore.schedule_decodes`, one call per
-//! step, and `plain_decodes`, the same decision for a manager that is not the core
-//! (parity mode, vLLM's own manager).
+//! `StepSchedule`: the `schedule()` phase of the steady decode step
+//! (`crate::step::schedule`, `hscache.vllm.step.schedule`), one call per step.
 //!
-//! `schedule_decodes` reads each running `Request`'s fields once (interned `getattr`),
-//! checks that the core holds every request, decides with
-//! [`crate::step::schedule::plain_decode`] (nothing changes when one request is not a
-//! plain decode), starts the manager's step (`new_step_starts`), then runs the
+//! `StepSchedule.decodes` reads each running `Request`'s fields once (interned
+//! `getattr`), checks that the manager (a `KVCacheCore`) holds every request, decides
+//! with [`crate::step::schedule::plain_decode`] (nothing changes when one request is not
+//! a plain decode), starts the manager's step (`new_step_starts`), then runs the
 //! manager's own `allocate_slots(request, 1, num_lookahead_tokens=L)` per request in
 //! order (the same core path as the per-call binding, so every layout gets vLLM's
 //! decisions and per-group block ids), building each request's KV events with that
 //! request. It stops at the first request that does not fit (vLLM's `None`): the
 //! caller preempts from the tail with vLLM's `_preempt_request` and calls again from
-//! that index (`start`), which allocates only.
+//! that index (`start`), which allocates only. `StepSchedule.plain_decodes` is the same
+//! decision for a manager that is not the core (parity mode, vLLM's own manager).
 //!
-//! This file only converts: the rule is the core's, the allocation the manager's.
+//! The scheduler's constants (`is_async`, `max_model_len`, ...) are the object's, given
+//! once; the mutants are the process's ([`crate::step::armed`]). This file only
+//! converts: the rule is the core's, the allocation the manager's.
 
-use pyo3::exceptions::PyTypeError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyString, PyTuple};
@@ -27,8 +27,8 @@ use super::convert::request::{PyRequest, StatusObjects};
 use super::errors::{count, InvalidArgumentError, UnknownRequestError};
 use super::manager::PyKVCacheCore;
 use crate::manager::{AllocateSlots, GroupedBlocks};
-use crate::step::schedule::{plain_decode, ScheduleFacts, StepFacts};
-use crate::step::{BrokenRules, Rule};
+use crate::step::schedule::{plain_decode, ScheduleFacts, ScheduleRule, StepFacts};
+use crate::step::{armed, BrokenRules, RuleSet};
 use crate::types::BlockId;
 
 /// `(next, new_block_ids, num_computed_tokens, num_output_tokens)`.
@@ -39,38 +39,30 @@ type Scheduled<'py> = (
     Bound<'py, PyList>,
 );
 
-/// The rules named in `names` (an iterable of `fast_step.RULES` names): `TypeError` for
-/// anything but names, `InvalidArgumentError` for an unknown one. Both phases read it.
-pub(super) fn broken_rules(names: &Bound<'_, PyAny>) -> PyResult<BrokenRules> {
-    let mut broken = BrokenRules::NONE;
+/// The rules named in `names` (an iterable of rule names of either core phase):
+/// `TypeError` for anything but names, `InvalidArgumentError` for an unknown one.
+#[cfg(feature = "mutants")]
+fn broken_rules(names: &Bound<'_, PyAny>) -> PyResult<BrokenRules> {
+    use pyo3::exceptions::PyTypeError;
+    let mut list = Vec::new();
     for name in names.try_iter()? {
         let name = name?;
         let name = name
             .cast::<PyString>()
             .map_err(|_| PyTypeError::new_err("broken rules must be rule names (str)"))?;
-        let name = name.to_str()?;
-        let rule = Rule::from_name(name)
-            .ok_or_else(|| InvalidArgumentError::new_err(format!("no fast-path rule {name:?}")))?;
-        broken = broken.with(rule);
+        list.push(name.to_str()?.to_owned());
     }
-    Ok(broken)
+    BrokenRules::from_names(list.iter().map(String::as_str))
+        .map_err(|name| InvalidArgumentError::new_err(format!("no fast-path rule {name:?}")))
 }
 
-/// The step's facts, checked.
-fn step_facts(
-    step: i64,
-    is_async: bool,
-    max_model_len: i64,
-    num_sampled_tokens_per_step: i64,
-) -> PyResult<StepFacts> {
-    count("max_model_len", max_model_len)?;
-    count("num_sampled_tokens_per_step", num_sampled_tokens_per_step)?;
-    Ok(StepFacts {
-        step,
-        is_async,
-        max_model_len,
-        num_sampled_tokens_per_step,
-    })
+/// Test only (the `mutants` build): breaks the core rules named in `names` in this
+/// process (an empty iterable disarms them); see `tests/scheduler/mutants.py`.
+#[cfg(feature = "mutants")]
+#[pyfunction]
+pub(crate) fn _break_step_rules(names: &Bound<'_, PyAny>) -> PyResult<()> {
+    crate::step::arm(broken_rules(names)?);
+    Ok(())
 }
 
 /// A `Request` attribute (a `TypeError` for an object without it).
@@ -140,23 +132,6 @@ fn request_id<'py>(r: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
         .map_err(|_| InvalidArgumentError::new_err("request.request_id must be a str"))
 }
 
-/// See `hscache._core.plain_decodes`.
-#[pyfunction]
-#[pyo3(signature = (running, step, is_async, max_model_len, num_sampled_tokens_per_step,
-    broken_rules=None))]
-pub(crate) fn plain_decodes<'py>(
-    running: &Bound<'py, PyList>,
-    step: i64,
-    is_async: bool,
-    max_model_len: i64,
-    num_sampled_tokens_per_step: i64,
-    broken_rules: Option<&Bound<'py, PyAny>>,
-) -> PyResult<Option<(Vec<i64>, Vec<i64>)>> {
-    let broken = broken_rules.map_or(Ok(BrokenRules::NONE), self::broken_rules)?;
-    let step = step_facts(step, is_async, max_model_len, num_sampled_tokens_per_step)?;
-    decide(running, &step, broken)
-}
-
 /// The new block ids of one allocation as `KVCacheBlocks.get_block_ids(allow_none=True)`
 /// gives them: None when every group is empty, else one list per group.
 fn block_ids<'py>(py: Python<'py>, ids: &[BlockId], ends: &[usize]) -> PyResult<Bound<'py, PyAny>> {
@@ -170,27 +145,118 @@ fn block_ids<'py>(py: Python<'py>, ids: &[BlockId], ends: &[usize]) -> PyResult<
     Ok(PyTuple::new(py, lists)?.into_any())
 }
 
+/// The `schedule()` phase of one scheduler's steady decode steps: its constants, read
+/// once at construction.
+#[pyclass(name = "StepSchedule", module = "hscache._core", frozen)]
+pub struct PyStepSchedule {
+    is_async: bool,
+    max_model_len: i64,
+    num_sampled_tokens_per_step: i64,
+    num_lookahead_tokens: usize,
+}
+
+impl PyStepSchedule {
+    /// The facts of step `step`.
+    fn facts(&self, step: i64) -> StepFacts {
+        StepFacts {
+            step,
+            is_async: self.is_async,
+            max_model_len: self.max_model_len,
+            num_sampled_tokens_per_step: self.num_sampled_tokens_per_step,
+        }
+    }
+}
+
 #[pymethods]
-impl PyKVCacheCore {
-    /// The `schedule()` phase of a steady decode step (see `step_schedule.rs`).
-    #[pyo3(signature = (running, start, step, is_async, max_model_len,
-        num_sampled_tokens_per_step, num_lookahead_tokens=0, broken_rules=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn schedule_decodes<'py>(
-        slf: &Bound<'py, Self>,
-        running: &Bound<'py, PyList>,
-        start: i64,
-        step: i64,
+impl PyStepSchedule {
+    /// `is_async`: an `AsyncScheduler`; the others are the scheduler's own.
+    #[new]
+    #[pyo3(signature = (*, is_async, max_model_len, num_sampled_tokens_per_step,
+        num_lookahead_tokens=0))]
+    fn new(
         is_async: bool,
         max_model_len: i64,
         num_sampled_tokens_per_step: i64,
         num_lookahead_tokens: i64,
-        broken_rules: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Self> {
+        count("max_model_len", max_model_len)?;
+        count("num_sampled_tokens_per_step", num_sampled_tokens_per_step)?;
+        Ok(Self {
+            is_async,
+            max_model_len,
+            num_sampled_tokens_per_step,
+            num_lookahead_tokens: count("num_lookahead_tokens", num_lookahead_tokens)?,
+        })
+    }
+
+    /// The names of this phase's core rules (`crate::step::schedule::ScheduleRule`).
+    #[classattr]
+    #[allow(non_snake_case)]
+    fn RULES() -> Vec<&'static str> {
+        ScheduleRule::names()
+    }
+
+    #[getter]
+    fn is_async(&self) -> bool {
+        self.is_async
+    }
+
+    #[getter]
+    fn max_model_len(&self) -> i64 {
+        self.max_model_len
+    }
+
+    #[getter]
+    fn num_sampled_tokens_per_step(&self) -> i64 {
+        self.num_sampled_tokens_per_step
+    }
+
+    #[getter]
+    fn num_lookahead_tokens(&self) -> usize {
+        self.num_lookahead_tokens
+    }
+
+    /// Every request's `(num_computed_tokens, num_output_tokens)` when each is a plain
+    /// decode at step `step`, else None; for a manager that is not the core.
+    fn plain_decodes(
+        &self,
+        running: &Bound<'_, PyList>,
+        step: i64,
+    ) -> PyResult<Option<(Vec<i64>, Vec<i64>)>> {
+        decide(running, &self.facts(step), armed())
+    }
+
+    /// The phase on `manager` (see the module docs).
+    fn decodes<'py>(
+        &self,
+        manager: &Bound<'py, PyKVCacheCore>,
+        running: &Bound<'py, PyList>,
+        start: i64,
+        step: i64,
+    ) -> PyResult<Option<Scheduled<'py>>> {
+        PyKVCacheCore::schedule_decodes(
+            manager,
+            running,
+            start,
+            &self.facts(step),
+            self.num_lookahead_tokens,
+            armed(),
+        )
+    }
+}
+
+impl PyKVCacheCore {
+    /// [`PyStepSchedule::decodes`].
+    fn schedule_decodes<'py>(
+        slf: &Bound<'py, Self>,
+        running: &Bound<'py, PyList>,
+        start: i64,
+        step: &StepFacts,
+        lookahead: usize,
+        broken: BrokenRules,
     ) -> PyResult<Option<Scheduled<'py>>> {
         let py = slf.py();
-        let broken = broken_rules.map_or(Ok(BrokenRules::NONE), self::broken_rules)?;
-        let step = step_facts(step, is_async, max_model_len, num_sampled_tokens_per_step)?;
-        let lookahead = count("num_lookahead_tokens", num_lookahead_tokens)?;
+        let step = *step;
         let n = running.len();
         let start = count("start", start)?;
         if start > n {

@@ -1,9 +1,11 @@
 //! `StepUpdate`: the steady requests of a step's `update_from_output()` served in one
-//! call (`hscache.vllm.fast_step.split_update`), with the decisions of
+//! call (`hscache.vllm.step.update.split_update`), with the decisions of
 //! `crate::step::update`.
 //!
-//! The call reads each scheduled request's fields once (in `num_scheduled_tokens`
-//! order), asks the core which are steady, plans every write, and only then writes what
+//! The call runs in three stages: read (each scheduled request's fields, once, in
+//! `num_scheduled_tokens` order, and the core's decision whether it is steady), plan
+//! (every write of a steady request, and what its writes and output read), and only
+//! then write (`PyStepUpdate::write`) what
 //! vLLM's `update_from_output` writes for them: `num_in_flight_tokens`, the token
 //! appended to `_output_token_ids` and `_all_token_ids`, the block hashes extended by the
 //! request's own hasher (skipped when hscache's hasher says no block completes: it would
@@ -32,9 +34,9 @@ use super::convert::{expect_attr, Int};
 use super::errors::InvalidArgumentError;
 use crate::step::update::{
     completes_no_block, is_steady, plan_append, AppendCounts, AppendPlan, CacheBlocksAt, StepSplit,
-    StopFacts, Take, UpdateFacts, UpdateStep,
+    StopFacts, Take, UpdateFacts, UpdateRule, UpdateStep,
 };
-use crate::step::BrokenRules;
+use crate::step::{armed, RuleSet};
 
 /// The vLLM objects the call compares with and builds: read once, at construction.
 #[pyclass(name = "StepUpdate", module = "hscache._core", frozen)]
@@ -312,6 +314,293 @@ impl PyStepUpdate {
     }
 }
 
+/// One step's arguments to [`PyStepUpdate::split`], converted.
+struct StepInputs<'py> {
+    requests: Bound<'py, PyDict>,
+    scheduled: Bound<'py, PyDict>,
+    index: Bound<'py, PyDict>,
+    sampled: Bound<'py, PyList>,
+    /// `scheduled_spec_decode_tokens` when not empty.
+    drafts: Option<Bound<'py, PyAny>>,
+    /// The prompt logprob dicts that are not empty.
+    prompt: Vec<Bound<'py, PyAny>>,
+    cache_blocks: Option<Bound<'py, PyAny>>,
+    step: UpdateStep,
+}
+
+/// A scheduled request as the decision reads it (the read stage).
+struct Read<'py> {
+    request: Req<'py>,
+    tokens: Bound<'py, PyAny>,
+    /// The sampled token, when exactly one was sampled.
+    token: Option<Bound<'py, PyAny>>,
+    output_token_ids: Bound<'py, PyList>,
+    all_token_ids: Bound<'py, PyList>,
+    placeholders: i64,
+    steady: bool,
+}
+
+impl PyStepUpdate {
+    /// The read and plan stages: every scheduled request read (in
+    /// `num_scheduled_tokens` order) and decided, the steady ones' writes planned.
+    /// None (nothing read has been changed) when the step is not served.
+    #[allow(clippy::type_complexity)]
+    fn read_and_plan<'py>(
+        &self,
+        py: Python<'py>,
+        inputs: &StepInputs<'py>,
+    ) -> PyResult<
+        Option<(
+            Vec<Steady<'py>>,
+            Vec<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
+        )>,
+    > {
+        let mut split = StepSplit::new(inputs.step.is_async);
+        let mut steady: Vec<Steady<'py>> = Vec::new();
+        let mut rest: Vec<(Bound<'py, PyAny>, Bound<'py, PyAny>)> = Vec::new();
+        let mut stop_ids: Vec<i64> = Vec::new();
+        let mut classes: Vec<(usize, bool)> = Vec::new();
+        for (req_id, n) in inputs.scheduled.iter() {
+            let Some(request) = inputs.requests.get_item(&req_id)? else {
+                rest.push((req_id, n));
+                continue;
+            };
+            let request = Req::new(request, &mut classes);
+            let client = request.int(intern!(py, "client_index"))?;
+            if !split.open() {
+                if split.take(client, false) == Take::NotServed {
+                    return Ok(None);
+                }
+                rest.push((req_id, n));
+                continue;
+            }
+            let read = self.read(py, inputs, request, &req_id, &n, &mut stop_ids)?;
+            match split.take(client, read.steady) {
+                Take::NotServed => return Ok(None),
+                Take::Rest => rest.push((req_id, n)),
+                Take::Steady => steady.push(Self::plan(py, inputs, read)?),
+            }
+        }
+        Ok(split.served().then_some((steady, rest)))
+    }
+
+    /// The read stage of one request: the facts of its decision, and the decision
+    /// ([`is_steady`], whose stop facts are read only where it needs them).
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        inputs: &StepInputs<'py>,
+        request: Req<'py>,
+        req_id: &Bound<'py, PyAny>,
+        n: &Bound<'py, PyAny>,
+        stop_ids: &mut Vec<i64>,
+    ) -> PyResult<Read<'py>> {
+        let i = inputs
+            .index
+            .get_item(req_id)?
+            .ok_or_else(|| PyKeyError::new_err(req_id.clone().unbind()))?
+            .extract::<Int>()?
+            .0;
+        let tokens = usize::try_from(i)
+            .ok()
+            .and_then(|i| inputs.sampled.get_item(i).ok())
+            .ok_or_else(|| {
+                InvalidArgumentError::new_err(format!(
+                    "req_id_to_index[{req_id}] = {i} is not an index of sampled_token_ids"
+                ))
+            })?;
+        let num_sampled_tokens = tokens.len()?;
+        let output_token_ids = request.list(intern!(py, "_output_token_ids"))?;
+        let all_token_ids = request.list(intern!(py, "_all_token_ids"))?;
+        let status = request.attr(intern!(py, "status"))?;
+        let placeholders = request.int(intern!(py, "num_output_placeholders"))?;
+        let params = request.attr(intern!(py, "sampling_params"))?;
+        let is_none =
+            |name: &Bound<'py, PyString>| -> PyResult<bool> { Ok(request.attr(name)?.is_none()) };
+        let num_logprobs = inputs.step.has_logprobs
+            && !params.is_none()
+            && !expect_attr(&params, intern!(py, "num_logprobs"), PARAMS)?.is_none();
+        let mut prompt_logprobs = false;
+        for d in &inputs.prompt {
+            prompt_logprobs |= d.contains(req_id)?;
+        }
+        let token = if num_sampled_tokens == 1 {
+            Some(tokens.get_item(0)?)
+        } else {
+            None
+        };
+        let token_id = match &token {
+            Some(t) => t.extract::<Int>()?.0,
+            None => 0,
+        };
+        let running = self.running.bind(py);
+        let facts = UpdateFacts {
+            num_scheduled_tokens: n.extract::<Int>()?.0,
+            num_sampled_tokens,
+            running: status.is(running) || status.eq(running)?,
+            stale_output: request.int(intern!(py, "num_stale_output_tokens"))? != 0,
+            num_output_placeholders: placeholders,
+            mm_features: request.attr(intern!(py, "mm_features"))?.is_truthy()?,
+            structured_output: !is_none(intern!(py, "structured_output_request"))?,
+            pooling: !is_none(intern!(py, "pooling_params"))?,
+            prefill_stats: !is_none(intern!(py, "prefill_stats"))?,
+            drafts: match &inputs.drafts {
+                Some(d) => d.contains(req_id)?,
+                None => false,
+            },
+            num_logprobs,
+            prompt_logprobs,
+        };
+        let steady = is_steady(&facts, token_id, &inputs.step, || {
+            if params.is_none() {
+                return Ok(None);
+            }
+            Self::stop_facts(
+                &params,
+                &request,
+                stop_ids,
+                len_i64(all_token_ids.len()),
+                len_i64(output_token_ids.len()),
+            )
+            .map(Some)
+        })?;
+        Ok(Read {
+            request,
+            tokens,
+            token,
+            output_token_ids,
+            all_token_ids,
+            placeholders,
+            steady,
+        })
+    }
+
+    /// The plan stage of a steady request: its writes ([`plan_append`]) and everything
+    /// they and its output read, so that a request that cannot be served is refused
+    /// with nothing changed.
+    fn plan<'py>(
+        py: Python<'py>,
+        inputs: &StepInputs<'py>,
+        read: Read<'py>,
+    ) -> PyResult<Steady<'py>> {
+        let request = read.request;
+        let counts = AppendCounts {
+            num_in_flight_tokens: request.int(intern!(py, "num_in_flight_tokens"))?,
+            num_output_placeholders: read.placeholders,
+            num_computed_tokens: if read.placeholders != 0 {
+                request.int(intern!(py, "num_computed_tokens"))?
+            } else {
+                0
+            },
+        };
+        let plan = plan_append(&counts, &inputs.step)?;
+        if plan.resolve.is_some() && inputs.cache_blocks.is_none() {
+            return Err(InvalidArgumentError::new_err(
+                "cache_blocks is required: a steady request has an output placeholder",
+            ));
+        }
+        let token = read
+            .token
+            .ok_or_else(|| InvalidArgumentError::new_err("a steady request without its token"))?;
+        let request_id = request.attr(intern!(py, "request_id"))?;
+        request_id.hash()?;
+        let hasher = request.attr(intern!(py, "_block_hasher"))?;
+        let block_hashes = if hasher.is_none() {
+            None
+        } else {
+            let hashes = request.attr(intern!(py, "block_hashes"))?;
+            hashes.len()?;
+            Some(hashes)
+        };
+        Ok(Steady {
+            stop_reason: request.attr(intern!(py, "stop_reason"))?,
+            trace_headers: request.attr(intern!(py, "trace_headers"))?,
+            num_nans_in_logits: request.attr(intern!(py, "num_nans_in_logits"))?,
+            request_id,
+            hasher,
+            block_hashes,
+            request,
+            tokens: read.tokens,
+            token,
+            output_token_ids: read.output_token_ids,
+            all_token_ids: read.all_token_ids,
+            plan,
+        })
+    }
+
+    /// The write stage: request by request in scheduling order, as vLLM's loop; the
+    /// outputs built, by request id.
+    fn write<'py>(
+        &self,
+        py: Python<'py>,
+        steady: &[Steady<'py>],
+        cache_blocks: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let built = PyDict::new(py);
+        let mut window = None;
+        for s in steady {
+            let r = &s.request.obj;
+            r.setattr(
+                intern!(py, "num_in_flight_tokens"),
+                s.plan.num_in_flight_tokens,
+            )?;
+            s.output_token_ids.append(&s.token)?;
+            s.all_token_ids.append(&s.token)?;
+            Self::extend_block_hashes(s, &mut window)?;
+            if let (Some((placeholders, upto)), Some(cache)) = (s.plan.resolve, cache_blocks) {
+                r.setattr(intern!(py, "num_output_placeholders"), placeholders)?;
+                cache.call1((r, upto))?;
+            }
+            let values = [
+                s.stop_reason.clone(),
+                Self::take_events(&s.request)?,
+                s.trace_headers.clone(),
+                s.num_nans_in_logits.clone(),
+            ];
+            built.set_item(&s.request_id, self.output(py, s, values)?)?;
+        }
+        Ok(built)
+    }
+
+    /// A steady request's `EngineCoreOutput`, with `values` for [`OUTPUT_FIELDS`].
+    fn output<'py>(
+        &self,
+        py: Python<'py>,
+        s: &Steady<'py>,
+        values: [Bound<'py, PyAny>; 4],
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let output_class = self.output_class.bind(py);
+        let request_id = &s.request_id;
+        match &self.output_defaults {
+            Some(defaults) => {
+                let output = output_class.call1((request_id, &s.tokens))?;
+                for ((name, value), default) in self.output_names.iter().zip(&values).zip(defaults)
+                {
+                    // As the keyword would: unless it is the default (None, or an int
+                    // equal to the default int).
+                    let default = default.bind(py);
+                    let same = value.is(default)
+                        || (value.is_exact_instance_of::<pyo3::types::PyInt>()
+                            && value.eq(default)?);
+                    if !same {
+                        output.setattr(name.bind(py), value)?;
+                    }
+                }
+                Ok(output)
+            }
+            None => {
+                let kwargs = PyDict::new(py);
+                kwargs.set_item(intern!(py, "request_id"), request_id)?;
+                kwargs.set_item(intern!(py, "new_token_ids"), &s.tokens)?;
+                for (name, value) in self.output_names.iter().zip(values) {
+                    kwargs.set_item(name.bind(py), value)?;
+                }
+                output_class.call(PyTuple::empty(py), Some(&kwargs))
+            }
+        }
+    }
+}
+
 #[pymethods]
 impl PyStepUpdate {
     /// `running`: vLLM's `RequestStatus.RUNNING`; `output_class`: its
@@ -351,6 +640,13 @@ impl PyStepUpdate {
         })
     }
 
+    /// The names of this phase's core rules (`crate::step::update::UpdateRule`).
+    #[classattr]
+    #[allow(non_snake_case)]
+    fn RULES() -> Vec<&'static str> {
+        UpdateRule::names()
+    }
+
     /// Serves the steady requests of one step's `update_from_output` (see the module
     /// docs): returns the `EngineCoreOutput` built for each, by request id, and the
     /// `num_scheduled_tokens` of the others (vLLM's to serve), or None (nothing
@@ -361,12 +657,10 @@ impl PyStepUpdate {
     /// `sampled_token_ids`, `req_id_to_index`: the step's; `drafts`: its
     /// `scheduled_spec_decode_tokens`; `prompt_logprobs`: the runner output's prompt
     /// logprob dicts; `has_logprobs`: it carries sampled logprobs; `cache_blocks`: the
-    /// manager's, called for each resolved placeholder; `broken`: test-only mutants
-    /// (names of `fast_step.RULES`).
+    /// manager's, called for each resolved placeholder.
     #[pyo3(signature = (
         requests, num_scheduled_tokens, sampled_token_ids, req_id_to_index, *, drafts,
-        prompt_logprobs, has_logprobs, max_model_len, is_async, cache_blocks = None,
-        broken = None
+        prompt_logprobs, has_logprobs, max_model_len, is_async, cache_blocks = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn split<'py>(
@@ -382,7 +676,6 @@ impl PyStepUpdate {
         max_model_len: Int,
         is_async: bool,
         cache_blocks: Option<&Bound<'py, PyAny>>,
-        broken: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Option<(Bound<'py, PyDict>, Bound<'py, PyDict>)>> {
         crate::shield::catch("StepUpdate.split", || {
             let dict = |obj: &Bound<'py, PyAny>, what: &str| {
@@ -390,24 +683,7 @@ impl PyStepUpdate {
                     .cloned()
                     .map_err(|_| PyTypeError::new_err(format!("{what} must be a dict")))
             };
-            let requests = dict(requests, "requests")?;
-            let scheduled = dict(num_scheduled_tokens, "num_scheduled_tokens")?;
-            let index = dict(req_id_to_index, "req_id_to_index")?;
-            let sampled = sampled_token_ids
-                .cast::<PyList>()
-                .map_err(|_| PyTypeError::new_err("sampled_token_ids must be a list"))?;
-            let step = UpdateStep {
-                is_async,
-                has_logprobs,
-                max_model_len: max_model_len.0,
-                cache_blocks_at: self.cache_blocks_at,
-                broken: match broken {
-                    Some(b) => super::step_schedule::broken_rules(b)?,
-                    None => BrokenRules::NONE,
-                },
-            };
             // The containers that hand a request to vLLM, read only when non-empty.
-            let drafts = (!drafts.is_empty()?).then_some(drafts);
             let mut prompt: Vec<Bound<'py, PyAny>> = Vec::new();
             for d in prompt_logprobs.try_iter()? {
                 let d = d?;
@@ -415,211 +691,34 @@ impl PyStepUpdate {
                     prompt.push(d);
                 }
             }
-            let cache_blocks = cache_blocks.filter(|c| !c.is_none());
-            let running = self.running.bind(py);
-
-            // Read and decide; nothing is written before every request is read.
-            let mut split = StepSplit::new(is_async);
-            let mut steady: Vec<Steady<'py>> = Vec::new();
-            let mut rest: Vec<(Bound<'py, PyAny>, Bound<'py, PyAny>)> = Vec::new();
-            let mut stop_ids: Vec<i64> = Vec::new();
-            let mut classes: Vec<(usize, bool)> = Vec::new();
-            for (req_id, n) in scheduled.iter() {
-                let Some(request) = requests.get_item(&req_id)? else {
-                    rest.push((req_id, n));
-                    continue;
-                };
-                let request = Req::new(request, &mut classes);
-                let client = request.int(intern!(py, "client_index"))?;
-                if !split.open() {
-                    if split.take(client, false) == Take::NotServed {
-                        return Ok(None);
-                    }
-                    rest.push((req_id, n));
-                    continue;
-                }
-                let i = index
-                    .get_item(&req_id)?
-                    .ok_or_else(|| PyKeyError::new_err(req_id.clone().unbind()))?
-                    .extract::<Int>()?
-                    .0;
-                let tokens = usize::try_from(i)
-                    .ok()
-                    .and_then(|i| sampled.get_item(i).ok())
-                    .ok_or_else(|| {
-                        InvalidArgumentError::new_err(format!(
-                            "req_id_to_index[{req_id}] = {i} is not an index of sampled_token_ids"
-                        ))
-                    })?;
-                let num_sampled_tokens = tokens.len()?;
-                let output_token_ids = request.list(intern!(py, "_output_token_ids"))?;
-                let all_token_ids = request.list(intern!(py, "_all_token_ids"))?;
-                let status = request.attr(intern!(py, "status"))?;
-                let placeholders = request.int(intern!(py, "num_output_placeholders"))?;
-                let params = request.attr(intern!(py, "sampling_params"))?;
-                let is_none = |name: &Bound<'py, PyString>| -> PyResult<bool> {
-                    Ok(request.attr(name)?.is_none())
-                };
-                let contains_id = |d: &Bound<'py, PyAny>| d.contains(&req_id);
-                let num_logprobs = has_logprobs
-                    && !params.is_none()
-                    && !expect_attr(&params, intern!(py, "num_logprobs"), PARAMS)?.is_none();
-                let mut prompt_logprobs = false;
-                for d in &prompt {
-                    prompt_logprobs |= contains_id(d)?;
-                }
-                let token = if num_sampled_tokens == 1 {
-                    Some(tokens.get_item(0)?)
-                } else {
-                    None
-                };
-                let token_id = match &token {
-                    Some(t) => t.extract::<Int>()?.0,
-                    None => 0,
-                };
-                let facts = UpdateFacts {
-                    num_scheduled_tokens: n.extract::<Int>()?.0,
-                    num_sampled_tokens,
-                    running: status.is(running) || status.eq(running)?,
-                    stale_output: request.int(intern!(py, "num_stale_output_tokens"))? != 0,
-                    num_output_placeholders: placeholders,
-                    mm_features: request.attr(intern!(py, "mm_features"))?.is_truthy()?,
-                    structured_output: !is_none(intern!(py, "structured_output_request"))?,
-                    pooling: !is_none(intern!(py, "pooling_params"))?,
-                    prefill_stats: !is_none(intern!(py, "prefill_stats"))?,
-                    drafts: match drafts {
-                        Some(d) => contains_id(d)?,
-                        None => false,
-                    },
-                    num_logprobs,
-                    prompt_logprobs,
-                };
-                let verdict = is_steady(&facts, token_id, &step, || {
-                    if params.is_none() {
-                        return Ok(None);
-                    }
-                    Self::stop_facts(
-                        &params,
-                        &request,
-                        &mut stop_ids,
-                        len_i64(all_token_ids.len()),
-                        len_i64(output_token_ids.len()),
-                    )
-                    .map(Some)
-                })?;
-                match split.take(client, verdict) {
-                    Take::NotServed => return Ok(None),
-                    Take::Rest => rest.push((req_id, n)),
-                    Take::Steady => {
-                        let counts = AppendCounts {
-                            num_in_flight_tokens: request
-                                .int(intern!(py, "num_in_flight_tokens"))?,
-                            num_output_placeholders: placeholders,
-                            num_computed_tokens: if placeholders != 0 {
-                                request.int(intern!(py, "num_computed_tokens"))?
-                            } else {
-                                0
-                            },
-                        };
-                        let plan = plan_append(&counts, &step)?;
-                        if plan.resolve.is_some() && cache_blocks.is_none() {
-                            return Err(InvalidArgumentError::new_err(
-                                "cache_blocks is required: a steady request has an output placeholder",
-                            ));
-                        }
-                        let token = token.ok_or_else(|| {
-                            InvalidArgumentError::new_err("a steady request without its token")
-                        })?;
-                        let request_id = request.attr(intern!(py, "request_id"))?;
-                        request_id.hash()?;
-                        let hasher = request.attr(intern!(py, "_block_hasher"))?;
-                        let block_hashes = if hasher.is_none() {
-                            None
-                        } else {
-                            let hashes = request.attr(intern!(py, "block_hashes"))?;
-                            hashes.len()?;
-                            Some(hashes)
-                        };
-                        steady.push(Steady {
-                            stop_reason: request.attr(intern!(py, "stop_reason"))?,
-                            trace_headers: request.attr(intern!(py, "trace_headers"))?,
-                            num_nans_in_logits: request.attr(intern!(py, "num_nans_in_logits"))?,
-                            request_id,
-                            hasher,
-                            block_hashes,
-                            request,
-                            tokens,
-                            token,
-                            output_token_ids,
-                            all_token_ids,
-                            plan,
-                        });
-                    }
-                }
-            }
-            if !split.served() {
+            let inputs = StepInputs {
+                requests: dict(requests, "requests")?,
+                scheduled: dict(num_scheduled_tokens, "num_scheduled_tokens")?,
+                index: dict(req_id_to_index, "req_id_to_index")?,
+                sampled: sampled_token_ids
+                    .cast::<PyList>()
+                    .cloned()
+                    .map_err(|_| PyTypeError::new_err("sampled_token_ids must be a list"))?,
+                drafts: (!drafts.is_empty()?).then(|| drafts.clone()),
+                prompt,
+                cache_blocks: cache_blocks.filter(|c| !c.is_none()).cloned(),
+                step: UpdateStep {
+                    is_async,
+                    has_logprobs,
+                    max_model_len: max_model_len.0,
+                    cache_blocks_at: self.cache_blocks_at,
+                    broken: armed(),
+                },
+            };
+            // Read and plan every request; nothing is written before all are read.
+            let Some((steady, rest)) = self.read_and_plan(py, &inputs)? else {
                 return Ok(None);
-            }
+            };
             let remaining = PyDict::new(py);
             for (req_id, n) in &rest {
                 remaining.set_item(req_id, n)?;
             }
-
-            // The writes, request by request in scheduling order, as vLLM's loop.
-            let built = PyDict::new(py);
-            let output_class = self.output_class.bind(py);
-            let mut window = None;
-            for s in &steady {
-                let req = &s.request;
-                let r = &req.obj;
-                r.setattr(
-                    intern!(py, "num_in_flight_tokens"),
-                    s.plan.num_in_flight_tokens,
-                )?;
-                s.output_token_ids.append(&s.token)?;
-                s.all_token_ids.append(&s.token)?;
-                Self::extend_block_hashes(s, &mut window)?;
-                if let (Some((placeholders, upto)), Some(cache)) = (s.plan.resolve, cache_blocks) {
-                    r.setattr(intern!(py, "num_output_placeholders"), placeholders)?;
-                    cache.call1((r, upto))?;
-                }
-                let request_id = &s.request_id;
-                let values = [
-                    s.stop_reason.clone(),
-                    Self::take_events(req)?,
-                    s.trace_headers.clone(),
-                    s.num_nans_in_logits.clone(),
-                ];
-                let output = match &self.output_defaults {
-                    Some(defaults) => {
-                        let output = output_class.call1((request_id, &s.tokens))?;
-                        for ((name, value), default) in
-                            self.output_names.iter().zip(&values).zip(defaults)
-                        {
-                            // As the keyword would: unless it is the default (None, or
-                            // an int equal to the default int).
-                            let default = default.bind(py);
-                            let same = value.is(default)
-                                || (value.is_exact_instance_of::<pyo3::types::PyInt>()
-                                    && value.eq(default)?);
-                            if !same {
-                                output.setattr(name.bind(py), value)?;
-                            }
-                        }
-                        output
-                    }
-                    None => {
-                        let kwargs = PyDict::new(py);
-                        kwargs.set_item(intern!(py, "request_id"), request_id)?;
-                        kwargs.set_item(intern!(py, "new_token_ids"), &s.tokens)?;
-                        for (name, value) in self.output_names.iter().zip(values) {
-                            kwargs.set_item(name.bind(py), value)?;
-                        }
-                        output_class.call(PyTuple::empty(py), Some(&kwargs))?
-                    }
-                };
-                built.set_item(request_id, output)?;
-            }
+            let built = self.write(py, &steady, inputs.cache_blocks.as_ref())?;
             Ok(Some((built, remaining)))
         })
     }

@@ -228,8 +228,9 @@ static NEXT_MIRROR_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU
 
 /// Deliberate defects, for tests that must fail on a broken mirror: the Rust tests and
 /// the differential against vllm-omni's cache (`SlotMirror::break_rule_for_tests`, the
-/// binding's `_break_rule`). Always compiled, like the manager's invariant mutants: one
-/// predictable branch per bump and commit.
+/// binding's `_break_rule`). The way to set them is compiled only for tests (`cfg(test)`
+/// and the `mutants` feature): in a release build they stay off, one predictable branch
+/// per bump and commit.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Faults {
     /// Reuse does not bump the version (stale rows of the previous owner stay valid).
@@ -316,6 +317,7 @@ impl SlotMirror {
     }
 
     /// The rule names [`Self::break_rule_for_tests`] accepts.
+    #[cfg(any(test, feature = "mutants"))]
     pub const RULE_MUTANTS: [&'static str; 5] = [
         "no_bump",
         "reads_before_writes",
@@ -326,6 +328,7 @@ impl SlotMirror {
 
     /// Test only: breaks one of the mirror's rules (a name of [`Self::RULE_MUTANTS`]),
     /// so that a differential can prove it notices; the mirror must then be thrown away.
+    #[cfg(any(test, feature = "mutants"))]
     pub fn break_rule_for_tests(&mut self, name: &str) -> Result<()> {
         let f = &mut self.faults;
         match name {

@@ -212,7 +212,8 @@ struct StepRecord {
 }
 
 /// Deliberate defects, for the differential against vllm-omni's cache (the binding's
-/// `_break_rule`); always compiled, one predictable branch each.
+/// `_break_rule`); only tests can set them (`cfg(test)`, the `mutants` feature), one
+/// predictable branch each.
 #[derive(Clone, Copy, Debug, Default)]
 struct RuleFaults {
     /// A `scheduled_new_reqs` entry already live gets its prefix again.
@@ -240,6 +241,7 @@ pub struct OmniStepRules {
 
 impl OmniStepRules {
     /// The rule names [`Self::break_rule_for_tests`] accepts.
+    #[cfg(any(test, feature = "mutants"))]
     pub const RULE_MUTANTS: [&'static str; 4] = [
         "continuation_hit",
         "no_first_hit",
@@ -271,6 +273,7 @@ impl OmniStepRules {
 
     /// Test only: breaks one rule (a name of [`Self::RULE_MUTANTS`]), so that a
     /// differential can prove it notices; the rules must then be thrown away.
+    #[cfg(any(test, feature = "mutants"))]
     pub fn break_rule_for_tests(&mut self, name: &str) -> Result<(), OmniRuleError> {
         let f = &mut self.faults;
         match name {

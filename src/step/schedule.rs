@@ -15,7 +15,18 @@
 //! - `num_prompt_tokens` and `max_tokens` matter only for a request with output
 //!   placeholders ([`ScheduleFacts::reads_length`]): the binding reads them only then.
 
-use super::{BrokenRules, Rule};
+use super::BrokenRules;
+
+crate::step_rules! {
+    /// The rules of `schedule()`'s per-request decision ([`plain_decode`]).
+    pub enum ScheduleRule at 0 {
+        /// Every running request has exactly one known token to compute (not a prefill
+        /// chunk).
+        PlainDecode = "plain_decode",
+        /// Async: a request sure to reach `max_tokens` is not scheduled again.
+        AsyncLastStep = "async_last_step",
+    }
+}
 
 /// What the rule reads of one running request (vLLM's `Request` fields).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -81,11 +92,11 @@ impl StepFacts {
 /// room left in `max_model_len` (a defensive check: a synchronous step without drafts
 /// has stopped such a request), and with async scheduling a request whose in-flight
 /// output is sure to reach `max_tokens` (vLLM skips it). `broken` breaks
-/// [`Rule::PlainDecode`] (any prefill chunk and token count pass) and
-/// [`Rule::AsyncLastStep`] (test-only mutants).
+/// [`ScheduleRule::PlainDecode`] (any prefill chunk and token count pass) and
+/// [`ScheduleRule::AsyncLastStep`] (test-only mutants).
 pub fn plain_decode(r: &ScheduleFacts, step: &StepFacts, broken: BrokenRules) -> bool {
     let placeholders = r.num_output_placeholders;
-    let any_len = broken.breaks(Rule::PlainDecode);
+    let any_len = broken.breaks(ScheduleRule::PlainDecode);
     if (placeholders != 0 && !step.is_async)
         || (r.is_prefill_chunk && !any_len)
         || r.has_drafts
@@ -98,14 +109,14 @@ pub fn plain_decode(r: &ScheduleFacts, step: &StepFacts, broken: BrokenRules) ->
         return false;
     }
     !(placeholders != 0
-        && !broken.breaks(Rule::AsyncLastStep)
+        && !broken.breaks(ScheduleRule::AsyncLastStep)
         && r.num_computed_tokens + 2 - placeholders >= r.num_prompt_tokens + r.max_tokens)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{plain_decode, ScheduleFacts, StepFacts};
-    use crate::step::{BrokenRules, Rule};
+    use super::{plain_decode, ScheduleFacts, ScheduleRule as Rule, StepFacts};
+    use crate::step::BrokenRules;
 
     const NONE: BrokenRules = BrokenRules::NONE;
 

@@ -20,7 +20,26 @@
 //! - [`plan_append`] computes every write before any is made; it fails (nothing
 //!   written) where a count would leave `i64`.
 
-use super::{BrokenRules, Rule};
+use super::BrokenRules;
+
+crate::step_rules! {
+    /// The rules of `update_from_output()`'s per-request decision ([`is_steady`],
+    /// [`plan_append`]).
+    pub enum UpdateRule at 16 {
+        /// A sampled EOS stops the request: vLLM's code serves it.
+        StopEos = "stop_eos",
+        /// A sampled stop token id stops the request.
+        StopTokenIds = "stop_token_ids",
+        /// `max_tokens` / `max_model_len` stop the request.
+        StopLength = "stop_length",
+        /// Repetition detection is vLLM's to decide.
+        Repetition = "repetition",
+        /// A request asking for logprobs is vLLM's to serve.
+        Logprobs = "logprobs",
+        /// Async: a sampled token resolves its output placeholder.
+        ResolvePlaceholder = "resolve_placeholder",
+    }
+}
 use crate::error::{Error, Result};
 
 /// What vLLM's `check_stop` reads for one sampled token: the request's sampling
@@ -55,15 +74,15 @@ pub fn certainly_continues(
     max_model_len: i64,
     broken: BrokenRules,
 ) -> bool {
-    if stop.eos_token_id == Some(token) && !broken.breaks(Rule::StopEos) {
+    if stop.eos_token_id == Some(token) && !broken.breaks(UpdateRule::StopEos) {
         return false;
     }
     if stop.stop_token_ids.contains(&token) {
-        return broken.breaks(Rule::StopTokenIds);
+        return broken.breaks(UpdateRule::StopTokenIds);
     }
     let num_tokens = stop.num_tokens.saturating_add(1);
     let num_output_tokens = stop.num_output_tokens.saturating_add(1);
-    if !broken.breaks(Rule::StopLength)
+    if !broken.breaks(UpdateRule::StopLength)
         && (num_tokens >= max_model_len || num_output_tokens >= stop.max_tokens)
     {
         return false;
@@ -71,7 +90,7 @@ pub fn certainly_continues(
     if num_output_tokens < stop.min_tokens {
         return true;
     }
-    !stop.repetition_detection || broken.breaks(Rule::Repetition)
+    !stop.repetition_detection || broken.breaks(UpdateRule::Repetition)
 }
 
 /// What `update_from_output` reads of one scheduled request, besides its stop facts.
@@ -134,7 +153,7 @@ pub fn needs_only_append(facts: &UpdateFacts, step: &UpdateStep) -> bool {
         && !facts.pooling
         && !facts.prefill_stats
         && !facts.drafts
-        && !(step.has_logprobs && facts.num_logprobs && !step.broken.breaks(Rule::Logprobs))
+        && !(step.has_logprobs && facts.num_logprobs && !step.broken.breaks(UpdateRule::Logprobs))
         && !facts.prompt_logprobs
 }
 
@@ -270,7 +289,7 @@ pub fn plan_append(counts: &AppendCounts, step: &UpdateStep) -> Result<AppendPla
         .checked_sub(1)
         .ok_or_else(|| overflow("num_in_flight_tokens"))?;
     let resolve = if counts.num_output_placeholders != 0 {
-        let by = i64::from(!step.broken.breaks(Rule::ResolvePlaceholder));
+        let by = i64::from(!step.broken.breaks(UpdateRule::ResolvePlaceholder));
         let placeholders = counts
             .num_output_placeholders
             .checked_sub(by)
@@ -313,6 +332,7 @@ pub fn completes_no_block(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use UpdateRule as Rule;
 
     fn stop(ids: &[i64]) -> StopFacts<'_> {
         StopFacts {

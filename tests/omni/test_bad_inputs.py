@@ -214,7 +214,9 @@ def test_non_aligned_hit_is_refused_before_anything_changes() -> None:
     assert cache.rules.num_live == live and not cache.rules.has_pending_step
 
 
-@pytest.mark.parametrize("mutant", [None, "continuation_hit"])
+@pytest.mark.parametrize(
+    "mutant", [None, pytest.param("continuation_hit", marks=pytest.mark.hooks)]
+)
 def test_a_live_request_resent_as_new_gets_this_steps_rows(mutant: str | None) -> None:
     """A request resent among ``scheduled_new_reqs`` while live (vllm-omni's async-chunk
     continuation, vLLM's V2-runner resumption) gets this step's rows only, as vllm-omni

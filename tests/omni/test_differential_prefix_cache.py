@@ -197,6 +197,7 @@ MUTANTS = [
 ]
 
 
+@pytest.mark.hooks
 @pytest.mark.parametrize(("mutant", "unsaved"), MUTANTS)
 def test_rule_mutants_are_caught(mutant: str, unsaved: float) -> None:
     caught = 0
@@ -218,6 +219,7 @@ def test_rule_mutants_are_caught(mutant: str, unsaved: float) -> None:
 CAUGHT_ELSEWHERE = {"continuation_hit"}
 
 
+@pytest.mark.hooks
 def test_every_omni_rule_mutant_is_caught_somewhere() -> None:
     from hscache._core import OmniStepRules
 

@@ -47,7 +47,8 @@ import vllm_omni  # noqa: F401 (its patch)
 from vllm_omni.engine import OmniEngineCoreOutput
 from vllm_omni.request import OmniRequest
 from hscache.testing.offline_scheduler import make_scheduler
-from hscache.vllm import Scheduler, fast_step, mirror
+from hscache.vllm import Scheduler, mirror
+from hscache.vllm.step import rules as step_rules
 
 patched = scheduler_module.EngineCoreOutput is OmniEngineCoreOutput
 off = make_scheduler(Scheduler, 256, block_size=16).fast_step
@@ -57,7 +58,7 @@ lines = sorted({
 })
 # vLLM's own struct back where the scheduler builds it: OmniRequest alone stays.
 scheduler_module.EngineCoreOutput = vllm_output
-fast_step.EngineCoreOutput = vllm_output
+step_rules.EngineCoreOutput = vllm_output
 mirror._reset()
 on = make_scheduler(Scheduler, 256, block_size=16)
 print(json.dumps({

@@ -21,6 +21,7 @@ import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
 
 from tests.robustness.bad_inputs import (
+    HOOK_BUILDS,
     Accepted,
     Row,
     Surface,
@@ -30,17 +31,24 @@ from tests.robustness.bad_inputs import (
     manager,
     omni,
     pool,
+    step_schedule,
     step_update,
 )
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "bad_inputs.md"
-MODULES = (manager, pool, encoder, hasher, hidden, omni, step_update)
+MODULES = (manager, pool, encoder, hasher, hidden, omni, step_schedule, step_update)
 ROWS: list[Row] = [r for m in MODULES for r in m.ROWS]
 ACCEPTED: list[Accepted] = [a for m in MODULES for a in m.ACCEPTED]
 SURFACES: list[Surface] = [s for m in MODULES for s in m.SURFACES]
 
 
-@pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
+@pytest.mark.parametrize(
+    "row",
+    [
+        pytest.param(r, id=r.id, marks=[pytest.mark.hooks] if r.build in HOOK_BUILDS else [])
+        for r in ROWS
+    ],
+)
 def test_bad_input_raises_typed_and_changes_nothing(row: Row) -> None:
     ctx = row.build()
     before = ctx.fingerprint()
@@ -56,7 +64,13 @@ def test_bad_input_raises_typed_and_changes_nothing(row: Row) -> None:
     assert ctx.fingerprint() == before, "state changed"
 
 
-@pytest.mark.parametrize("row", ACCEPTED, ids=[a.id for a in ACCEPTED])
+@pytest.mark.parametrize(
+    "row",
+    [
+        pytest.param(a, id=a.id, marks=[pytest.mark.hooks] if a.build in HOOK_BUILDS else [])
+        for a in ACCEPTED
+    ],
+)
 def test_accepted_input_does_not_raise(row: Accepted) -> None:
     ctx = row.build()
     try:

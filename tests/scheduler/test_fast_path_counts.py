@@ -3,7 +3,7 @@
 A small real vLLM scheduler (built offline) steps a few requests through admission,
 prefill and decode; the counters must count every ``schedule()`` call, every request
 handed to ``update_from_output()``, and exactly the calls and requests the fast path
-served (observed by wrapping ``hscache.vllm.fast_step``'s entry points), with the fast
+served (observed by wrapping ``hscache.vllm.step``'s entry points), with the fast
 path on and off.
 """
 
@@ -16,7 +16,8 @@ import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
 from hscache.testing.offline_scheduler import make_scheduler, stub_runner_output
 from hscache.testing.requests import init_none_hash, make_request, request_block_hasher
-from hscache.vllm import AsyncScheduler, Scheduler, fast_step
+from hscache.vllm import AsyncScheduler, Scheduler
+from hscache.vllm import step as fast_step
 from hscache.vllm.scheduler import FAST_PATH_COUNTS
 
 pytestmark = pytest.mark.vllm

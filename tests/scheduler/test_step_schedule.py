@@ -1,12 +1,12 @@
-"""``KVCacheCore.schedule_decodes`` (``src/python/step_schedule.rs``), the ``schedule()``
+"""``hscache._core.StepSchedule`` (``src/python/step_schedule.rs``), the ``schedule()``
 phase of the steady decode step, call by call against vLLM's own manager.
 
 The differential (``test_scheduler_fast_path.py``) proves the fast path end to end; this
 file pins the call's contract: the decision is all-or-nothing and changes nothing when it
 refuses, the allocations are vLLM's ``allocate_slots(request, 1)`` per request with
 ``get_block_ids(allow_none=True)``'s ids (full attention and a sliding-window hybrid),
-it stops at the first request that does not fit and resumes there, and the rule names it
-takes are ``fast_step.RULES``.
+it stops at the first request that does not fit and resumes there, and its rule names
+are the core's ``ScheduleRule``s, listed in ``step.RULES``.
 """
 
 from __future__ import annotations
@@ -16,16 +16,18 @@ from typing import Any
 import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
 from hscache import exceptions as hx
-from hscache._core import plain_decodes
+from hscache._core import StepSchedule
 from hscache.bench.layouts import layout_config
 from hscache.testing.manager import manager_kwargs
 from hscache.testing.requests import init_none_hash, make_request
-from hscache.vllm import KVCacheManager, fast_step
+from hscache.vllm import KVCacheManager
+from hscache.vllm.step import rules
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 
 pytestmark = pytest.mark.vllm
 
-STEP = {"step": 1, "is_async": False, "max_model_len": 4096, "num_sampled_tokens_per_step": 1}
+SYNC = StepSchedule(is_async=False, max_model_len=4096, num_sampled_tokens_per_step=1)
+ASYNC = StepSchedule(is_async=True, max_model_len=4096, num_sampled_tokens_per_step=1)
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +64,7 @@ def test_allocations_are_vllms_per_request(layout: str) -> None:
     # Prompts of 15, 16 and 17 tokens: the decode fits in place, needs a new block, fits.
     pairs = [p for i, n in enumerate((15, 16, 17)) for p in _prefilled((ours, theirs), 1, n, i)]
     ours_running = [a for a, _ in pairs]
-    result = ours.schedule_decodes(ours_running, 0, **STEP)
+    result = SYNC.decodes(ours, ours_running, 0, 1)
     assert result is not None
     done, new_block_ids, computed, outputs = result
     expected = []
@@ -86,11 +88,11 @@ def test_refusal_changes_nothing() -> None:
     running = [a for a, _ in pairs]
     running[2].num_computed_tokens -= 1  # two tokens to compute: not a plain decode
     before = ours.state_digest()
-    assert ours.schedule_decodes(running, 0, **STEP) is None
+    assert SYNC.decodes(ours, running, 0, 1) is None
     assert ours.state_digest() == before
-    assert plain_decodes(running, **STEP) is None
+    assert SYNC.plain_decodes(running, 1) is None
     running[2].num_computed_tokens += 1
-    assert plain_decodes(running, **STEP) == ([16, 16, 16], [1, 1, 1])
+    assert SYNC.plain_decodes(running, 1) == ([16, 16, 16], [1, 1, 1])
 
 
 def test_stops_at_the_first_that_does_not_fit_and_resumes() -> None:
@@ -99,7 +101,7 @@ def test_stops_at_the_first_that_does_not_fit_and_resumes() -> None:
     ours, theirs = _managers("full", 6)
     pairs = _prefilled((ours, theirs), 3, 16)
     running = [a for a, _ in pairs]
-    result = ours.schedule_decodes(running, 0, **STEP)
+    result = SYNC.decodes(ours, running, 0, 1)
     assert result is not None
     done, new_block_ids, _, _ = result
     assert done == 2 and len(new_block_ids) == 2
@@ -110,7 +112,7 @@ def test_stops_at_the_first_that_does_not_fit_and_resumes() -> None:
     # which only allocates.
     ours.free(running[0])
     theirs.free(pairs[0][1])
-    resumed = ours.schedule_decodes(running, 2, **STEP)
+    resumed = SYNC.decodes(ours, running, 2, 1)
     assert resumed is not None
     done, more, computed, outputs = resumed
     expected = theirs.allocate_slots(pairs[2][1], 1)
@@ -118,10 +120,14 @@ def test_stops_at_the_first_that_does_not_fit_and_resumes() -> None:
     assert (done, more, computed, outputs) == (3, [expected.get_block_ids(allow_none=True)], [], [])
 
 
-def test_rule_names_are_fast_steps() -> None:
-    assert plain_decodes([], **STEP, broken_rules=fast_step.RULES) == ([], [])
-    with pytest.raises(hx.InvalidArgumentError):
-        plain_decodes([], **STEP, broken_rules=["no_such_rule"])
+def test_rule_names_are_listed_and_bad_arguments_refused() -> None:
+    assert set(StepSchedule.RULES) == {"plain_decode", "async_last_step"}
+    assert set(StepSchedule.RULES) <= set(rules.RULES)
+    for bad in ({"max_model_len": -1}, {"num_sampled_tokens_per_step": -1}):
+        args = {"is_async": False, "max_model_len": 16, "num_sampled_tokens_per_step": 1}
+        with pytest.raises(hx.InvalidArgumentError):
+            StepSchedule(**{**args, **bad})
+    assert (SYNC.is_async, SYNC.max_model_len, SYNC.num_lookahead_tokens) == (False, 4096, 0)
 
 
 def test_async_placeholder_is_the_token_to_compute() -> None:
@@ -129,9 +135,7 @@ def test_async_placeholder_is_the_token_to_compute() -> None:
     ((a, _),) = _prefilled(managers, 1, 20)
     a.num_computed_tokens += 1  # the output token's decode is in flight
     a.num_output_placeholders = 1
-    step = {**STEP, "is_async": True}
-    assert plain_decodes([a], **STEP) is None  # placeholders need async scheduling
-    assert plain_decodes([a], **step) == ([21], [2])
+    assert SYNC.plain_decodes([a], 1) is None  # placeholders need async scheduling
+    assert ASYNC.plain_decodes([a], 1) == ([21], [2])
     a.max_tokens = a.num_output_tokens + 1  # the in-flight output reaches max_tokens
-    assert plain_decodes([a], **step) is None
-    assert plain_decodes([a], **step, broken_rules={"async_last_step"}) == ([21], [2])
+    assert ASYNC.plain_decodes([a], 1) is None

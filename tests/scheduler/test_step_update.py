@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
 from hscache.testing.requests import init_none_hash, make_request, request_block_hasher
-from hscache.vllm import fast_step
+from hscache.vllm.step import update as step_update
 from vllm.v1.engine import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput
 from vllm.v1.request import Request, RequestStatus
 
@@ -63,7 +63,7 @@ def _step(requests: dict[str, Request], token: int) -> Any:
     for r in requests.values():
         r.num_in_flight_tokens = 1
     ids = list(requests)
-    return fast_step._STEP_UPDATE.split(
+    return step_update._STEP_UPDATE.split(
         requests,
         dict.fromkeys(ids, 1),
         [[token] for _ in ids],

@@ -26,7 +26,8 @@ import vllm
 from hscache.testing.offline_scheduler import make_scheduler, stub_runner_output
 from hscache.testing.requests import make_request
 from hscache.vllm import Scheduler as HscacheScheduler
-from hscache.vllm import _mirror_table, fast_step, mirror
+from hscache.vllm import _mirror_table, mirror
+from hscache.vllm import step as fast_step
 from vllm.v1.core.sched import scheduler as vllm_scheduler_module
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 from vllm.v1.request import Request
@@ -106,7 +107,7 @@ def test_table_matches_the_installed_vllm() -> None:
 
 def test_unpatched_it_is_on(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
-    assert mirror.proven(fast_step.EngineCoreOutput)
+    assert mirror.proven(EngineCoreOutput)
     sched = _scheduler()
     assert sched.fast_step
     # A Request subclass that only adds fields (vllm-omni's OmniRequest's shape) is covered.
@@ -165,7 +166,7 @@ def test_request_method_wrapped_after_the_check_turns_it_off(
     """Wrapped after the fingerprint was taken (the hash matched): the class check on the
     first request of that class finds vLLM's method replaced."""
     caplog.set_level(logging.INFO)
-    assert mirror.proven(fast_step.EngineCoreOutput)
+    assert mirror.proven(EngineCoreOutput)
     sched = _scheduler()
     assert sched.fast_step
     monkeypatch.setattr(Request, "append_output_token_ids", _counting([]))

@@ -4,7 +4,7 @@ vLLM's real ``Scheduler`` (built offline, :mod:`hscache.testing.offline_schedule
 ``running`` requests decoding, stub model outputs, side by side in one process on the same
 requests and tokens: stock vLLM (its own manager), ``hscache.vllm.Scheduler`` with the fast
 path off (hscache's manager only, ``HSCACHE_FAST_STEP=0``) and on
-(:mod:`hscache.vllm.fast_step`). Reported per configuration: the median
+(:mod:`hscache.vllm.step`). Reported per configuration: the median
 ``schedule() + update_from_output()`` time per step over the timed steps of every repeat,
 as CPU time of the stepping thread (``time.thread_time_ns``): on a shared machine a
 millisecond-long step is often descheduled, which wall time would count (and count more
@@ -105,7 +105,7 @@ def run_decode(
     from hscache.bench.layouts import layout_config
     from hscache.testing.offline_scheduler import make_scheduler, summarize_output
     from hscache.testing.requests import init_none_hash
-    from hscache.vllm import fast_step
+    from hscache.vllm import step as fast_path
 
     init_none_hash("sha256")
     groups = len(layout.split("+"))
@@ -167,7 +167,7 @@ def run_decode(
 
     # One untimed step on every side (the same stream): on the fast side it tells
     # whether the fast path serves this layout's steady step.
-    probe = fast_step.schedule
+    probe = fast_path.schedule
     served_steps: list[Any] = []
 
     def probed(*a: Any, **kw: Any) -> Any:
@@ -175,11 +175,11 @@ def run_decode(
         served_steps.append(out)
         return out
 
-    fast_step.schedule = probed
+    fast_path.schedule = probed
     try:
         one_step(-1)
     finally:
-        fast_step.schedule = probe
+        fast_path.schedule = probe
     if served is not None:
         served.append(any(o is not None for o in served_steps))
     times: list[int] = []
@@ -255,4 +255,4 @@ def fast_path_off_reason(layout: str) -> str:
         return (
             "Mamba 'align' mode: vLLM splits chunks block-aligned (need_mamba_block_aligned_split)"
         )
-    return "a step condition of hscache.vllm.fast_step.schedule failed"
+    return "a step condition of hscache.vllm.step.schedule failed"

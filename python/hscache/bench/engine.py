@@ -12,7 +12,7 @@ own process, alternated (the order rotates every repeat):
 - ``hscache``: ``hscache.vllm.AsyncScheduler`` (``Scheduler`` with ``--sync``) with
   ``HSCACHE_FAST_STEP=0``: hscache's KV-cache manager and block hasher only;
 - ``hscache+fast``: the same with the steady decode step's fast path
-  (:mod:`hscache.vllm.fast_step`).
+  (:mod:`hscache.vllm.step`).
 
 Each arm's process builds one engine (``max_num_seqs`` = the largest concurrency) and, per
 ``--concurrency``, submits that many requests at once (a shared 32-token prefix plus a
@@ -37,7 +37,7 @@ measured. The JSON also records the garbage collector's share (0.1 % in every ar
 (greedy; a difference is reported and makes the command exit 1), every hscache arm ran on
 hscache's scheduler and KV-cache manager, and the fast path served steps in the
 ``hscache+fast`` arm and none in the ``hscache`` arm (counted by wrapping
-``fast_step.schedule`` / ``fast_step.split_update`` in the arm's process: the
+``hscache.vllm.step.schedule`` / ``split_update`` in the arm's process: the
 ``schedule()`` steps it served, and the share of the output tokens whose
 ``update_from_output()`` it served; with async scheduling it takes only the steady
 outputs before the first one vLLM must serve, so finishing requests cost it more).
@@ -161,16 +161,16 @@ class _Timer:
 
 
 class _FastPathCounter:
-    """Counts what :mod:`hscache.vllm.fast_step` served (its module functions wrapped:
+    """Counts what :mod:`hscache.vllm.step` served (its module functions wrapped:
     the scheduler mixin calls them through the module)."""
 
     def __init__(self) -> None:
-        from hscache.vllm import fast_step
+        from hscache.vllm import step as fast_path
 
         self.steps = 0
         self.updates = 0
         self.requests = 0
-        sched, split = fast_step.schedule, fast_step.split_update
+        sched, split = fast_path.schedule, fast_path.split_update
 
         def schedule(*args: Any, **kwargs: Any) -> Any:
             out = sched(*args, **kwargs)
@@ -184,8 +184,8 @@ class _FastPathCounter:
                 self.requests += len(out[1])
             return out
 
-        fast_step.schedule = schedule
-        fast_step.split_update = split_update
+        fast_path.schedule = schedule
+        fast_path.split_update = split_update
 
     def take(self) -> dict[str, int]:
         out = {"steps": self.steps, "updates": self.updates, "requests": self.requests}

@@ -5,7 +5,7 @@ most of the time, a queue waits, requests finish and arrive every few steps, adm
 prefill in chunks under the token budget while the others decode. This module drives vLLM's
 real ``Scheduler`` (built offline, :mod:`hscache.testing.offline_scheduler`) through such a
 seeded trace, stock (vLLM's own manager) and ``hscache.vllm.Scheduler`` (hscache's manager
-and its fast path, :mod:`hscache.vllm.fast_step`), side by side in one process on the same
+and its fast path, :mod:`hscache.vllm.step`), side by side in one process on the same
 requests and sampled tokens:
 
 - ``running`` requests at most (``max_num_seqs``); before every step the queue is topped

@@ -1,6 +1,6 @@
 """What the fast path mirrors of vLLM, and the check that it is the code that was tested.
 
-``hscache.vllm.fast_step`` (with ``src/python/step_schedule.rs``, ``step_update.rs`` and
+``hscache.vllm.step`` (with ``src/python/step_schedule.rs``, ``step_update.rs`` and
 ``src/step/``) does, for steady decode steps, what these pieces of vLLM do, without
 calling them:
 

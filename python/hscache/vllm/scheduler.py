@@ -35,7 +35,7 @@ from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
 
-from hscache.vllm import fast_step, mirror
+from hscache.vllm import mirror, step
 from hscache.vllm.block_hasher import install_block_hasher
 from hscache.vllm.plugin import scheduler_bindings, use_vllm_log_handler
 from hscache.vllm.version import require
@@ -84,7 +84,7 @@ class HscacheSchedulerMixin:
 
 
 class _FastStepMixin:
-    """The steady decode step's fast path (``hscache.vllm.fast_step``) in front of vLLM's
+    """The steady decode step's fast path (``hscache.vllm.step``) in front of vLLM's
     ``schedule()`` / ``update_from_output()``, where the vLLM version's profile enables it,
     ``HSCACHE_FAST_STEP`` is not ``0`` and the vLLM code it mirrors is the code tested, for
     this scheduler's class and every request's (``hscache.vllm.mirror``); ``_is_async``
@@ -104,7 +104,7 @@ class _FastStepMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fast_step = fast_step.enabled() and mirror.scheduler_covered(type(self))
+        self.fast_step = step.enabled() and mirror.scheduler_covered(type(self))
         self.fast_path_counts: dict[str, int] = dict.fromkeys(FAST_PATH_COUNTS, 0)
 
     def add_request(self, request: Any) -> None:
@@ -118,7 +118,7 @@ class _FastStepMixin:
         counts = self.fast_path_counts
         counts["schedule_steps"] += 1
         if self.fast_step:
-            out = fast_step.schedule(self, throttle_prefills, is_async=self._is_async)
+            out = step.schedule(self, throttle_prefills, is_async=self._is_async)
             if out is not None:
                 counts["schedule_served"] += 1
                 return out
@@ -130,14 +130,14 @@ class _FastStepMixin:
         counts = self.fast_path_counts
         counts["update_requests"] += len(scheduler_output.num_scheduled_tokens)
         if self.fast_step:
-            split = fast_step.split_update(
+            split = step.split_update(
                 self, scheduler_output, model_runner_output, is_async=self._is_async
             )
             if split is not None:
                 rest, built = split
                 counts["update_served"] += len(built)
                 outputs = super().update_from_output(rest, model_runner_output)  # type: ignore[misc]
-                return fast_step.merge_outputs(scheduler_output, outputs, built)
+                return step.merge_outputs(scheduler_output, outputs, built)
         return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc,no-any-return]
 
 

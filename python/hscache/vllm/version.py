@@ -125,7 +125,7 @@ class VllmProfile:
     included; ``dcp_world_size_for_kv_cache_spec``)."""
     fast_step: bool = False
     """``hscache.vllm.Scheduler`` serves steady decode steps with its fast path
-    (``hscache.vllm.fast_step``): the versions whose scheduler-level differential with
+    (``hscache.vllm.step``): the versions whose scheduler-level differential with
     the fast path on (``tests/scheduler/test_scheduler_fast_path.py``) passes. The fast path
     follows each version's ``schedule()`` / ``update_from_output()`` by the fields below."""
     prefill_cadence: bool = True

@@ -31,6 +31,17 @@ class Ctx:
     x: dict[str, Any] = field(default_factory=dict)
 
 
+HOOK_BUILDS: set[Callable[[], Ctx]] = set()
+"""The builds that arm a test-only switch (a broken invariant to poison a manager): their
+rows run only with the test-hooks extension (the ``hooks`` marker, ``tests/conftest.py``)."""
+
+
+def needs_hooks(build: Callable[[], Ctx]) -> Callable[[], Ctx]:
+    """Registers ``build`` in :data:`HOOK_BUILDS`."""
+    HOOK_BUILDS.add(build)
+    return build
+
+
 Call = Callable[[Any, Ctx], Any]
 """A row's call: ``call(f, ctx)``, ``f`` being ``getattr(ctx.t, method)`` (None for a
 module function or a constructor, which the call names itself)."""

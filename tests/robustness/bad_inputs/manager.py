@@ -17,13 +17,13 @@ from typing import Any
 
 import numpy as np
 from hscache import exceptions as hx
-from hscache._core import HiSparseCore, KVCacheCoordinatorCore, plain_decodes
+from hscache._core import HiSparseCore, KVCacheCoordinatorCore
 from hscache.testing.kv_cache import full_attention_config
 from hscache.testing.manager import manager_kwargs
 from hscache.testing.requests import make_request
 from hscache.vllm import KVCacheManager
 
-from . import Ctx, Surface, makers
+from . import Ctx, Surface, makers, needs_hooks
 
 PROMPT = list(range(70))
 IA, BI, UR, TE = hx.InvalidArgumentError, hx.BlockIdError, hx.UnknownRequestError, TypeError
@@ -56,6 +56,7 @@ def manager(**overrides: Any) -> Ctx:
     return _ctx(m, a=a, other=other)
 
 
+@needs_hooks
 def poisoned() -> Ctx:
     """A manager poisoned by a broken invariant found after a call (checked mode)."""
     ctx = manager()
@@ -70,6 +71,7 @@ def poisoned() -> Ctx:
     return ctx
 
 
+@needs_hooks
 def broken() -> Ctx:
     """A broken invariant that no call has checked yet (the manager is not poisoned)."""
     ctx = manager()
@@ -136,33 +138,6 @@ def _batch(c: Ctx, computed: Any = None, new: Any = None, **kw: Any) -> Any:
     reqs = kw.pop("requests", [c.x["a"]] * n)
     handles = kw.pop("handles", [_handle(c)] * n)
     return c.t.allocate_slots_batch(reqs, handles, computed, [1] * n if new is None else new, **kw)
-
-
-def _decodes(c: Ctx, running: Any = None, start: Any = 0, **kw: Any) -> Any:
-    """``schedule_decodes`` for ``running`` (default: request ``a``, a plain decode that
-    fits in the blocks it holds) at step 1 of a synchronous scheduler."""
-    if running is None:
-        running = [_decode("a")]
-    args = {"step": 1, "is_async": False, "max_model_len": 1000, "num_sampled_tokens_per_step": 1}
-    return c.t.schedule_decodes(running, start, **{**args, **kw})
-
-
-def _decode(rid: str) -> Any:
-    """Request ``rid`` (``PROMPT``) with all but its last token computed."""
-    r = _req(rid)
-    r.num_computed_tokens = len(PROMPT) - 1
-    return r
-
-
-def _with(r: Any, **fields: Any) -> Any:
-    for name, value in fields.items():
-        setattr(r, name, value)
-    return r
-
-
-def _plain(running: Any, **kw: Any) -> Any:
-    args = {"step": 1, "is_async": False, "max_model_len": 1000, "num_sampled_tokens_per_step": 1}
-    return plain_decodes(running, **{**args, **kw})
 
 
 M = "KVCacheManager"
@@ -375,73 +350,6 @@ ROWS = [
     R("allocate_slots_batch", "a stale handle", UR, lambda f, c: _batch(c, handles=[12345])),
     R("allocate_slots_batch", "handles hold a str", IA, lambda f, c: _batch(c, handles=["a"])),
     R("allocate_slots_batch", "one handle twice", IA, lambda f, c: _batch(c, [70, 70], [1, 1])),
-    R("schedule_decodes", "running is a tuple", TE, lambda f, c: _decodes(c, (_decode("a"),))),
-    R("schedule_decodes", "running holds None", TE, lambda f, c: _decodes(c, [None])),
-    R(
-        "schedule_decodes",
-        "a request unknown to the core",
-        UR,
-        lambda f, c: _decodes(c, [_decode("a"), _decode("q")]),
-    ),
-    R("schedule_decodes", "negative start", IA, lambda f, c: _decodes(c, start=-1)),
-    R("schedule_decodes", "start past the end", IA, lambda f, c: _decodes(c, start=2)),
-    R("schedule_decodes", "start is a str", TE, lambda f, c: _decodes(c, start="0")),
-    R(
-        "schedule_decodes",
-        "a resumed call whose later request's num_computed_tokens is a str",
-        TE,
-        lambda f, c: _decodes(
-            c, [_decode("a"), _decode("a"), _with(_decode("a"), num_computed_tokens="x")], start=1
-        ),
-    ),
-    R("schedule_decodes", "step is None", TE, lambda f, c: _decodes(c, step=None)),
-    R("schedule_decodes", "negative max_model_len", IA, lambda f, c: _decodes(c, max_model_len=-1)),
-    R(
-        "schedule_decodes",
-        "negative num_lookahead_tokens",
-        IA,
-        lambda f, c: _decodes(c, num_lookahead_tokens=-1),
-    ),
-    R(
-        "schedule_decodes",
-        "an unknown broken rule",
-        IA,
-        lambda f, c: _decodes(c, broken_rules={"nope"}),
-    ),
-    R(
-        "schedule_decodes",
-        "broken_rules hold an int",
-        TE,
-        lambda f, c: _decodes(c, broken_rules=[1]),
-    ),
-    R(
-        "schedule_decodes",
-        "num_computed_tokens is a str",
-        TE,
-        lambda f, c: _decodes(c, [_with(_decode("a"), num_computed_tokens="69")]),
-    ),
-    R(
-        "schedule_decodes",
-        "negative num_computed_tokens",
-        IA,
-        lambda f, c: _decodes(c, [_with(_decode("a"), num_computed_tokens=-1)]),
-    ),
-    R(
-        "schedule_decodes",
-        "on a poisoned manager",
-        hx.InternalError,
-        lambda f, c: _decodes(c),
-        poisoned,
-    ),
-    R("plain_decodes", "running is None", TE, lambda f, c: _plain(None)),
-    R("plain_decodes", "running holds an int", TE, lambda f, c: _plain([5])),
-    R("plain_decodes", "an unknown broken rule", IA, lambda f, c: _plain([], broken_rules=["x"])),
-    R(
-        "plain_decodes",
-        "negative num_sampled_tokens_per_step",
-        IA,
-        lambda f, c: _plain([], num_sampled_tokens_per_step=-1),
-    ),
     R("free_batch", "float64 handles", TE, lambda f, c: f(np.array([float(_handle(c))]))),
     R("free_batch", "one handle twice", IA, lambda f, c: f([_handle(c)] * 2)),
     R("free_batch", "a handle naming no request", UR, lambda f, c: f([12345])),
@@ -649,18 +557,6 @@ ACCEPTED = [
         lambda f, c: _batch(c, np.array([70, 0])[::2], np.array([1, 0])[::2]),
     ),
     A(
-        "schedule_decodes",
-        "a request that is not a plain decode",
-        "the step is vLLM's to serve: None, nothing changed",
-        lambda f, c: _decodes(c, [c.x["a"]]),
-    ),
-    A(
-        "schedule_decodes",
-        "start at the end",
-        "a resumed call with nothing left to allocate",
-        lambda f, c: _decodes(c, start=1),
-    ),
-    A(
         "num_common_prefix_blocks",
         "unknown request id",
         "vLLM 0.30: zeros, and the id counts as a holder from then on (its defaultdict)",
@@ -702,7 +598,6 @@ SURFACES = [
     Surface(
         M,
         classes=(KVCacheManager,),
-        functions=(plain_decodes,),
         internal={
             "core_": "bindings under the Python manager's own methods (batch API, retention, "
             "explain mode, KV events); their public entry points have rows",

@@ -16,7 +16,7 @@ from hscache._core import BlockPoolCore
 from hscache.testing.requests import make_request
 from hscache.vllm.block_pool import BlockPool
 
-from . import Ctx, Surface, makers
+from . import Ctx, Surface, makers, needs_hooks
 from . import manager as mgr
 
 IA, BI, BH, DF, TE = (
@@ -39,6 +39,7 @@ def pool() -> Ctx:
     return _view(mgr.manager())
 
 
+@needs_hooks
 def poisoned() -> Ctx:
     return _view(mgr.poisoned())
 

@@ -1,5 +1,5 @@
 """Rows of ``hscache._core.StepUpdate``: the steady requests of a step's
-``update_from_output`` (``hscache.vllm.fast_step.split_update``).
+``update_from_output`` (``hscache.vllm.step.update.split_update``).
 
 The target holds no state; the fingerprint is what a call could write: every request's
 tokens, block hashes, counters and events. The requests are running decodes, the first
@@ -72,7 +72,6 @@ def _split(c: Ctx, **overrides: Any) -> Any:
         "max_model_len": 4096,
         "is_async": False,
         "cache_blocks": None,
-        "broken": (),
     }
     args.update(overrides)
     return c.t.split(
@@ -207,8 +206,6 @@ ROWS = [
         lambda f, c: _split(c),
         with_b(request_id=[1]),
     ),
-    R("split", "an unknown broken rule", IA, lambda f, c: _split(c, broken=["nope"])),
-    R("split", "broken rules that are not str", TE, lambda f, c: _split(c, broken=[1])),
     R("split", "max_model_len a str", TE, lambda f, c: _split(c, max_model_len="4096")),
     R("split", "max_model_len = 2**70", IA, lambda f, c: _split(c, max_model_len=2**70)),
 ]

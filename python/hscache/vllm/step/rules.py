@@ -1,0 +1,56 @@
+"""The fast path's rules, by name: the ones the Python glue applies (this file) and the
+core's (``src/step/schedule.rs``'s ``ScheduleRule``, ``src/step/update.rs``'s
+``UpdateRule``, read from the bindings), and whether the fast path is on.
+
+Each rule has a mutant, the rule broken alone, that the scheduler differential
+(``tests/scheduler/test_scheduler_fast_path.py``) must catch. The core's mutants are armed
+by the test-only hook ``tests/scheduler/mutants.py``; the glue's are the names in
+:data:`BROKEN`, empty here and set only by that hook.
+"""
+
+from __future__ import annotations
+
+import os
+
+from vllm.v1.engine import EngineCoreOutput
+
+from hscache._core import StepSchedule, StepUpdate
+from hscache.vllm import mirror
+from hscache.vllm.version import require
+
+__all__ = ["BROKEN", "CORE_RULES", "GLUE_RULES", "RULES", "enabled"]
+
+_PROFILE = require()
+
+GLUE_RULES = (
+    "waiting",  # a step with waiting requests is not served
+    "budget",  # the token budget does not bind
+    "preempt",  # pool pressure preempts from the tail (vLLM's FCFS rule)
+    "all_token_ids",  # requests not scheduled last step carry their tokens (MRV1)
+    "capacity_bound",  # the step records whether admissions were capacity-bound
+    "in_flight",  # scheduling counts the token in flight
+    # AsyncScheduler only:
+    "output_placeholders",  # scheduling adds the token's output placeholder
+)
+"""The rules :mod:`hscache.vllm.step.schedule` applies in Python."""
+
+CORE_RULES: tuple[str, ...] = (*StepSchedule.RULES, *StepUpdate.RULES)
+"""The rules the core applies (``plain_decode``, ``async_last_step``, ``stop_eos``, ...)."""
+
+RULES: tuple[str, ...] = (*GLUE_RULES, *CORE_RULES)
+"""Every rule of the fast path."""
+
+BROKEN: frozenset[str] = frozenset()
+"""The glue rules broken (test-only mutants): always empty outside the hook."""
+
+
+def enabled() -> bool:
+    """Whether the fast path serves steps: the version's profile says it was proven,
+    ``HSCACHE_FAST_STEP`` is not ``0``, and the installed vLLM's mirrored code is the code
+    tested (``hscache.vllm.mirror.proven``: exact version, fingerprint)."""
+    flag = os.environ.get("HSCACHE_FAST_STEP", "1").lower()
+    return (
+        _PROFILE.fast_step
+        and flag not in ("0", "false", "no", "off")
+        and mirror.proven(EngineCoreOutput)
+    )
