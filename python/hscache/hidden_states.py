@@ -271,6 +271,7 @@ class HiddenStateCache:
         fast_prefill: bool = False,
         num_reqs_padded: int | None = None,
         num_logits_padded: int = 0,
+        rereads: Collection[str] | None = None,
     ) -> StepPlan:
         """Plans a step from vLLM's ``SchedulerOutput``.
 
@@ -290,6 +291,10 @@ class HiddenStateCache:
         ``fast_prefill``: also plan the KV-sharing skip layers' reduced batch over this
         plan's layout (``StepPlan.prefill_skip``; a request samples once its prompt is
         complete; drafts from ``scheduled_spec_decode_tokens``).
+
+        ``rereads``: running requests that read their rows ``[0, end)`` again, their
+        tables unchanged: a first hit the mirror refused, which vLLM's scheduler rolled
+        back to a block boundary (its ``num_computed_tokens`` here) and recomputes.
         """
         return StepPlan(
             self._mirror.plan_scheduler_output(
@@ -300,6 +305,7 @@ class HiddenStateCache:
                 fast_prefill=fast_prefill,
                 num_reqs_padded=num_reqs_padded,
                 num_logits_padded=num_logits_padded,
+                rereads=frozenset(rereads) if rereads else None,
             ),
             self._device,
         )

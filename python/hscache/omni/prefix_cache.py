@@ -23,8 +23,10 @@ the ``SchedulerOutput`` itself (new requests' tables and hits, running requests'
 blocks, resumptions, finishes and preemptions), bumps the version of every block assigned
 fresh, lays out and checks the step's write slots, counts the rows written and validates
 every hit against the versions: a hit whose rows were not all written in their blocks'
-current versions is a miss, which this class reports as :class:`UnservableHitError`
-(never zeros, never another request's rows). The Rust ``OmniStepRules``
+current versions is a miss, never served (no zeros, no other request's rows): with
+recomputation on (``recompute_refused``, as hscache's switch builds it) the request is
+sent back to the scheduler for recomputation (:meth:`take_invalid_blocks`,
+:mod:`hscache.omni.refusals`), otherwise reported as :class:`UnservableHitError`. The Rust ``OmniStepRules``
 (``src/slots/omni_rules.rs``) takes the rest: the live requests, which new requests are
 first hits (block aligned, else ``InvalidArgumentError``), a step begun and never saved,
 the step's spans in the runner's batch order, which requests of a saved step are served
@@ -89,6 +91,14 @@ class _Key:
     @property
     def width(self) -> int:
         return math.prod(self.row_shape)
+
+
+class _Step(NamedTuple):
+    """A begun step: its ``SchedulerOutput`` and the recomputed requests whose rows the
+    mirror reads again (the rules' ``begin_step``)."""
+
+    output: Any
+    rereads: list[str]
 
 
 @dataclass
@@ -167,7 +177,10 @@ class OmniHiddenStateCache:
     ``kv_cache_group``: the KV-cache group whose block tables index the rows, the one that
     carries full-attention positions (:func:`hscache.hidden_states.full_attention_group`);
     vllm-omni knows group 0 of a one-group model only, hscache serves hybrid layouts too
-    (``config.block_size`` is then that group's block size).
+    (``config.block_size`` is then that group's block size). ``recompute_refused``: a
+    first hit whose rows cannot be served is sent back for recomputation instead of
+    refused (:meth:`take_invalid_blocks`; on where those blocks reach the scheduler, as
+    the runner hook :mod:`hscache.omni.refusals` does).
     """
 
     def __init__(
@@ -178,6 +191,7 @@ class OmniHiddenStateCache:
         eager: bool | None = None,
         settings: OmniSettings | None = None,
         kv_cache_group: int = 0,
+        recompute_refused: bool = False,
     ) -> None:
         del eager
         self._kv_cache_group = kv_cache_group
@@ -196,13 +210,13 @@ class OmniHiddenStateCache:
         self._keys: dict[str, _Key] = {}
         # SchedulerOutputs seen before the cache exists (it is built on the first saved
         # step with rows, when the outputs' widths are known); replayed into its mirror.
-        self._backlog: list[Any] = []
+        self._backlog: list[_Step] = []
         # The first saved step with rows had no per-token output: nothing is ever cached
         # (and no backlog kept).
         self._keyless = False
         # This step's SchedulerOutput, planned in the mirror at save (the batch order is
         # known then).
-        self._pending: Any = None
+        self._pending: _Step | None = None
         # Every decision (live requests, first hits, spans, who is served what, which
         # step ids and request ids may be consumed) is the Rust rules'; `_steps` holds
         # the saved steps' tensors.
@@ -210,6 +224,7 @@ class OmniHiddenStateCache:
             block_size=self._block_size,
             max_unconsumed_steps=self._settings.max_unconsumed_steps,
         )
+        self._rules.set_recompute_refused(bool(recompute_refused))
         # materialize / discard_step may run on vllm-omni's async output thread while the
         # engine thread saves the next step: the rules' step record and `_steps` change
         # under this lock (materialize reads only the step's own tensors, never the
@@ -247,6 +262,26 @@ class OmniHiddenStateCache:
         gathered``)."""
         return dict(self._rows_moved)
 
+    @property
+    def recompute_refused(self) -> bool:
+        """Whether a first hit the mirror refuses is sent back for recomputation."""
+        return self._rules.recompute_refused
+
+    def set_recompute_refused(self, on: bool) -> None:
+        """Turns recomputation of refused first hits on (where :meth:`take_invalid_blocks`
+        reaches the scheduler) or off (such a hit raises ``UnservableHitError``)."""
+        self._rules.set_recompute_refused(bool(on))
+
+    def take_invalid_blocks(self, step_id: int) -> list[int]:
+        """The blocks to report with saved step ``step_id``'s output as vLLM's
+        ``KVConnectorOutput.invalid_block_ids`` (taken once): per first hit of the step
+        sent back for recomputation, the first block whose rows were not written. vLLM's
+        scheduler then drops that request's output of the step and recomputes it from
+        that block (or fails it, under a connector's ``kv_load_failure_policy='fail'``);
+        its next step is served ``[cached prefix | rows]`` as a first hit."""
+        with self._lock:
+            return self._rules.take_invalid_blocks(step_id)
+
     def unconsumed_steps(self) -> list[int]:
         """Saved step ids not yet materialized or discarded."""
         return self._rules.unconsumed_steps()
@@ -267,9 +302,9 @@ class OmniHiddenStateCache:
         # The rules check the step (first hits block aligned), then take it; a step
         # never saved is planned without a write (its rows count as never written)
         # before this one.
-        unsaved = self._rules.begin_step(scheduler_output)
-        previous, self._pending = self._pending, scheduler_output
-        if unsaved:
+        unsaved, rereads = self._rules.begin_step(scheduler_output)
+        previous, self._pending = self._pending, _Step(scheduler_output, rereads)
+        if unsaved and previous is not None:
             self._plan_unsaved(previous)
 
     def save_outputs(
@@ -284,6 +319,8 @@ class OmniHiddenStateCache:
         n = int(num_tokens_unpadded)
         plan = self._rules.lay_out(self._view.batch_req_ids(), n)
         so = self._pending
+        if so is None:  # the rules refused the plan above: never reached
+            raise InvalidArgumentError("save_outputs without new_step_starts for this step")
         self._wait_for_room()
         rows, rest = _split(
             hidden_states, mm_outputs, n, int(num_tokens_padded), self._cache_hidden
@@ -318,7 +355,7 @@ class OmniHiddenStateCache:
         reads = step_rows.reads
         with self._lock:
             step_id, prefix, plain_rows, plain_sizes = self._rules.save(
-                plan, hits=reads.plan_indices, misses=reads.misses
+                plan, hits=reads.plan_indices, misses=reads.misses, miss_blocks=reads.miss_blocks
             )
             self._saving.add(step_id)
         # The copies run unlocked (the output thread may materialize an older step
@@ -411,14 +448,14 @@ class OmniHiddenStateCache:
         if isinstance(step_id, int) and step_id in self._saving:
             raise StepIdError(f"step {step_id} is still being saved")
 
-    def _plan_unsaved(self, so: Any) -> None:
+    def _plan_unsaved(self, so: _Step) -> None:
         """Applies a step nothing was saved for: its tables count, its rows do not."""
         if self._keyless:
             return
         if self._cache is None:
             self._backlog.append(so)
         else:
-            self._cache.update_from_scheduler_output(so)
+            self._cache.update_from_scheduler_output(so.output, rereads=so.rereads)
 
     def _check_keys(self, rows: Mapping[str, torch.Tensor]) -> dict[str, _Key]:
         """The step's per-token keys, checked against the cache's (same names, row
@@ -476,16 +513,16 @@ class OmniHiddenStateCache:
             pin_memory=pin,
         )
         for so in self._backlog:
-            cache.update_from_scheduler_output(so)
+            cache.update_from_scheduler_output(so.output, rereads=so.rereads)
         self._backlog.clear()
         self._cache = cache
         self._keys = keys
 
-    def _write(self, so: Any, plan: OmniSavePlan, flat: Mapping[str, torch.Tensor]) -> StepRows:
+    def _write(self, so: _Step, plan: OmniSavePlan, flat: Mapping[str, torch.Tensor]) -> StepRows:
         """Plans, writes and commits the step in the mirror; gathers its served hits."""
         cache = self._cache
         assert cache is not None
-        step = cache.update_from_scheduler_output(so, order=plan.req_ids)
+        step = cache.update_from_scheduler_output(so.output, order=plan.req_ids, rereads=so.rereads)
         if step.num_rows != plan.num_rows:
             raise InvalidArgumentError(
                 f"the step has {plan.num_rows} rows; the mirror planned {step.num_rows}"
