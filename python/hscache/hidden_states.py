@@ -417,6 +417,32 @@ class HiddenStateCache:
         self._write_rows(plan, rows, reduced)
         return self._mirror.commit(plan.step_id, plan.mirror_id)
 
+    def commit(self, plan: StepPlan) -> SlotReads:
+        """Commits the step in the mirror before its rows are written (the rows then go in
+        with :meth:`write_committed`, before any later read of the storage): the step's
+        writes are counted, its reads validated. For a caller that moves the rows to the
+        storage asynchronously and orders every storage access itself."""
+        self._check_plan(plan)
+        return self._mirror.commit(plan.step_id, plan.mirror_id)
+
+    def write_committed(
+        self, plan: StepPlan, reads: SlotReads, outputs: Mapping[str, torch.Tensor]
+    ) -> StepRows:
+        """Writes the rows of a step :meth:`commit` took, then serves its reads (the
+        second half of :meth:`write_and_gather`); the caller keeps the order of steps."""
+        if not isinstance(plan, StepPlan) or not isinstance(reads, SlotReads):
+            raise TypeError(
+                f"expected (StepPlan, SlotReads), got ({type(plan).__name__}, "
+                f"{type(reads).__name__})"
+            )
+        if plan.mirror_id != self._mirror_id or reads.step_id != plan.step_id:
+            raise InvalidArgumentError(
+                f"reads of step {reads.step_id} with plan {plan.step_id} of another cache"
+            )
+        rows, reduced = self._checked_rows(plan, outputs)
+        self._write_rows(plan, rows, reduced)
+        return self._rows(plan, reads, outputs)
+
     def _check_plan(self, plan: StepPlan) -> None:
         if not isinstance(plan, StepPlan):
             raise TypeError(f"expected a StepPlan (plan_step's result), got {type(plan).__name__}")

@@ -26,9 +26,10 @@ every hit against the versions: a hit whose rows were not all written in their b
 current versions is a miss, never served (no zeros, no other request's rows): with
 recomputation on (``recompute_refused``, as hscache's switch builds it) the request is
 sent back to the scheduler for recomputation (:meth:`take_invalid_blocks`,
-:mod:`hscache.omni.refusals`), otherwise reported as :class:`UnservableHitError`. The Rust ``OmniStepRules``
-(``src/slots/omni_rules.rs``) takes the rest: the live requests, which new requests are
-first hits (block aligned, else ``InvalidArgumentError``), a step begun and never saved,
+:mod:`hscache.omni.refusals`), otherwise reported as :class:`UnservableHitError`. The
+Rust ``OmniStepRules`` (``src/slots/omni_rules.rs``) takes the rest: the live requests,
+which new requests are first hits (block aligned, else ``InvalidArgumentError``), a step
+begun and never saved,
 the step's spans in the runner's batch order, which requests of a saved step are served
 their prefix, refused (with the reason) or served this step's rows, which step ids
 (issued here, not consumed yet, at most ``max_unconsumed_steps`` waiting) and request ids
