@@ -71,6 +71,7 @@ fn decode_step(c: &mut Criterion) {
                         assignment: hscache::slots::Assignment::Continue {
                             new_block_ids: &[],
                             num_computed_tokens: Some(20),
+                            reread: false,
                         },
                         num_scheduled_tokens: 0,
                     })

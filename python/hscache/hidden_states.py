@@ -271,6 +271,7 @@ class HiddenStateCache:
         fast_prefill: bool = False,
         num_reqs_padded: int | None = None,
         num_logits_padded: int = 0,
+        rereads: Collection[str] | None = None,
     ) -> StepPlan:
         """Plans a step from vLLM's ``SchedulerOutput``.
 
@@ -290,6 +291,10 @@ class HiddenStateCache:
         ``fast_prefill``: also plan the KV-sharing skip layers' reduced batch over this
         plan's layout (``StepPlan.prefill_skip``; a request samples once its prompt is
         complete; drafts from ``scheduled_spec_decode_tokens``).
+
+        ``rereads``: running requests that read their rows ``[0, end)`` again, their
+        tables unchanged: a first hit the mirror refused, which vLLM's scheduler rolled
+        back to a block boundary (its ``num_computed_tokens`` here) and recomputes.
         """
         return StepPlan(
             self._mirror.plan_scheduler_output(
@@ -300,6 +305,7 @@ class HiddenStateCache:
                 fast_prefill=fast_prefill,
                 num_reqs_padded=num_reqs_padded,
                 num_logits_padded=num_logits_padded,
+                rereads=frozenset(rereads) if rereads else None,
             ),
             self._device,
         )
@@ -410,6 +416,32 @@ class HiddenStateCache:
         rows, reduced = self._checked_rows(plan, outputs)
         self._write_rows(plan, rows, reduced)
         return self._mirror.commit(plan.step_id, plan.mirror_id)
+
+    def commit(self, plan: StepPlan) -> SlotReads:
+        """Commits the step in the mirror before its rows are written (the rows then go in
+        with :meth:`write_committed`, before any later read of the storage): the step's
+        writes are counted, its reads validated. For a caller that moves the rows to the
+        storage asynchronously and orders every storage access itself."""
+        self._check_plan(plan)
+        return self._mirror.commit(plan.step_id, plan.mirror_id)
+
+    def write_committed(
+        self, plan: StepPlan, reads: SlotReads, outputs: Mapping[str, torch.Tensor]
+    ) -> StepRows:
+        """Writes the rows of a step :meth:`commit` took, then serves its reads (the
+        second half of :meth:`write_and_gather`); the caller keeps the order of steps."""
+        if not isinstance(plan, StepPlan) or not isinstance(reads, SlotReads):
+            raise TypeError(
+                f"expected (StepPlan, SlotReads), got ({type(plan).__name__}, "
+                f"{type(reads).__name__})"
+            )
+        if plan.mirror_id != self._mirror_id or reads.step_id != plan.step_id:
+            raise InvalidArgumentError(
+                f"reads of step {reads.step_id} with plan {plan.step_id} of another cache"
+            )
+        rows, reduced = self._checked_rows(plan, outputs)
+        self._write_rows(plan, rows, reduced)
+        return self._rows(plan, reads, outputs)
 
     def _check_plan(self, plan: StepPlan) -> None:
         if not isinstance(plan, StepPlan):

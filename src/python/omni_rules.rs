@@ -144,7 +144,12 @@ impl PyOmniStepRules {
 
     /// Begins a step from vLLM's `SchedulerOutput`; returns whether the previous step
     /// was begun and never saved (plan it without rows first).
-    fn begin_step(slf: &Bound<'_, Self>, scheduler_output: &Bound<'_, PyAny>) -> PyResult<bool> {
+    /// Begins a step; returns whether the previous step was never saved, and the
+    /// recomputed requests whose rows the mirror reads again.
+    fn begin_step(
+        slf: &Bound<'_, Self>,
+        scheduler_output: &Bound<'_, PyAny>,
+    ) -> PyResult<(bool, Vec<String>)> {
         let py = scheduler_output.py();
         let so = scheduler_output;
         let attr = |name| expect_attr(so, name, "vLLM's SchedulerOutput");
@@ -185,9 +190,35 @@ impl PyOmniStepRules {
             sched_ids.push(as_str(k)?);
             counts.push(count_arg("num_scheduled_tokens", v.extract()?)?);
         }
+        // The running requests' computed tokens: only while a request waits for its
+        // recomputation (a decode step reads nothing more otherwise).
+        let mut running_ids = Vec::new();
+        let mut running_nc = Vec::new();
+        if slf
+            .borrow()
+            .core
+            .read("has_recomputing", |c| Ok::<_, PyErr>(c.has_recomputing()))?
+        {
+            let cached = attr(intern!(py, "scheduled_cached_reqs"))?;
+            let ids = expect_attr(&cached, intern!(py, "req_ids"), "vLLM's CachedRequestData")?;
+            let ncs = expect_attr(
+                &cached,
+                intern!(py, "num_computed_tokens"),
+                "vLLM's CachedRequestData",
+            )?;
+            for (id, nc) in ids.try_iter()?.zip(ncs.try_iter()?) {
+                running_ids.push(as_str(id?)?);
+                running_nc.push(count_arg("num_computed_tokens", nc?.extract()?)?);
+            }
+        }
         let finished: Vec<&str> = finished
             .iter()
             .map(|s| s.to_str())
+            .collect::<PyResult<_>>()?;
+        let running: Vec<(&str, usize)> = running_ids
+            .iter()
+            .zip(running_nc)
+            .map(|(s, n)| Ok((s.to_str()?, n)))
             .collect::<PyResult<_>>()?;
         let new: Vec<(&str, usize)> = new_ids
             .iter()
@@ -202,7 +233,7 @@ impl PyOmniStepRules {
         // Borrowed only now: reading the output above may run Python code, and so let
         // the output thread in (its `materialize` borrows these rules too).
         slf.try_borrow_mut()?.core.write("begin_step", |c| {
-            Ok::<_, PyErr>(c.begin_step(&finished, &new, &scheduled)?)
+            Ok::<_, PyErr>(c.begin_step(&finished, &new, &scheduled, &running)?)
         })
     }
 
@@ -228,19 +259,32 @@ impl PyOmniStepRules {
     /// no rows were written. Returns `(step_id, prefix, plain_rows, plain_sizes)`:
     /// the positions served their prefix, the int64 row indices of the plain
     /// requests' rows (`None`: every request is plain) and their row counts.
-    #[pyo3(signature = (plan, hits=None, misses=None))]
+    #[pyo3(signature = (plan, hits=None, misses=None, miss_blocks=None))]
     fn save<'py>(
         &mut self,
         py: Python<'py>,
         plan: &Bound<'py, PyAny>,
         hits: Option<Vec<Int>>,
         misses: Option<Vec<Int>>,
+        miss_blocks: Option<Vec<Int>>,
     ) -> PyResult<SavedTuple<'py>> {
         let positions = |v: Option<Vec<Int>>| -> PyResult<Option<Vec<usize>>> {
             v.map(|v| v.into_iter().map(|i| count_arg("position", i)).collect())
                 .transpose()
         };
         let (hits, misses) = (positions(hits)?, positions(misses)?);
+        // Without blocks every miss names the null block: nothing to report.
+        let miss_blocks: Vec<u32> = match miss_blocks {
+            Some(v) => v
+                .into_iter()
+                .map(|b| {
+                    u32::try_from(count_arg("miss block", b)?).map_err(|_| {
+                        super::errors::InvalidArgumentError::new_err("a miss block past 2**32")
+                    })
+                })
+                .collect::<PyResult<_>>()?,
+            None => vec![0; misses.as_ref().map_or(0, Vec::len)],
+        };
         let plan = plan.cast::<PyOmniSavePlan>().map_err(|_| {
             pyo3::exceptions::PyTypeError::new_err("plan must be an OmniSavePlan (lay_out's)")
         })?;
@@ -248,7 +292,11 @@ impl PyOmniStepRules {
         let saved = self.core.write("save", |c| {
             let reads = match (&hits, &misses) {
                 (None, None) => None,
-                (h, m) => Some((h.as_deref().unwrap_or(&[]), m.as_deref().unwrap_or(&[]))),
+                (h, m) => Some((
+                    h.as_deref().unwrap_or(&[]),
+                    m.as_deref().unwrap_or(&[]),
+                    &miss_blocks[..],
+                )),
             };
             Ok::<_, PyErr>(c.save(plan, reads)?)
         })?;
@@ -262,6 +310,40 @@ impl PyOmniStepRules {
     /// Consumes `step_id` for `req_ids`; returns `(index, prefix)` per requested id:
     /// whether it gets its cached prefix, and its index among the step's prefix
     /// requests or among its plain ones (`save`'s order).
+    /// Turns recomputation of refused first hits on or off (the runner hook that
+    /// reports `take_invalid_blocks` turns it on).
+    fn set_recompute_refused(&mut self, on: bool) -> PyResult<()> {
+        self.core.write("set_recompute_refused", |c| {
+            c.set_recompute_refused(on);
+            Ok(())
+        })
+    }
+
+    #[getter]
+    fn recompute_refused(&self) -> PyResult<bool> {
+        self.core
+            .read("recompute_refused", |c| Ok(c.recompute_refused()))
+    }
+
+    /// The requests sent back for recomputation, not scheduled again yet (sorted).
+    fn recomputing(&self) -> PyResult<Vec<String>> {
+        self.core.read("recomputing", |c| {
+            let mut ids: Vec<String> = c.recomputing().map(str::to_owned).collect();
+            ids.sort_unstable();
+            Ok(ids)
+        })
+    }
+
+    /// The blocks to report with saved step `step_id`'s output (vLLM's
+    /// `invalid_block_ids`), taken once; empty for any other id.
+    fn take_invalid_blocks(&mut self, step_id: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let Ok(id) = step_id_arg(step_id) else {
+            return Ok(Vec::new());
+        };
+        self.core
+            .write("take_invalid_blocks", |c| Ok(c.take_invalid_blocks(id)))
+    }
+
     fn materialize(
         slf: &Bound<'_, Self>,
         step_id: &Bound<'_, PyAny>,

@@ -25,6 +25,8 @@ pub(super) struct Spec {
     pub(super) num_external_tokens: usize,
     pub(super) num_prompt_tokens: Option<usize>,
     pub(super) num_spec_tokens: u32,
+    /// A running request that reads its rows again (`Assignment::Continue::reread`).
+    pub(super) reread: bool,
 }
 
 /// Everything one step's plan reads from Python.
@@ -165,6 +167,7 @@ pub(super) fn read_scheduler_output<'py>(
     group: usize,
     external: Option<Bound<'py, PyDict>>,
     fast_prefill: bool,
+    rereads: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Facts<'py>> {
     let py = so.py();
     // Missing attributes mean the caller passed something else: `TypeError`.
@@ -243,6 +246,7 @@ pub(super) fn read_scheduler_output<'py>(
             num_external_tokens,
             num_prompt_tokens,
             num_spec_tokens: spec_of(&req_id)?,
+            reread: false,
         });
         facts.req_ids.push(req_id);
     }
@@ -279,6 +283,10 @@ pub(super) fn read_scheduler_output<'py>(
             push_group_ids(group, &mut facts.arena, &per_group, &req_id)?
         };
         let nc = count("num_computed_tokens", nc.extract()?)?;
+        let reread = match rereads {
+            Some(set) if !start => set.contains(&req_id)?,
+            _ => false,
+        };
         facts.specs.push(Spec {
             start,
             blocks,
@@ -287,6 +295,7 @@ pub(super) fn read_scheduler_output<'py>(
             num_external_tokens: 0,
             num_prompt_tokens: None,
             num_spec_tokens: spec_of(&req_id)?,
+            reread,
         });
         facts.req_ids.push(req_id);
     }

@@ -127,6 +127,7 @@ fn run<'py>(
                     Assignment::Continue {
                         new_block_ids: blocks,
                         num_computed_tokens: s.num_computed_tokens,
+                        reread: s.reread,
                     }
                 },
                 num_scheduled_tokens: s.num_scheduled_tokens,
@@ -314,8 +315,11 @@ impl PySlotMirror {
     }
 
     /// Plans a step from vLLM's `SchedulerOutput` (see `crate::slots`).
+    /// `rereads`: running requests that read their rows again (a refused first hit
+    /// recomputed from its `num_computed_tokens`, `Assignment::Continue::reread`).
     #[pyo3(signature = (scheduler_output, order=None, *, external_tokens=None,
-        connector_versions=None, fast_prefill=false, num_reqs_padded=None, num_logits_padded=0))]
+        connector_versions=None, fast_prefill=false, num_reqs_padded=None, num_logits_padded=0,
+        rereads=None))]
     #[allow(clippy::too_many_arguments)]
     fn plan_scheduler_output<'py>(
         &mut self,
@@ -326,15 +330,18 @@ impl PySlotMirror {
         fast_prefill: bool,
         num_reqs_padded: Option<Int>,
         #[pyo3(from_py_with = int64)] num_logits_padded: i64,
+        rereads: Option<Bound<'py, PyAny>>,
     ) -> PyResult<PlanTuple<'py>> {
         let py = scheduler_output.py();
         let skip = skip_options(fast_prefill, num_reqs_padded, num_logits_padded)?;
         let external = optional_dict("external_tokens", external_tokens)?;
+        let rereads = rereads.filter(|r| !r.is_none());
         let mut facts = read_scheduler_output(
             scheduler_output,
             self.kv_cache_group,
             external,
             fast_prefill,
+            rereads.as_ref(),
         )?;
         facts.versions = read_versions(connector_versions.as_ref())?;
         self.plan_step(py, facts, order, skip)
@@ -399,6 +406,7 @@ impl PySlotMirror {
                     .unwrap_or(0),
                 num_prompt_tokens: lookup("num_prompt_tokens", prompts.as_ref(), &req_id)?,
                 num_spec_tokens: spec_of(&req_id)?,
+                reread: false,
             });
             facts.req_ids.push(req_id);
         }
@@ -414,6 +422,7 @@ impl PySlotMirror {
                 num_external_tokens: 0,
                 num_prompt_tokens: None,
                 num_spec_tokens: spec_of(&req_id)?,
+                reread: false,
             });
             facts.req_ids.push(req_id);
         }
@@ -560,6 +569,13 @@ impl PySlotReads {
     #[getter]
     fn misses(&self) -> Vec<usize> {
         self.reads.misses().to_vec()
+    }
+
+    /// Per miss (the order of `misses`): the first block of the read that failed
+    /// validation (0, the null block, when the table maps a read position there).
+    #[getter]
+    fn miss_blocks(&self) -> Vec<u32> {
+        self.reads.miss_blocks().to_vec()
     }
 
     #[getter]

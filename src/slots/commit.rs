@@ -38,6 +38,10 @@ pub struct StepReads {
     generation: u64,
     entries: Vec<ReadEntry>,
     misses: Vec<usize>,
+    /// Per miss (same order): the first block of its cached prefix that failed
+    /// validation (not written in its current version, or reassigned since); the null
+    /// block when the failure is elsewhere (a null block in the table, this step's rows).
+    miss_blocks: Vec<BlockId>,
     blocks: Vec<ReadBlock>,
 }
 
@@ -55,6 +59,14 @@ impl StepReads {
     /// Plan indices of the requests whose read is a miss (never served).
     pub fn misses(&self) -> &[usize] {
         &self.misses
+    }
+
+    /// Per miss (the order of [`Self::misses`]): the first block of the read's cached
+    /// prefix that failed validation, the block to recompute from; the null block when
+    /// there is none (the table maps a read position to the null block, or the failure
+    /// is in this step's own rows).
+    pub fn miss_blocks(&self) -> &[BlockId] {
+        &self.miss_blocks
     }
 
     /// Total rows of the served reads.
@@ -188,18 +200,25 @@ impl SlotMirror {
             generation: self.generation,
             entries: Vec::new(),
             misses: Vec::new(),
+            miss_blocks: Vec::new(),
             blocks: Vec::new(),
         };
         for (i, p) in self.pending.iter().enumerate().filter(|(_, p)| p.read) {
             let table = &self.requests[p.handle].block_table;
             let blocks_start = reads.blocks.len();
-            let mut valid = true;
+            let mut failed = None;
             let mut skip_layers = true;
             for (k, &b) in table[..p.num_tokens.div_ceil(bs)].iter().enumerate() {
                 let rows = (p.num_tokens - k * bs).min(bs) as u32;
                 let [every, skip] = self.written[b as usize];
                 if b == NULL_BLOCK_ID || every < rows {
-                    valid = false;
+                    // Only a block of the cached prefix can be reported for recomputation;
+                    // this step's own rows are counted before (never, but for a mutant).
+                    failed = Some(if k * bs < p.compute_start {
+                        b
+                    } else {
+                        NULL_BLOCK_ID
+                    });
                     break;
                 }
                 skip_layers &= skip >= rows;
@@ -208,7 +227,12 @@ impl SlotMirror {
                     epoch: self.epoch[b as usize],
                 });
             }
-            if valid {
+            if let Some(b) = failed {
+                reads.blocks.truncate(blocks_start);
+                reads.misses.push(i);
+                reads.miss_blocks.push(b);
+                self.stats.read_misses += 1;
+            } else {
                 reads.entries.push(ReadEntry {
                     plan_index: i,
                     num_tokens: p.num_tokens,
@@ -219,10 +243,6 @@ impl SlotMirror {
                 self.stats.reads_served += 1;
                 self.stats.cached_rows_served += p.compute_start as u64;
                 self.stats.partial_reads += u64::from(!skip_layers);
-            } else {
-                reads.blocks.truncate(blocks_start);
-                reads.misses.push(i);
-                self.stats.read_misses += 1;
             }
         }
         reads
@@ -245,20 +265,36 @@ impl SlotMirror {
         let mut keep = Vec::with_capacity(reads.entries.len());
         let mut stale = Vec::new();
         for e in &reads.entries {
-            let ok = reads
+            let bs = self.block_size;
+            let moved = reads
                 .entry_blocks(e)
                 .iter()
-                .all(|rb| self.epoch[rb.block_id as usize] == rb.epoch);
-            if ok {
-                keep.push(*e);
-            } else {
-                stale.push(e.plan_index);
+                .enumerate()
+                .find(|(_, rb)| self.epoch[rb.block_id as usize] != rb.epoch);
+            match moved {
+                None => keep.push(*e),
+                Some((k, rb)) => {
+                    let b = if k * bs < e.num_cached_tokens {
+                        rb.block_id
+                    } else {
+                        NULL_BLOCK_ID
+                    };
+                    stale.push((e.plan_index, b));
+                }
             }
         }
         let n = stale.len();
         reads.entries = keep;
-        reads.misses.extend(stale);
-        reads.misses.sort_unstable();
+        let mut misses: Vec<(usize, BlockId)> = reads
+            .misses
+            .iter()
+            .copied()
+            .zip(reads.miss_blocks.iter().copied())
+            .chain(stale)
+            .collect();
+        misses.sort_unstable();
+        reads.misses = misses.iter().map(|m| m.0).collect();
+        reads.miss_blocks = misses.iter().map(|m| m.1).collect();
         reads.generation = self.generation;
         self.stats.stale_reads += n as u64;
         Ok(n)

@@ -23,11 +23,20 @@
 //!   live (vLLM resends a resumed request there) is a continuation and gets this
 //!   step's rows only, as vllm-omni serves it. A first hit must be block aligned
 //!   (KV-connector loads are not served).
-//! - **Misses are refused, never served short.** A first hit the slot mirror did not
-//!   serve (rows not written in their blocks' current versions, or no read planned)
-//!   is *unservable*: `materialize` naming it raises `UnservableHitError` with the
-//!   reason, and consumes nothing. Serving its step rows alone would hand the next
-//!   stage a truncated prompt.
+//! - **Misses are never served short.** A first hit the slot mirror did not serve
+//!   (rows not written in their blocks' current versions, or no read planned) is
+//!   never handed out as if complete: serving its step rows alone would hand the
+//!   next stage a truncated prompt. With recomputation on
+//!   ([`OmniStepRules::set_recompute_refused`], which the runner hook that reports
+//!   the blocks turns on) a miss with a failing block is *recomputed*: the step
+//!   hands its rows out (the scheduler drops that output), the failing block is
+//!   reported for the step ([`OmniStepRules::take_invalid_blocks`], vLLM's
+//!   `KVConnectorOutput.invalid_block_ids`: the scheduler rolls the request back
+//!   to that block and recomputes it; only that request), and the request's next
+//!   scheduled step is its first hit again (`[cached prefix | rows]`, the mirror
+//!   re-reading its rows). Otherwise (recomputation off, or no block to report)
+//!   it is *unservable*: `materialize` naming it raises `UnservableHitError` with
+//!   the reason, and consumes nothing.
 //! - **Spans in the runner's order.** Rows are laid out in the runner's batch order,
 //!   restricted to the scheduled requests; the step's unpadded token count must be
 //!   the sum of their scheduled tokens and every scheduled request must be in the
@@ -43,6 +52,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::ledger::StepLedger;
 use crate::error::Error;
+use crate::types::{BlockId, NULL_BLOCK_ID};
 
 static NEXT_RULES_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
@@ -73,6 +83,9 @@ pub enum Served {
     Plain,
     /// `[cached prefix | this step's rows]`.
     Prefix,
+    /// A refused first hit sent back for recomputation: this step's rows (the
+    /// scheduler drops the request's output of the step, told by the reported block).
+    Recompute,
     /// Refused (a first hit whose cached rows could not be validated).
     Unservable(UnservableReason),
 }
@@ -117,6 +130,9 @@ pub enum OmniRuleError {
 
 /// At most this many request ids are named in an error.
 const NAMED: usize = 8;
+
+/// At most this many saved steps keep blocks to report (`take_invalid_blocks`).
+const MAX_REPORTS: usize = 64;
 
 /// The rows of one step, laid out (what [`OmniStepRules::save`] takes).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -224,6 +240,8 @@ struct RuleFaults {
     unservable_as_plain: bool,
     /// Spans follow the step's `num_scheduled_tokens` order, not the runner's batch.
     spans_in_scheduled_order: bool,
+    /// A recomputed request's step is served this step's rows, not its prefix.
+    recompute_as_plain: bool,
 }
 
 /// The rules of one `OmniHiddenStateCache` (see module docs).
@@ -236,17 +254,24 @@ pub struct OmniStepRules {
     next_seq: u64,
     ledger: StepLedger,
     steps: FxHashMap<u64, StepRecord>,
+    /// Whether a refused first hit is sent back for recomputation (see module docs).
+    recompute_refused: bool,
+    /// Requests whose first hit was sent back, until their next scheduled step.
+    recomputing: FxHashSet<String>,
+    /// Per saved step: the blocks to report for the recomputations it decided.
+    invalid: FxHashMap<u64, Vec<BlockId>>,
     faults: RuleFaults,
 }
 
 impl OmniStepRules {
     /// The rule names [`Self::break_rule_for_tests`] accepts.
     #[cfg(any(test, feature = "mutants"))]
-    pub const RULE_MUTANTS: [&'static str; 4] = [
+    pub const RULE_MUTANTS: [&'static str; 5] = [
         "continuation_hit",
         "no_first_hit",
         "unservable_as_plain",
         "spans_in_scheduled_order",
+        "recompute_as_plain",
     ];
 
     /// Rules for blocks of `block_size` tokens, at most `max_unconsumed_steps` saved
@@ -267,6 +292,9 @@ impl OmniStepRules {
             next_seq: 1,
             ledger,
             steps: FxHashMap::default(),
+            recompute_refused: false,
+            recomputing: FxHashSet::default(),
+            invalid: FxHashMap::default(),
             faults: RuleFaults::default(),
         })
     }
@@ -281,6 +309,7 @@ impl OmniStepRules {
             "no_first_hit" => f.no_first_hit = true,
             "unservable_as_plain" => f.unservable_as_plain = true,
             "spans_in_scheduled_order" => f.spans_in_scheduled_order = true,
+            "recompute_as_plain" => f.recompute_as_plain = true,
             _ => {
                 return Err(OmniRuleError::Invalid(format!(
                     "no omni rule mutant {name:?} (known: {:?})",
@@ -303,6 +332,34 @@ impl OmniStepRules {
     /// Requests live between steps (scheduled once, not finished).
     pub fn num_live(&self) -> usize {
         self.live.len()
+    }
+
+    /// Turns recomputation of refused first hits on or off (see module docs): on only
+    /// where the reported blocks reach the scheduler (`take_invalid_blocks`).
+    pub fn set_recompute_refused(&mut self, on: bool) {
+        self.recompute_refused = on;
+    }
+
+    /// Whether refused first hits are sent back for recomputation.
+    pub fn recompute_refused(&self) -> bool {
+        self.recompute_refused
+    }
+
+    /// Whether a request waits for its recomputation (`begin_step` then needs the
+    /// running requests' computed tokens).
+    pub fn has_recomputing(&self) -> bool {
+        !self.recomputing.is_empty()
+    }
+
+    /// The requests sent back for recomputation, not scheduled again yet.
+    pub fn recomputing(&self) -> impl Iterator<Item = &str> {
+        self.recomputing.iter().map(String::as_str)
+    }
+
+    /// The blocks to report for the recomputations saved step `step_id` decided
+    /// (vLLM's `invalid_block_ids` of that step's output); taken once.
+    pub fn take_invalid_blocks(&mut self, step_id: u64) -> Vec<BlockId> {
+        self.invalid.remove(&step_id).unwrap_or_default()
     }
 
     /// Whether a step was begun and not saved yet.
@@ -332,14 +389,19 @@ impl OmniStepRules {
 
     /// Begins a step from its `SchedulerOutput` facts: `finished` ids,
     /// `new` = `(req_id, num_computed_tokens)` of `scheduled_new_reqs`, `scheduled` =
-    /// `num_scheduled_tokens`. Returns whether the previous step was begun and never
-    /// saved (the caller then plans it in the mirror without rows, before this one).
+    /// `num_scheduled_tokens`, `running` = `(req_id, num_computed_tokens)` of the
+    /// scheduled running requests (read only while [`Self::has_recomputing`]; may be
+    /// empty otherwise). Returns whether the previous step was begun and never saved
+    /// (the caller then plans it in the mirror without rows, before this one), and
+    /// the requests recomputed from here whose rows the mirror must read again
+    /// (`Assignment::Continue::reread`).
     pub fn begin_step(
         &mut self,
         finished: &[&str],
         new: &[(&str, usize)],
         scheduled: &[(&str, usize)],
-    ) -> Result<bool, OmniRuleError> {
+        running: &[(&str, usize)],
+    ) -> Result<(bool, Vec<String>), OmniRuleError> {
         let finished_set: FxHashSet<&str> = finished.iter().copied().collect();
         let is_live = |r: &str| self.live.contains(r) && !finished_set.contains(r);
         // Validate: every first schedule with a hit is block aligned.
@@ -352,6 +414,24 @@ impl OmniStepRules {
                     hit,
                     block_size: self.block_size,
                 });
+            }
+        }
+        // A recomputed request resumes from a block boundary (vLLM rolls it back to
+        // its first reported block, or to its hit).
+        let mut resumed: Vec<(&str, usize)> = Vec::new();
+        if !self.recomputing.is_empty() {
+            for &(req_id, nc) in running {
+                if !self.recomputing.contains(req_id) || !is_live(req_id) {
+                    continue;
+                }
+                if nc % self.block_size != 0 {
+                    return Err(OmniRuleError::MisalignedHit {
+                        req_id: req_id.to_owned(),
+                        hit: nc,
+                        block_size: self.block_size,
+                    });
+                }
+                resumed.push((req_id, nc));
             }
         }
         let mut map: FxHashMap<String, usize> = FxHashMap::default();
@@ -373,8 +453,19 @@ impl OmniStepRules {
         // Apply.
         for r in finished {
             self.live.remove(*r);
+            self.recomputing.remove(*r);
         }
         let mut first_hits = FxHashSet::default();
+        let mut rereads = Vec::with_capacity(resumed.len());
+        for &(req_id, nc) in &resumed {
+            self.recomputing.remove(req_id);
+            if nc > 0 && map.contains_key(req_id) {
+                rereads.push(req_id.to_owned());
+                if !self.faults.recompute_as_plain {
+                    first_hits.insert(req_id.to_owned());
+                }
+            }
+        }
         for &(req_id, hit) in new {
             let fresh = self.live.insert(req_id.to_owned());
             if !fresh && !self.faults.continuation_hit {
@@ -398,7 +489,7 @@ impl OmniStepRules {
             num_scheduled_tokens: total,
             first_hits,
         });
-        Ok(unsaved)
+        Ok((unsaved, rereads))
     }
 
     /// Lays out the begun step's rows in the runner's `batch` order (its scheduled
@@ -480,21 +571,31 @@ impl OmniStepRules {
     }
 
     /// Saves the planned step and issues its step id. `reads`: the positions (row
-    /// order) of the requests whose full rows the mirror served and of those whose
-    /// hit it refused; `None` when no rows were written (nothing is served a prefix).
+    /// order) of the requests whose full rows the mirror served, of those whose hit
+    /// it refused, and per refused one the first block that failed (the null block
+    /// when none can be reported); `None` when no rows were written (nothing is
+    /// served a prefix).
     pub fn save(
         &mut self,
         plan: &SavePlan,
-        reads: Option<(&[usize], &[usize])>,
+        reads: Option<(&[usize], &[usize], &[BlockId])>,
     ) -> Result<SavedStep, OmniRuleError> {
         self.check_plan(plan)?;
         self.check_room()?;
         let n = plan.req_ids.len();
         let mut served = vec![Served::Plain; n];
-        if let Some((hits, misses)) = reads {
+        let mut invalid: Vec<BlockId> = Vec::new();
+        if let Some((hits, misses, miss_blocks)) = reads {
             if let Some(&bad) = hits.iter().chain(misses).find(|&&i| i >= n) {
                 return Err(OmniRuleError::Invalid(format!(
                     "read position {bad} is past the step's {n} requests"
+                )));
+            }
+            if miss_blocks.len() != misses.len() {
+                return Err(OmniRuleError::Invalid(format!(
+                    "{} miss blocks for {} misses",
+                    miss_blocks.len(),
+                    misses.len()
                 )));
             }
             for (i, s) in served.iter_mut().enumerate() {
@@ -503,8 +604,16 @@ impl OmniStepRules {
                 }
                 *s = if hits.contains(&i) {
                     Served::Prefix
-                } else if misses.contains(&i) {
-                    Served::Unservable(UnservableReason::NotWritten)
+                } else if let Some(j) = misses.iter().position(|&m| m == i) {
+                    let block = miss_blocks[j];
+                    if self.recompute_refused && block != NULL_BLOCK_ID {
+                        if !invalid.contains(&block) {
+                            invalid.push(block);
+                        }
+                        Served::Recompute
+                    } else {
+                        Served::Unservable(UnservableReason::NotWritten)
+                    }
                 } else {
                     Served::Unservable(UnservableReason::NotPlanned)
                 };
@@ -522,7 +631,7 @@ impl OmniStepRules {
                     class_index.push(prefix.len() as u32);
                     prefix.push(i as u32);
                 }
-                Served::Plain => {
+                Served::Plain | Served::Recompute => {
                     class_index.push(plain_sizes.len() as u32);
                     plain_sizes.push(plan.sizes[i]);
                 }
@@ -534,7 +643,7 @@ impl OmniStepRules {
             let mut start = 0i64;
             for (s, &size) in served.iter().zip(&plan.sizes) {
                 let end = start + size as i64;
-                if *s == Served::Plain {
+                if matches!(s, Served::Plain | Served::Recompute) {
                     rows.extend(start..end);
                 }
                 start = end;
@@ -546,6 +655,21 @@ impl OmniStepRules {
             OmniRuleError::Invalid(format!("internal: room checked, issue refused: {e}"))
         })?;
         self.pending = None;
+        for (r, s) in plan.req_ids.iter().zip(&served) {
+            if *s == Served::Recompute {
+                self.recomputing.insert(r.clone());
+            }
+        }
+        if !invalid.is_empty() {
+            // Taken by the runner hook with the step's output; a bound for a caller
+            // that never takes them (the oldest reports go first).
+            if self.invalid.len() >= MAX_REPORTS {
+                if let Some(&oldest) = self.invalid.keys().min() {
+                    self.invalid.remove(&oldest);
+                }
+            }
+            self.invalid.insert(step_id, invalid);
+        }
         let index = plan
             .req_ids
             .iter()

@@ -31,9 +31,15 @@ pub enum Assignment<'a> {
     /// A running request: `new_block_ids` (all fresh) are appended to its table.
     /// `num_computed_tokens` is where this step's tokens start; `None` continues
     /// from where the mirror's last plan for the request ended.
+    ///
+    /// `reread`: the request reads its rows `[0, end)` again, its kept table
+    /// unchanged (nothing bumped): a request whose first hit was refused and that
+    /// the scheduler now recomputes from `num_computed_tokens` (block aligned, else
+    /// `InvalidArgument`). Its computed rows start there, the rows before it are read.
     Continue {
         new_block_ids: &'a [BlockId],
         num_computed_tokens: Option<usize>,
+        reread: bool,
     },
 }
 
@@ -76,6 +82,7 @@ impl<'a> ScheduledRequest<'a> {
             assignment: Assignment::Continue {
                 new_block_ids,
                 num_computed_tokens: None,
+                reread: false,
             },
             num_scheduled_tokens,
         }
@@ -281,12 +288,21 @@ impl SlotMirror {
                 Assignment::Continue {
                     new_block_ids,
                     num_computed_tokens,
+                    reread,
                 } => {
                     let h = known.ok_or_else(|| Error::UnknownRequest(r.req_id.to_string()))?;
                     let old = &self.requests[h];
                     last = old.last_block;
                     let start = num_computed_tokens.unwrap_or(old.num_computed_tokens);
-                    (&old.block_table[..], new_block_ids, start, start, false, 0)
+                    if reread && self.bs.rem(start) != 0 {
+                        return Err(Error::InvalidArgument(format!(
+                            "request {:?}: a re-read from {start} tokens is not block aligned \
+                             (block_size {bs})",
+                            r.req_id
+                        )));
+                    }
+                    let read = reread && start > 0;
+                    (&old.block_table[..], new_block_ids, start, start, read, 0)
                 }
             };
         for &b in tail {

@@ -105,7 +105,49 @@ fn hit_on_rows_never_written_is_a_miss() {
     );
     assert!(reads.entries().is_empty());
     assert_eq!(reads.misses(), &[1]);
+    assert_eq!(reads.miss_blocks(), &[3], "the first block that failed");
     assert_eq!(m.stats().read_misses, 1);
+}
+
+#[test]
+fn a_reread_serves_the_kept_table_after_a_recomputation() {
+    let mut m = SlotMirror::new(10, 4).unwrap();
+    // a computes block 3 in a step never committed; b hits it: a miss on block 3.
+    plan(&mut m, vec![start("a", &[3, 7], 0, 5)]);
+    let (_, reads) = step(&mut m, vec![start("b", &[3, 6], 4, 1)]);
+    assert_eq!((reads.misses(), reads.miss_blocks()), (&[0][..], &[3][..]));
+    // The scheduler rolls b back to 0... or, shared, to its hit: b recomputes block 3
+    // itself, then reads [0, 8) again with its table unchanged (nothing bumped).
+    let epoch = m.block_state(3).unwrap().0;
+    let reread = |nc: usize, n: usize| ScheduledRequest {
+        req_id: "b",
+        assignment: Assignment::Continue {
+            new_block_ids: &[],
+            num_computed_tokens: Some(nc),
+            reread: true,
+        },
+        num_scheduled_tokens: n,
+    };
+    let (slots, reads) = step(&mut m, vec![reread(0, 5)]);
+    assert_eq!(slots, vec![12, 13, 14, 15, 24]);
+    assert!(
+        reads.entries().is_empty(),
+        "a read from 0 reads nothing cached"
+    );
+    assert_eq!(m.block_state(3).unwrap().0, epoch, "not bumped");
+    let (_, reads) = step(&mut m, vec![start("c", &[3, 6], 4, 4)]);
+    assert_eq!(reads.entries().len(), 1);
+    // A re-read from a block boundary reads the rows before it.
+    let (slots, reads) = step(&mut m, vec![reread(4, 2)]);
+    assert_eq!(slots, vec![24, 25]);
+    assert_eq!(reads.entries()[0].num_cached_tokens, 4);
+    assert_eq!(reads.entries()[0].num_tokens, 6);
+    // Not block aligned: refused before anything changes.
+    let e = m.plan_step(&StepInput {
+        scheduled: vec![reread(5, 1)],
+        ..Default::default()
+    });
+    assert!(e.is_err());
 }
 
 #[test]

@@ -14,6 +14,12 @@ small pool, block reuse), both caches begin the step, save the toy outputs (padd
 CUDA graph's), and the step is materialized at once, one step late, or discarded; every
 materialized request's rows are compared across the two caches and with the oracle.
 
+A first hit hscache sends back for recomputation (``take_invalid_blocks``) goes back as
+the runner hook sends it (``hscache.omni.refusals``): its blocks in the step's
+``KVConnectorOutput.invalid_block_ids``, which vLLM's scheduler turns into a rollback of
+the request; the oracle then drops the request's rows of that step (the scheduler drops
+its output) and expects its next scheduled step to be a first hit (rows from 0).
+
 Test scaffolding only: no vLLM or vllm-omni code is copied here.
 """
 
@@ -129,6 +135,9 @@ class StepRecord:
     tokens: dict[str, list[int]]
     end: dict[str, int]
     step_ids: dict[str, int] = field(default_factory=dict)
+    dropped: set[str] = field(default_factory=set)
+    """Requests sent back for recomputation at this step: the scheduler drops their
+    output of the step, so no rows of theirs are compared."""
 
 
 @dataclass
@@ -146,6 +155,10 @@ class Counts:
     resumptions: int = 0
     aborts: int = 0
     chunked: int = 0
+    recomputed: int = 0
+    """First hits sent back for recomputation (their step's output dropped)."""
+    recomputed_served: int = 0
+    """Recomputed requests' later steps compared from position 0."""
     mismatches: list[str] = field(default_factory=list)
     refused: dict[str, int] = field(default_factory=dict)
 
@@ -204,6 +217,7 @@ def run_sequence(
     prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randrange(4, 25))] for _ in range(3)]
     recent: list[list[int]] = []
     live: set[str] = set()
+    recomputing: set[str] = set()  # sent back, not scheduled again yet
     pending_late: list[tuple[StepRecord, list[str]]] = []
     next_id = 0
     first_saved = False
@@ -222,6 +236,8 @@ def run_sequence(
                     pass
         counts.materialized += 1
         for r in req_ids:
+            if r in rec.dropped:
+                continue
             start, end = rec.first_from[r], rec.end[r]
             tokens = torch.tensor(rec.tokens[r][start:end])
             positions = torch.arange(start, end)
@@ -279,6 +295,7 @@ def run_sequence(
         counts.resumptions += len(so.scheduled_cached_reqs.resumed_req_ids)
         # The oracle's side of the contract: which requests get their prefix.
         live -= set(so.finished_req_ids)
+        recomputing -= set(so.finished_req_ids)
         first_from: dict[str, int] = {}
         tokens: dict[str, list[int]] = {}
         end: dict[str, int] = {}
@@ -288,6 +305,11 @@ def run_sequence(
         for r, n in so.num_scheduled_tokens.items():
             nc = new_ids[r].num_computed_tokens if r in new_ids else computed[r]
             first = r in new_ids and r not in live and nc > 0
+            if r in recomputing:
+                # Rolled back by the scheduler: its rows from 0 once more.
+                recomputing.discard(r)
+                first = nc > 0
+                counts.recomputed_served += 1
             if r in new_ids:
                 live.add(r)
             first_from[r] = 0 if first else nc
@@ -302,6 +324,7 @@ def run_sequence(
             side.cache.new_step_starts(so)
         view.update(so)
         n = so.total_num_scheduled_tokens
+        invalid: set[int] = set()
         save = n > 0 and not (first_saved and rng.random() < params.unsaved)
         rec = StepRecord(first_from, tokens, end)
         if save:
@@ -334,6 +357,15 @@ def run_sequence(
                     num_tokens_unpadded=n,
                     num_tokens_padded=padded,
                 )
+                # A first hit sent back: its blocks reach the scheduler with this step's
+                # output (decided at save, whenever the step is materialized).
+                take = getattr(side.cache, "take_invalid_blocks", None)
+                if take is not None:
+                    invalid |= set(take(rec.step_ids[side.name]))
+                    sent_back = set(side.cache.rules.recomputing()) - recomputing
+                    rec.dropped |= sent_back
+                    recomputing |= sent_back
+            counts.recomputed += len(rec.dropped)
             counts.saved += 1
             if not first_saved:
                 first_saved = True
@@ -358,7 +390,12 @@ def run_sequence(
             else:
                 compare(rec, req_ids)
         sampled = [rng.randrange(VOCAB) for _ in so.num_scheduled_tokens]
-        sched.update_from_output(so, stub_runner_output(so, sampled.__getitem__, sched.requests))
+        out = stub_runner_output(so, sampled.__getitem__, sched.requests)
+        if invalid:
+            from hscache.omni.refusals import report_invalid_blocks
+
+            report_invalid_blocks(out, invalid)
+        sched.update_from_output(so, out)
     for old, req_ids in pending_late:
         compare(old, req_ids)
     return counts

@@ -206,6 +206,75 @@ def test_hit_on_unwritten_rows_is_refused_not_zeros() -> None:
     cache.discard_step(sid)
 
 
+def test_hit_on_unwritten_rows_is_recomputed_when_reported() -> None:
+    """Recomputation on: d's refused hit hands out d's step rows and names block 4 (the
+    first unwritten one) for the scheduler; rolled back to 0, d's recomputation serves all
+    its rows; rolled back to its hit shared with a request recomputing block 4 in the
+    same step, its rows are read again (``[cached prefix | rows]``)."""
+    cache, view, _ = warm()
+    cache.set_recompute_refused(True)
+    cache.new_step_starts(sched(new=(("c", [4, 5], 0, 8),), finished=("a",)))  # never saved
+    d = rows(1, 7.0)
+    sid = step(
+        cache, view, sched(new=(("d", [4, 5, 6], 8, 1),), finished=("c",)), d, **{"mm.codes": d}
+    )
+    out = cache.materialize(sid, ["d"])
+    assert out.hidden_states is not None
+    assert torch.equal(out.hidden_states["d"], d)  # dropped by the scheduler
+    assert cache.take_invalid_blocks(sid) == [4]
+    assert cache.take_invalid_blocks(sid) == []
+    assert cache.rules.recomputing() == ["d"]
+    # vLLM rolled d back to block 4's start (0): every row computed again.
+    d_all = rows(9, 20.0)
+    sid = step(cache, view, sched(cont=(("d", None, 0, 9),)), d_all, **{"mm.codes": d_all})
+    out = cache.materialize(sid, ["d"])
+    assert out.hidden_states is not None
+    assert torch.equal(out.hidden_states["d"], d_all)
+    assert cache.rules.recomputing() == []
+    # e hits d's rewritten blocks 4, 5: served, nothing to report.
+    e = rows(1, 50.0)
+    sid = step(cache, view, sched(new=(("e", [4, 5, 7], 8, 1),)), e, **{"mm.codes": e})
+    out = cache.materialize(sid, ["e"])
+    assert out.hidden_states is not None
+    assert torch.equal(out.hidden_states["e"], torch.cat([d_all[:8], e]))
+    assert cache.take_invalid_blocks(sid) == []
+
+
+def test_recomputed_hit_reread_from_its_rollback_point() -> None:
+    """Rolled back to a block boundary after the written blocks: rows before it are read
+    from the cache, rows from it are the step's."""
+    cache, view, a = warm()
+    cache.set_recompute_refused(True)
+    # f computes block 3 in a step never saved; g hits blocks 1, 2 (a's) and 3.
+    cache.new_step_starts(sched(new=(("f", [1, 2, 3], 8, 4),), finished=("a",)))
+    g = rows(1, 9.0)
+    sid = step(
+        cache, view, sched(new=(("g", [1, 2, 3, 6], 12, 1),), finished=("f",)), g, **{"mm.codes": g}
+    )
+    cache.materialize(sid, ["g"])
+    assert cache.take_invalid_blocks(sid) == [3]
+    g_tail = rows(5, 30.0)
+    sid = step(cache, view, sched(cont=(("g", None, 8, 5),)), g_tail, **{"mm.codes": g_tail})
+    out = cache.materialize(sid, ["g"])
+    assert out.hidden_states is not None
+    assert torch.equal(out.hidden_states["g"], torch.cat([a, g_tail]))
+    # A rollback that is not block aligned is refused before anything changes.
+    cache2, view2, _ = warm()
+    cache2.set_recompute_refused(True)
+    cache2.new_step_starts(sched(new=(("f", [1, 2, 3], 8, 4),), finished=("a",)))
+    sid = step(
+        cache2,
+        view2,
+        sched(new=(("g", [1, 2, 3, 6], 12, 1),), finished=("f",)),
+        g,
+        **{"mm.codes": g},
+    )
+    cache2.discard_step(sid)
+    with pytest.raises(InvalidArgumentError):
+        cache2.new_step_starts(sched(cont=(("g", None, 9, 4),)))
+    assert cache2.rules.recomputing() == ["g"]
+
+
 def test_non_aligned_hit_is_refused_before_anything_changes() -> None:
     cache, _, _ = warm()
     live = cache.rules.num_live

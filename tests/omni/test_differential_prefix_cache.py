@@ -9,9 +9,15 @@ oracle. vLLM 0.30's real ``Scheduler`` produces the ``SchedulerOutput``s (``step
   aborts, discarded steps, preemption and resumption, chunked prefill and materialize one
   step late; neither cache refuses anything.
 - ``test_unsaved_steps``: beyond vllm-omni's runners (which save every step): steps whose
-  outputs are never saved leave hashed blocks without rows; hscache refuses those hits
-  (``UnservableHitError``) and every row it serves equals the oracle (vllm-omni 0.30 serves
+  outputs are never saved leave hashed blocks without rows. hscache (recomputation on, as
+  hscache's switch runs it) sends those hits back: their first unwritten block reaches
+  vLLM's scheduler as ``invalid_block_ids`` with the step's output, the scheduler rolls the
+  request back and drops that output, and the request's next step is served from position
+  0; no refusal is raised and every row it serves equals the oracle (vllm-omni 0.30 serves
   a previous tenant's rows for some of them: printed, not asserted).
+  ``test_unsaved_steps_cover_the_recomputation``: over the seeds, hits were sent back and
+  served again after the rollback. ``test_unsaved_steps_without_the_report``: with
+  recomputation off the same hits are refused (``UnservableHitError``), never served.
 - ``test_hybrid_layout_against_recomputation``: beyond vllm-omni (one KV-cache group
   only), a sliding-window + full-attention layout, against the recomputed oracle.
 - ``test_rule_mutants_are_caught``: each broken rule of hscache's slot mirror and of its
@@ -58,12 +64,16 @@ def _omni_side(view: BatchView, p: Params) -> Side:
     return Side("vllm-omni", manager)
 
 
-def _hscache_side(view: BatchView, p: Params) -> Side:
+def _hscache_side(view: BatchView, p: Params, recompute: bool = True) -> Side:
     from vllm_omni.core.prefix_cache import ModelCachePolicy, PrefixCacheConfig
 
     cfg = PrefixCacheConfig(num_blocks=p.num_blocks, block_size=p.block_size)
     cache = OmniHiddenStateCache(
-        cfg, view, settings=OmniSettings(storage="cpu"), kv_cache_group=1 if p.window else 0
+        cfg,
+        view,
+        settings=OmniSettings(storage="cpu"),
+        kv_cache_group=1 if p.window else 0,
+        recompute_refused=recompute,
     )
     cache.register_policy(ModelCachePolicy(deferred_keys=DEFERRED_KEYS))
     return Side("hscache", cache)
@@ -83,6 +93,7 @@ def _summary(c: Counts) -> str:
         f"discarded={c.discarded} requests={c.requests_compared} rows={c.rows_compared} "
         f"hits={c.hit_requests} same_step_hits={c.same_step_hits} chunked={c.chunked} "
         f"preemptions={c.preemptions} resumptions={c.resumptions} aborts={c.aborts} "
+        f"recomputed={c.recomputed} recomputed_served={c.recomputed_served} "
         f"refused={c.refused} mismatches={len(c.mismatches)}"
     )
 
@@ -127,6 +138,35 @@ def test_unsaved_steps(seed: int) -> None:
     ours = [m for m in counts.mismatches if " hscache " in m]
     print(_summary(counts), "vllm-omni wrong:", len(counts.mismatches) - len(ours))
     assert not ours, "\n".join(ours[:10])
+    assert not counts.refused.get("hscache"), counts.refused
+
+
+def test_unsaved_steps_cover_the_recomputation() -> None:
+    """Over the seeds: hits on unsaved rows were sent back, and the requests were served
+    from position 0 after the scheduler's rollback (the case the test above proves)."""
+    recomputed = served = 0
+    for seed in range(8):
+        p = _params(seed, unsaved=0.3, late=0.0)
+        c = run_sequence(p, lambda v, p=p: [_hscache_side(v, p)])
+        assert not c.mismatches, "\n".join(c.mismatches[:10])
+        assert not c.refused, c.refused
+        recomputed += c.recomputed
+        served += c.recomputed_served
+    print(f"recomputed={recomputed} served again={served}")
+    assert recomputed > 0 and served > 0
+
+
+def test_unsaved_steps_without_the_report() -> None:
+    """Recomputation off (no runner hook to carry the blocks): the same hits are refused
+    with ``UnservableHitError``, never served short or wrong."""
+    refused = 0
+    for seed in range(4):
+        p = _params(seed, unsaved=0.3, late=0.0)
+        c = run_sequence(p, lambda v, p=p: [_hscache_side(v, p, recompute=False)])
+        assert not c.mismatches, "\n".join(c.mismatches[:10])
+        assert c.recomputed == 0
+        refused += c.refused.get("hscache", 0)
+    assert refused > 0
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -194,6 +234,7 @@ MUTANTS = [
     ("no_first_hit", 0.0),
     ("unservable_as_plain", 0.3),
     ("spans_in_scheduled_order", 0.0),
+    ("recompute_as_plain", 0.3),
 ]
 
 
@@ -203,10 +244,12 @@ def test_rule_mutants_are_caught(mutant: str, unsaved: float) -> None:
     caught = 0
     for seed in range(4):
         p = _params(seed, unsaved=unsaved, late=0.0)
+        # The refusal mutant breaks the rule that applies with recomputation off.
+        recompute = mutant != "unservable_as_plain"
         make = (
             (lambda v, p=p: [_omni_side(v, p), _hscache_side(v, p)])
             if not unsaved
-            else (lambda v, p=p: [_hscache_side(v, p)])
+            else (lambda v, p=p, rc=recompute: [_hscache_side(v, p, rc)])
         )
         counts = run_sequence(p, make, after_first_save=_mutant_side(mutant))
         caught += len(counts.mismatches) + counts.refused.get("hscache", 0) * (not unsaved)

@@ -30,6 +30,7 @@ from hscache.vllm import _mirror_table, mirror
 from hscache.vllm import step as fast_step
 from vllm.v1.core.sched import scheduler as vllm_scheduler_module
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.request import Request
 
 ROOT = Path(__file__).resolve().parents[2]

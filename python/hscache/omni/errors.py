@@ -14,7 +14,8 @@ __all__ = ["StepIdError", "UnservableHitError", "UnsupportedOutputError"]
 # StepIdError (an InvalidArgumentError): a step id that is not an unconsumed step of this
 # cache: consumed already, never saved, issued by another cache, or one too many steps
 # left unconsumed. UnservableHitError (a RuntimeError): a request's prefix hit whose
-# cached rows the slot mirror could not validate; vllm-omni's contract makes it fatal.
+# cached rows the slot mirror could not validate and that is not recomputed (recomputation
+# off, or no block to report: hscache.omni.refusals); vllm-omni's runner makes it fatal.
 # Both are raised by the Rust rules (src/slots/omni_rules.rs), documented there.
 
 

@@ -23,10 +23,13 @@ the ``SchedulerOutput`` itself (new requests' tables and hits, running requests'
 blocks, resumptions, finishes and preemptions), bumps the version of every block assigned
 fresh, lays out and checks the step's write slots, counts the rows written and validates
 every hit against the versions: a hit whose rows were not all written in their blocks'
-current versions is a miss, which this class reports as :class:`UnservableHitError`
-(never zeros, never another request's rows). The Rust ``OmniStepRules``
-(``src/slots/omni_rules.rs``) takes the rest: the live requests, which new requests are
-first hits (block aligned, else ``InvalidArgumentError``), a step begun and never saved,
+current versions is a miss, never served (no zeros, no other request's rows): with
+recomputation on (``recompute_refused``, as hscache's switch builds it) the request is
+sent back to the scheduler for recomputation (:meth:`take_invalid_blocks`,
+:mod:`hscache.omni.refusals`), otherwise reported as :class:`UnservableHitError`. The
+Rust ``OmniStepRules`` (``src/slots/omni_rules.rs``) takes the rest: the live requests,
+which new requests are first hits (block aligned, else ``InvalidArgumentError``), a step
+begun and never saved,
 the step's spans in the runner's batch order, which requests of a saved step are served
 their prefix, refused (with the reason) or served this step's rows, which step ids
 (issued here, not consumed yet, at most ``max_unconsumed_steps`` waiting) and request ids
@@ -43,6 +46,18 @@ Storage (:class:`hscache.omni.settings.OmniSettings`): the cache is allocated on
 saved step with rows, one ``(num_blocks * block_size, width)`` tensor per per-token key, in
 pinned host memory, on the outputs' device, or in pageable host memory;
 ``bytes_per_token`` is the memory one KV slot costs. Results are host tensors, as vllm-omni's.
+
+No synchronous device -> host copy on the step: rows on a CUDA device bound for host storage
+(``pinned``, the default) are copied into pinned memory with ``non_blocking`` copies on a
+copy stream that waits for the current stream, one event per step; the step's host work
+(the rows into the storage, the hits' gather, the rows kept for ``materialize``) is queued
+and runs in step order when that step (or a later one) is materialized or discarded, after
+waiting for its event; the next ``new_step_starts`` makes the current stream wait for the
+copies on the device (the next forward may overwrite the runner's buffers), never the host.
+The mirror's decisions are taken at save all the same (``HiddenStateCache.commit``). On host
+tensors the same code path runs with no copy and no event, and the host work runs before
+``save_outputs`` returns (the runner reuses its buffers). ``device`` storage keeps its
+synchronous host copies of the rows handed out.
 """
 
 from __future__ import annotations
@@ -50,7 +65,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -58,7 +74,7 @@ import torch
 
 from hscache._core import OmniSavePlan, OmniStepRules
 from hscache.exceptions import InvalidArgumentError
-from hscache.hidden_state_steps import StepRows, index_view
+from hscache.hidden_state_steps import StepPlan, StepRows, index_view
 from hscache.hidden_states import HiddenStateCache
 from hscache.omni.errors import StepIdError, UnsupportedOutputError
 from hscache.omni.settings import OmniSettings
@@ -89,6 +105,14 @@ class _Key:
     @property
     def width(self) -> int:
         return math.prod(self.row_shape)
+
+
+class _Step(NamedTuple):
+    """A begun step: its ``SchedulerOutput`` and the recomputed requests whose rows the
+    mirror reads again (the rules' ``begin_step``)."""
+
+    output: Any
+    rereads: list[str]
 
 
 @dataclass
@@ -144,17 +168,30 @@ def _split(
     return rows, rest
 
 
-def _host_copy(val: Any) -> Any:
-    """A host copy of every tensor in ``val`` (the runner reuses its output buffers)."""
+def _host_copy(val: Any, stream: Any = None) -> Any:
+    """A host copy of every tensor in ``val`` (the runner reuses its output buffers);
+    with a CUDA ``stream``, device tensors are copied into pinned memory without blocking
+    on it (the caller waits for the stream's event before reading them)."""
     if isinstance(val, torch.Tensor):
+        if stream is not None and val.is_cuda:
+            return _pinned_copy(val, stream)
         return val.detach().to("cpu", copy=True)
     if isinstance(val, Mapping):
-        return {k: _host_copy(v) for k, v in val.items()}
+        return {k: _host_copy(v, stream) for k, v in val.items()}
     if isinstance(val, list):
-        return [_host_copy(v) for v in val]
+        return [_host_copy(v, stream) for v in val]
     if isinstance(val, tuple):
-        return tuple(_host_copy(v) for v in val)
+        return tuple(_host_copy(v, stream) for v in val)
     return val
+
+
+def _pinned_copy(t: torch.Tensor, stream: Any) -> torch.Tensor:
+    """A non-blocking copy of device tensor ``t`` into pinned host memory, enqueued on
+    ``stream`` (the current stream); ``t``'s memory is kept from reuse until it ran."""
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t.detach(), non_blocking=True)
+    t.record_stream(stream)
+    return out
 
 
 class OmniHiddenStateCache:
@@ -163,11 +200,15 @@ class OmniHiddenStateCache:
     ``config`` has ``num_blocks`` and ``block_size`` (vllm-omni's ``PrefixCacheConfig``);
     ``view`` has ``batch_req_ids()``, the runner's batch order after its state update
     (vllm-omni's ``FullAttentionGroupView``). ``eager`` is accepted for vllm-omni's signature
-    and ignored (nothing here is asynchronous). ``settings`` default to the environment.
+    and ignored (the device copies are asynchronous whenever rows leave a CUDA device).
+    ``settings`` default to the environment.
     ``kv_cache_group``: the KV-cache group whose block tables index the rows, the one that
     carries full-attention positions (:func:`hscache.hidden_states.full_attention_group`);
     vllm-omni knows group 0 of a one-group model only, hscache serves hybrid layouts too
-    (``config.block_size`` is then that group's block size).
+    (``config.block_size`` is then that group's block size). ``recompute_refused``: a
+    first hit whose rows cannot be served is sent back for recomputation instead of
+    refused (:meth:`take_invalid_blocks`; on where those blocks reach the scheduler, as
+    the runner hook :mod:`hscache.omni.refusals` does).
     """
 
     def __init__(
@@ -178,6 +219,7 @@ class OmniHiddenStateCache:
         eager: bool | None = None,
         settings: OmniSettings | None = None,
         kv_cache_group: int = 0,
+        recompute_refused: bool = False,
     ) -> None:
         del eager
         self._kv_cache_group = kv_cache_group
@@ -196,13 +238,13 @@ class OmniHiddenStateCache:
         self._keys: dict[str, _Key] = {}
         # SchedulerOutputs seen before the cache exists (it is built on the first saved
         # step with rows, when the outputs' widths are known); replayed into its mirror.
-        self._backlog: list[Any] = []
+        self._backlog: list[_Step] = []
         # The first saved step with rows had no per-token output: nothing is ever cached
         # (and no backlog kept).
         self._keyless = False
         # This step's SchedulerOutput, planned in the mirror at save (the batch order is
         # known then).
-        self._pending: Any = None
+        self._pending: _Step | None = None
         # Every decision (live requests, first hits, spans, who is served what, which
         # step ids and request ids may be consumed) is the Rust rules'; `_steps` holds
         # the saved steps' tensors.
@@ -210,6 +252,7 @@ class OmniHiddenStateCache:
             block_size=self._block_size,
             max_unconsumed_steps=self._settings.max_unconsumed_steps,
         )
+        self._rules.set_recompute_refused(bool(recompute_refused))
         # materialize / discard_step may run on vllm-omni's async output thread while the
         # engine thread saves the next step: the rules' step record and `_steps` change
         # under this lock (materialize reads only the step's own tensors, never the
@@ -219,6 +262,13 @@ class OmniHiddenStateCache:
         self._savers_waiting = 0  # notify only when a save waits for room
         self._steps: dict[int, _SavedStep] = {}
         self._saving: set[int] = set()  # step ids issued, their rows not kept yet
+        # Host work of saved steps (write into the storage, gather the hits, keep the
+        # rows handed out), in step order; run at once unless the step's rows are still
+        # being copied off the device (then when the step, or a later one, is consumed).
+        self._jobs: deque[tuple[int, Callable[[], None]]] = deque()
+        self._jobs_lock = threading.Lock()
+        self._copy_streams: dict[torch.device, Any] = {}
+        self._last_copy: tuple[torch.device, Any] | None = None
         # Rows moved per key by the saves: into the cache, gathered for the hits, and
         # kept as the host copy of the plain requests' rows (``row_copies()``).
         self._rows_moved = {"written": 0, "gathered": 0, "kept": 0}
@@ -247,6 +297,26 @@ class OmniHiddenStateCache:
         gathered``)."""
         return dict(self._rows_moved)
 
+    @property
+    def recompute_refused(self) -> bool:
+        """Whether a first hit the mirror refuses is sent back for recomputation."""
+        return self._rules.recompute_refused
+
+    def set_recompute_refused(self, on: bool) -> None:
+        """Turns recomputation of refused first hits on (where :meth:`take_invalid_blocks`
+        reaches the scheduler) or off (such a hit raises ``UnservableHitError``)."""
+        self._rules.set_recompute_refused(bool(on))
+
+    def take_invalid_blocks(self, step_id: int) -> list[int]:
+        """The blocks to report with saved step ``step_id``'s output as vLLM's
+        ``KVConnectorOutput.invalid_block_ids`` (taken once): per first hit of the step
+        sent back for recomputation, the first block whose rows were not written. vLLM's
+        scheduler then drops that request's output of the step and recomputes it from
+        that block (or fails it, under a connector's ``kv_load_failure_policy='fail'``);
+        its next step is served ``[cached prefix | rows]`` as a first hit."""
+        with self._lock:
+            return self._rules.take_invalid_blocks(step_id)
+
     def unconsumed_steps(self) -> list[int]:
         """Saved step ids not yet materialized or discarded."""
         return self._rules.unconsumed_steps()
@@ -267,9 +337,14 @@ class OmniHiddenStateCache:
         # The rules check the step (first hits block aligned), then take it; a step
         # never saved is planned without a write (its rows count as never written)
         # before this one.
-        unsaved = self._rules.begin_step(scheduler_output)
-        previous, self._pending = self._pending, scheduler_output
-        if unsaved:
+        unsaved, rereads = self._rules.begin_step(scheduler_output)
+        if self._last_copy is not None:
+            # The next forward may overwrite the runner's output buffers: it waits (on
+            # the device, the host does not) for the last step's copies out of them.
+            torch.cuda.current_stream(self._last_copy[0]).wait_event(self._last_copy[1])
+            self._last_copy = None
+        previous, self._pending = self._pending, _Step(scheduler_output, rereads)
+        if unsaved and previous is not None:
             self._plan_unsaved(previous)
 
     def save_outputs(
@@ -284,17 +359,20 @@ class OmniHiddenStateCache:
         n = int(num_tokens_unpadded)
         plan = self._rules.lay_out(self._view.batch_req_ids(), n)
         so = self._pending
+        if so is None:  # the rules refused the plan above: never reached
+            raise InvalidArgumentError("save_outputs without new_step_starts for this step")
         self._wait_for_room()
         rows, rest = _split(
             hidden_states, mm_outputs, n, int(num_tokens_padded), self._cache_hidden
         )
         keys = self._check_keys(rows) if n else {}
         # Everything checked: change state.
-        saved = _SavedStep(req_ids=plan.req_ids, sizes=plan.sizes, leftover=_host_copy(rest))
+        saved = _SavedStep(req_ids=plan.req_ids, sizes=plan.sizes)
         if n and not keys and self._cache is None and not self._keyless:
             self._keyless = True
             self._backlog.clear()
         if not n or not keys:
+            saved.leftover = _host_copy(rest)
             self._plan_unsaved(so)
             self._pending = None
             with self._lock:  # room was checked above; consumers only make more
@@ -306,8 +384,12 @@ class OmniHiddenStateCache:
         assert self._cache is not None
         flat = {name: t.reshape(t.shape[0], -1) for name, t in rows.items()}
         self._pending = None
+        cache = self._cache
         try:
-            step_rows = self._write(so, plan, flat)
+            step = self._plan(so, plan)
+            # The step's writes are counted and its reads validated now; the rows go into
+            # the storage with the step's host work (below), before any later step's.
+            reads = cache.commit(step)
         except BaseException:
             # The mirror may have planned the step, which is then never committed (its
             # rows count as never written): the rules drop it too (saved without rows,
@@ -315,10 +397,9 @@ class OmniHiddenStateCache:
             with self._lock:
                 self._rules.discard(self._rules.save(plan)[0])
             raise
-        reads = step_rows.reads
         with self._lock:
             step_id, prefix, plain_rows, plain_sizes = self._rules.save(
-                plan, hits=reads.plan_indices, misses=reads.misses
+                plan, hits=reads.plan_indices, misses=reads.misses, miss_blocks=reads.miss_blocks
             )
             self._saving.add(step_id)
         # The copies run unlocked (the output thread may materialize an older step
@@ -327,21 +408,38 @@ class OmniHiddenStateCache:
         moved["written"] += plan.num_rows
         moved["gathered"] += reads.num_rows
         moved["kept"] += sum(plain_sizes)
+        # Device rows bound for host storage: non-blocking copies into pinned memory on a
+        # copy stream, the host work deferred until the step is consumed (its event
+        # waited then); otherwise (host rows, device storage) the host work runs now.
         try:
-            self._keep(saved, step_rows, flat, prefix, plain_rows, plain_sizes)
+            staged, copied, saved.leftover = self._stage(flat, rest)
         except BaseException:
             with self._lock:
                 self._saving.discard(step_id)
                 self._rules.discard(step_id)
             raise
+
+        def host_work() -> None:
+            if copied is not None:
+                copied.synchronize()
+            step_rows = cache.write_committed(step, reads, staged)
+            self._keep(
+                saved, step_rows, staged, prefix, plain_rows, plain_sizes, copied is not None
+            )
+
         with self._lock:
             self._saving.discard(step_id)
             self._steps[step_id] = saved
+        with self._jobs_lock:
+            self._jobs.append((step_id, host_work))
+        if copied is None:
+            self._drain(None)
         return step_id
 
     def materialize(self, step_id: int, req_ids: Sequence[str]) -> StageOutputs:
         """Per-request rows of a saved step (see the module doc); consumes ``step_id``."""
         req_ids = list(req_ids)
+        self._drain(step_id)
         with self._lock:
             # The rules refuse (StepIdError, UnknownRequestError, UnservableHitError)
             # before consuming anything.
@@ -371,6 +469,7 @@ class OmniHiddenStateCache:
 
     def discard_step(self, step_id: int) -> None:
         """Consumes ``step_id`` without reading it (its rows stay cached)."""
+        self._drain(step_id)
         with self._lock:
             self._refuse_saving(step_id)
             self._rules.discard(step_id)
@@ -411,14 +510,14 @@ class OmniHiddenStateCache:
         if isinstance(step_id, int) and step_id in self._saving:
             raise StepIdError(f"step {step_id} is still being saved")
 
-    def _plan_unsaved(self, so: Any) -> None:
+    def _plan_unsaved(self, so: _Step) -> None:
         """Applies a step nothing was saved for: its tables count, its rows do not."""
         if self._keyless:
             return
         if self._cache is None:
             self._backlog.append(so)
         else:
-            self._cache.update_from_scheduler_output(so)
+            self._cache.update_from_scheduler_output(so.output, rereads=so.rereads)
 
     def _check_keys(self, rows: Mapping[str, torch.Tensor]) -> dict[str, _Key]:
         """The step's per-token keys, checked against the cache's (same names, row
@@ -476,21 +575,71 @@ class OmniHiddenStateCache:
             pin_memory=pin,
         )
         for so in self._backlog:
-            cache.update_from_scheduler_output(so)
+            cache.update_from_scheduler_output(so.output, rereads=so.rereads)
         self._backlog.clear()
         self._cache = cache
         self._keys = keys
 
-    def _write(self, so: Any, plan: OmniSavePlan, flat: Mapping[str, torch.Tensor]) -> StepRows:
-        """Plans, writes and commits the step in the mirror; gathers its served hits."""
+    def _plan(self, so: _Step, plan: OmniSavePlan) -> StepPlan:
+        """Plans the step in the mirror (its rows in the rules' layout)."""
         cache = self._cache
         assert cache is not None
-        step = cache.update_from_scheduler_output(so, order=plan.req_ids)
+        step = cache.update_from_scheduler_output(so.output, order=plan.req_ids, rereads=so.rereads)
         if step.num_rows != plan.num_rows:
             raise InvalidArgumentError(
                 f"the step has {plan.num_rows} rows; the mirror planned {step.num_rows}"
             )
-        return cache.write_and_gather(step, flat)
+        return step
+
+    def _stage(
+        self, flat: Mapping[str, torch.Tensor], rest: Mapping[str, Any]
+    ) -> tuple[Mapping[str, torch.Tensor], Any, dict[str, Any]]:
+        """``(rows, copied event or None, pass-through outputs on the host)``. Rows on a
+        CUDA device bound for host storage are copied into pinned memory without blocking,
+        on a copy stream that waits for the current stream (the forward that made them);
+        the event marks the copies' end. Everything else: the rows as they are, no event
+        (the caller's host work runs at once), the pass-through outputs copied now."""
+        cache = self._cache
+        assert cache is not None
+        device = next(iter(flat.values())).device
+        if device.type != "cuda" or cache.device.type == "cuda":
+            return flat, None, _host_copy(rest)
+        stream = self._copy_streams.get(device)
+        if stream is None:
+            stream = self._copy_streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            staged = {name: _pinned_copy(t, stream) for name, t in flat.items()}
+            leftover = _host_copy(rest, stream)
+            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            copied.record(stream)
+        self._last_copy = (device, copied)
+        return staged, copied, leftover
+
+    def _drain(self, upto: object) -> None:
+        """Runs the saved steps' host work in order, up to step ``upto`` (every step's
+        for None; nothing for an id that is not an int: the rules refuse it after)."""
+        if upto is not None and not isinstance(upto, int):
+            return
+        while True:
+            with self._jobs_lock:
+                if not self._jobs or (upto is not None and self._jobs[0][0] > upto):
+                    return
+                step_id, work = self._jobs[0]
+                try:
+                    work()
+                except BaseException:
+                    # The step's rows never reached the storage or its kept copies: it
+                    # is consumed here, so that nothing hands them out.
+                    self._jobs.popleft()
+                    with self._lock:
+                        self._steps.pop(step_id, None)
+                        try:
+                            self._rules.discard(step_id)
+                        except StepIdError:
+                            pass
+                    raise
+                self._jobs.popleft()
 
     @staticmethod
     def _keep(
@@ -500,6 +649,7 @@ class OmniHiddenStateCache:
         prefix: list[int],
         plain_rows: bytearray | None,
         plain_sizes: list[int],
+        private: bool = False,
     ) -> None:
         """Keeps what the step's materialize may hand out, in host memory: the full rows
         of the requests served their prefix (the mirror's gather), and one copy of the
@@ -510,7 +660,11 @@ class OmniHiddenStateCache:
             {name: step_rows.rows(req_ids[i], name).cpu() for name in flat} for i in prefix
         ]
         if plain_rows is None:  # every request plain: the whole step
-            copies = {name: t.detach().to("cpu", copy=True) for name, t in flat.items()}
+            copies = (
+                dict(flat)  # a private host copy already (staged off the device)
+                if private
+                else {name: t.detach().to("cpu", copy=True) for name, t in flat.items()}
+            )
         elif plain_sizes:
             idx = index_view(plain_rows)
             copies = {name: t.index_select(0, idx.to(t.device)).cpu() for name, t in flat.items()}

@@ -33,6 +33,7 @@ from typing import Any
 
 from hscache.hidden_states import full_attention_group
 from hscache.omni.prefix_cache import OmniHiddenStateCache
+from hscache.omni.refusals import install_on_runner
 from hscache.omni.settings import OmniSettings
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,8 @@ def _build_manager(original: Any, enabled: Enabled = _from_env) -> Any:
             settings.storage,
             kwargs.get("kv_cache_group", 0),
         )
+        # A refused hit is recomputed where the runner reports its blocks (refusals.py).
+        kwargs.setdefault("recompute_refused", install_on_runner())
         return OmniHiddenStateCache(config, view, settings=settings, **kwargs)
 
     build.hscache_original = original  # type: ignore[attr-defined]

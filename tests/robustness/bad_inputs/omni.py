@@ -107,6 +107,7 @@ ROWS = [
         IA,
         lambda f, c: OSR(block_size=4, max_unconsumed_steps=2**70),
     ),
+    R("set_recompute_refused", "not a bool", TE, lambda f, c: f("yes")),
     R("begin_step", "scheduler_output is None", TE, lambda f, c: f(None)),
     R(
         "begin_step",
@@ -205,6 +206,9 @@ SURFACES = [
         classes=(OmniStepRules,),
         exempt={
             "unconsumed_steps": "no argument; a pure read of the outstanding step ids",
+            "recomputing": "no argument; a pure read of the requests sent back",
+            "take_invalid_blocks": "any step id is accepted: one with nothing to report "
+            "(never saved, taken already, not an int) returns []",
         },
     ),
 ]
