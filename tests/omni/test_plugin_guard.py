@@ -55,13 +55,15 @@ class Keep(logging.Handler):
 logging.getLogger().addHandler(Keep())
 logging.getLogger().setLevel(logging.INFO)
 results = {}
-for case, site, asked in json.loads(sys.argv[1]):
+for case, site, asked, extra in json.loads(sys.argv[1]):
     # A fresh start for each case: vLLM's plugins not yet loaded, no vllm_omni imported.
     for name in [m for m in sys.modules if m == "vllm_omni" or m.startswith("vllm_omni.")]:
         del sys.modules[name]
     sys.path.insert(0, site)
     importlib.invalidate_caches()
-    os.environ.pop("HSCACHE_OMNI_PREFIX_CACHE", None)
+    for name in [k for k in os.environ if k.startswith("HSCACHE_")]:
+        del os.environ[name]
+    os.environ.update(extra)
     if asked:
         os.environ["HSCACHE_OMNI_PREFIX_CACHE"] = "1"
     records.clear()
@@ -93,13 +95,15 @@ print(json.dumps(results))
 """
 
 TESTED = TESTED_VLLM_OMNI[0]
-#: case -> (stand-in version, renamed attribute, HSCACHE_OMNI_PREFIX_CACHE set)
-CASES = {
-    "renamed": (TESTED, True, True),
-    "untested": ("0.31.0", False, True),
-    "not_asked": (TESTED, False, False),
-    "not_asked_untested": ("0.31.0", False, False),
-    "asked": (TESTED, False, True),
+#: case -> (stand-in version, renamed attribute, HSCACHE_OMNI_PREFIX_CACHE set, more env)
+CASES: dict[str, tuple[str, bool, bool, dict[str, str]]] = {
+    "renamed": (TESTED, True, True, {}),
+    "untested": ("0.31.0", False, True, {}),
+    "not_asked": (TESTED, False, False, {}),
+    "not_asked_untested": ("0.31.0", False, False, {}),
+    # The cache's other settings are not read (nor refused) unless it is asked for.
+    "not_asked_bad_storage": (TESTED, False, False, {"HSCACHE_OMNI_STORAGE": "nowhere"}),
+    "asked": (TESTED, False, True, {}),
 }
 
 
@@ -127,8 +131,8 @@ def seen(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every case's outcome, from one interpreter (importing vLLM is most of the cost):
     vLLM's ``load_general_plugins()`` run afresh per case, with that case's stand-in."""
     cases = [
-        (case, str(_stand_in(tmp_path_factory.mktemp(case), version, renamed)), asked)
-        for case, (version, renamed, asked) in CASES.items()
+        (case, str(_stand_in(tmp_path_factory.mktemp(case), version, renamed)), asked, extra)
+        for case, (version, renamed, asked, extra) in CASES.items()
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("HSCACHE_")}
     env["VLLM_PLUGINS"] = "hscache_omni"
@@ -167,7 +171,7 @@ def test_an_untested_release_is_one_warning_and_vllm_omni_unchanged(
     assert "vllm-omni 0.31.0 is not a release" in seen["warnings"][0]
 
 
-@pytest.mark.parametrize("case", ["not_asked", "not_asked_untested"])
+@pytest.mark.parametrize("case", ["not_asked", "not_asked_untested", "not_asked_bad_storage"])
 def test_not_asked_leaves_vllm_omni_untouched(seen: dict[str, Any], case: str) -> None:
     """Without ``HSCACHE_OMNI_PREFIX_CACHE`` the plugin imports nothing of vllm-omni (whose
     own import patches vLLM) and says nothing."""

@@ -46,9 +46,15 @@ class OmniSettings:
     max_unconsumed_steps: int = 4
     step_wait_s: float = 30.0
 
+    @staticmethod
+    def enabled_in_env() -> bool:
+        """``HSCACHE_OMNI_PREFIX_CACHE`` asks for hscache's cache (the other variables
+        unread, so unchecked)."""
+        value = os.environ.get("HSCACHE_OMNI_PREFIX_CACHE", "0").strip().lower()
+        return value in ("1", "true", "yes", "on")
+
     @classmethod
     def from_env(cls) -> OmniSettings:
-        enabled = os.environ.get("HSCACHE_OMNI_PREFIX_CACHE", "0").strip().lower()
         storage = os.environ.get("HSCACHE_OMNI_STORAGE", "pinned").strip().lower()
         if storage not in _STORAGES:
             raise InvalidArgumentError(
@@ -72,7 +78,7 @@ class OmniSettings:
             raise InvalidArgumentError(f"HSCACHE_OMNI_STEP_WAIT_S={wait!r}; expected >= 0")
         return cls(
             step_wait_s=step_wait_s,
-            enabled=enabled in ("1", "true", "yes", "on"),
+            enabled=cls.enabled_in_env(),
             storage=storage,
             max_unconsumed_steps=max_steps,
         )

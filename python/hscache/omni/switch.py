@@ -198,7 +198,7 @@ def _register() -> str | None:
     """What :func:`register` does; the reason it left vllm-omni unchanged, where it was
     asked to switch and could not (None otherwise)."""
     version = _installed_vllm_omni()
-    if version is None or not OmniSettings.from_env().enabled:
+    if version is None or not OmniSettings.enabled_in_env():
         return None  # no vllm-omni, or not asked: nothing imported, nothing touched
     if version.split("+", 1)[0] not in TESTED_VLLM_OMNI:
         return (

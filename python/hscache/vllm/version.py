@@ -126,7 +126,9 @@ class VllmProfile:
     fast_step: bool = False
     """``hscache.vllm.Scheduler`` serves steady decode steps with its fast path
     (``hscache.vllm.step``): the versions whose scheduler-level differential with
-    the fast path on (``tests/scheduler/test_scheduler_fast_path.py``) passes. The fast path
+    the fast path on (``tests/scheduler/test_scheduler_fast_path.py``) passes. Within a
+    series it runs only on the exact release that differential ran on, whose mirrored code
+    matches the stored fingerprint (``hscache.vllm.mirror``). The fast path
     follows each version's ``schedule()`` / ``update_from_output()`` by the fields below."""
     prefill_cadence: bool = True
     """``schedule()`` keeps the local prefill cadence (``local_prefill_interval``) and its
