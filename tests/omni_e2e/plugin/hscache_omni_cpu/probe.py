@@ -99,38 +99,49 @@ def _watch_steps(cls: type) -> None:
     cls.schedule = schedule  # type: ignore[attr-defined]
 
 
-def _watch_first_tokens(cls: type) -> None:
+def _watch_arrivals(cls: type) -> None:
     """Records when each request reached the scheduler (``add_request``, after the gate
-    let it through) and when an ``update_from_output`` first gave it an output token
-    (read from the request objects before and after the call: a request finished by
-    that very token has left ``self.requests`` by then)."""
-    add_original = cls.add_request
-    update_original = cls.update_from_output
-    if getattr(update_original, "hscache_probe", False):
-        return
+    let it through)."""
+    original = cls.add_request
 
     def add_request(self: Any, request: Any) -> Any:
         _arrived.setdefault(id(self), {}).setdefault(str(request.request_id), time.time())
-        return add_original(self, request)
-
-    def update_from_output(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        seen = _first_token.setdefault(id(self), {})
-        waiting = [
-            req
-            for req_id in getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
-            if req_id not in seen and (req := self.requests.get(req_id)) is not None
-        ]
-        out = update_original(self, scheduler_output, *args, **kwargs)
-        now = time.time()
-        for req in waiting:
-            if req.num_output_tokens > 0:
-                seen.setdefault(str(req.request_id), now)
-        return out
+        return original(self, request)
 
     # Not marked ``hscache_probe``: the gate wraps this add_request in turn.
-    update_from_output.hscache_probe = True  # type: ignore[attr-defined]
     cls.add_request = add_request  # type: ignore[attr-defined]
-    cls.update_from_output = update_from_output  # type: ignore[attr-defined]
+
+
+def _watch_first_tokens(sched: Any) -> None:
+    """Records when an ``update_from_output`` first gave a request an output token (read
+    from the request objects before and after the call: a request finished by that very
+    token has left ``self.requests`` by then). vllm-omni's ``OmniARScheduler`` defines its
+    own ``update_from_output`` without calling vLLM's, so every class of the scheduler's
+    MRO that defines one is wrapped (once; a wrapped one reached through ``super()``
+    records nothing new)."""
+    for cls in type(sched).__mro__:
+        original = cls.__dict__.get("update_from_output")
+        if original is None or getattr(original, "hscache_probe", False):
+            continue
+
+        def update_from_output(
+            self: Any, scheduler_output: Any, *args: Any, _orig: Any = original, **kwargs: Any
+        ) -> Any:
+            seen = _first_token.setdefault(id(self), {})
+            waiting = [
+                req
+                for req_id in getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
+                if req_id not in seen and (req := self.requests.get(req_id)) is not None
+            ]
+            out = _orig(self, scheduler_output, *args, **kwargs)
+            now = time.time()
+            for req in waiting:
+                if req.num_output_tokens > 0:
+                    seen.setdefault(str(req.request_id), now)
+            return out
+
+        update_from_output.hscache_probe = True  # type: ignore[attr-defined]
+        cls.update_from_output = update_from_output  # type: ignore[attr-defined]
 
 
 def _watch_aborts(cls: type) -> None:
@@ -165,6 +176,8 @@ def _record_instances(cls: type, into: list[weakref.ref[Any]]) -> None:
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         into.append(weakref.ref(self))
+        if into is _schedulers:
+            _watch_first_tokens(self)
 
     init.hscache_probe = True  # type: ignore[attr-defined]
     cls.__init__ = init  # type: ignore[misc]
@@ -296,7 +309,7 @@ def register() -> None:
 
     _record_instances(Scheduler, _schedulers)
     _count_preemptions(Scheduler)
-    _watch_first_tokens(Scheduler)  # inside the gate: arrival is when the gate lets it in
+    _watch_arrivals(Scheduler)  # inside the gate: arrival is when the gate lets it in
     _gate_arrivals(Scheduler)
     _watch_steps(Scheduler)
     _watch_aborts(Scheduler)
