@@ -40,7 +40,7 @@ requests per second, and whether every request's thinker and talker tokens equal
 ``off`` arm's (fp32, greedy); then the goals (issue 32, item 5). The host is a shared
 2-core machine: compare arms within one run (medians), not across runs.
 ``--quick``: a tiny model and workload, every arm once (the test of
-``tests/omni/test_bench_omni_e2e.py``: the pipeline ran, the arms agree; no timing).
+``tests/bench/test_bench_omni_e2e.py``: the pipeline ran, the arms agree; no timing).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -101,7 +102,7 @@ class E2EConfig:
     talker_max_tokens: int = 4
     chunk: int = 2048  # the thinker's max_num_batched_tokens
     seed: int = 0
-    timeout_s: float = 1200.0
+    timeout_s: float = 2400.0  # one arm, its two stage starts included (minutes on a loaded host)
 
     @property
     def max_prompt(self) -> int:
@@ -141,7 +142,7 @@ QUICK = E2EConfig(
     tail_min=8,
     tail_max=40,
     chunk=256,
-    timeout_s=600.0,
+    timeout_s=1800.0,
 )
 
 
@@ -457,11 +458,15 @@ def run(cfg: E2EConfig, work: Path, log: Any = None) -> list[dict[str, Any]]:
             cmd += ["--config", json.dumps(dataclasses.asdict(cfg))]
             t = time.perf_counter()
             with arm_log.open("w") as fh:
+                # Its own session: on a timeout the stage engines it spawned go with it.
+                proc = subprocess.Popen(
+                    cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                )
                 try:
-                    rc = subprocess.run(
-                        cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=cfg.timeout_s
-                    ).returncode
+                    rc = proc.wait(timeout=cfg.timeout_s)
                 except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
                     rc = -1
             if rc != 0 or not out.exists():
                 tail = arm_log.read_text(errors="replace").splitlines()[-40:]

@@ -3,7 +3,11 @@
 names, the caching arms hit on shared prefixes, and every request's thinker and talker
 tokens equal the caching-off arm's. No timing is asserted. Needs vllm-omni 0.30 on vLLM 0.30
 (``scripts/vllm030_env.sh``) and this checkout's ``tests/omni_e2e`` scaffolding (found on
-the path; nothing is installed). Starts one pair of stage engines per arm: minutes.
+the path; nothing is installed). Starts one pair of stage engines per arm: minutes (1-2
+each on a quiet 2-core host, 5-10 on a loaded one), so it lives here, skipped in the main
+venv, rather than in ``tests/omni`` (which the vllm-omni step of ``scripts/test.sh`` runs
+whole, no skip allowed): run it with
+``$HSCACHE_PY030 -m pytest tests/bench/test_bench_omni_e2e.py``.
 """
 
 from __future__ import annotations
