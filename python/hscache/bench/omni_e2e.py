@@ -82,11 +82,14 @@ EXPECTED = {
 
 @dataclasses.dataclass(frozen=True)
 class E2EConfig:
-    """One run's sizes (the defaults: the full run, about 10 minutes on 2 cores)."""
+    """One run's sizes. The defaults: the run in ``docs/omni.md``, four arm processes,
+    each a stage-engine pair's start (1-2 minutes on a quiet 2-core host, 5-7 on a loaded
+    one) and three rounds (under a minute each with caching off on a loaded host);
+    ``passes=2`` runs every arm again in the reverse order (twice as long)."""
 
-    concurrency: int = 16
+    concurrency: int = 8
     repeats: int = 1
-    passes: int = 2
+    passes: int = 1
     arms: tuple[str, ...] = ARMS
     thinker_hidden: int = 512
     thinker_layers: int = 8
@@ -604,7 +607,7 @@ def format_report(summary: dict[str, Any], cfg: E2EConfig) -> str:
             lines.append(
                 f"| {traffic} | {arm} | {row['requests']} | {row['thinker_p50']:.2f} | "
                 f"{row['thinker_p99']:.2f} | {row['talker_p50']:.2f} | {row['talker_p99']:.2f} "
-                f"| {row['rps']:.2f} | {row['cached_tokens']} / {row['prompt_tokens']} "
+                f"| {row['rps']:.3f} | {row['cached_tokens']} / {row['prompt_tokens']} "
                 f"| {row['same_as_off']} |"
             )
     lines.append("")
