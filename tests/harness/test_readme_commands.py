@@ -48,8 +48,13 @@ COVERAGE: list[tuple[str, str]] = [
     (r"^python -m hscache bench --retention", "file:tests/retention/test_bench_retention.py"),
     (r"^python -m hscache bench --hidden-states", "file:tests/hidden_states/test_hidden_states.py"),
     (r"^python -m hscache bench\b(?!-)", "file:tests/bench/test_bench_smoke.py"),
+    (r"^python -m hscache bench-scheduler --loaded", "file:tests/bench/test_bench_loaded.py"),
     (r"^python -m hscache bench-scheduler", "file:tests/scheduler/test_scheduler_fast_path.py"),
     (r"^python -m hscache bench-engine", "file:tests/bench/test_bench_engine.py"),
+    (
+        r"^python -m hscache bench-omni-e2e",
+        "not run: four vllm-omni engine pairs, ~40 min on 2 cores; measured by hand (docs/omni.md)",
+    ),
     (r"^python -m hscache bench-omni", "file:tests/omni/test_bench_omni.py"),
     (r"^python -m hscache soak", "file:tests/harness/test_readme_commands.py"),
     (r"^python -m hscache info", "file:tests/harness/test_readme_commands.py"),

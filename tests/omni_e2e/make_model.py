@@ -7,7 +7,14 @@ head_dim 32; token2wav shrunk), random weights from a fixed seed saved with
 with filler entries so that Qwen's special tokens keep their real ids (151643...151656),
 wrapped as a Qwen2 tokenizer. Nothing is downloaded. Runs in the vLLM 0.30 + vllm-omni 0.30
 environment (``scripts/vllm030_env.sh``);
-``python tests/omni_e2e/make_model.py DIR [--sliding-window W]``.
+``python tests/omni_e2e/make_model.py DIR [--sliding-window W] [--thinker-hidden H
+--thinker-layers L --thinker-heads N --thinker-kv-heads K]``.
+
+``--thinker-*`` size the thinker's language model (``python -m hscache bench-omni-e2e``
+wants one whose prefill dominates a request: hidden 512, 8 layers); its head dimension is
+``H / N`` and the mrope sections scale with it ([4, 6, 6] per 32); the vision and audio
+encoders' outputs, and the talker's input embedding, follow ``H``; the talker stays tiny.
+The defaults are the end-to-end check's model, unchanged.
 
 ``--sliding-window W`` makes the thinker a hybrid: its text layer 0 full attention, layer 1
 sliding window of ``W`` tokens (``use_sliding_window``, ``sliding_window``, ``layer_types``,
@@ -21,6 +28,7 @@ Qwen2 asserts exactly that when the layer types are mixed (``qwen2.py``,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -55,27 +63,50 @@ CHAT_TEMPLATE = (
 TEXT_VOCAB = 152064  # the real thinker's; every special id above must be inside it
 
 
-def _config(sliding_window: int | None = None) -> Any:
+@dataclasses.dataclass(frozen=True)
+class ThinkerSize:
+    """The thinker language model's shape (the defaults: the end-to-end check's)."""
+
+    hidden: int = HIDDEN
+    layers: int = 2
+    heads: int = HEADS
+    kv_heads: int = KV_HEADS
+    max_positions: int = 4096
+
+    def check(self) -> None:
+        if min(self.hidden, self.layers, self.heads, self.kv_heads) <= 0:
+            raise ValueError(f"thinker sizes must be > 0: {self}")
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise ValueError(f"hidden % heads and heads % kv_heads must be 0: {self}")
+        if (self.hidden // self.heads) % 32:
+            raise ValueError(f"the head dimension hidden / heads must be a multiple of 32: {self}")
+
+
+def _config(sliding_window: int | None = None, size: ThinkerSize = ThinkerSize()) -> Any:
     from transformers import Qwen2_5OmniConfig
 
+    size.check()
+    scale = size.hidden // size.heads // HEAD_DIM
     rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 6, 6]}
+    thinker_rope = {**rope, "mrope_section": [4 * scale, 6 * scale, 6 * scale]}
     text = {
         "vocab_size": TEXT_VOCAB,
-        "hidden_size": HIDDEN,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS,
-        "max_position_embeddings": 4096,
-        "max_window_layers": 2,
-        "layer_types": ["full_attention"] * 2,
-        "rope_parameters": rope,
+        "hidden_size": size.hidden,
+        "intermediate_size": 2 * size.hidden,
+        "num_hidden_layers": size.layers,
+        "num_attention_heads": size.heads,
+        "num_key_value_heads": size.kv_heads,
+        "max_position_embeddings": size.max_positions,
+        "max_window_layers": size.layers,
+        "layer_types": ["full_attention"] * size.layers,
+        "rope_parameters": thinker_rope,
     }
     if sliding_window is not None:
         text.update(
             use_sliding_window=True,
             sliding_window=sliding_window,
-            layer_types=["full_attention", "sliding_attention"],
+            layer_types=["full_attention", "sliding_attention"]
+            + ["full_attention"] * (size.layers - 2),
         )
     thinker = {
         "text_config": text,
@@ -84,7 +115,7 @@ def _config(sliding_window: int | None = None) -> Any:
             "hidden_size": 32,
             "intermediate_size": 64,
             "num_heads": 2,
-            "out_hidden_size": HIDDEN,
+            "out_hidden_size": size.hidden,
             "fullatt_block_indexes": [0],
         },
         "audio_config": {
@@ -92,7 +123,7 @@ def _config(sliding_window: int | None = None) -> Any:
             "encoder_attention_heads": 2,
             "encoder_ffn_dim": 64,
             "d_model": 32,
-            "output_dim": HIDDEN,
+            "output_dim": size.hidden,
             "num_mel_bins": 128,
         },
         "vision_start_token_id": 151652,
@@ -103,14 +134,14 @@ def _config(sliding_window: int | None = None) -> Any:
     }
     talker = {
         "vocab_size": 8448,
-        "embedding_size": HIDDEN,
+        "embedding_size": size.hidden,
         "hidden_size": HIDDEN,
         "intermediate_size": 128,
         "num_hidden_layers": 2,
         "num_attention_heads": HEADS,
         "num_key_value_heads": KV_HEADS,
         "head_dim": HEAD_DIM,
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": size.max_positions,
         "max_window_layers": 2,
         "layer_types": ["full_attention"] * 2,
         "rope_parameters": rope,
@@ -194,24 +225,27 @@ def _processor(out: Path) -> None:
     processor.save_pretrained(str(out))
 
 
-def make(out: Path, sliding_window: int | None = None) -> Path:
-    """Writes config, weights and tokenizer to ``out`` (skipped when already complete);
-    ``sliding_window``: the thinker's layer 1 slides over that many tokens (a hybrid)."""
+def make(out: Path, sliding_window: int | None = None, size: ThinkerSize = ThinkerSize()) -> Path:
+    """Writes config, weights and tokenizer to ``out`` (skipped when already complete with
+    the same sizes); ``sliding_window``: the thinker's layer 1 slides over that many tokens
+    (a hybrid); ``size``: the thinker language model's shape."""
+    size.check()
     stamp = out / ".hscache-model-complete"
-    if stamp.exists():
+    want = "ok\n" if size == ThinkerSize() else f"ok {json.dumps(dataclasses.asdict(size))}\n"
+    if stamp.exists() and stamp.read_text() == want:
         return out
     import torch
     from transformers import Qwen2_5OmniForConditionalGeneration
 
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(SEED)
-    model = Qwen2_5OmniForConditionalGeneration(_config(sliding_window))
+    model = Qwen2_5OmniForConditionalGeneration(_config(sliding_window, size))
     model.save_pretrained(str(out))
     _tokenizer(out)
     _processor(out)
     gen = {"bos_token_id": FIRST_SPECIAL_ID, "eos_token_id": FIRST_SPECIAL_ID + 2}
     (out / "generation_config.json").write_text(json.dumps(gen))
-    stamp.write_text("ok\n")
+    stamp.write_text(want)
     return out
 
 
@@ -223,10 +257,22 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--sliding-window", type=int, default=None, help="the thinker's layer 1 window"
     )
+    for name in ("hidden", "layers", "heads", "kv_heads"):
+        parser.add_argument(f"--thinker-{name.replace('_', '-')}", type=int, default=None)
     args = parser.parse_args(argv)
     if args.sliding_window is not None and args.sliding_window <= 0:
         parser.error("--sliding-window must be > 0")
-    print(make(args.out, args.sliding_window))
+    given = {
+        name: getattr(args, f"thinker_{name}")
+        for name in ("hidden", "layers", "heads", "kv_heads")
+        if getattr(args, f"thinker_{name}") is not None
+    }
+    try:
+        size = ThinkerSize(**given)
+        size.check()
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(make(args.out, args.sliding_window, size))
     return 0
 
 

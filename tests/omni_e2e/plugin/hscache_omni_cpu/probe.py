@@ -9,8 +9,12 @@ manager class, how many requests it preempted, the most requests with one same p
 it scheduled for the first time in one step and how many of those hit blocks (a
 same-step twin's), the requests it aborted and the KV blocks they held then, its running
 requests' computed tokens, unfinished requests and KV usage, its KV-cache groups and
-vllm-omni's own prefix cache's verdict on them; per prefix cache its class, KV-cache group
-and counters; and ``hscache.stats()`` (``HSCACHE_STATS=1``). Stage processes end by
+vllm-omni's own prefix cache's verdict on them, and per request the wall-clock time
+(``time.time()``, one clock for every process of the machine) it reached the scheduler
+and the time of the ``update_from_output`` that gave it its first output token (what
+``python -m hscache bench-omni-e2e`` reads as each stage's time to first token); per
+prefix cache its class, KV-cache group and counters; and ``hscache.stats()``
+(``HSCACHE_STATS=1``). Stage processes end by
 signal, so a periodic file is the record that survives them; the driver reads it after a
 short wait.
 
@@ -40,6 +44,9 @@ _gated: dict[tuple[int, int], list[Any]] = {}  # (id(scheduler), k) -> held requ
 # id(scheduler) -> counters: same_step_max, same_step_hits, aborted, aborted_blocks
 _counters: dict[int, dict[str, int]] = {}
 _layouts: dict[int, dict[str, Any]] = {}  # id(scheduler) -> _kv_layout, made once
+# id(scheduler) -> {request id: time.time()} at arrival / at its first output token
+_arrived: dict[int, dict[str, float]] = {}
+_first_token: dict[int, dict[str, float]] = {}
 
 
 def _count(sched: Any, key: str, add: int = 0, at_least: int | None = None) -> None:
@@ -92,6 +99,51 @@ def _watch_steps(cls: type) -> None:
     cls.schedule = schedule  # type: ignore[attr-defined]
 
 
+def _watch_arrivals(cls: type) -> None:
+    """Records when each request reached the scheduler (``add_request``, after the gate
+    let it through)."""
+    original = cls.add_request
+
+    def add_request(self: Any, request: Any) -> Any:
+        _arrived.setdefault(id(self), {}).setdefault(str(request.request_id), time.time())
+        return original(self, request)
+
+    # Not marked ``hscache_probe``: the gate wraps this add_request in turn.
+    cls.add_request = add_request  # type: ignore[attr-defined]
+
+
+def _watch_first_tokens(sched: Any) -> None:
+    """Records when an ``update_from_output`` first gave a request an output token (read
+    from the request objects before and after the call: a request finished by that very
+    token has left ``self.requests`` by then). vllm-omni's ``OmniARScheduler`` defines its
+    own ``update_from_output`` without calling vLLM's, so every class of the scheduler's
+    MRO that defines one is wrapped (once; a wrapped one reached through ``super()``
+    records nothing new)."""
+    for cls in type(sched).__mro__:
+        original = cls.__dict__.get("update_from_output")
+        if original is None or getattr(original, "hscache_probe", False):
+            continue
+
+        def update_from_output(
+            self: Any, scheduler_output: Any, *args: Any, _orig: Any = original, **kwargs: Any
+        ) -> Any:
+            seen = _first_token.setdefault(id(self), {})
+            waiting = [
+                req
+                for req_id in getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
+                if req_id not in seen and (req := self.requests.get(req_id)) is not None
+            ]
+            out = _orig(self, scheduler_output, *args, **kwargs)
+            now = time.time()
+            for req in waiting:
+                if req.num_output_tokens > 0:
+                    seen.setdefault(str(req.request_id), now)
+            return out
+
+        update_from_output.hscache_probe = True  # type: ignore[attr-defined]
+        cls.update_from_output = update_from_output  # type: ignore[attr-defined]
+
+
 def _watch_aborts(cls: type) -> None:
     original = cls.finish_requests
     if getattr(original, "hscache_probe", False):
@@ -124,6 +176,8 @@ def _record_instances(cls: type, into: list[weakref.ref[Any]]) -> None:
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         into.append(weakref.ref(self))
+        if into is _schedulers:
+            _watch_first_tokens(self)
 
     init.hscache_probe = True  # type: ignore[attr-defined]
     cls.__init__ = init  # type: ignore[misc]
@@ -207,6 +261,8 @@ def snapshot() -> dict[str, Any]:
                 "running": {r.request_id: r.num_computed_tokens for r in list(sched.running)},
                 "unfinished": sched.get_num_unfinished_requests(),
                 "kv_usage": float(getattr(manager, "usage", -1.0)),
+                "arrived_at": dict(_arrived.get(id(sched), {})),
+                "first_token_at": dict(_first_token.get(id(sched), {})),
                 **_layouts.setdefault(id(sched), _kv_layout(sched)),
             }
         )
@@ -253,6 +309,7 @@ def register() -> None:
 
     _record_instances(Scheduler, _schedulers)
     _count_preemptions(Scheduler)
+    _watch_arrivals(Scheduler)  # inside the gate: arrival is when the gate lets it in
     _gate_arrivals(Scheduler)
     _watch_steps(Scheduler)
     _watch_aborts(Scheduler)
