@@ -45,6 +45,22 @@ def _fresh_verdicts() -> Iterator[None]:
     mirror._reset()
 
 
+@pytest.fixture(autouse=True)
+def _mirror_log_reaches_caplog(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """The mirror's records reach ``caplog`` whatever an earlier test in the same process
+    did to the ``hscache`` loggers (vLLM's handlers and level given to them, a parent that
+    stops propagating): pytest's handler sits on the mirror's logger itself, at INFO."""
+    log = logging.getLogger(MIRROR_LOG)
+    saved = (log.level, log.disabled)
+    log.setLevel(logging.INFO)
+    log.disabled = False
+    log.addHandler(caplog.handler)
+    yield
+    log.removeHandler(caplog.handler)
+    log.setLevel(saved[0])
+    log.disabled = saved[1]
+
+
 def _scheduler(cls: type = HscacheScheduler) -> Any:
     return make_scheduler(cls, 256, block_size=16)
 
