@@ -36,8 +36,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 from hscache.hidden_states import HiddenStateCache, KeySpec, StepPlan, StepRows
-from hscache.testing.offline_scheduler import make_scheduler
 from hscache.vllm import Scheduler
+from hscache_tools.testing.offline_scheduler import make_scheduler
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash

@@ -30,9 +30,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 from hscache.hidden_states import HiddenStateCache, KeySpec, StepPlan, StepRows
-from hscache.testing import requests
-from hscache.testing.offline_scheduler import make_scheduler
 from hscache.vllm import Scheduler
+from hscache_tools.testing import requests
+from hscache_tools.testing.offline_scheduler import make_scheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
