@@ -14,7 +14,9 @@ the self layers' output, every token; key ``hidden``: the cross layers' output, 
 key) returns, for every request, only rows equal to a full recomputation: it never serves a
 ``hidden`` row the cross layers did not compute (such hits are reported ``partial``).
 
-Run (CPU, offline)::
+Run (CPU, offline) from a checkout, after ``source scripts/env.sh`` (the offline vLLM
+scheduler it drives is built by hscache's tools, ``tools/hscache_tools/testing/``, which
+the wheel does not ship)::
 
     VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 python examples/kv_sharing_fast_prefill.py
 

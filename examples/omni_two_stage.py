@@ -9,7 +9,9 @@ bit for bit however the prompt was chunked. ``HiddenStateCache`` stores every co
 and serves each hit request's *full* rows; the talker stage consumes them and checks them
 against a full recomputation.
 
-Run (CPU, offline)::
+Run (CPU, offline) from a checkout, after ``source scripts/env.sh`` (the offline vLLM
+scheduler it drives is built by hscache's tools, ``tools/hscache_tools/testing/``, which
+the wheel does not ship)::
 
     VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 python examples/omni_two_stage.py [--device cuda]
 
