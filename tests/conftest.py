@@ -2,7 +2,9 @@
 and the offline model directory.
 
 - The environment defaults (``VLLM_TARGET_DEVICE=cpu``, ``HF_HUB_OFFLINE=1``), set before any
-  test module imports vLLM.
+  test module imports vLLM; and this checkout's ``tools/`` (``hscache_tools``, not in the
+  wheel) first on ``PYTHONPATH``, so that a test's subprocess imports the tools as the test
+  does (pytest's ``pythonpath`` setting covers this process only).
 - ``none_hash`` (autouse): every test starts from sha256's ``NONE_HASH`` (what vLLM's engine
   seeds by default; the parent hash of every first block) and vLLM's globals are restored
   after it, so a test that seeds another algorithm (the differential traces, the hasher
@@ -37,6 +39,11 @@ import pytest
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+_TOOLS = str(Path(__file__).resolve().parents[1] / "tools")
+if _TOOLS not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (_TOOLS, os.environ.get("PYTHONPATH")) if p
+    )
 
 collect_ignore = ["vllm_upstream", "vllm_diff"]
 
