@@ -217,7 +217,9 @@ def _called(text: str) -> set[str]:
     for line in _code_lines(text):
         for segment in _SEPARATORS.split(line):
             words = segment.split()
-            while words and (re.match(r"^\w+=", words[0]) or words[0] in _PREFIXES or words[0].isdigit()):
+            while words and (
+                re.match(r"^\w+=", words[0]) or words[0] in _PREFIXES or words[0].isdigit()
+            ):
                 words = words[1:]
             if words and re.match(r"^[A-Za-z_][\w-]*$", words[0]):
                 called.add(words[0])
