@@ -4,7 +4,7 @@
 //! guard the core cost of hscache's hasher (`src/hash.rs`, `src/hash/request.rs`) for
 //! each algorithm, without the Python binding (token-list conversion) around it. Targets:
 //! BLAKE3 near 1 G tokens/s on one core for large hash blocks (4096 tokens); every vLLM algorithm far
-//! below vLLM's Python cost (~3e6 tokens/s for sha256, see `python -m hscache.bench_hashing`).
+//! below vLLM's Python cost (~3e6 tokens/s for sha256, see `python -m hscache_tools.bench.hashing`).
 //! `Throughput::Elements` is tokens, so criterion prints tokens/s directly.
 //!
 //! Run: `cargo bench --bench hashing` (add `-- --quick` for a short run).

@@ -14,7 +14,9 @@ the self layers' output, every token; key ``hidden``: the cross layers' output, 
 key) returns, for every request, only rows equal to a full recomputation: it never serves a
 ``hidden`` row the cross layers did not compute (such hits are reported ``partial``).
 
-Run (CPU, offline)::
+Run (CPU, offline) from a checkout, after ``source scripts/env.sh`` (the offline vLLM
+scheduler it drives is built by hscache's tools, ``tools/hscache_tools/testing/``, which
+the wheel does not ship)::
 
     VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 python examples/kv_sharing_fast_prefill.py
 
@@ -36,8 +38,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 from hscache.hidden_states import HiddenStateCache, KeySpec, StepPlan, StepRows
-from hscache.testing.offline_scheduler import make_scheduler
 from hscache.vllm import Scheduler
+from hscache_tools.testing.offline_scheduler import make_scheduler
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash

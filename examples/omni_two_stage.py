@@ -9,7 +9,9 @@ bit for bit however the prompt was chunked. ``HiddenStateCache`` stores every co
 and serves each hit request's *full* rows; the talker stage consumes them and checks them
 against a full recomputation.
 
-Run (CPU, offline)::
+Run (CPU, offline) from a checkout, after ``source scripts/env.sh`` (the offline vLLM
+scheduler it drives is built by hscache's tools, ``tools/hscache_tools/testing/``, which
+the wheel does not ship)::
 
     VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 python examples/omni_two_stage.py [--device cuda]
 
@@ -30,9 +32,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 from hscache.hidden_states import HiddenStateCache, KeySpec, StepPlan, StepRows
-from hscache.testing import requests
-from hscache.testing.offline_scheduler import make_scheduler
 from hscache.vllm import Scheduler
+from hscache_tools.testing import requests
+from hscache_tools.testing.offline_scheduler import make_scheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request

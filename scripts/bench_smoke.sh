@@ -2,7 +2,9 @@
 # The README's main command as a newcomer runs it (the `bench-smoke` step of
 # scripts/test.sh): `bash scripts/bench.sh --quick --json FILE --plot FILE.png`, output to a
 # log file (not a terminal), with the plot's install stamp removed first so that the
-# install branch of scripts/env.sh runs; then scripts/check_bench_smoke.py judges the log,
+# install branch of scripts/env.sh runs, and without the caller's PYTHONPATH (a newcomer's
+# shell: scripts/env.sh must put the checkout's tools/, hscache_tools, on it by itself);
+# then scripts/check_bench_smoke.py judges the log,
 # the JSON (decisions identical, a ratio per scenario and path) and the PNG. ~1-2 minutes.
 #
 #   bash scripts/bench_smoke.sh
@@ -20,7 +22,7 @@ work="${HSCACHE_CACHE:-$HOME/.cache/hscache}/bench-smoke"
 rm -rf "$work"
 mkdir -p "$work"
 rc=0
-timeout 900 bash scripts/bench.sh --quick --json "$work/bench.json" --plot "$work/bench.png" \
+env -u PYTHONPATH timeout 900 bash scripts/bench.sh --quick --json "$work/bench.json" --plot "$work/bench.png" \
     >"$work/bench.log" 2>&1 || rc=$?
 if ((rc != 0)); then
     tail -n 40 "$work/bench.log" >&2

@@ -9,7 +9,7 @@ body checks something itself: an ``assert`` statement, ``pytest.raises`` / ``pyt
 / ``pytest.fail`` / ``pytest.approx``, an explicit ``raise``, a call whose name says it
 checks (``assert_*``, ``check_*``, ``expect_*``, ``verify_*``, ``check``; e.g. a manager's
 ``check_invariants()``), Hypothesis's ``run_state_machine_as_test`` (whose rules assert), or
-a call of a helper of ``tests/`` or ``python/hscache/testing/`` that checks (an assert, a
+a call of a helper of ``tests/`` or ``tools/hscache_tools/testing/`` that checks (an assert, a
 raised ``AssertionError`` or subclass such as the differential harness's ``Divergence``, or
 a call of another such helper, followed to a fixed point). A call reaches a helper only
 through what the module names: ``h(...)`` defined or imported there (re-exports followed),

@@ -9,7 +9,11 @@
 #   2. activates it, installs requirements/test-extra.txt and requirements/bench-plot.txt
 #      once each (not part of <hash>; a stamp per file version), and exports
 #      VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1;
-#   3. builds hscache from this checkout and installs it into the venv
+#   3. puts this checkout's tools/ (the hscache_tools package: benchmarks, soak, test
+#      fixtures; not in the wheel) first on PYTHONPATH, so that `python -m hscache bench`,
+#      the tests and every venv started from this shell (the vLLM 0.32 / 0.30 ones too)
+#      import them from this checkout; nothing is installed for it;
+#   4. builds hscache from this checkout and installs it into the venv
 #      (`maturin develop --release`); set HSCACHE_SKIP_BUILD=1 to skip this step.
 #
 # Knobs: HSCACHE_VENV (venv path), HSCACHE_CACHE (cache root, default $HOME/.cache/hscache),
@@ -91,6 +95,13 @@ for _hs_extra in test-extra bench-plot; do
     fi
 done
 unset _hs_extra _hs_extra_file _hs_extra_stamp
+
+# hscache's tools (tools/hscache_tools), from this checkout, ahead of anything else.
+case ":${PYTHONPATH:-}:" in
+    *":$HSCACHE_ROOT/tools:"*) ;;
+    *) PYTHONPATH="$HSCACHE_ROOT/tools${PYTHONPATH:+:$PYTHONPATH}" ;;
+esac
+export PYTHONPATH
 
 # vLLM on a CPU-only, offline machine: no device probing, no Hugging Face Hub.
 export VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

@@ -4,12 +4,12 @@
 
 Python: reads every ``import`` / ``from ... import`` statement (module level and inside
 functions alike: a lazy import still makes a circle, it only hides it until run time) of
-the package (``python/hscache``), the tests (``tests``, ``tests/vllm_diff``), ``examples``
-and ``scripts``, keeps the edges between the project's own modules, and prints every
-strongly connected component of more than one module. An edge goes to the module named
-(``from a.b import c`` names ``a.b.c`` when that is a module, else ``a.b``); the implicit
-import of a parent package is not an edge. A compiled module is known by its stub
-(``_core.pyi``), so importing it is an edge to it, not to its package.
+the package (``python/hscache``), its tools (``tools/hscache_tools``), the tests (``tests``,
+``tests/vllm_diff``), ``examples`` and ``scripts``, keeps the edges between the project's own
+modules, and prints every strongly connected component of more than one module. An edge
+goes to the module named (``from a.b import c`` names ``a.b.c`` when that is a module, else
+``a.b``); the implicit import of a parent package is not an edge. A compiled module is
+known by its stub (``_core.pyi``), so importing it is an edge to it, not to its package.
 
 Rust: the crate's modules are found from ``src/lib.rs``'s ``mod`` declarations down (a file
 is a module; ``mod.rs`` and ``lib.rs`` are their folder's; an inline ``mod tests { }`` is a
@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # (directory whose children are top-level names, the files under it to read)
 SOURCES = (
     (ROOT / "python", ROOT / "python" / "hscache"),
+    (ROOT / "tools", ROOT / "tools" / "hscache_tools"),
     (ROOT, ROOT / "tests"),
     (ROOT / "tests", ROOT / "tests" / "vllm_diff"),
     (ROOT / "examples", ROOT / "examples"),

@@ -173,8 +173,8 @@ run_panic_safety() {
         timeout 2400 bash scripts/panic_python.sh
 }
 step panic-safety run_panic_safety
-step ruff-check ruff check python tests benches examples scripts
-step ruff-format ruff format --check python tests benches examples scripts
+step ruff-check ruff check python tools tests benches examples scripts
+step ruff-format ruff format --check python tools tests benches examples scripts
 step import-cycles python scripts/import_cycles.py
 # every repository path docs/architecture.md, CONTRIBUTING.md, the README or a source
 # file's header names exists (the concept map stays true to the tree)

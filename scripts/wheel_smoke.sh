@@ -3,7 +3,8 @@
 # scripts/wheel_smoke.py there against vLLM, so that a packaging mistake (a missing module,
 # a stub, the plugin entry point) fails the tests. vLLM and its dependencies come from the
 # test venv's site-packages on PYTHONPATH (not as a site dir, so its editable hscache is not
-# seen); hscache comes from the wheel only.
+# seen); hscache comes from the wheel only, and hscache's tools (tools/, hscache_tools) are
+# not on that path: scripts/wheel_smoke.py checks that the wheel works without them.
 #
 # Expects the environment of scripts/env.sh (sourced by scripts/test.sh).
 set -euo pipefail

@@ -2,13 +2,15 @@
 and the offline model directory.
 
 - The environment defaults (``VLLM_TARGET_DEVICE=cpu``, ``HF_HUB_OFFLINE=1``), set before any
-  test module imports vLLM.
+  test module imports vLLM; and this checkout's ``tools/`` (``hscache_tools``, not in the
+  wheel) first on ``PYTHONPATH``, so that a test's subprocess imports the tools as the test
+  does (pytest's ``pythonpath`` setting covers this process only).
 - ``none_hash`` (autouse): every test starts from sha256's ``NONE_HASH`` (what vLLM's engine
   seeds by default; the parent hash of every first block) and vLLM's globals are restored
   after it, so a test that seeds another algorithm (the differential traces, the hasher
   tests) cannot leak it into the next.
 - ``model_dir`` (session): the config-only model directory vLLM's ``Scheduler`` is built on
-  (:func:`hscache.testing.offline_scheduler.model_dir`).
+  (:func:`hscache_tools.testing.offline_scheduler.model_dir`).
 - The ``hooks`` marker: a test that needs the test-only switches (mutants, armed faults)
   of the test-hooks extension (``_core.TEST_HOOKS``; ``scripts/panic_python.sh`` builds it
   and runs ``pytest -m hooks``). With the release extension such tests are deselected (the
@@ -19,7 +21,7 @@ and the offline model directory.
   check); locally skips only show in the summary.
 
 The factories themselves (requests, KV-cache configs, manager keywords, schedulers) live in
-the package, :mod:`hscache.testing`, shared with the benchmark. Not collected here:
+the package, :mod:`hscache_tools.testing`, shared with the benchmark. Not collected here:
 ``vllm_upstream/`` (a plugin for vLLM's own test files, run by ``scripts/test.sh`` from the
 vLLM sdist) and ``vllm_diff/`` (the differential harness, driven by
 ``test_differential_vllm.py``).
@@ -37,6 +39,11 @@ import pytest
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+_TOOLS = str(Path(__file__).resolve().parents[1] / "tools")
+if _TOOLS not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (_TOOLS, os.environ.get("PYTHONPATH")) if p
+    )
 
 collect_ignore = ["vllm_upstream", "vllm_diff"]
 
@@ -110,6 +117,6 @@ def none_hash() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     """The config-only model directory of offline vLLM ``Scheduler``s."""
-    from hscache.testing.offline_scheduler import model_dir as make
+    from hscache_tools.testing.offline_scheduler import model_dir as make
 
     return make()

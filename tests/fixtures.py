@@ -1,5 +1,5 @@
 """Fixtures the pytest suites share that are not vLLM objects (those are in
-:mod:`hscache.testing`): the project's examples loaded as modules, and the devices the
+:mod:`hscache_tools.testing`): the project's examples loaded as modules, and the devices the
 tensor tests run on (CUDA where one is present; CI's CPU machine runs the CPU half)."""
 
 from __future__ import annotations

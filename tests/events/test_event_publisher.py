@@ -25,12 +25,12 @@ import hscache.vllm
 import msgspec
 import pytest
 import vllm.v1.core.sched.scheduler as scheduler_module
-from hscache.testing.offline_scheduler import make_scheduler, stub_runner_output
-from hscache.testing.requests import make_request
 from hscache.vllm import plugin
 from hscache.vllm.block_hasher import uninstall_block_hasher
 from hscache.vllm.plugin import scheduler_bindings
 from hscache.vllm.publisher import NonBlockingPublisher, make_nonblocking
+from hscache_tools.testing.offline_scheduler import make_scheduler, stub_runner_output
+from hscache_tools.testing.requests import make_request
 from vllm.config import KVEventsConfig
 from vllm.distributed.kv_events import (
     MEDIUM_GPU,

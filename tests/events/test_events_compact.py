@@ -27,16 +27,16 @@ import msgspec
 import pytest
 from hscache._core import coalesce_kv_events
 from hscache.exceptions import InvalidArgumentError
-from hscache.testing.kv_cache import (
+from hscache.vllm import KVCacheManager
+from hscache.vllm.version import require
+from hscache_tools.testing.kv_cache import (
     full_attention,
     full_attention_config,
     kv_cache_config,
     sliding_window,
 )
-from hscache.testing.manager import manager_kwargs
-from hscache.testing.requests import make_request
-from hscache.vllm import KVCacheManager
-from hscache.vllm.version import require
+from hscache_tools.testing.manager import manager_kwargs
+from hscache_tools.testing.requests import make_request
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
     MEDIUM_GPU,

@@ -13,15 +13,15 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from hscache.testing.kv_cache import (
+from hscache.vllm import KVCacheManager
+from hscache_tools.testing.kv_cache import (
     full_attention,
     full_attention_config,
     kv_cache_config,
     sliding_window,
 )
-from hscache.testing.manager import manager_kwargs
-from hscache.testing.requests import make_request
-from hscache.vllm import KVCacheManager
+from hscache_tools.testing.manager import manager_kwargs
+from hscache_tools.testing.requests import make_request
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
 

@@ -12,11 +12,11 @@ import hscache
 import pytest
 import torch
 from hscache import Explanation, exceptions
-from hscache.testing import kv_cache as kc
-from hscache.testing.kv_cache import full_attention_config
-from hscache.testing.manager import manager_kwargs
-from hscache.testing.requests import init_none_hash, lora, make_request, mm_feature
 from hscache.vllm import KVCacheManager
+from hscache_tools.testing import kv_cache as kc
+from hscache_tools.testing.kv_cache import full_attention_config
+from hscache_tools.testing.manager import manager_kwargs
+from hscache_tools.testing.requests import init_none_hash, lora, make_request, mm_feature
 from vllm.v1.request import Request
 
 _BLOCK = 16

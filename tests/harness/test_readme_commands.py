@@ -7,7 +7,8 @@ code spans, keeps what is a command (``python -m ...``, ``bash scripts/...``, ``
 that cannot run in CI (hours long, a GPU, another machine), the reason. A new command in
 the README without a row fails here. The cheap commands no other test ran are run below,
 in process, at a small size: ``python -m hscache info``, ``python -m hscache soak`` and
-``python -m hscache.bench_hashing``.
+``python -m hscache_tools.bench.hashing``; and ``python -m hscache`` without hscache's tools
+(``tools/``, not in the wheel) answers ``info`` and says how to get the tools for the rest.
 """
 
 from __future__ import annotations
@@ -58,13 +59,15 @@ COVERAGE: list[tuple[str, str]] = [
     (r"^python -m hscache bench-omni", "file:tests/omni/test_bench_omni.py"),
     (r"^python -m hscache soak", "file:tests/harness/test_readme_commands.py"),
     (r"^python -m hscache info", "file:tests/harness/test_readme_commands.py"),
-    (r"^python -m hscache\.bench_hashing", "file:tests/harness/test_readme_commands.py"),
+    (r"^python -m hscache_tools\.bench\.hashing", "file:tests/harness/test_readme_commands.py"),
     (r"^python -m vllm_diff", "file:tests/differential/test_differential_vllm.py"),
     (r"^python -m dynamo\.indexer", "step:router-e2e"),
     (r"^curl .*localhost:8090", "step:router-e2e"),
     # e2e: `vllm serve` with and without --scheduler-cls; HSCACHE=1 in the offline engine
     (r"^(HSCACHE=1 )?vllm serve", "step:e2e"),
     (r"^pip install hscache", "step:wheel-smoke"),
+    # hscache's tools outside a checkout's environment; the tests import them from tools/
+    (r"^pip install \./tools", "file:tests/harness/test_readme_commands.py"),
 ]
 
 
@@ -126,9 +129,30 @@ def test_soak_runs_small(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_bench_hashing_runs_small(capsys: pytest.CaptureFixture[str]) -> None:
-    from hscache.bench_hashing import main
+    from hscache_tools.bench.hashing import main
 
     args = ["--algo", "sha256", "--prompt-len", "256", "--requests", "2", "--repeat", "1"]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "sha256" in out and re.search(r"\d+(\.\d+)?x", out), out
+
+
+def test_tool_commands_without_the_tools_say_how_to_get_them(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import hscache.__main__ as entry
+
+    assert (ROOT / "tools" / "pyproject.toml").is_file()
+    assert entry.tools_cli() is not None  # from this checkout
+    monkeypatch.setattr(entry, "tools_cli", lambda: None)  # as from the wheel alone
+    for command in entry.TOOL_COMMANDS:
+        assert entry.main([command, "--quick"]) == 2
+        err = capsys.readouterr().err
+        assert f"python -m hscache {command}" in err and "source scripts/env.sh" in err, err
+        assert "pip install ./tools" in err, err
+    assert entry.main(["info"]) == 0
+    assert "build profile:" in capsys.readouterr().out
+    assert entry.main(["--help"]) == 0
+    assert "info" in capsys.readouterr().out
+    assert entry.main(["no-such-command"]) == 2
+    assert "unknown command" in capsys.readouterr().err

@@ -32,7 +32,7 @@ def model() -> Any:
 
 
 def vllm_config(block_size: int) -> Any:
-    from hscache.testing.offline_scheduler import model_dir
+    from hscache_tools.testing.offline_scheduler import model_dir
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 
     cache = CacheConfig(block_size=block_size, cache_dtype="auto", enable_prefix_caching=True)

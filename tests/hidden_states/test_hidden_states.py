@@ -370,7 +370,7 @@ def test_delayed_read_after_eviction_and_reuse_is_detected(omni: ModuleType, mod
 
 
 def test_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    from hscache.bench_hidden_states import main
+    from hscache_tools.bench.hidden_states import main
 
     argv = "--steps 3 --warmup 1 --width 8 --keys 2 --batch 2 --prefix 32 --new 8"
     assert main([*argv.split(), "--decode-batch", "4", "--clock", "thread"]) == 0

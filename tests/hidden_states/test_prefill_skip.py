@@ -1,4 +1,4 @@
-"""``hscache.prefill_skip`` against vLLM 0.33's fast-prefill metadata builder.
+"""``hscache.hidden_states.prefill_skip`` against vLLM 0.33's fast-prefill metadata builder.
 
 vLLM's ``make_kv_sharing_fast_prefill_common_attn_metadata`` is the reference.
 
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 from hscache.exceptions import InvalidArgumentError
-from hscache.prefill_skip import arm, prefill_skip, skip_layer_metadata
+from hscache.hidden_states.prefill_skip import arm, prefill_skip, skip_layer_metadata
 
 pytestmark = pytest.mark.vllm
 

@@ -24,10 +24,10 @@ import random
 from typing import Any
 
 import pytest
-from hscache.testing import kv_cache as kc
-from hscache.testing.manager import build_manager
-from hscache.testing.requests import init_none_hash, make_request
 from hscache.vllm import KVCacheManager
+from hscache_tools.testing import kv_cache as kc
+from hscache_tools.testing.manager import build_manager
+from hscache_tools.testing.requests import init_none_hash, make_request
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.hisparse.coordinator import get_hisparse_coordinator
 from vllm.v1.request import Request, RequestStatus
@@ -535,8 +535,8 @@ def test_layouts_the_core_does_not_serve_fall_back_to_vllm(
 ) -> None:
     """Layouts vLLM's coordinator refuses to bind stay vLLM's (so vLLM raises, at the
     same call), as does a source group hashed finer than its blocks."""
-    from hscache.testing.manager import manager_kwargs
     from hscache.vllm import kv_cache_manager as module
+    from hscache_tools.testing.manager import manager_kwargs
 
     said: list[str] = []
     monkeypatch.setattr(module.logger, "info", lambda msg, *a: said.append(msg % a))

@@ -16,15 +16,15 @@ import dataclasses
 import numpy as np
 import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
-from hscache.bench.driver import run_scenario
-from hscache.bench.managers import CANDIDATE_SPEC, REFERENCE_SPEC, load_class
-from hscache.bench.results import OP_ALLOC_BATCH, OP_FREE_BATCH
-from hscache.bench.scenarios import TINY_SCENARIO, find_scenario
 from hscache.exceptions import InvalidArgumentError, UnknownRequestError
-from hscache.testing.kv_cache import full_attention_config
-from hscache.testing.manager import manager_kwargs
-from hscache.testing.requests import make_request
 from hscache.vllm import KVCacheManager
+from hscache_tools.bench.driver import run_scenario
+from hscache_tools.bench.managers import CANDIDATE_SPEC, REFERENCE_SPEC, load_class
+from hscache_tools.bench.results import OP_ALLOC_BATCH, OP_FREE_BATCH
+from hscache_tools.bench.scenarios import TINY_SCENARIO, find_scenario
+from hscache_tools.testing.kv_cache import full_attention_config
+from hscache_tools.testing.manager import manager_kwargs
+from hscache_tools.testing.requests import make_request
 
 pytestmark = pytest.mark.vllm
 

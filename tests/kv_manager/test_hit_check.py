@@ -12,16 +12,16 @@ from typing import Any
 import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
 from hscache import exceptions
-from hscache.testing.kv_cache import (
+from hscache.vllm import KVCacheManager
+from hscache_tools.testing.kv_cache import (
     full_attention,
     full_attention_config,
     kv_cache_config,
     mamba,
     sliding_window,
 )
-from hscache.testing.manager import manager_kwargs
-from hscache.testing.requests import make_request
-from hscache.vllm import KVCacheManager
+from hscache_tools.testing.manager import manager_kwargs
+from hscache_tools.testing.requests import make_request
 
 A = list(range(70))
 B = list(range(500, 570))

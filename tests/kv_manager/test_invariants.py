@@ -14,10 +14,10 @@ import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
 from hscache import exceptions
 from hscache._core import KVCacheCore
-from hscache.testing.kv_cache import full_attention_config
-from hscache.testing.manager import manager_kwargs
-from hscache.testing.requests import make_request
 from hscache.vllm import KVCacheManager
+from hscache_tools.testing.kv_cache import full_attention_config
+from hscache_tools.testing.manager import manager_kwargs
+from hscache_tools.testing.requests import make_request
 
 
 def _admit(m: KVCacheManager, rid: str, tokens: list[int]) -> None:
@@ -109,8 +109,8 @@ def test_state_digest() -> None:
 
 def test_env_variable_turns_the_check_on() -> None:
     code = (
-        "from hscache.testing.kv_cache import full_attention_config\n"
-        "from hscache.testing.manager import manager_kwargs\n"
+        "from hscache_tools.testing.kv_cache import full_attention_config\n"
+        "from hscache_tools.testing.manager import manager_kwargs\n"
         "from hscache.vllm import KVCacheManager\n"
         "print(KVCacheManager(**manager_kwargs(full_attention_config(8)))"
         ".check_invariants_after_ops)\n"
@@ -183,7 +183,7 @@ def test_events_on_a_request_events_cannot_describe_raises_before_allocating() -
     raises first and nothing changes (a retry after fixing the request works)."""
     from types import SimpleNamespace
 
-    from hscache.testing.requests import lora
+    from hscache_tools.testing.requests import lora
 
     m = _events_manager()
     req = make_request("a", list(range(40)), lora_request=lora("x", 1, "/p"))
@@ -221,7 +221,7 @@ def test_events_on_malformed_mm_features_raise_before_allocating(break_request: 
     reads the request without building the prompt-wide event) rejects what building
     the event rejects, with the manager unchanged."""
     from hscache._core import UnsupportedError, block_stored_fields
-    from hscache.testing.requests import mm_feature
+    from hscache_tools.testing.requests import mm_feature
 
     m = _events_manager()
     req = make_request("a", list(range(64)), mm_features=[mm_feature("img", 8, 16)])

@@ -22,11 +22,11 @@ from typing import Any
 
 import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
-from hscache.testing.kv_cache import full_attention_config
-from hscache.testing.manager import build_manager
-from hscache.testing.requests import lora, make_request, mm_feature
 from hscache.vllm import KVCacheManager
 from hscache.vllm.block_hasher import blake3, get_request_block_hasher
+from hscache_tools.testing.kv_cache import full_attention_config
+from hscache_tools.testing.manager import build_manager
+from hscache_tools.testing.requests import lora, make_request, mm_feature
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm.utils.hashing import get_hash_fn_by_name

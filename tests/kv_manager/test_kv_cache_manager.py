@@ -12,16 +12,16 @@ import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
 from hscache import exceptions
 from hscache._core import BlockPoolCore, KVCacheCore
-from hscache.testing.kv_cache import (
+from hscache.vllm import KVCacheManager
+from hscache_tools.testing.kv_cache import (
     full_attention,
     full_attention_config,
     kv_cache_config,
     mamba,
     sliding_window,
 )
-from hscache.testing.manager import manager_kwargs
-from hscache.testing.requests import make_request
-from hscache.vllm import KVCacheManager
+from hscache_tools.testing.manager import manager_kwargs
+from hscache_tools.testing.requests import make_request
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.kv_cache_interface import KVCacheGroupRole
@@ -128,8 +128,8 @@ def test_largest_pool_beyond_memory_raises_memory_error() -> None:
     code = (
         "import resource\n"
         "from hscache.vllm import KVCacheManager\n"
-        "from hscache.testing.kv_cache import full_attention_config\n"
-        "from hscache.testing.manager import manager_kwargs\n"
+        "from hscache_tools.testing.kv_cache import full_attention_config\n"
+        "from hscache_tools.testing.manager import manager_kwargs\n"
         "kwargs = manager_kwargs(full_attention_config(2**31 - 1))\n"
         "soft, hard = resource.getrlimit(resource.RLIMIT_AS)\n"
         "resource.setrlimit(resource.RLIMIT_AS, (8 << 30, hard))\n"

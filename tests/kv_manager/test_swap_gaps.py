@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 from hscache.exceptions import InvalidArgumentError
-from hscache.testing import kv_cache as kc
-from hscache.testing.manager import build_manager
-from hscache.testing.requests import init_none_hash, make_request
 from hscache.vllm import KVCacheManager
+from hscache_tools.testing import kv_cache as kc
+from hscache_tools.testing.manager import build_manager
+from hscache_tools.testing.requests import init_none_hash, make_request
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 
 HASH_BLOCK = 2
@@ -230,7 +230,7 @@ def test_pending_hisparse_spill_keeps_scheduler_alive() -> None:
     the coordinator's internal ``pending_spills`` dict. Restated with a real write-back:
     a Scheduler whose connector is bound to the coordinator has requests while the
     finished request's spill is in flight, and none once the workers acknowledged it."""
-    from hscache.testing.offline_scheduler import make_scheduler
+    from hscache_tools.testing.offline_scheduler import make_scheduler
     from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
         HiSparseConnector,
         HiSparseConnectorScheduler,

@@ -1,4 +1,4 @@
-"""``hscache.testing``'s KV-cache configs and manager keywords against vLLM's own rules.
+"""``hscache_tools.testing``'s KV-cache configs and manager keywords against vLLM's own rules.
 
 The lead's hybrid work builds its differential configs and benchmark pools with these
 builders, so: every spec builder gives a config vLLM's ``KVCacheManager`` accepts (alone and
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
-from hscache.testing import kv_cache as kc
-from hscache.testing.manager import manager_kwargs
-from hscache.testing.offline_scheduler import make_vllm_config
+from hscache_tools.testing import kv_cache as kc
+from hscache_tools.testing.manager import manager_kwargs
+from hscache_tools.testing.offline_scheduler import make_vllm_config
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from vllm.v1.kv_cache_interface import KVCacheConfig

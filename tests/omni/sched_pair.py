@@ -1,7 +1,7 @@
 """vllm-omni's AR schedulers twice in lockstep: on vLLM's KV-cache manager and on hscache's.
 
 Both schedulers are vllm-omni 0.30's own ``OmniARScheduler`` / ``OmniARAsyncScheduler`` on
-vLLM 0.30, built offline (:mod:`hscache.testing.offline_scheduler`) on one configuration:
+vLLM 0.30, built offline (:mod:`hscache_tools.testing.offline_scheduler`) on one configuration:
 one keeps vLLM's Python ``KVCacheManager``, the other gets hscache's the way a vllm-omni
 user switches it on (``HSCACHE=1`` through hscache's vLLM plugin, or
 ``scheduler_cls: hscache.omni.OmniARScheduler``); or its ``OmniGenerationScheduler`` (non-AR
@@ -39,8 +39,8 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
-from hscache.testing.offline_scheduler import make_scheduler, summarize_output
-from hscache.testing.requests import init_none_hash, make_request
+from hscache_tools.testing.offline_scheduler import make_scheduler, summarize_output
+from hscache_tools.testing.requests import init_none_hash, make_request
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 

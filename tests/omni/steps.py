@@ -1,7 +1,7 @@
 """Seeded step sequences that drive vllm-omni's prefix cache and hscache's side by side.
 
 The KV side is vLLM 0.30's own ``Scheduler`` (stock ``KVCacheManager``), built offline by
-:mod:`hscache.testing.offline_scheduler`: its real ``SchedulerOutput`` of every step goes to
+:mod:`hscache_tools.testing.offline_scheduler`: its real ``SchedulerOutput`` of every step goes to
 both caches. The model is an exact toy: the row of a token at a position is a function of
 (token id, position) alone (:func:`toy_rows`), exact in its dtype, so what a cache must
 return is known without either cache (:class:`Oracle`). The model runner's batch is
@@ -190,9 +190,9 @@ def run_sequence(
     after_first_save: Callable[[list[Side]], None] | None = None,
 ) -> Counts:
     """Drives one seeded sequence through vLLM 0.30's scheduler and every side."""
-    from hscache.testing.kv_cache import full_attention, kv_cache_config, sliding_window
-    from hscache.testing.offline_scheduler import make_scheduler, stub_runner_output
-    from hscache.testing.requests import make_request
+    from hscache_tools.testing.kv_cache import full_attention, kv_cache_config, sliding_window
+    from hscache_tools.testing.offline_scheduler import make_scheduler, stub_runner_output
+    from hscache_tools.testing.requests import make_request
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.request import RequestStatus
 

@@ -174,7 +174,7 @@ def test_hybrid_layout_against_recomputation(seed: int) -> None:
     """Beyond vllm-omni (it refuses more than one KV-cache group): a sliding-window group
     beside the full-attention one; hscache follows the full-attention group's tables and
     every materialized row equals the recomputed oracle."""
-    from hscache.testing.kv_cache import full_attention, group, sliding_window
+    from hscache_tools.testing.kv_cache import full_attention, group, sliding_window
     from vllm_omni.core.prefix_cache import (
         OmniPrefixCacheUnmatchError,
         check_prefix_cache_kv_groups,

@@ -65,8 +65,8 @@ def _unrolled(r: str, n: int, scheduled: int, planned_end: dict[str, int], table
 
 
 def _run(seed: int, steps: int = 160, rollback: bool = True) -> Counts:
-    from hscache.testing.offline_scheduler import make_scheduler
-    from hscache.testing.requests import make_request
+    from hscache_tools.testing.offline_scheduler import make_scheduler
+    from hscache_tools.testing.requests import make_request
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
     from vllm_omni.core.prefix_cache import PrefixCacheConfig

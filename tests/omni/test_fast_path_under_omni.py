@@ -46,7 +46,7 @@ vllm_output = engine.EngineCoreOutput
 import vllm_omni  # noqa: F401 (its patch)
 from vllm_omni.engine import OmniEngineCoreOutput
 from vllm_omni.request import OmniRequest
-from hscache.testing.offline_scheduler import make_scheduler
+from hscache_tools.testing.offline_scheduler import make_scheduler
 from hscache.vllm import Scheduler, mirror
 from hscache.vllm.step import rules as step_rules
 

@@ -1,4 +1,4 @@
-"""Smoke test of ``python -m hscache bench --retention`` (``hscache.bench.retention``):
+"""Smoke test of ``python -m hscache bench --retention`` (``hscache_tools.bench.retention``):
 a tiny multi-tenant trace runs under every policy, the table names each, a policy
 that protects shared prompts beats LRU's hit rate, and the pinned tenant's prompt
 hits more under ``pin`` than under ``lru``."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from hscache.__main__ import main
-from hscache.bench.retention import POLICIES, TraceConfig, compare, make_trace
+from hscache_tools.bench.retention import POLICIES, TraceConfig, compare, make_trace
 
 
 def test_trace_is_deterministic() -> None:

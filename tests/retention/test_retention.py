@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 from hscache import exceptions
-from hscache.testing.kv_cache import full_attention_config
-from hscache.testing.manager import manager_kwargs
-from hscache.testing.requests import make_request
 from hscache.vllm import KVCacheManager
 from hscache.vllm.kv_cache_manager import RetentionKVCacheManager
+from hscache_tools.testing.kv_cache import full_attention_config
+from hscache_tools.testing.manager import manager_kwargs
+from hscache_tools.testing.requests import make_request
 
 _BLOCK = 16
 _counter = iter(range(10**9))

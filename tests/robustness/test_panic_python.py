@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 from hscache import _core, exceptions
-from hscache.testing.kv_cache import full_attention_config
-from hscache.testing.manager import manager_kwargs
-from hscache.testing.requests import make_request, mm_feature
+from hscache_tools.testing.kv_cache import full_attention_config
+from hscache_tools.testing.manager import manager_kwargs
+from hscache_tools.testing.requests import make_request, mm_feature
 
 pytestmark = pytest.mark.skipif(
     not hasattr(_core, "_arm_fault"),

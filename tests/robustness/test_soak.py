@@ -1,14 +1,14 @@
 """The soak test in small (``python -m hscache soak`` runs the long one): 200 k
 scheduler-like operations on one manager with preemption, resets and KV events; RSS and live
 Python objects must stay within the stated bounds after the warm-up, and every periodic
-``check_invariants()`` must pass (see :mod:`hscache.soak`)."""
+``check_invariants()`` must pass (see :mod:`hscache_tools.soak`)."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
-from hscache.soak import run_soak
+from hscache_tools.soak import run_soak
 
 pytestmark = pytest.mark.slow
 

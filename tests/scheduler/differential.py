@@ -33,15 +33,15 @@ import numpy as np
 import pytest
 import vllm
 from hscache._core import KVCacheCore
-from hscache.bench.layouts import layout_config
-from hscache.testing.offline_scheduler import make_scheduler
-from hscache.testing.requests import init_none_hash, make_request, request_block_hasher
 from hscache.vllm import AsyncScheduler as HscacheAsyncScheduler
 from hscache.vllm import Scheduler as HscacheScheduler
 from hscache.vllm import step as fast_step
 from hscache.vllm.block_hasher import get_request_block_hasher as hscache_request_block_hasher
 from hscache.vllm.step import rules as step_rules
 from hscache.vllm.version import require
+from hscache_tools.bench.layouts import layout_config
+from hscache_tools.testing.offline_scheduler import make_scheduler
+from hscache_tools.testing.requests import init_none_hash, make_request, request_block_hasher
 from vllm.sampling_params import RepetitionDetectionParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler

@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hscache.bench.layouts import layout_config
-from hscache.testing.offline_scheduler import make_scheduler
 from hscache.vllm import step as fast_step
+from hscache_tools.bench.layouts import layout_config
+from hscache_tools.testing.offline_scheduler import make_scheduler
 from vllm.config import KVTransferConfig, SpeculativeConfig
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
@@ -409,7 +409,7 @@ def test_decode_bench_runs_the_hybrids(layout: str) -> None:
     """``bench-scheduler --decode --layout``: the three sides agree on the hybrids
     (``bench_decode`` raises otherwise), and the bench says whether the fast path served
     the steady ``schedule()`` (not under Mamba 'align': vLLM's block-aligned split)."""
-    from hscache.bench.decode_step import bench_decode, fast_path_off_reason
+    from hscache_tools.bench.decode_step import bench_decode, fast_path_off_reason
 
     r = bench_decode(running=8, steps=12, repeat=1, layout=layout, mixed=True)
     assert r["vllm_us"] > 0 and r["hscache+fast_us"] > 0

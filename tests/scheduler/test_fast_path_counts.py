@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
-from hscache.testing.offline_scheduler import make_scheduler, stub_runner_output
-from hscache.testing.requests import init_none_hash, make_request, request_block_hasher
 from hscache.vllm import AsyncScheduler, Scheduler
 from hscache.vllm import step as fast_step
 from hscache.vllm.scheduler import FAST_PATH_COUNTS
+from hscache_tools.testing.offline_scheduler import make_scheduler, stub_runner_output
+from hscache_tools.testing.requests import init_none_hash, make_request, request_block_hasher
 
 pytestmark = pytest.mark.vllm
 

@@ -10,10 +10,10 @@ import pytest
 import vllm
 import vllm.plugins
 import vllm.v1.core.sched.scheduler as scheduler_module
-from hscache.testing.kv_cache import full_attention_config
-from hscache.testing.manager import manager_kwargs
-from hscache.testing.requests import make_request
 from hscache.vllm.parity import ParityError, ParityKVCacheManager
+from hscache_tools.testing.kv_cache import full_attention_config
+from hscache_tools.testing.manager import manager_kwargs
+from hscache_tools.testing.requests import make_request
 
 from tests.scheduler.test_scheduler_hook import make_scheduler, run_stream
 

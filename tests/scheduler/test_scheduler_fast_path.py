@@ -174,7 +174,7 @@ def test_each_broken_rule_is_caught(rule: str) -> None:
 def test_decode_bench_sides_agree(mixed: bool, async_scheduling: bool) -> None:
     """``bench-scheduler --decode`` (``--async-scheduling``): the three sides make the same
     decisions and outputs (``bench_decode`` raises otherwise)."""
-    from hscache.bench.decode_step import bench_decode
+    from hscache_tools.bench.decode_step import bench_decode
 
     r = bench_decode(
         running=8,

@@ -18,12 +18,12 @@ import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
 import vllm.v1.core.kv_cache_utils as kcu
 import vllm.v1.engine.core as engine_core
-from hscache.testing.offline_scheduler import make_scheduler as _make_scheduler
-from hscache.testing.offline_scheduler import stub_runner_output
-from hscache.testing.offline_scheduler import summarize_output as output_summary
-from hscache.testing.requests import make_request
 from hscache.vllm import block_hasher as bh
 from hscache.vllm.parity import prefix_cache_stats_key
+from hscache_tools.testing.offline_scheduler import make_scheduler as _make_scheduler
+from hscache_tools.testing.offline_scheduler import stub_runner_output
+from hscache_tools.testing.offline_scheduler import summarize_output as output_summary
+from hscache_tools.testing.requests import make_request
 from vllm.utils import hashing
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler

@@ -1,4 +1,4 @@
-"""``hscache.testing.scheduler_step`` against vLLM's real ``Scheduler``.
+"""``hscache_tools.testing.scheduler_step`` against vLLM's real ``Scheduler``.
 
 The emulation drives both the differential traces and the benchmark, so it must make the
 manager calls vLLM 0.33's ``Scheduler.schedule()`` makes. vLLM's Scheduler (built offline)
@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
-from hscache.testing.kv_cache import full_attention_config
-from hscache.testing.manager import manager_kwargs
-from hscache.testing.offline_scheduler import make_scheduler, stub_runner_output
-from hscache.testing.requests import make_request
-from hscache.testing.scheduler_step import (
+from hscache_tools.testing.kv_cache import full_attention_config
+from hscache_tools.testing.manager import manager_kwargs
+from hscache_tools.testing.offline_scheduler import make_scheduler, stub_runner_output
+from hscache_tools.testing.requests import make_request
+from hscache_tools.testing.scheduler_step import (
     Admit,
     Admitted,
     running_num_new_tokens,

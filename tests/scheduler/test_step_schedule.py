@@ -17,11 +17,11 @@ import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
 from hscache import exceptions as hx
 from hscache._core import StepSchedule
-from hscache.bench.layouts import layout_config
-from hscache.testing.manager import manager_kwargs
-from hscache.testing.requests import init_none_hash, make_request
 from hscache.vllm import KVCacheManager
 from hscache.vllm.step import rules
+from hscache_tools.bench.layouts import layout_config
+from hscache_tools.testing.manager import manager_kwargs
+from hscache_tools.testing.requests import init_none_hash, make_request
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 
 pytestmark = pytest.mark.vllm

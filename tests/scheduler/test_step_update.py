@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
-from hscache.testing.requests import init_none_hash, make_request, request_block_hasher
 from hscache.vllm.step import update as step_update
+from hscache_tools.testing.requests import init_none_hash, make_request, request_block_hasher
 from vllm.v1.engine import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput
 from vllm.v1.request import Request, RequestStatus
 

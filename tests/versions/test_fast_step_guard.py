@@ -23,11 +23,11 @@ from typing import Any
 import msgspec
 import pytest
 import vllm
-from hscache.testing.offline_scheduler import make_scheduler, stub_runner_output
-from hscache.testing.requests import make_request
 from hscache.vllm import Scheduler as HscacheScheduler
 from hscache.vllm import _mirror_table, mirror
 from hscache.vllm import step as fast_step
+from hscache_tools.testing.offline_scheduler import make_scheduler, stub_runner_output
+from hscache_tools.testing.requests import make_request
 from vllm.v1.core.sched import scheduler as vllm_scheduler_module
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 from vllm.v1.engine import EngineCoreOutput

@@ -25,12 +25,12 @@ import torch
 import vllm
 import vllm.v1.core.kv_cache_utils as kcu
 from hscache import _core
-from hscache.testing import kv_cache as kc
-from hscache.testing.manager import manager_kwargs as scheduler_manager_kwargs
-from hscache.testing.requests import init_none_hash
-from hscache.testing.requests import make_request as _make_request
 from hscache.vllm import KVCacheManager, version
 from hscache.vllm.events import make_event_builder
+from hscache_tools.testing import kv_cache as kc
+from hscache_tools.testing.manager import manager_kwargs as scheduler_manager_kwargs
+from hscache_tools.testing.requests import init_none_hash
+from hscache_tools.testing.requests import make_request as _make_request
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange

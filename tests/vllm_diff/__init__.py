@@ -5,7 +5,7 @@ A seeded, scheduler-like generator of manager calls is executed against a *pair*
 after every call; a divergence is shrunk into a short repro. Where each concept lives:
 
 - :mod:`.config` — :class:`TraceConfig`, :func:`config_for_seed` (every layout family in
-  turn), the managers' keywords (:mod:`hscache.testing`), :func:`load_candidate`;
+  turn), the managers' keywords (:mod:`hscache_tools.testing`), :func:`load_candidate`;
 - :mod:`.layouts` — the KV-cache layouts: a short string per list of groups (full
   attention, sliding window, chunked local, Mamba, cross attention, EAGLE, ...);
 - :mod:`.actions` — the action vocabulary of a trace, its rendering, counters, repro files;
@@ -13,7 +13,7 @@ after every call; a divergence is shrunk into a short repro. Where each concept 
   answers, observes state;
 - :mod:`.pair` — both sides in lock-step, the comparison, :class:`Divergence` reports;
 - :mod:`.generator` — the scheduler-like generator (the Scheduler's loops come from
-  :mod:`hscache.testing.scheduler_step`, shared with the benchmark);
+  :mod:`hscache_tools.testing.scheduler_step`, shared with the benchmark);
 - :mod:`.trace` — :func:`run_trace`, one seeded trace;
 - :mod:`.shrinking` — :func:`replay`, :func:`shrink`, :func:`minimize`;
 - :mod:`.exceptions` — where vLLM's own manager crashes: the documented cases, each with

@@ -6,7 +6,7 @@ budget, async scheduling, hash algorithm, retention interval, block metrics, the
 and how much is compared); :func:`config_for_seed` derives a deterministic mix of
 configurations from a seed, every layout family of :data:`FAMILIES` in turn.
 :func:`manager_kwargs` builds the keywords vLLM's Scheduler would pass for a configuration
-(through :mod:`hscache.testing`); :func:`load_candidate` imports the manager under test.
+(through :mod:`hscache_tools.testing`); :func:`load_candidate` imports the manager under test.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import os
 import random
 from typing import Any
 
-from hscache.testing.kv_cache import block_sizes, kv_cache_config
-from hscache.testing.manager import manager_kwargs as scheduler_manager_kwargs
 from hscache.vllm.version import require
+from hscache_tools.testing.kv_cache import block_sizes, kv_cache_config
+from hscache_tools.testing.manager import manager_kwargs as scheduler_manager_kwargs
 from vllm.v1.core import kv_cache_coordinator as _vllm_kvc
 from vllm.v1.core import kv_cache_manager as _vllm_kvm
 from vllm.v1.kv_cache_interface import KVCacheConfig

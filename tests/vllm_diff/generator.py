@@ -10,7 +10,7 @@ depend on the reference manager's answers, which are only used after they were f
 to the candidate's.
 
 A schedule step's two loops (running requests with preemption from the tail, then FCFS
-admission) are :mod:`hscache.testing.scheduler_step`'s, shared with the benchmark; this class
+admission) are :mod:`hscache_tools.testing.scheduler_step`'s, shared with the benchmark; this class
 is their policy (:meth:`Generator.num_new_tokens`, :meth:`Generator.allocate_running`,
 :meth:`Generator.preempt`, :meth:`Generator.admit`) and adds everything random around them.
 
@@ -34,7 +34,7 @@ from collections import deque
 from types import SimpleNamespace
 from typing import Any
 
-from hscache.testing.scheduler_step import (
+from hscache_tools.testing.scheduler_step import (
     Admit,
     Admitted,
     StepSchedule,
@@ -279,7 +279,7 @@ class Generator:
                 self.p.call("block_pool.free_blocks", key=key)
 
     # ----------------------------------------------------------------- scheduling
-    # The policy of hscache.testing.scheduler_step's loops.
+    # The policy of hscache_tools.testing.scheduler_step's loops.
     @property
     def max_running(self) -> int:
         return self.cfg.max_running

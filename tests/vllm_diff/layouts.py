@@ -4,7 +4,7 @@ A layout is ``"+"``-joined group tokens ``kind:block_size[:option]...`` (JSON-ab
 repro files carry it, and readable in a test id):
 
 ==========  ===============================================  ==============================
-kind        vLLM spec (``hscache.testing.kv_cache``)          options
+kind        vLLM spec (``hscache_tools.testing.kv_cache``)          options
 ==========  ===============================================  ==============================
 ``fa``      ``FullAttentionSpec``                             ``eagle``
 ``mla``     ``MLAAttentionSpec``                              ``eagle``
@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from functools import cached_property
 
-from hscache.testing import kv_cache as kc
+from hscache_tools.testing import kv_cache as kc
 from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
 KINDS = ("fa", "mla", "swa", "cl", "mamba", "cross", "rswa", "ring")

@@ -3,7 +3,7 @@
 The trace generator (:mod:`.generator`) emulates the Scheduler's manager calls and covers
 every corner of the manager's interface; this driver is the other half of the evidence:
 vLLM 0.33.0's own ``Scheduler`` (or ``AsyncScheduler``), built offline
-(:mod:`hscache.testing.offline_scheduler`) over a layout of :mod:`.layouts`, schedules a
+(:mod:`hscache_tools.testing.offline_scheduler`) over a layout of :mod:`.layouts`, schedules a
 seeded stream of requests (shared prefixes, chunked prefill, preemption under a small
 pool, aborts, prefix-cache resets) with stub model outputs. Its manager is a
 ``hscache.vllm.ParityKVCacheManager`` (``HSCACHE_PARITY=1``): every call the Scheduler
@@ -29,10 +29,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from hscache.testing.kv_cache import kv_cache_config
-from hscache.testing.offline_scheduler import make_scheduler, stub_runner_output
-from hscache.testing.requests import init_none_hash, make_request
 from hscache.vllm import version
+from hscache_tools.testing.kv_cache import kv_cache_config
+from hscache_tools.testing.offline_scheduler import make_scheduler, stub_runner_output
+from hscache_tools.testing.requests import init_none_hash, make_request
 from vllm.v1.request import RequestStatus
 
 from .layouts import LayoutInfo, kv_cache_groups

@@ -4,7 +4,7 @@ action is executed on it, its answers normalised and its state observed.
 :class:`Side` turns each action (see :mod:`.actions`) into the calls vLLM's Scheduler, its
 connectors or ``EngineCore`` would make, on one manager (vLLM's reference or the candidate),
 with that side's own ``Request`` objects (built by :func:`build_request` from the trace's
-request specs through :mod:`hscache.testing.requests`). :meth:`Side.norm_result` reduces an
+request specs through :mod:`hscache_tools.testing.requests`). :meth:`Side.norm_result` reduces an
 answer to plain comparable data (block ids, identities, stats fields, msgpack-encoded
 events); :meth:`Side.observe` reads the state compared after every call: pool, free queue,
 every group's block tables and cached-block counts, and periodically every block, the
@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 import torch
-from hscache.testing.requests import lora, make_request, mm_feature
+from hscache_tools.testing.requests import lora, make_request, mm_feature
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher

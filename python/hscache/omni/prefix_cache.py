@@ -74,8 +74,8 @@ import torch
 
 from hscache._core import OmniSavePlan, OmniStepRules
 from hscache.exceptions import InvalidArgumentError
-from hscache.hidden_state_steps import StepPlan, StepRows, index_view
-from hscache.hidden_states import HiddenStateCache
+from hscache.hidden_states.cache import HiddenStateCache
+from hscache.hidden_states.steps import StepPlan, StepRows, index_view
 from hscache.omni.errors import StepIdError, UnsupportedOutputError
 from hscache.omni.settings import OmniSettings
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
-from hscache.hidden_states import full_attention_group
+from hscache.hidden_states.cache import full_attention_group
 from hscache.omni.prefix_cache import OmniHiddenStateCache
 from hscache.omni.refusals import install_on_runner
 from hscache.omni.settings import OmniSettings

@@ -84,7 +84,7 @@ pub fn ring(block_size: usize) -> GroupSpec {
 // ---- managers -------------------------------------------------------------------------
 
 /// The config of a manager over `groups` with explicit scheduler and hash block sizes
-/// (vLLM's resolved values; `hscache.testing.kv_cache.block_sizes` prints them), prefix
+/// (vLLM's resolved values; `hscache_tools.testing.kv_cache.block_sizes` prints them), prefix
 /// caching and events on, max model length 8192.
 pub fn config(
     groups: Vec<GroupSpec>,

@@ -17,8 +17,8 @@ import vllm.v1.core.kv_cache_utils as kcu
 import vllm.v1.engine.core as engine_core
 from hscache import exceptions as hx
 from hscache._core import RequestBlockHasher
-from hscache.testing.requests import init_none_hash, make_request
 from hscache.vllm import block_hasher as bh
+from hscache_tools.testing.requests import init_none_hash, make_request
 from vllm.utils.hashing import sha256
 
 from . import Ctx, Surface, makers

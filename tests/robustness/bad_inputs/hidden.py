@@ -17,7 +17,7 @@ import torch
 from hscache import exceptions as hx
 from hscache._core import SlotMirror
 from hscache.hidden_states import HiddenStateCache
-from hscache.testing.kv_cache import full_attention_config, kv_cache_config, sliding_window
+from hscache_tools.testing.kv_cache import full_attention_config, kv_cache_config, sliding_window
 
 from . import Ctx, Surface, makers
 

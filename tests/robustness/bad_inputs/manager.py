@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 from hscache import exceptions as hx
 from hscache._core import HiSparseCore, KVCacheCoordinatorCore
-from hscache.testing.kv_cache import full_attention_config
-from hscache.testing.manager import manager_kwargs
-from hscache.testing.requests import make_request
 from hscache.vllm import KVCacheManager
+from hscache_tools.testing.kv_cache import full_attention_config
+from hscache_tools.testing.manager import manager_kwargs
+from hscache_tools.testing.requests import make_request
 
 from . import Ctx, Surface, makers, needs_hooks
 

@@ -13,8 +13,8 @@ from typing import Any
 
 from hscache import exceptions as hx
 from hscache._core import BlockPoolCore
-from hscache.testing.requests import make_request
 from hscache.vllm.block_pool import BlockPool
+from hscache_tools.testing.requests import make_request
 
 from . import Ctx, Surface, makers, needs_hooks
 from . import manager as mgr

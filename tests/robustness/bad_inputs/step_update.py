@@ -13,7 +13,7 @@ from typing import Any
 
 from hscache import exceptions as hx
 from hscache._core import StepUpdate
-from hscache.testing.requests import init_none_hash, make_request, request_block_hasher
+from hscache_tools.testing.requests import init_none_hash, make_request, request_block_hasher
 from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.request import RequestStatus
 
