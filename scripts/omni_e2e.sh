@@ -2,11 +2,14 @@
 # The vllm-omni end-to-end check: hscache inside a real vllm-omni 0.30 thinker -> talker
 # pipeline (vLLM 0.30, CPU), against vllm-omni's own hidden-state cache and a cold run.
 #
-#   bash scripts/omni_e2e.sh [--sync] [--talker]
+#   bash scripts/omni_e2e.sh [--sync] [--talker] [--spec]
 #
 # --sync also runs the three arms with async_scheduling: false (OmniARScheduler); --talker
 # also runs the talker-prefix-caching experiment of docs/omni.md (arms talker_pc and
-# talker_pc_fixed, reported in the table, not checked).
+# talker_pc_fixed, reported in the table, not checked); --spec also runs the drafting arms
+# (cold_spec, hscache_spec: the thinker drafting with ngram, synchronous scheduling; the
+# talker's rows and tokens checked against the cold drafting run). Not by default: the
+# default arms take 11+ minutes on 2 cores, the two drafting arms ~3-5 more.
 #
 # In the vLLM 0.30 + vllm-omni 0.30 environment (scripts/vllm030_env.sh): installs the test
 # scaffolding tests/omni_e2e/plugin (a CPU platform for vllm-omni, which knows GPUs only, and
@@ -33,12 +36,14 @@ fi
 
 suffixes=("")
 experiments=()
+spec=0
 for flag in "$@"; do
     case "$flag" in
     --sync) suffixes+=("-sync") ;;
     --talker) experiments=(talker_pc talker_pc_fixed) ;;
+    --spec) spec=1 ;;
     *)
-        echo "usage: bash scripts/omni_e2e.sh [--sync] [--talker]" >&2
+        echo "usage: bash scripts/omni_e2e.sh [--sync] [--talker] [--spec]" >&2
         exit 2
         ;;
     esac
@@ -81,6 +86,10 @@ for suffix in "${suffixes[@]}"; do
     done
 done
 run_arm hybrid "$work/model-swa" hybrid
+if [[ "$spec" == 1 ]]; then
+    run_arm cold_spec "$work/model" cold_spec
+    run_arm hscache_spec "$work/model" hscache_spec
+fi
 
 HSCACHE_OMNI_E2E_RESULTS="$results" "$HSCACHE_PY030" -m pytest -q -p no:cacheprovider \
     tests/omni_e2e/test_omni_pipeline.py

@@ -1,6 +1,6 @@
 """``hscache.omni.install`` / ``register``: vllm-omni's runners build hscache's cache instead
-of their own (``HSCACHE_OMNI_PREFIX_CACHE=1``), hybrid KV layouts included, which
-vllm-omni's own check refuses. Skipped without vllm-omni 0.30."""
+of their own (``HSCACHE_OMNI_PREFIX_CACHE=1``), hybrid KV layouts and speculative decoding on
+synchronous stages included, which vllm-omni's own checks refuse. Skipped without vllm-omni 0.30."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ runner_mixin = pytest.importorskip(
 
 from hscache.exceptions import InvalidArgumentError  # noqa: E402
 from hscache.omni import OmniHiddenStateCache, install, register  # noqa: E402
-from hscache.omni.switch import KVGroupView  # noqa: E402
+from hscache.omni.switch import SPEC_ASYNC_REFUSAL, KVGroupView  # noqa: E402
 from vllm_omni.core.prefix_cache import group_view  # noqa: E402
 from vllm_omni.core.prefix_cache.interface import OmniPrefixCacheUnmatchError  # noqa: E402
 
@@ -25,6 +25,7 @@ HOOKED = (
     (runner_mixin, "OmniPrefixCacheManager"),
     (runner_mixin, "get_prefix_cache_group_view"),
     (group_view, "check_prefix_cache_kv_groups"),
+    (group_view, "check_prefix_cache_token_accounting"),
 )
 
 
@@ -159,3 +160,88 @@ def test_one_group_keeps_vllm_omnis_view() -> None:
     assert _group_view(theirs, lambda: True)(None, 32, kv_cache_groups=one) == "vllm-omni's view"
     assert _group_view(theirs, lambda: False)(None, 32, kv_cache_groups=two) == "vllm-omni's view"
     assert seen == [one, two]
+
+
+def _stage_gate(speculative: Any, prefix_match_unit: int | None = None) -> Any:
+    """vllm-omni 0.30's runner-side gate (``stage_prefix_cache_config``, what its runner calls
+    at KV-cache init) for a one-group stage with prefix caching on."""
+    return group_view.stage_prefix_cache_config(
+        kv_cache_config=SimpleNamespace(kv_cache_groups=_groups("full"), num_blocks=8),
+        cache_config=SimpleNamespace(
+            enable_prefix_caching=True, block_size=32, prefix_match_unit=prefix_match_unit
+        ),
+        kv_transfer_config=None,
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=64),
+        model_config=None,
+        is_pooling_model=False,
+        speculative_config=speculative,
+    )
+
+
+def _scheduling(monkeypatch: pytest.MonkeyPatch, async_scheduling: bool | None) -> None:
+    """vLLM's current config as the worker sets it around KV-cache init (None: no config)."""
+    import vllm.config
+
+    config = (
+        None
+        if async_scheduling is None
+        else SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_scheduling))
+    )
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: config)
+
+
+NGRAM = SimpleNamespace(method="ngram", num_speculative_tokens=3)
+
+
+def test_speculative_decoding_refused_by_vllm_omni_served_by_hscache_on_sync_stages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vllm-omni refuses drafts for any prefix cache; with hscache's cache on, a stage that
+    schedules synchronously passes the runner's gate with drafts (the cache is staged) and
+    one that schedules asynchronously is refused with hscache's reason."""
+    _scheduling(monkeypatch, False)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="together with speculative decoding"):
+        _stage_gate(NGRAM)
+    monkeypatch.setenv("HSCACHE_OMNI_PREFIX_CACHE", "1")
+    register()
+    assert group_view.check_prefix_cache_token_accounting.hscache_original is not None
+    cfg = _stage_gate(NGRAM)
+    assert (cfg.num_blocks, cfg.block_size) == (8, 32)
+    _scheduling(monkeypatch, True)
+    with pytest.raises(OmniPrefixCacheUnmatchError) as refused:
+        _stage_gate(NGRAM)
+    assert str(refused.value) == SPEC_ASYNC_REFUSAL
+    assert "async_scheduling: false" in str(refused.value)
+    assert _stage_gate(None) is not None  # no drafts: async stages keep their cache
+    # Off again (the environment, read now): vllm-omni's refusal stands, sync or not.
+    monkeypatch.setenv("HSCACHE_OMNI_PREFIX_CACHE", "0")
+    _scheduling(monkeypatch, False)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="together with speculative decoding"):
+        _stage_gate(NGRAM)
+
+
+def test_drafts_refused_where_the_stages_scheduling_is_unknown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No current vLLM config (a caller outside the worker's KV-cache init): hscache cannot
+    tell a sync stage from an async one, and refuses drafts saying so."""
+    _scheduling(monkeypatch, None)
+    monkeypatch.setenv("HSCACHE_OMNI_PREFIX_CACHE", "1")
+    register()
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="could not be read"):
+        _stage_gate(NGRAM)
+    assert _stage_gate(None) is not None
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_sub_block_hits_stay_refused(
+    monkeypatch: pytest.MonkeyPatch, async_scheduling: bool
+) -> None:
+    """vllm-omni's other rule of the same check (block-aligned hits) holds under hscache's
+    rule, with drafts or without."""
+    _scheduling(monkeypatch, async_scheduling)
+    monkeypatch.setenv("HSCACHE_OMNI_PREFIX_CACHE", "1")
+    register()
+    for speculative in (None, NGRAM):
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="prefix_match_unit=16"):
+            _stage_gate(speculative, prefix_match_unit=16)

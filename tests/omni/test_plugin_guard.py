@@ -3,9 +3,9 @@ vLLM runs in every process) can never stop vLLM, and touches vllm-omni only when
 
 Each case runs vLLM's own ``load_general_plugins()`` (``VLLM_PLUGINS=hscache_omni``) in a
 fresh interpreter with a vllm-omni stand-in first on ``sys.path``: a package with the
-three attributes the switch replaces and a ``vllm_omni-<version>.dist-info``, as a wheel
+four attributes the switch replaces and a ``vllm_omni-<version>.dist-info``, as a wheel
 installs it. A renamed attribute or an untested release is one warning and vllm-omni left
-as it was (none of the three replaced); without ``HSCACHE_OMNI_PREFIX_CACHE`` nothing of
+as it was (none of the four replaced); without ``HSCACHE_OMNI_PREFIX_CACHE`` nothing of
 vllm-omni is even imported; asked, on the tested release, the switch is in. Needs no real
 vllm-omni (the stand-in shadows it where one is installed), so it runs in every
 environment.
@@ -37,6 +37,10 @@ def get_prefix_cache_group_view(input_batch, block_size, kv_cache_groups=None):
 
 GROUP_VIEW = """
 def check_prefix_cache_kv_groups(kv_cache_groups):
+    return None
+
+
+def check_prefix_cache_token_accounting(cache_config, speculative_config):
     return None
 """
 
@@ -77,6 +81,7 @@ for case, site, asked, extra in json.loads(sys.argv[1]):
         (runner_mixin, "OmniPrefixCacheManagerV2"),
         (runner_mixin, "get_prefix_cache_group_view"),
         (group_view, "check_prefix_cache_kv_groups"),
+        (group_view, "check_prefix_cache_token_accounting"),
     )
     results[case] = {
         "imported_by_plugins": imported,
@@ -183,6 +188,7 @@ def test_asked_on_the_tested_release_the_switch_is_in(seen: dict[str, Any]) -> N
     assert seen["hooked"] == [
         "OmniPrefixCacheManager",
         "check_prefix_cache_kv_groups",
+        "check_prefix_cache_token_accounting",
         "get_prefix_cache_group_view",
     ]
     assert seen["warnings"] == [] and seen["errors"] == []

@@ -12,11 +12,15 @@ the same engine (a per-request ``cache_salt``: no hit); and, for the talker's pr
 caching (off upstream, see docs/omni.md), ``talker_pc`` (``omni`` with the talker's prefix
 caching on) and ``talker_pc_fixed`` (the same with the scaffolding's span-aligned talker
 inputs, ``HSCACHE_E2E_TALKER_SPAN_FIX=1``).
+``cold_spec`` / ``hscache_spec``: the thinker drafts with ngram (:data:`SPEC_CONFIG`,
+synchronous scheduling) over :func:`spec_workload`, prefix caching off / hscache's.
 Writes a JSON: per request the talker's token ids and the thinker's ``num_cached_tokens``,
 per round its kind, wall time and the thinker scheduler's probe record after it (the
 proof that its hard case happened), the stage start time, and the probe records (who
 served the caches, their counters) of every engine process. Checks live in
-``test_omni_pipeline.py``. Usage (vLLM 0.30 venv):
+``test_omni_pipeline.py``. Beside it, ``<out>.rows.pt``: per ``round/request`` the
+thinker rows the request handed the talker (the probe's ``HSCACHE_E2E_ROWS_DIR``).
+Usage (vLLM 0.30 venv):
 ``python tests/omni_e2e/run_pipeline.py --arm hscache --model DIR --out arm.json``.
 """
 
@@ -34,7 +38,27 @@ from pathlib import Path
 from typing import Any
 
 PIPELINE = "hscache_e2e_thinker_talker"
-ARMS = ("cold", "omni", "hscache", "hybrid", "talker_pc", "talker_pc_fixed")
+ARMS = (
+    "cold",
+    "omni",
+    "hscache",
+    "hybrid",
+    "talker_pc",
+    "talker_pc_fixed",
+    "cold_spec",
+    "hscache_spec",
+)
+SPEC_ARMS = ("cold_spec", "hscache_spec")
+#: The thinker's drafting in the ``*_spec`` arms: vLLM's ngram proposer (CPU), prompt
+#: lookup of 2-4 tokens, 3 drafts a step. vLLM 0.30 schedules ngram drafting synchronously
+#: only (it disables async scheduling for it, or refuses an explicit ``true``).
+SPEC_CONFIG = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 2,
+    "prompt_lookup_max": 4,
+}
+SPEC_MAX_TOKENS = 32
 BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32
 # The KV pools, in blocks: the thinker's small (blocks get recycled, requests preempted).
 THINKER_BLOCKS = 24
@@ -64,13 +88,16 @@ class Round:
     ``kind``: which case it is (``abort`` is sent and aborted by hand, not generated);
     ``deterministic``: its thinker hits are independent of timing;
     ``thinker_max_tokens``: the thinker's decode length in this round;
-    ``salted``: each prompt carries its own ``cache_salt`` (no prefix hit: a cold run)."""
+    ``salted``: each prompt carries its own ``cache_salt`` (no prefix hit: a cold run);
+    ``thinker_repetition_penalty``: the thinker's (1.0 in the drafting rounds, where the
+    random model's repeats are what ngram drafts get accepted on)."""
 
     kind: str
     deterministic: bool
     prompts: list[tuple[str, list[int]]]
     thinker_max_tokens: int = THINKER_MAX_TOKENS
     salted: bool = False
+    thinker_repetition_penalty: float = 1.1
 
 
 def _gated(k: int, seed: int, n: int) -> list[int]:
@@ -172,6 +199,35 @@ def hybrid_workload() -> list[Round]:
     ]
 
 
+def spec_workload() -> list[Round]:
+    """The ``*_spec`` arms' rounds (the thinker drafting with ngram, :data:`SPEC_CONFIG`):
+    prompts over repeated phrases, 32 decode tokens each, no repetition penalty. The random
+    model's greedy tokens rarely continue a phrase; its drafts come from its own repeats
+    (``r1_branch`` decodes one token 8 times: drafts accepted, then rejected where the
+    repeat ends; measured 5 drafts, 3 accepted, 2 rejected in round 2, the same in both
+    arms, since drafts and acceptance follow from the tokens).
+
+    1. Cold caches: three prompts of 2-3 blocks, two over one repeated phrase.
+    2. Hits with drafting on (deterministic: only round 1's blocks are hit): an exact
+       repeat, a new tail over the first one's 2 full blocks, the third again.
+    """
+    phrase, other = _prefix(101, 12), _prefix(102, 10)
+    seed = [
+        ("r1", phrase * 6 + _prefix(111, 5)),
+        ("r2", phrase * 4 + other * 3 + _prefix(112, 7)),
+        ("r3", other * 8 + _prefix(113, 3)),
+    ]
+    hits = [
+        ("r1_again", seed[0][1]),
+        ("r1_branch", seed[0][1][:64] + _prefix(114, 11)),
+        ("r3_again", seed[2][1]),
+    ]
+    return [
+        Round("spec_seed", False, seed, SPEC_MAX_TOKENS, thinker_repetition_penalty=1.0),
+        Round("spec_hits", True, hits, SPEC_MAX_TOKENS, thinker_repetition_penalty=1.0),
+    ]
+
+
 def register_pipeline() -> None:
     """qwen2_5_omni's stages 0 and 1, the talker a final output too (its token ids)."""
     from vllm_omni.config.pipeline_registry import register_pipeline as register
@@ -198,7 +254,7 @@ def deploy_yaml(arm: str, async_scheduling: bool) -> str:
     def stage(
         stage_id: int, prefix_caching: bool, blocks: int, chunk: int, sampling: dict[str, Any]
     ) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "stage_id": stage_id,
             "max_num_seqs": 4,
             "max_num_batched_tokens": chunk,
@@ -212,6 +268,11 @@ def deploy_yaml(arm: str, async_scheduling: bool) -> str:
             "mm_processor_cache_gb": 0,
             "default_sampling_params": sampling,
         }
+        if stage_id == 0 and arm in SPEC_ARMS:
+            # The drafts themselves come through the scaffolding (HSCACHE_E2E_THINKER_SPEC):
+            # vllm-omni 0.30's deploy YAML refuses a stage's speculative_config.
+            out["async_scheduling"] = False  # vLLM drafts with ngram synchronously only
+        return out
 
     greedy = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "seed": 42}
     config = {
@@ -220,7 +281,7 @@ def deploy_yaml(arm: str, async_scheduling: bool) -> str:
         "stages": [
             stage(
                 0,
-                arm != "cold",
+                not arm.startswith("cold"),
                 THINKER_BLOCKS,
                 THINKER_CHUNK,
                 {**greedy, "max_tokens": THINKER_MAX_TOKENS, "repetition_penalty": 1.1},
@@ -240,7 +301,7 @@ def deploy_yaml(arm: str, async_scheduling: bool) -> str:
 
 
 def arm_env(arm: str) -> dict[str, str]:
-    on = arm in ("hscache", "hybrid")
+    on = arm in ("hscache", "hybrid", "hscache_spec")
     return {
         "HSCACHE_OMNI_CPU": "1",  # the scaffolding's CPU platform (tests/omni_e2e/plugin)
         "HSCACHE": "1" if on else "0",
@@ -248,6 +309,8 @@ def arm_env(arm: str) -> dict[str, str]:
         "HSCACHE_STRICT": "1" if on else "0",
         "HSCACHE_STATS": "1",
         "HSCACHE_E2E_TALKER_SPAN_FIX": "1" if arm == "talker_pc_fixed" else "0",
+        # The thinker's drafting (tests/omni_e2e/plugin/hscache_omni_cpu/drafting.py).
+        "HSCACHE_E2E_THINKER_SPEC": json.dumps(SPEC_CONFIG) if arm in SPEC_ARMS else "",
     }
 
 
@@ -258,12 +321,15 @@ def _stage_outputs(out: Any) -> tuple[int | None, list[int], int | None]:
     return stage, token_ids, getattr(inner, "num_cached_tokens", None)
 
 
-def _params(thinker_max_tokens: int) -> list[Any]:
+def _params(thinker_max_tokens: int, thinker_repetition_penalty: float = 1.1) -> list[Any]:
     from vllm import SamplingParams
 
     return [
         SamplingParams(
-            temperature=0.0, max_tokens=thinker_max_tokens, repetition_penalty=1.1, seed=42
+            temperature=0.0,
+            max_tokens=thinker_max_tokens,
+            repetition_penalty=thinker_repetition_penalty,
+            seed=42,
         ),
         SamplingParams(
             temperature=0.0,
@@ -286,7 +352,7 @@ def _generate(omni: Any, rnd: Round, params: list[Any]) -> dict[str, Any]:
     order = {}
     for out in outs:
         stage, token_ids, cached = _stage_outputs(out)
-        rec = by_req.setdefault(out.request_id, {})
+        rec = by_req.setdefault(out.request_id, {"request_id": str(out.request_id)})
         if stage == 0:
             rec["thinker_token_ids"] = token_ids
             rec["thinker_num_cached_tokens"] = cached
@@ -369,6 +435,22 @@ def _thinker_text_config(model: Path) -> dict[str, Any]:
     return {k: text.get(k) for k in keys}
 
 
+def _take_rows(rows_dir: Path, requests: dict[str, Any]) -> dict[str, Any]:
+    """The thinker rows each request of a round handed the talker (the probe's files),
+    by request name; the files are removed."""
+    import torch
+    from hscache_omni_cpu.probe import safe_name
+
+    out = {}
+    for name, rec in requests.items():
+        rid = str(rec.get("request_id", ""))
+        found = sorted(rows_dir.glob(f"{safe_name(rid)}*.pt")) if rid else []
+        if len(found) == 1:  # the engine's id is the driver's, maybe with a suffix
+            out[name] = torch.load(found[0])
+            found[0].unlink()
+    return out
+
+
 def run(arm: str, model: Path, out_path: Path, async_scheduling: bool) -> dict[str, Any]:
     # Before vllm-omni is imported: it resolves its platform once per process.
     os.environ.update(arm_env(arm))
@@ -383,6 +465,8 @@ def run(arm: str, model: Path, out_path: Path, async_scheduling: bool) -> dict[s
     work = Path(tempfile.mkdtemp(prefix=f"hscache-omni-{arm}-"))
     probe_dir = work / "probe"
     os.environ["HSCACHE_E2E_PROBE_DIR"] = str(probe_dir)
+    rows_dir = work / "rows"
+    os.environ["HSCACHE_E2E_ROWS_DIR"] = str(rows_dir)
     from vllm_omni import Omni
 
     register_pipeline()
@@ -395,12 +479,20 @@ def run(arm: str, model: Path, out_path: Path, async_scheduling: bool) -> dict[s
         "thinker_text_config": _thinker_text_config(model),
         "rounds": [],
     }
+    rows: dict[str, Any] = {}
     t0 = time.perf_counter()
     omni = Omni(model=str(model), deploy_config=str(deploy), log_stats=False)
     result["start_s"] = time.perf_counter() - t0
     try:
-        for rnd in hybrid_workload() if arm == "hybrid" else workload():
-            params = _params(rnd.thinker_max_tokens)
+        rounds = (
+            hybrid_workload()
+            if arm == "hybrid"
+            else spec_workload()
+            if arm in SPEC_ARMS
+            else workload()
+        )
+        for rnd in rounds:
+            params = _params(rnd.thinker_max_tokens, rnd.thinker_repetition_penalty)
             t = time.perf_counter()
             if rnd.kind == "abort":
                 requests = _abort(omni, probe_dir, rnd, params)
@@ -408,6 +500,9 @@ def run(arm: str, model: Path, out_path: Path, async_scheduling: bool) -> dict[s
                 requests = _generate(omni, rnd, params)
             wall = time.perf_counter() - t
             time.sleep(0.5)  # the probe's record after the round
+            if rnd.kind != "abort":
+                for name, t in _take_rows(rows_dir, requests).items():
+                    rows[f"{rnd.kind}/{name}"] = t
             result["rounds"].append(
                 {
                     "kind": rnd.kind,
@@ -423,6 +518,10 @@ def run(arm: str, model: Path, out_path: Path, async_scheduling: bool) -> dict[s
         omni.close()
         shutil.rmtree(work, ignore_errors=True)
     out_path.write_text(json.dumps(result, indent=1, sort_keys=True))
+    if rows:
+        import torch
+
+        torch.save(rows, out_path.with_suffix(".rows.pt"))
     return result
 
 

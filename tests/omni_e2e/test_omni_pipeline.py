@@ -16,7 +16,11 @@ reference's, its hits are vLLM's under the window, the thinker really had the tw
 KV-cache groups (vllm-omni's check refused them), hscache served both parts.
 ``HSCACHE_OMNI_E2E_RESULTS`` names the folder of ``<arm>.json`` files (``cold``, ``omni``,
 ``hscache``, optionally with a ``-sync`` suffix for ``async_scheduling: false``;
-``hybrid``); without it the module is skipped.
+``hybrid``; ``cold_spec`` / ``hscache_spec``, the thinker drafting with ngram, and their
+``.rows.pt`` files); without it the module is skipped. The drafting arms (``--spec``): the
+rows the talker received and its tokens equal the cold drafting run's, rejected drafts'
+rows included, drafts were proposed, accepted and rejected, and prefix-cache hits were
+served with drafting on, by hscache's cache on a synchronous thinker.
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ def _round(arm: dict[str, Any], kind: str) -> tuple[dict[str, Any], dict[str, An
 def _suffixes() -> list[str]:
     assert RESULTS is not None
     found = {p.stem.removeprefix("cold") for p in Path(RESULTS).glob("cold*.json")}
-    return sorted(found) or [""]
+    return sorted(found - {"_spec"}) or [""]  # the drafting arms have tests of their own
 
 
 @pytest.fixture(params=_suffixes() if RESULTS else [""])
@@ -246,4 +250,93 @@ def test_hybrid_hscache_served_both_parts() -> None:
     stats = caches[0]["stats"]
     served = sum(v for k, v in HYBRID_HITS.items())
     assert stats["reads_served"] == 3 and stats["cached_rows_served"] == served, stats
+    assert stats["read_misses"] == stats["stale_reads"] == stats["partial_reads"] == 0, stats
+
+
+# The drafting arms (``scripts/omni_e2e.sh --spec``, run_pipeline.spec_workload): the round
+# "spec_hits" only repeats and continues round 1's prompts, whose first 2 blocks are hit.
+SPEC_HITS = {"r1_again": 64, "r1_branch": 64, "r3_again": 64}
+#: float32 rounding: the warm and cold runs batch the same rows differently.
+ROW_RTOL = 1e-5
+
+
+def _spec() -> tuple[dict[str, Any], dict[str, Any]]:
+    return _load("cold_spec"), _load("hscache_spec")
+
+
+def _rows(name: str) -> dict[str, Any]:
+    import torch
+
+    assert RESULTS is not None
+    path = Path(RESULTS) / f"{name}.rows.pt"
+    assert path.exists(), f"{path}: the probe kept no rows"
+    rows: dict[str, Any] = torch.load(path)
+    return rows
+
+
+def test_spec_talker_rows_and_tokens_equal_the_cold_drafting_run() -> None:
+    """Every request of the drafting thinker hands the talker the rows the cold drafting run
+    hands it (prompt rows, accepted and rejected drafts' rows, vllm-omni's payload), within
+    float32 rounding, none zero; the talker's tokens and the thinker's are equal."""
+    import torch
+
+    cold, warm = _spec()
+    cold_req, warm_req = _requests(cold), _requests(warm)
+    assert warm_req.keys() == cold_req.keys() and cold_req
+    for key, rec in cold_req.items():
+        assert rec["talker_token_ids"], f"{key}: the talker produced no tokens"
+        assert warm_req[key]["thinker_token_ids"] == rec["thinker_token_ids"], key
+        assert warm_req[key]["talker_token_ids"] == rec["talker_token_ids"], key
+    cold_rows, warm_rows = _rows("cold_spec"), _rows("hscache_spec")
+    names = {f"{cold['rounds'][i]['kind']}/{name}" for i, name in cold_req}
+    assert cold_rows.keys() == warm_rows.keys() == names, (cold_rows.keys(), names)
+    worst = 0.0
+    for key, ref in cold_rows.items():
+        got = warm_rows[key]
+        assert got.shape == ref.shape and ref.shape[0] >= 1, (key, got.shape, ref.shape)
+        assert bool((got.abs().amax(dim=-1) > 0).all()), f"{key}: a zero row"
+        scale = ref.abs().amax().clamp_min(1e-12)
+        worst = max(worst, float((got - ref).abs().amax() / scale))
+    assert worst <= ROW_RTOL, worst
+    assert torch.cat(list(warm_rows.values())).shape[0] > 0
+
+
+def test_spec_drafts_were_proposed_accepted_and_rejected() -> None:
+    """The thinker drafted (ngram, synchronous scheduling) in both arms, the same drafts
+    (the same tokens), some accepted and some rejected, in the round whose prompts hit the
+    cache (its drafts come from the random model's own repeats)."""
+    seen = []
+    for arm in _spec():
+        thinker = _thinker(arm["probes"])
+        assert thinker["speculative_method"] == "ngram", thinker
+        assert thinker["async_scheduling"] is False, thinker
+        rnd, before = _round(arm, "spec_hits")
+        after = rnd["thinker"]
+        delta = {
+            k: after.get(k, 0) - before.get(k, 0)
+            for k in ("draft_tokens", "drafts_accepted", "drafts_rejected")
+        }
+        assert delta["draft_tokens"] > 0, (arm["arm"], delta)
+        assert delta["drafts_accepted"] > 0 and delta["drafts_rejected"] > 0, (arm["arm"], delta)
+        seen.append(delta)
+    assert seen[0] == seen[1], seen
+
+
+def test_spec_prefix_cache_hits_served_with_drafting_on() -> None:
+    """With drafting on, hscache's KV-cache manager hit round 1's blocks (the cold run:
+    none) and hscache's hidden-state cache served their rows: no miss, stale or partial
+    read; vllm-omni's refusal of drafts with a prefix cache was hscache's rule instead."""
+    cold, warm = _spec()
+    for arm, expect in ((cold, dict.fromkeys(SPEC_HITS, 0)), (warm, SPEC_HITS)):
+        rnd, _ = _round(arm, "spec_hits")
+        hits = {k: v["thinker_num_cached_tokens"] for k, v in rnd["requests"].items()}
+        assert hits == expect, (arm["arm"], hits)
+    thinker = _thinker(warm["probes"])
+    assert thinker["kv_cache_manager"] == HSCACHE_MANAGER and thinker["enable_caching"]
+    caches = _caches(warm["probes"])
+    assert [c["class"] for c in caches] == [HSCACHE_CACHE], caches
+    stats = caches[0]["stats"]
+    # Round 1's r2 may hit r1's first block too (it shares 48 tokens, timing decides).
+    assert stats["reads_served"] >= len(SPEC_HITS), stats
+    assert stats["cached_rows_served"] >= sum(SPEC_HITS.values()), stats
     assert stats["read_misses"] == stats["stale_reads"] == stats["partial_reads"] == 0, stats

@@ -3,7 +3,7 @@
 :func:`register` is hscache's ``vllm.general_plugins`` entry point ``hscache_omni``, run in
 every vLLM process: it acts only where ``HSCACHE_OMNI_PREFIX_CACHE=1`` is set when the
 plugins load (a stage's environment is applied around its process's spawn), on a tested
-vllm-omni release (:data:`TESTED_VLLM_OMNI`), replacing its three attributes all or none,
+vllm-omni release (:data:`TESTED_VLLM_OMNI`), replacing its four attributes all or none,
 and never raises: anything it cannot do is one warning, vllm-omni unchanged. Not asked, it
 imports nothing of vllm-omni. :func:`install` switches at once, in code. What the
 environment says lives in :mod:`hscache.omni.settings`; the cache itself in
@@ -18,6 +18,17 @@ that check's place (a group that carries full-attention positions must exist,
 :func:`hscache.hidden_states.full_attention_group`) and, for a layout of several groups,
 hands the runner a view that names that group, whose block tables the cache then follows.
 With hscache's cache off, vllm-omni's own check and view run unchanged.
+
+Speculative decoding: vllm-omni 0.30 refuses it for any prefix cache, at KV-cache init
+(``group_view.check_prefix_cache_token_accounting``). While hscache's cache is on, the
+switch puts hscache's rule in its place (:func:`_check_token_accounting`): drafts are
+served on stages that schedule synchronously, where every ``SchedulerOutput`` carries a
+step's true start (vLLM's scheduler has rolled the previous step's rejected drafts back
+before it schedules the next) and a rejected draft's row is overwritten by the real
+token's before its block is hashed (``tests/omni/test_draft_rows.py``, and the
+``hscache_spec`` arm of the end-to-end check). Stages with async scheduling stay refused,
+with the reason (:data:`SPEC_ASYNC_REFUSAL`). vllm-omni's other rule of that check
+(block-aligned hits: ``prefix_match_unit``) is kept as it is.
 """
 
 from __future__ import annotations
@@ -81,6 +92,63 @@ def _check_kv_groups(original: Any, enabled: Enabled) -> Any:
     return check
 
 
+SPEC_ASYNC_REFUSAL = (
+    "hscache's hidden-state prefix cache serves speculative decoding only on stages that "
+    "schedule synchronously (async_scheduling: false): with async scheduling, vLLM's runner "
+    "corrects a step's positions for the previous step's rejected drafts only after the "
+    "step's outputs are saved (vllm-omni 0.30's AR runner runs the deferred correction after "
+    "_prefix_cache_save_step), so the cache would lay the step's rows out at positions that "
+    "assume every draft accepted. Set async_scheduling: false on this stage, or disable "
+    "enable_prefix_caching"
+)
+"""hscache's refusal of speculative decoding on an async stage (or one whose scheduling it
+cannot tell)."""
+
+
+def _async_scheduling() -> bool | None:
+    """Whether the stage whose KV cache is being initialized schedules asynchronously: vLLM's
+    current config (set around the worker's ``initialize_from_config``, where vllm-omni's
+    runner runs its checks), resolved by then; None where no config is current or its
+    choice is unresolved."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:
+        return None
+    config = get_current_vllm_config_or_none()
+    choice = getattr(getattr(config, "scheduler_config", None), "async_scheduling", None)
+    return None if choice is None else bool(choice)
+
+
+AsyncScheduling = Callable[[], "bool | None"]
+
+
+def _check_token_accounting(
+    original: Any, enabled: Enabled, async_scheduling: AsyncScheduling = _async_scheduling
+) -> Any:
+    """vllm-omni's ``check_prefix_cache_token_accounting``, hscache's rule while its cache
+    is on: speculative decoding passes on a stage that schedules synchronously; on an async
+    stage (or where the stage's scheduling is unknown) it is refused with
+    :data:`SPEC_ASYNC_REFUSAL`; vllm-omni's block-aligned-hit rule runs in either case."""
+
+    def check(cache_config: Any, speculative_config: Any) -> None:
+        if not enabled():
+            original(cache_config, speculative_config)
+            return
+        original(cache_config, None)  # vllm-omni's other rule: block-aligned hits
+        if speculative_config is None:
+            return
+        is_async = async_scheduling()
+        if is_async is False:
+            return
+        from vllm_omni.core.prefix_cache.interface import OmniPrefixCacheUnmatchError
+
+        why = "" if is_async else " (this stage's scheduling could not be read)"
+        raise OmniPrefixCacheUnmatchError(SPEC_ASYNC_REFUSAL + why)
+
+    check.hscache_original = original  # type: ignore[attr-defined]
+    return check
+
+
 def _group_view(original: Any, enabled: Enabled) -> Any:
     """vllm-omni's ``get_prefix_cache_group_view``; a :class:`KVGroupView` of the
     full-attention group for a layout of several groups while hscache's cache is on."""
@@ -131,6 +199,7 @@ _HOOKS: tuple[tuple[str, str, Callable[[Any, Enabled], Any]], ...] = (
     (_RUNNER_MIXIN, "OmniPrefixCacheManager", _build_manager),
     (_RUNNER_MIXIN, "get_prefix_cache_group_view", _group_view),
     (_GROUP_VIEW, "check_prefix_cache_kv_groups", _check_kv_groups),
+    (_GROUP_VIEW, "check_prefix_cache_token_accounting", _check_token_accounting),
 )
 
 
@@ -153,7 +222,7 @@ def _targets() -> list[tuple[Any, str, Callable[[Any, Enabled], Any], Any]]:
 
 
 def _switch(enabled: Enabled) -> None:
-    """Puts the three hooks into vllm-omni, all or none (once per process: a second call
+    """Puts the four hooks into vllm-omni, all or none (once per process: a second call
     keeps the first call's hooks; the originals stay reachable as ``hscache_original``)."""
     for module, name, hook, current in _targets():
         if not hasattr(current, "hscache_original"):
@@ -214,8 +283,9 @@ def register() -> None:
     the process's environment asks for hscache's cache (``HSCACHE_OMNI_PREFIX_CACHE=1``: the
     process's own, or its stage's, which vllm-omni applies around the stage's spawn) and
     vllm-omni is a tested release (:data:`TESTED_VLLM_OMNI`), its runners build their
-    cache through :func:`_build_manager` and its KV-group check and group view defer to
-    hscache's while the variable stays set. Otherwise it imports nothing of vllm-omni and
+    cache through :func:`_build_manager` and its KV-group check, group view and
+    token-accounting check (speculative decoding) defer to hscache's while the variable
+    stays set. Otherwise it imports nothing of vllm-omni and
     changes nothing. It never raises (a plugin's exception would stop vLLM's start): a
     vllm-omni it cannot switch (an untested release, a renamed attribute) is one warning,
     vllm-omni unchanged."""

@@ -14,7 +14,10 @@ vllm-omni's own prefix cache's verdict on them, and per request the wall-clock t
 and the time of the ``update_from_output`` that gave it its first output token (what
 ``python -m hscache bench-omni-e2e`` reads as each stage's time to first token); per
 prefix cache its class, KV-cache group and counters; and ``hscache.stats()``
-(``HSCACHE_STATS=1``). Stage processes end by
+(``HSCACHE_STATS=1``). Per scheduler also its speculative method and scheduling mode, and
+the drafts it scheduled, accepted and rejected (:func:`_count_drafts`); with
+``HSCACHE_E2E_ROWS_DIR`` set, the thinker rows each request hands the talker
+(:func:`_watch_rows`). Stage processes end by
 signal, so a periodic file is the record that survives them; the driver reads it after a
 short wait.
 
@@ -112,6 +115,73 @@ def _watch_arrivals(cls: type) -> None:
     cls.add_request = add_request  # type: ignore[attr-defined]
 
 
+_in_update: dict[int, bool] = {}  # id(scheduler) -> inside its update_from_output
+
+
+def _count_drafts(sched: Any, scheduler_output: Any, runner_output: Any) -> None:
+    """Speculative decoding, read from a step's ``SchedulerOutput`` (the drafts scheduled)
+    and its ``ModelRunnerOutput`` (the tokens sampled: one more than the drafts accepted):
+    ``draft_tokens``, ``drafts_accepted``, ``drafts_rejected`` and ``draft_steps_with_
+    rejection`` (requests' steps that rolled back over a rejected draft)."""
+    drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+    index = getattr(runner_output, "req_id_to_index", None) or {}
+    sampled = getattr(runner_output, "sampled_token_ids", None) or []
+    for req_id, tokens in drafts.items():
+        i = index.get(req_id)
+        if not tokens or i is None or i >= len(sampled) or not len(sampled[i]):
+            continue
+        accepted = min(len(sampled[i]) - 1, len(tokens))
+        _count(sched, "draft_tokens", len(tokens))
+        _count(sched, "drafts_accepted", accepted)
+        _count(sched, "drafts_rejected", len(tokens) - accepted)
+        _count(sched, "draft_steps_with_rejection", int(accepted < len(tokens)))
+
+
+def safe_name(request_id: str) -> str:
+    """A request id as a file name (vLLM's engine may add a suffix to the driver's id:
+    the driver matches by prefix)."""
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in request_id)
+
+
+def _watch_rows(directory: Path) -> None:
+    """Keeps the thinker rows handed to the talker: vllm-omni's producer-side payload builder
+    for qwen2_5_omni (``thinker2talker_full_payload``) gets each finished request's
+    accumulated rows (``pooling_output["hidden"]``, prompt and decode steps in order, before
+    the builder trims what exceeds the request's token count); each
+    is saved as ``<directory>/<request id>.pt`` (float32, on the host; the request's
+    external id where it has one)."""
+    try:
+        from vllm_omni.model_executor.stage_input_processors import qwen2_5_omni
+    except ImportError:
+        return
+    original = qwen2_5_omni.thinker2talker_full_payload
+    if getattr(original, "hscache_probe", False):
+        return
+
+    def thinker2talker_full_payload(
+        transfer_manager: Any, pooling_output: Any, request: Any
+    ) -> Any:
+        hidden = pooling_output.get("hidden") if isinstance(pooling_output, dict) else None
+        # The runner's CachedRequestState names its request ``req_id``.
+        rid = str(
+            getattr(request, "external_req_id", None)
+            or getattr(request, "req_id", None)
+            or getattr(request, "request_id", None)
+            or ""
+        )
+        if hidden is not None and rid:
+            import torch
+
+            directory.mkdir(parents=True, exist_ok=True)
+            torch.save(
+                hidden.detach().to("cpu", torch.float32).clone(), directory / f"{safe_name(rid)}.pt"
+            )
+        return original(transfer_manager, pooling_output, request)
+
+    thinker2talker_full_payload.hscache_probe = True  # type: ignore[attr-defined]
+    qwen2_5_omni.thinker2talker_full_payload = thinker2talker_full_payload
+
+
 def _watch_first_tokens(sched: Any) -> None:
     """Records when an ``update_from_output`` first gave a request an output token (read
     from the request objects before and after the call: a request finished by that very
@@ -133,7 +203,15 @@ def _watch_first_tokens(sched: Any) -> None:
                 for req_id in getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
                 if req_id not in seen and (req := self.requests.get(req_id)) is not None
             ]
-            out = _orig(self, scheduler_output, *args, **kwargs)
+            outermost = not _in_update.get(id(self), False)
+            if outermost and args:
+                _count_drafts(self, scheduler_output, args[0])
+            _in_update[id(self)] = True
+            try:
+                out = _orig(self, scheduler_output, *args, **kwargs)
+            finally:
+                if outermost:
+                    _in_update[id(self)] = False
             now = time.time()
             for req in waiting:
                 if req.num_output_tokens > 0:
@@ -261,6 +339,10 @@ def snapshot() -> dict[str, Any]:
                 "running": {r.request_id: r.num_computed_tokens for r in list(sched.running)},
                 "unfinished": sched.get_num_unfinished_requests(),
                 "kv_usage": float(getattr(manager, "usage", -1.0)),
+                "speculative_method": getattr(sched.vllm_config.speculative_config, "method", None),
+                "async_scheduling": bool(
+                    getattr(sched.vllm_config.scheduler_config, "async_scheduling", False)
+                ),
                 "arrived_at": dict(_arrived.get(id(sched), {})),
                 "first_token_at": dict(_first_token.get(id(sched), {})),
                 **_layouts.setdefault(id(sched), _kv_layout(sched)),
@@ -294,17 +376,25 @@ def _write_forever(directory: Path) -> None:
 
 def register() -> None:
     """The plugin: with ``HSCACHE_OMNI_CPU=1``, Qwen2 layers get their own sliding window
-    (:mod:`hscache_omni_cpu.hybrid`); the probe does nothing unless ``HSCACHE_E2E_PROBE_DIR``
+    (:mod:`hscache_omni_cpu.hybrid`); with ``HSCACHE_E2E_THINKER_SPEC``, the thinker drafts
+    (:mod:`hscache_omni_cpu.drafting`); the probe does nothing unless ``HSCACHE_E2E_PROBE_DIR``
     is set; idempotent."""
     global _started
     if os.environ.get("HSCACHE_OMNI_CPU") == "1":
         from hscache_omni_cpu import hybrid
 
         hybrid.install()
+    if os.environ.get("HSCACHE_E2E_THINKER_SPEC"):
+        from hscache_omni_cpu import drafting
+
+        drafting.install()
     directory = os.environ.get("HSCACHE_E2E_PROBE_DIR")
     if not directory or _started:
         return
     _started = True
+    rows = os.environ.get("HSCACHE_E2E_ROWS_DIR")
+    if rows:
+        _watch_rows(Path(rows))
     from vllm.v1.core.sched.scheduler import Scheduler
 
     _record_instances(Scheduler, _schedulers)
