@@ -39,5 +39,8 @@ if [[ "$hooks" != 1 ]]; then
     echo "the test-hooks build has no mutants (_core.TEST_HOOKS is false)"
     exit 1
 fi
-PYTHONPATH="$pkg" python -m pytest -q -p no:cacheprovider -m hooks tests
+# the mutants are the slow part (whole differentials each): on every core, as scripts/test.sh's
+# other pytest steps (HSCACHE_PYTEST_WORKERS, default one process outside it)
+PYTHONPATH="$pkg" python -m pytest -q -p no:cacheprovider -n "${HSCACHE_PYTEST_WORKERS:-0}" \
+    -m hooks tests
 PYTHONPATH="$pkg" python -m pytest -q -p no:cacheprovider tests/test_release_build.py

@@ -5,7 +5,7 @@
 # mode), then runs every check in turn and keeps going after a failure, so that one run
 # shows everything that is wrong:
 #   rustfmt, the MSRV check (scripts/msrv.py), clippy (with and without the `python`
-#   feature), cargo test (and the panic-safety test under the `fault-injection` feature),
+#   feature), cargo test (one build, with the `fault-injection` points for the panic-safety tests),
 #   ruff check + ruff format --check, mypy (strict, configured in pyproject.toml),
 #   pytest tests/ (hscache's own Python tests; collecting none fails),
 #   vLLM 0.33.0's own unit tests (tests/v1/core and the KV connector tests) with hscache's
@@ -31,7 +31,9 @@
 # Every HSCACHE_* variable of the caller's environment is cleared first (a leaked
 # HSCACHE_DISABLE=1 or HSCACHE_FAST_STEP=0 would test something else; a step that needs a
 # switch sets it itself), except where the environment lives and how it is built:
-# HSCACHE_CACHE, HSCACHE_VENV*, HSCACHE_PYTHON, HSCACHE_VERBOSE, and HSCACHE_TEST_SKIP.
+# HSCACHE_CACHE, HSCACHE_VENV*, HSCACHE_PYTHON, HSCACHE_VERBOSE, HSCACHE_TEST_SKIP and
+# HSCACHE_PYTEST_WORKERS (pytest-xdist's -n for hscache's own pytest steps; default auto,
+# one worker per core; 0 runs them in one process).
 # HSCACHE_TEST_SKIP="clippy vllm-upstream ..." skips steps by name, for local use (reported
 # as skipped); with CI=true (CI services set it) a skipped step FAILS.
 set -euo pipefail
@@ -45,7 +47,7 @@ cleared=()
 for _var in $(compgen -e); do
     case "$_var" in
         HSCACHE_CACHE | HSCACHE_VENV | HSCACHE_VENV032 | HSCACHE_VENV030 | HSCACHE_VENV_DYNAMO) ;;
-        HSCACHE_PYTHON | HSCACHE_VERBOSE | HSCACHE_TEST_SKIP) ;;
+        HSCACHE_PYTHON | HSCACHE_VERBOSE | HSCACHE_TEST_SKIP | HSCACHE_PYTEST_WORKERS) ;;
         HSCACHE | HSCACHE_*) cleared+=("$_var"); unset "$_var" ;;
     esac
 done
@@ -61,6 +63,12 @@ HSCACHE_SKIP_BUILD=1 source scripts/env.sh
 # otherwise): a red run is reproducible, and a green one does not turn red by a new draw.
 # Unset it (or pick another seed) to explore: `PROPTEST_RNG_SEED=7 cargo test`.
 export PROPTEST_RNG_SEED="${PROPTEST_RNG_SEED:-20261128}"
+
+# hscache's own pytest steps run on every core (pytest-xdist, requirements/test-extra.txt;
+# its tests share no state between files). vLLM's upstream suites run in one process: their
+# results plugin (tests/vllm_upstream/hscache_swap.py) writes one file per run.
+export HSCACHE_PYTEST_WORKERS="${HSCACHE_PYTEST_WORKERS:-auto}"
+xdist=(-n "$HSCACHE_PYTEST_WORKERS" --dist worksteal)
 
 names=()
 statuses=()
@@ -112,7 +120,7 @@ step_after() {
 # (hscache's other tests are written against 0.33's interfaces).
 run_pytest032() {
     [[ -n "${HSCACHE_PY032:-}" ]] || source scripts/vllm032_env.sh || return 1
-    timeout 1800 "$HSCACHE_PY032" -m pytest -q -p no:cacheprovider \
+    timeout 1800 "$HSCACHE_PY032" -m pytest -q -p no:cacheprovider "${xdist[@]}" \
         tests/versions/test_vllm_versions.py tests/versions/test_fast_step_guard.py \
         tests/differential/test_differential_vllm.py tests/hisparse/test_hisparse.py \
         tests/scheduler/test_scheduler_fast_path.py tests/scheduler/test_fast_path_boundaries.py \
@@ -126,7 +134,7 @@ run_pytest032() {
 run_pytest030() {
     [[ -n "${HSCACHE_PY030:-}" ]] || source scripts/vllm030_env.sh || return 1
     VLLM_PLUGINS=hscache timeout 1800 "$HSCACHE_PY030" -m pytest -q -p no:cacheprovider \
-        tests/versions/test_vllm_versions.py tests/versions/test_fast_step_guard.py \
+        "${xdist[@]}" tests/versions/test_vllm_versions.py tests/versions/test_fast_step_guard.py \
         tests/differential/test_differential_vllm.py \
         tests/scheduler/test_scheduler_hook.py tests/scheduler/test_scheduler_step.py \
         tests/scheduler/test_scheduler_fast_path.py tests/scheduler/test_fast_path_boundaries.py \
@@ -139,7 +147,7 @@ run_omni030() {
     [[ -n "${HSCACHE_PY030:-}" ]] || source scripts/vllm030_env.sh || return 1
     local log rc=0
     log="$(mktemp)"
-    timeout 1800 "$HSCACHE_PY030" -m pytest -q -p no:cacheprovider -rs tests/omni 2>&1 |
+    timeout 1800 "$HSCACHE_PY030" -m pytest -q -p no:cacheprovider "${xdist[@]}" -rs tests/omni 2>&1 |
         tee "$log" || rc=$?
     if ((rc == 0)) && grep -q "skipped" "$log"; then
         echo "tests/omni skipped tests in the vllm-omni environment: failing"
@@ -153,7 +161,7 @@ run_omni030() {
 # that matches nothing must not pass as green).
 run_pytest() {
     local rc=0
-    timeout 1800 python -m pytest -q tests/ --ignore=tests/vllm_upstream "$@" || rc=$?
+    timeout 1800 python -m pytest -q "${xdist[@]}" tests/ --ignore=tests/vllm_upstream "$@" || rc=$?
     if ((rc == 5)); then
         echo "pytest collected no test (exit status 5): failing"
     fi
@@ -164,13 +172,15 @@ step rustfmt cargo fmt --all -- --check
 step msrv python scripts/msrv.py
 step clippy cargo clippy --all-targets --quiet -- -D warnings
 step clippy-python cargo clippy --all-targets --features python --quiet -- -D warnings
-step cargo-test timeout 1800 cargo test --quiet
-# internal panics injected at points inside the core (src/fault.rs): the manager is poisoned;
-# then from Python, against the test-hooks build of the extension (scripts/panic_python.sh;
-# it also runs the `hooks` tests: the mutants, which the release extension does not carry)
+# One debug build of the crate's tests, with the fault-injection points compiled in (unarmed
+# they do nothing, src/fault.rs: every other test runs as without the feature; clippy above
+# checks the build without it): the whole suite, internal panics injected at points inside
+# the core included (tests/core/panic_safety.rs: the manager is poisoned).
+step cargo-test timeout 1800 cargo test --quiet --features fault-injection
+# From Python, against the test-hooks build of the extension (scripts/panic_python.sh; it also
+# runs the `hooks` tests: the mutants, which the release extension does not carry).
 run_panic_safety() {
-    timeout 900 cargo test --quiet --features fault-injection --test core panic_safety:: &&
-        timeout 2400 bash scripts/panic_python.sh
+    timeout 2400 bash scripts/panic_python.sh
 }
 step panic-safety run_panic_safety
 step ruff-check ruff check python tools tests benches examples scripts

@@ -9,8 +9,9 @@
 #      requirements/vllm<TAG>-nodeps.txt with --no-deps --require-hashes; a stamp file marks
 #      a complete install, so a venv interrupted half-way is rebuilt from scratch; one
 #      installer at a time (a lock), a second caller waits, then finds the stamp;
-#   2. builds hscache's wheel from this checkout (`maturin build --release`, with the tools
-#      of scripts/env.sh) and installs it there when it changed;
+#   2. installs requirements/test-extra.txt (a stamp per version of that file), then builds
+#      hscache's wheel from this checkout (`maturin build --release`, with the tools of
+#      scripts/env.sh) and installs it there when it changed;
 #   3. exports HSCACHE_VENV<TAG> and HSCACHE_PY<TAG>, that venv's python. The active
 #      environment stays the one of scripts/env.sh.
 # LABEL ("vLLM 0.32") and SIZE ("~6.3 GB") only word the log lines. Returns non-zero on any
@@ -50,8 +51,9 @@ hscache_vllm_env() {
         flock -u "$lock_fd"
         exec {lock_fd}>&-
     fi
+    ((ok)) && { _hv_install_test_extra || ok=0; }
     ((ok)) && { _hv_install_hscache || ok=0; }
-    unset -f _hv_make_venv _hv_install_hscache
+    unset -f _hv_make_venv _hv_install_test_extra _hv_install_hscache
     if ((ok)); then
         unset -f _hv_log
         export "$venv_var=$venv" "$py_var=$venv/bin/python"
@@ -76,6 +78,17 @@ _hv_make_venv() {
         --require-hashes -r "${reqs[1]}" || return 1
     echo "$hash" >"$stamp" || return 1
     _hv_log "$label venv ready in $((SECONDS - t0)) s"
+}
+
+# requirements/test-extra.txt (pytest-xdist, Hypothesis), once per venv and version of that
+# file (a stamp per file hash, outside the venv hash), as scripts/env.sh does for its venv.
+_hv_install_test_extra() {
+    local file="$HSCACHE_ROOT/requirements/test-extra.txt" extra_stamp
+    extra_stamp="$venv/.hscache-test-extra-$(sha256sum "$file" | cut -c1-12)" || return 1
+    [[ -f "$extra_stamp" ]] && return 0
+    hscache_quiet "$venv/test-extra.log" "$tag" "$venv/bin/python" -m pip \
+        --disable-pip-version-check install --no-input -r "$file" || return 1
+    touch "$extra_stamp"
 }
 
 # hscache from this checkout, as a wheel (what users install), when it changed.

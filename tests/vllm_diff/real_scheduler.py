@@ -169,9 +169,21 @@ def build_scheduler(cfg: RealConfig) -> Any:
 
 def run_real_scheduler(seed: int, cfg: RealConfig | None = None) -> dict[str, int]:
     """One seeded stream; raises ``ParityError`` / :class:`RealSchedulerDivergence` on the
-    first difference. Returns counters (manager calls compared, steps, preemptions...)."""
-    for name in ("vllm", "hscache"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    first difference. Returns counters (manager calls compared, steps, preemptions...).
+    vLLM's and hscache's loggers are quiet (ERROR) during the stream and restored after it,
+    so that a later test in the same process (pytest-xdist mixes files) sees its warnings."""
+    loggers = [logging.getLogger(name) for name in ("vllm", "hscache")]
+    saved = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        return _run_real_scheduler(seed, cfg)
+    finally:
+        for log, level in zip(loggers, saved, strict=True):
+            log.setLevel(level)
+
+
+def _run_real_scheduler(seed: int, cfg: RealConfig | None) -> dict[str, int]:
     cfg = cfg or real_config_for_seed(seed)
     rng = random.Random(seed)
     init_none_hash("sha256")
