@@ -42,6 +42,10 @@ def test_sides_compared_at_every_step_and_counters_reported(
     if variant != "spec":
         # Steady decodes' updates are served (drafts turn the update phase off today).
         assert r["update_share"] > 0
+    if variant == "base":
+        # Steps whose queue vLLM's waiting loop cannot admit from (all seats taken, every
+        # running request a decode) are served whole.
+        assert r["schedule_share"] > 0
 
 
 def test_counters_cover_the_timed_steps() -> None:

@@ -268,11 +268,32 @@ COUNTS = (
     "preempt",
     "all_token_ids",
     "capacity_reset",
+    "queue_seats",
+    "queue_budget",
 )
 """What :func:`run_differential` counts: steps; ``schedule()`` calls the fast path was
 asked (``schedule_tried``) and served; ``update_from_output()`` calls asked and split,
 the requests it served in them, splits that left requests to vLLM (``update_mixed``);
-served steps that preempted, carried ``all_token_ids``, or reset a capacity bound."""
+served steps that preempted, carried ``all_token_ids``, or reset a capacity bound; served
+steps with a queue (not preempting) behind full seats (``queue_seats``: the running
+requests at ``max_num_seqs``) or a spent token budget (``queue_budget``, seats free)."""
+
+
+def _queue_exit(sched: Any) -> str | None:
+    """Which of vLLM's waiting-loop exits a step with a queue meets, before it is
+    scheduled (every running request counted as one token): ``"queue_seats"``,
+    ``"queue_budget"``, or None (no queue, or the loop could admit)."""
+    if PROFILE.kv_holding_queues:
+        queued = sched.waiting or sched.kv_holding_waiting
+    else:
+        queued = sched.waiting or sched.skipped_waiting
+    n = len(sched.running)
+    if not queued:
+        return None
+    if n >= getattr(sched, PROFILE.waiting_loop_seats):
+        return "queue_seats"
+    budget = min(sched.max_num_scheduled_tokens, sched.scheduler_config.max_num_batched_tokens)
+    return "queue_budget" if n >= budget else None
 
 
 @dataclasses.dataclass
@@ -346,9 +367,12 @@ def run_differential(
     def counted_schedule(sched: Any, *a: Any, **kw: Any) -> Any:
         counts["schedule_tried"] += 1
         bound = sched.prefill_capacity_bound
+        exit_ = _queue_exit(sched)
         out = orig_schedule(sched, *a, **kw)
         if out is not None:
             counts["schedule"] += 1
+            if exit_ is not None and not out.preempted_req_ids:
+                counts[exit_] += 1
             counts["preempt"] += bool(out.preempted_req_ids)
             counts["all_token_ids"] += bool(out.scheduled_cached_reqs.all_token_ids)
             counts["capacity_reset"] += bound and not sched.prefill_capacity_bound

@@ -8,7 +8,9 @@ for logprobs, repetition detection) and the same sampled tokens. After every ste
 must be equal: the whole ``SchedulerOutput`` (every field), the ``EngineCoreOutputs``
 (every field but timestamps), the scheduler's step counters and queues, every request's
 state (tokens, block hashes, counters, status, events) and the published KV events. Full
-attention and a sliding-window hybrid, KV events on and off, a budget that binds.
+attention and a sliding-window hybrid, KV events on and off, a budget that binds, and a
+queue that vLLM's waiting loop cannot admit from (the running decodes at ``max_num_seqs``,
+or a token budget they spend), sync and async.
 
 Async scheduling: vLLM's ``AsyncScheduler`` against ``hscache.vllm.AsyncScheduler``, driven
 as vLLM's engine drives it with a batch queue of two (step N+1 is scheduled before step
@@ -77,29 +79,56 @@ SCENARIOS = [
     Scenario(async_scheduling=True, num_blocks=400, max_model_len=160, seed=4),
     Scenario(kv_events=True, seed=1, hscache_hasher=True),
     Scenario(async_scheduling=True, kv_events=True, seed=1, hscache_hasher=True),
+    # A queue behind full seats (max_num_seqs running decodes): vLLM's waiting loop
+    # stops before it looks at a request, so the fast path serves the step.
+    Scenario(max_num_seqs=6, num_blocks=400, seed=11, expect=("queue_seats",)),
+    Scenario(
+        max_num_seqs=6, num_blocks=400, seed=12, async_scheduling=True, expect=("queue_seats",)
+    ),
+    # A queue behind a spent token budget (seats free): the same exit of that loop.
+    Scenario(
+        max_num_seqs=16,
+        num_blocks=400,
+        squeeze_budget=(20, 6, 200),
+        seed=13,
+        expect=("queue_budget", "queue_seats"),
+    ),
+    Scenario(
+        max_num_seqs=16,
+        num_blocks=400,
+        squeeze_budget=(42, 5, 200),
+        seed=16,
+        async_scheduling=True,
+        expect=("queue_budget",),
+    ),
 ]
 
 # Per scenario, (schedule_floor, update_floor): three quarters of the steps each phase of
-# the fast path served on vLLM 0.33 (the traces are seeded: a count only moves when the
-# scheduler or the fast path does), so that a fast path that silently declines fails.
+# the fast path served on vLLM 0.33, steps with a queue the waiting loop cannot admit
+# from included (the traces are seeded: a count only moves when the scheduler or the
+# fast path does), so that a fast path that silently declines fails.
 FLOORS = [
-    (132, 164),  # served 176, 219
+    (134, 164),  # served 179, 219
     (156, 161),  # served 209, 215
-    (79, 164),  # served 106, 219
-    (79, 164),  # served 106, 219
+    (87, 164),  # served 116, 219
+    (87, 164),  # served 116, 219
     (150, 123),  # served 201, 165
-    (143, 164),  # served 191, 219
-    (147, 162),  # served 196, 216
-    (153, 156),  # served 205, 208
     (153, 164),  # served 204, 219
-    (119, 121),  # served 159, 162
+    (155, 162),  # served 207, 216
+    (156, 156),  # served 208, 208
+    (153, 164),  # served 204, 219
+    (123, 121),  # served 165, 162
     (152, 111),  # served 203, 148
-    (75, 123),  # served 101, 165
-    (75, 123),  # served 101, 165
-    (136, 88),  # served 182, 118
-    (145, 144),  # served 194, 193
+    (83, 123),  # served 111, 165
+    (83, 123),  # served 111, 165
+    (144, 88),  # served 192, 118
+    (147, 144),  # served 197, 193
     (156, 161),  # served 209, 215
     (152, 111),  # served 203, 148
+    (143, 164),  # served 191, 219
+    (132, 154),  # served 177, 206
+    (59, 152),  # served 79, 203
+    (55, 148),  # served 74, 198
 ]
 SCENARIOS = [
     dataclasses.replace(sc, schedule_floor=s, update_floor=u)

@@ -145,6 +145,12 @@ class VllmProfile:
     step that does not defer prefills records ``prefill_capacity_bound`` as "more waiting
     than deferred" (0.33, 0.32); 0.30 has ``waiting`` + ``skipped_waiting`` and records
     ``bool(waiting)``."""
+    waiting_loop_seats: str = "max_num_active_reqs"
+    """The scheduler attribute vLLM's waiting loop compares the running requests (and the
+    streaming sessions) against before it looks at a waiting request: 0.33 / 0.32's
+    ``max_num_active_reqs`` (``max_num_active_seqs``, else ``max_num_seqs``), 0.30's
+    ``max_num_running_reqs`` (``max_num_seqs``). The fast path serves a step with a queue
+    only when that loop stops there or at a spent budget."""
     aux_output_connector: bool = True
     """The scheduler has an ``aux_output_connector`` (0.33, 0.32); 0.30 has none."""
     routed_experts_in_scheduler: bool = False
@@ -207,6 +213,7 @@ _V030 = dataclasses.replace(
     spec_dcp_sharded_field=False,
     extra_keys_form="untagged",
     kv_holding_queues=False,
+    waiting_loop_seats="max_num_running_reqs",
     aux_output_connector=False,
     routed_experts_in_scheduler=True,
     prompt_token_id_logprobs=False,

@@ -23,7 +23,9 @@ __all__ = ["BROKEN", "CORE_RULES", "GLUE_RULES", "RULES", "enabled"]
 _PROFILE = require()
 
 GLUE_RULES = (
-    "waiting",  # a step with waiting requests is not served
+    "waiting",  # a step whose waiting loop could admit is not served
+    "queue_seats",  # a queue behind full admission seats (max_num_seqs) is served
+    "queue_budget",  # a queue behind a spent token / input budget is served
     "budget",  # the token budget does not bind
     "preempt",  # pool pressure preempts from the tail (vLLM's FCFS rule)
     "all_token_ids",  # requests not scheduled last step carry their tokens (MRV1)

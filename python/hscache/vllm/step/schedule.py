@@ -2,10 +2,12 @@
 (``hscache.vllm.Scheduler``; ``docs/fast_step.md``).
 
 :func:`schedule` serves a whole step, or nothing (returns ``None`` before changing
-anything): no request waiting, no connector, speculative decoding, LoRA, pipeline
-parallelism, deferred frees or priority policy, and every running request a plain decode
-(one known token to compute, no encoder inputs, no structured output, no placeholders,
-within ``max_model_len``) that the token budget does not bind. The per-request rule
+anything): no connector, speculative decoding, LoRA, pipeline parallelism, deferred frees
+or priority policy, every running request a plain decode (one known token to compute, no
+encoder inputs, no structured output, no placeholders, within ``max_model_len``) that the
+token budget does not bind, and no request waiting unless vLLM's waiting loop stops
+before it looks at one (the running decodes fill the seats or spend the budget:
+:func:`_queue_blocked`). The per-request rule
 (``src/step/schedule.rs``) and the allocations are one core call per step
 (``hscache._core.StepSchedule``, ``src/python/step_schedule.rs``); preemption under pool
 pressure follows vLLM's FCFS rule with vLLM's own ``_preempt_request``; the
@@ -53,11 +55,34 @@ def _nothing_waiting(sched: Any) -> bool:
     return not (sched.waiting or sched.skipped_waiting)
 
 
+def _queue_blocked(sched: Any, n: int) -> bool:
+    """Whether vLLM's waiting loop, entered after ``n`` running decodes were scheduled
+    (one token each, no drafts, unpaused), leaves at its first checks, before it looks at
+    a waiting request: the token budget or the input budget spent
+    (``while token_budget > 0``, ``input_budget <= draft_slots``), or the running requests
+    and the streaming sessions filling the admission seats (the profile's
+    ``waiting_loop_seats``: ``max_num_active_reqs`` in 0.33 / 0.32,
+    ``max_num_running_reqs`` in 0.30). It then admits nothing and changes nothing (the
+    step's queue, its order, the deferred set and every waiting request stay as they
+    are). A preemption skips that loop whatever this says (:func:`schedule`)."""
+    seats: int = getattr(sched, _PROFILE.waiting_loop_seats)
+    if "queue_seats" in _rules.BROKEN:
+        seats -= 1  # mutant: one seat free counts as full
+    spent = n
+    if "queue_budget" in _rules.BROKEN:
+        spent += 1  # mutant: one token left counts as spent
+    return bool(
+        n + sched.num_waiting_for_streaming_input >= seats
+        or spent >= sched.max_num_scheduled_tokens
+        or spent >= sched.scheduler_config.max_num_batched_tokens
+    )
+
+
 def _step_applies(sched: Any) -> bool:
-    """The step-level conditions of :func:`schedule` (cheap attribute reads)."""
+    """The step-level conditions of :func:`schedule` (cheap attribute reads); the
+    waiting side is :func:`schedule`'s, once the step's decodes are counted."""
     return (
         bool(sched.running)
-        and ("waiting" in _rules.BROKEN or _nothing_waiting(sched))
         and sched._pause_state == PauseState.UNPAUSED
         and sched.connector is None
         and sched.ec_connector is None
@@ -108,6 +133,14 @@ def schedule(sched: Any, throttle_prefills: bool, is_async: bool = False) -> Sch
     n = len(running)
     if "budget" not in _rules.BROKEN and (
         n > sched.max_num_scheduled_tokens or n > sched.scheduler_config.max_num_batched_tokens
+    ):
+        return None
+    # A queue vLLM's waiting loop could admit from: vLLM's step (unless a preemption
+    # would skip that loop, which only the allocations can tell).
+    if (
+        "waiting" not in _rules.BROKEN
+        and not _nothing_waiting(sched)
+        and not _queue_blocked(sched, n)
     ):
         return None
     step = sched.current_step + 1
@@ -176,8 +209,9 @@ def schedule(sched: Any, throttle_prefills: bool, is_async: bool = False) -> Sch
                 drafts_needed = True
                 break
 
-    # The waiting queues are empty: vLLM's admission loop admits nothing, and records
-    # whether admissions were capacity-bound on a step it does not defer.
+    # vLLM's admission loop admits nothing (the queues are empty, or it stops before
+    # looking at a request: `_queue_blocked`), and records whether admissions were
+    # capacity-bound on a step it does not defer.
     if not preempted and not defer_prefills and "capacity_bound" not in _rules.BROKEN:
         if _PROFILE.kv_holding_queues:
             _, num_waiting = sched.get_request_counts()
