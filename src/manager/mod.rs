@@ -180,6 +180,8 @@ struct AllocationPlan<'h> {
     hits: GroupedBlocks<'h>,
     /// A lookup result was handed back or external tokens arrive: stage 2 runs.
     adopt: bool,
+    /// The request adopted its hits (or cached a block) in an earlier call.
+    running: bool,
     /// `num_local_computed_tokens`: computed tokens plus the new hits.
     num_local: usize,
     /// Local plus external computed tokens, and the same capped at `max_model_len`.
@@ -523,14 +525,24 @@ impl KVCacheManager {
             None => args.new_computed_blocks.unwrap_or(GroupedBlocks::EMPTY),
         };
         // Stage 0: nothing has changed yet, and an `Err` leaves everything as it was.
-        let plan = self.plan_allocation(request, args, hits)?;
+        let mut plan = self.plan_allocation(request, args, hits)?;
         if args.full_sequence_must_fit && !self.full_sequence_fits(request, args, &plan)? {
             return Ok(false);
         }
-        // Stage 1: free what attention skips (even if the call then does not fit).
         let rid = request.request_id();
+        // A call whose stage 1 frees nothing (an admission: the request holds no
+        // blocks) is refused here, by vLLM's count, before the caching plan reads the
+        // request's hashes and before its events are checked: under pool pressure
+        // most admissions are refused, and retried every step.
+        let settled = !self.skip_may_free(rid);
+        if settled && !self.new_blocks_fit(rid, args, &plan)? {
+            return Ok(false);
+        }
+        plan.cache = self.plan_allocation_cache(request, args, &plan)?;
+        request.check_before_changes()?;
+        // Stage 1: free what attention skips (even if the call then does not fit).
         self.free_skipped_blocks(rid, &plan)?;
-        if !self.new_blocks_fit(rid, args, &plan)? {
+        if !settled && !self.new_blocks_fit(rid, args, &plan)? {
             return Ok(false);
         }
         // Stage 2: adopt the hits, allocate the external tokens' blocks.
@@ -635,15 +647,10 @@ impl KVCacheManager {
         };
         let num_tokens_main_model = total + args.num_new_tokens;
         let num_tokens_need_slot = (num_tokens_main_model + args.num_lookahead_tokens).min(max_len);
-        let cache = if args.delay_cache_blocks || !self.enable_caching() {
-            None
-        } else {
-            let adopting = (adopt && !running).then_some(num_local);
-            self.plan_cache(request, num_tokens_main_model, true, adopting, prompt)?
-        };
         Ok(AllocationPlan {
             hits,
             adopt,
+            running,
             num_local,
             total_uncapped,
             total,
@@ -653,8 +660,40 @@ impl KVCacheManager {
             in_flight,
             num_tokens_main_model,
             num_tokens_need_slot,
-            cache,
+            cache: None,
         })
+    }
+
+    /// Stage 0, once the call is known to fit (or may fit after stage 1): what
+    /// stage 3 caches ([`Self::plan_cache`]); changes nothing.
+    fn plan_allocation_cache<R: RequestLike>(
+        &mut self,
+        request: &R,
+        args: &AllocateSlots<'_>,
+        plan: &AllocationPlan<'_>,
+    ) -> Result<Option<CachePlan>> {
+        if args.delay_cache_blocks || !self.enable_caching() {
+            return Ok(None);
+        }
+        let adopting = (plan.adopt && !plan.running).then_some(plan.num_local);
+        self.plan_cache(
+            request,
+            plan.num_tokens_main_model,
+            true,
+            adopting,
+            plan.prompt,
+        )
+    }
+
+    /// Whether stage 1 ([`Self::free_skipped_blocks`]) may free blocks of the
+    /// request: some group frees what attention skips, and the request holds
+    /// blocks. Where it may not, the fit check of stage 1b can run first.
+    fn skip_may_free(&self, rid: &str) -> bool {
+        self.coordinator.needs().in_flight_for_skip
+            && self
+                .coordinator
+                .request(rid)
+                .is_some_and(|s| s.groups.iter().any(|g| !g.blocks.is_empty()))
     }
 
     /// vLLM's first check with `full_sequence_must_fit`: the whole request's blocks

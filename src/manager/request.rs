@@ -38,6 +38,12 @@ pub trait RequestLike {
     /// `request.skip_reading_prefix_cache` (prompt logprobs, all-token pooling).
     fn skip_reading_prefix_cache(&self) -> Result<bool>;
     fn block_hashes(&self) -> Result<&Self::Hashes>;
+    /// Called by `allocate_slots` once it has decided that the call may fit, before
+    /// it changes anything: an `Err` refuses the call with the manager unchanged
+    /// (the bindings check there that KV events can describe a new request).
+    fn check_before_changes(&self) -> Result<()> {
+        Ok(())
+    }
     /// Explain mode only (a cold path, `crate::explain`): the token ids of blocks
     /// `[start, end)` of `block_size` tokens and the extra-key fields. `None` (the
     /// default): this request cannot tell, and explanations skip the comparison.

@@ -778,6 +778,11 @@ impl PyEventBuilder {
 }
 
 impl PyEventBuilder {
+    /// The `BlockStored` class this builder makes structs of.
+    pub(crate) fn block_stored_class<'py>(&self, py: Python<'py>) -> Bound<'py, PyAny> {
+        self.block_stored.bind(py).clone()
+    }
+
     /// Checks that the `BlockStored` of group 0 for blocks `0..end_block` can be
     /// built: raises exactly where the real event would (the check-before-mutate of
     /// `allocate_slots` with events on). For vLLM's own struct classes, whose

@@ -323,6 +323,53 @@ impl PyKVCacheCore {
         };
     }
 
+    /// The event sink (vLLM's `kv_event_queue`), None with events off. A reader
+    /// of the list may change it, so its last event can no longer be continued
+    /// (compact mode).
+    pub(crate) fn event_queue<'py>(&mut self, py: Python<'py>) -> Option<Bound<'py, PyList>> {
+        let (sink, _) = self.vllm.as_ref()?.event_sink.as_ref()?;
+        let sink = sink.bind(py).clone();
+        if let Some(c) = &mut self.compactor {
+            c.release();
+        }
+        Some(sink)
+    }
+
+    /// Makes `queue` the event sink (`kv_event_queue = queue`); false with events
+    /// off (no sink).
+    pub(crate) fn set_event_queue(&mut self, queue: Bound<'_, PyList>) -> bool {
+        let Some((sink, _)) = self.vllm.as_mut().and_then(|v| v.event_sink.as_mut()) else {
+            return false;
+        };
+        *sink = queue.unbind();
+        if let Some(c) = &mut self.compactor {
+            c.release();
+        }
+        true
+    }
+
+    /// vLLM's `BlockPool.take_events`: the queued events (the sink itself, replaced
+    /// by a fresh list), an empty list when none are queued or events are off.
+    pub(crate) fn take_event_queue<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyList> {
+        let Some((sink, _)) = self.vllm.as_mut().and_then(|v| v.event_sink.as_mut()) else {
+            return PyList::empty(py);
+        };
+        if sink.bind(py).is_empty() {
+            return PyList::empty(py);
+        }
+        let taken = std::mem::replace(sink, PyList::empty(py).unbind());
+        if let Some(c) = &mut self.compactor {
+            c.release();
+        }
+        taken.into_bound(py)
+    }
+
+    /// The event builder's `BlockStored` class (events on).
+    pub(crate) fn block_stored_class<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyAny>> {
+        let (_, builder) = self.vllm.as_ref()?.event_sink.as_ref()?;
+        Some(builder.get().block_stored_class(py))
+    }
+
     pub(crate) fn kv_events_mode_of(&self) -> EventsMode {
         if self.compactor.is_some() {
             EventsMode::Compact
@@ -337,46 +384,30 @@ impl PyKVCacheCore {
     /// extra keys made, as the build would): a request the event builder cannot
     /// describe (malformed multimodal features, a LoRA request without
     /// `adapter_id`) then raises with the manager unchanged, instead of after its
-    /// blocks were cached (check before mutate). Each call while the request is not
-    /// held yet (a failed admission is checked again), events on only.
+    /// blocks were cached (check before mutate). Run by the core
+    /// (`RequestLike::check_before_changes`) once the call may fit: an admission
+    /// refused for lack of free blocks returns None without it, as vLLM's does
+    /// (vLLM builds events only for blocks it caches). Each call that may fit while
+    /// the request is not held yet, events on only.
     fn precheck_events(
-        slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
-        request_id: &str,
+        builder: &PyEventBuilder,
+        hash_block_size: usize,
     ) -> PyResult<()> {
-        let py = slf.py();
-        let (builder, hash_block_size) = {
-            let this = slf.try_borrow()?;
-            let Some((_, builder)) = this.vllm.as_ref().and_then(|v| v.event_sink.as_ref()) else {
-                return Ok(());
-            };
-            if !this.core.enable_caching() {
-                return Ok(());
-            }
-            if this.core.coordinator().request(request_id).is_some() {
-                return Ok(());
-            }
-            (
-                builder.clone_ref(py),
-                this.core.coordinator().hash_block_size(),
-            )
-        };
+        let py = request.py();
         let hashes = request.getattr(pyo3::intern!(py, "block_hashes"))?;
         let n = hashes.len()?;
         if n == 0 {
             return Ok(());
         }
-        builder
-            .get()
-            .dry_run(request, n, hash_block_size)
-            .map_err(|e| {
-                let typed = InvalidArgumentError::new_err(format!(
-                    "KV events cannot describe this request's blocks (nothing was \
+        builder.dry_run(request, n, hash_block_size).map_err(|e| {
+            let typed = InvalidArgumentError::new_err(format!(
+                "KV events cannot describe this request's blocks (nothing was \
                      allocated): {e}"
-                ));
-                typed.set_cause(py, Some(e));
-                typed
-            })
+            ));
+            typed.set_cause(py, Some(e));
+            typed
+        })
     }
 
     fn replay_metrics(
@@ -407,12 +438,13 @@ impl PyKVCacheCore {
         Ok(())
     }
 
-    /// Whether `allocate_slots` must run [`Self::precheck_events`] first: KV events
-    /// on, caching on, and a request the manager does not hold yet.
-    fn needs_event_precheck(&self, request_id: &str) -> bool {
-        self.vllm.as_ref().is_some_and(|v| v.event_sink.is_some())
-            && self.core.enable_caching()
-            && self.core.coordinator().request(request_id).is_none()
+    /// The event builder and hash block size when `allocate_slots` must run
+    /// [`Self::precheck_events`]: KV events on, caching on, and a request the
+    /// manager does not hold yet.
+    fn event_precheck(&self, request_id: &str) -> Option<(&Py<PyEventBuilder>, usize)> {
+        let (_, builder) = self.vllm.as_ref()?.event_sink.as_ref()?;
+        (self.core.enable_caching() && self.core.coordinator().request(request_id).is_none())
+            .then(|| (builder, self.core.coordinator().hash_block_size()))
     }
 
     /// `get_computed_blocks` / `..._for_connector`: `(blocks, hit, boundary, diverged)`.
@@ -703,11 +735,19 @@ impl PyKVCacheCore {
         };
         let id = request_id(request)?;
         let id = id.to_str()?;
-        if slf.try_borrow()?.needs_event_precheck(id) {
-            Self::precheck_events(slf, request, id)?;
-        }
         let (result, ids, ends, flush) = {
             let mut this = slf.try_borrow_mut()?;
+            // Run by the core once the call may fit, before it changes anything (a
+            // refused admission builds nothing of its events).
+            let precheck = this
+                .event_precheck(id)
+                .map(|(b, hash_block_size)| (b.clone_ref(slf.py()), hash_block_size));
+            let check = || match &precheck {
+                Some((builder, hash_block_size)) => {
+                    Self::precheck_events(request, builder.get(), *hash_block_size)
+                }
+                None => Ok(()),
+            };
             let req = PyRequest::read(
                 request,
                 id,
@@ -715,6 +755,11 @@ impl PyKVCacheCore {
                     .as_ref()
                     .map(|[waiting, preempted]| StatusObjects { waiting, preempted }),
             )?;
+            let req = if precheck.is_some() {
+                req.with_precheck(&check)
+            } else {
+                req
+            };
             let mut ids = std::mem::take(&mut this.scratch);
             let mut ends = std::mem::take(&mut this.scratch_ends);
             ids.clear();

@@ -21,6 +21,7 @@ mod hasher;
 mod hisparse;
 mod hisparse_groups;
 mod manager;
+mod manager_calls;
 mod omni_rules;
 mod pool;
 mod prefill_skip;

@@ -239,33 +239,24 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(pool)
         self.cached_block_hash_to_block = BlockHashToBlockMap(pool)
         self.cached_block_hashes_by_block = _SecondaryKeys(pool)
+        # With events on, the queue is the core's (the list each call's events are
+        # appended to, built by ``EventBuilder`` with the call's request before it
+        # returns); this list serves only a pool with events off.
         self._kv_event_queue: list[KVCacheEvent] = []
-        # The events each call builds in the core (``EventBuilder``, with the call's
-        # request, before it returns), moved to the queue when it is next read.
-        self.pending_events: list[KVCacheEvent] = []
         self.event_builder = events.make_event_builder(num_hash_lookahead_tokens, medium)
-        # Compact mode (chosen before the pool is built) keeps the last event, which the
-        # next may continue, until the queue is drained.
-        self._compact_events = core.kv_events_mode == "compact"
 
     @property
     def kv_event_queue(self) -> list[KVCacheEvent]:
         """vLLM's event queue: every event so far, in pool-operation order."""
-        self._move_pending()
-        return self._kv_event_queue
+        queue = self._core.core_kv_event_queue()
+        return self._kv_event_queue if queue is None else queue
 
     @kv_event_queue.setter
     def kv_event_queue(self, queue: list[KVCacheEvent]) -> None:
-        self._move_pending()
-        self._kv_event_queue = queue
-
-    def _move_pending(self) -> None:
-        pending = self.pending_events
-        if pending:
-            self._kv_event_queue.extend(pending)
-            pending.clear()
-            if self._compact_events:
-                self._core.core_kv_events_drained()
+        if not isinstance(queue, list):
+            raise TypeError(f"kv_event_queue must be a list, got {type(queue).__name__}")
+        if not self._core.core_set_kv_event_queue(queue):
+            self._kv_event_queue = queue
 
     def drain_core_events(self, request: Any | None = None) -> None:
         """Builds the core's queued events (call after every pool-level mutation)."""
@@ -357,6 +348,4 @@ class BlockPool:
     def take_events(self) -> list[KVCacheEvent]:
         if not self.enable_kv_cache_events:
             return []
-        taken = self.kv_event_queue
-        self._kv_event_queue = []
-        return taken
+        return self._core.core_take_pool_events()

@@ -47,9 +47,8 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
+from vllm.distributed.kv_events import MEDIUM_CPU
 from vllm.logger import init_logger
-from vllm.v1.core import kv_cache_manager as _vllm_kv_cache_manager
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
@@ -295,9 +294,7 @@ class KVCacheManager(KVCacheCore):
         self._bind_vllm(
             RequestStatus.WAITING,
             RequestStatus.PREEMPTED,
-            (self.block_pool.pending_events, self.block_pool.event_builder)
-            if enable_kv_cache_events
-            else None,
+            ([], self.block_pool.event_builder) if enable_kv_cache_events else None,
             metrics_collector,
             events.make_event_builder(num_hash_lookahead_tokens, MEDIUM_CPU)
             if enable_kv_cache_events and hisparse_layout is not None
@@ -329,23 +326,8 @@ class KVCacheManager(KVCacheCore):
         self.prefix_cache_stats = PrefixCacheStats()
         return stats
 
-    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
-        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
-            return
-        stats = self.prefix_cache_stats
-        if stats is None:
-            raise InvalidArgumentError("prefix_cache_stats was replaced by None")
-        # vLLM's PrefixCacheStats.record counts the request before it adds the hits:
-        # a hit count that is not an int would leave the stats half-updated.
-        if not isinstance(num_hits, int) or isinstance(num_hits, bool):
-            raise TypeError(f"num_hits must be an int, got {type(num_hits).__name__}")
-        if num_hits < 0:
-            raise InvalidArgumentError(f"num_hits must be non-negative, got {num_hits}")
-        stats.record(
-            num_tokens=request.num_tokens,
-            num_hits=num_hits,
-            preempted=request.num_preemptions > 0,
-        )
+    # record_prefix_cache_stats: the core's (src/python/manager_calls.rs), which counts
+    # into ``prefix_cache_stats`` (vLLM's PrefixCacheStats) in place, as vLLM's does.
 
     def explain(self, request_id: str) -> Explanation:
         """Why the request's last prefix-cache lookup stopped where it did
@@ -377,22 +359,8 @@ class KVCacheManager(KVCacheCore):
             self.prefix_cache_stats.reset = True
         return True
 
-    def take_events(self) -> list[Any]:
-        """The pool's events; ``BlockStored`` ones annotated with their group's spec."""
-        events = self.block_pool.take_events()
-        for event in events:
-            if not isinstance(event, BlockStored) or event.group_idx is None:
-                continue
-            if not 0 <= event.group_idx < len(self.kv_cache_event_metadata):
-                # vLLM's own logger and words: log consumers see the same line.
-                _vllm_kv_cache_manager.logger.warning(
-                    "Group index `%s` not in KV cache metadata", event.group_idx
-                )
-                continue
-            kind, sliding_window = self.kv_cache_event_metadata[event.group_idx]
-            event.kv_cache_spec_kind = kind
-            event.kv_cache_spec_sliding_window = sliding_window
-        return events
+    # take_events: the core's (src/python/manager_calls.rs): the pool's queued events,
+    # each BlockStored annotated with its group's spec from kv_cache_event_metadata.
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Per group, the leading blocks of the request's table that every request holding

@@ -35,6 +35,9 @@ pub(crate) struct PyRequest<'a, 'py> {
     num_in_flight_tokens: OnceCell<usize>,
     shared_prefix_boundary: OnceCell<usize>,
     block_hashes: OnceCell<PyListHashes<'py>>,
+    /// What [`RequestLike::check_before_changes`] runs (the caller's check that KV
+    /// events can describe the request), if anything.
+    precheck: Option<&'a dyn Fn() -> PyResult<()>>,
     py_err: RefCell<Option<PyErr>>,
 }
 
@@ -59,7 +62,7 @@ static VLLM_REQUEST_TYPE: PyOnceLock<Option<Py<PyType>>> = PyOnceLock::new();
 /// subclass), read as `len(request._all_token_ids)`: the property's body, without a
 /// Python frame (~55 ns a read). None for any other object, or an unexpected
 /// attribute, which the caller then reads through `num_tokens`.
-fn vllm_request_num_tokens(request: &Bound<'_, PyAny>) -> Option<usize> {
+pub(crate) fn vllm_request_num_tokens(request: &Bound<'_, PyAny>) -> Option<usize> {
     let py = request.py();
     let class = VLLM_REQUEST_TYPE
         .get_or_init(py, || {
@@ -117,8 +120,16 @@ impl<'a, 'py> PyRequest<'a, 'py> {
             num_in_flight_tokens: OnceCell::new(),
             shared_prefix_boundary: OnceCell::new(),
             block_hashes: OnceCell::new(),
+            precheck: None,
             py_err: RefCell::new(None),
         }
+    }
+
+    /// Runs `check` where `allocate_slots` has decided the call may fit, before it
+    /// changes anything (a refused call skips it).
+    pub(crate) fn with_precheck(mut self, check: &'a dyn Fn() -> PyResult<()>) -> Self {
+        self.precheck = Some(check);
+        self
     }
 
     /// Keeps a Python error for the caller; the core sees a typed error.
@@ -243,6 +254,13 @@ impl<'py> RequestLike for PyRequest<'_, 'py> {
             .and_then(|obj| PyListHashes::new(&obj))
             .map_err(|e| self.stash(e))?;
         Ok(self.block_hashes.get_or_init(|| hashes))
+    }
+
+    fn check_before_changes(&self) -> Result<()> {
+        match self.precheck {
+            Some(check) => check().map_err(|e| self.stash(e)),
+            None => Ok(()),
+        }
     }
 
     fn explain_facts(

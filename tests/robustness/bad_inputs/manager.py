@@ -607,7 +607,7 @@ SURFACES = [
             "manager for diagnostics",
             "make_prefix_cache_stats": "no argument; swaps vLLM's Python stats object, no "
             "core state",
-            "take_events": "no argument; drains events already built (a Python list), no core call",
+            "take_events": "no argument; hands over the core's event queue, BlockStored annotated",
             "get_num_common_prefix_blocks": "vLLM's deprecated stub: any id, zeros (accepted row)",
         },
     ),

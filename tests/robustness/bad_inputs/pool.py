@@ -297,7 +297,7 @@ SURFACES = [
         classes=(BlockPool,),
         extra=("_insert_block_hash",),
         exempt={
-            "take_events": "no argument; drains events already built (a Python list), no core call",
+            "take_events": "no argument; hands over the core's event queue (built), not annotated",
         },
     ),
     Surface(

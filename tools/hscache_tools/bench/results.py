@@ -16,6 +16,7 @@ from hscache_tools.bench.scenarios import Scenario
 __all__ = [
     "OP_ALLOC_ADMIT",
     "OP_ALLOC_BATCH",
+    "OP_ALLOC_REFUSED",
     "OP_ALLOC_RUNNING",
     "OP_BLOCK_IDS",
     "OP_FREE",
@@ -50,6 +51,9 @@ class UnsupportedScenarioError(ValueError):
 OP_NEW_STEP = "new_step_starts"
 OP_ALLOC_RUNNING = "allocate_slots(running)"
 OP_ALLOC_ADMIT = "allocate_slots(admit)"
+# An admission's ``allocate_slots`` that returned None (not enough free blocks): timed
+# apart, since under pool pressure most admissions are refused and retried every step.
+OP_ALLOC_REFUSED = "allocate_slots(refused)"
 OP_LOOKUP = "get_computed_blocks"
 OP_RECORD_STATS = "record_prefix_cache_stats"
 OP_GET_BLOCKS = "get_blocks"

@@ -9,8 +9,8 @@ decisions for the lock-step comparison of :mod:`hscache_tools.bench.driver`.
 
 The per-step call sequence: ``new_step_starts``; ``allocate_slots`` for running requests
 with preemption from the tail on ``None`` (or, on the candidate's batched path, one
-``allocate_slots_batch``); ``get_computed_blocks`` → ``allocate_slots`` →
-``record_prefix_cache_stats`` → ``get_blocks`` for admissions; ``get_block_ids`` and
+``allocate_slots_batch``); ``get_computed_blocks`` → ``allocate_slots`` (timed apart when it
+refuses) → ``record_prefix_cache_stats`` → ``get_blocks`` for admissions; ``get_block_ids`` and
 ``take_new_block_ids`` while building the output; after the "model": token appends, ``free``
 (or ``free_batch``) on finish, ``take_events``, ``make_prefix_cache_stats``, ``usage``.
 """
@@ -25,6 +25,7 @@ from typing import Any
 from hscache_tools.bench.results import (
     OP_ALLOC_ADMIT,
     OP_ALLOC_BATCH,
+    OP_ALLOC_REFUSED,
     OP_ALLOC_RUNNING,
     OP_BLOCK_IDS,
     OP_FREE,
@@ -169,7 +170,7 @@ class Side:
             has_scheduled_reqs=bool(self.running),
         )
         t1 = pc()
-        rec(OP_ALLOC_ADMIT, t1 - t0)
+        rec(OP_ALLOC_ADMIT if blocks is not None else OP_ALLOC_REFUSED, t1 - t0)
         counters = self.counters
         if blocks is None:
             counters.admission_failures += 1

@@ -1,0 +1,222 @@
+//! The manager calls vLLM's Scheduler makes besides the allocations, in Rust so
+//! that they cost no Python frame: `record_prefix_cache_stats` (every admission)
+//! and `take_events` (every step), plus the pool-level event queue the Python
+//! `BlockPool` view exposes (`kv_event_queue`, `BlockPool.take_events`).
+//!
+//! Both keep vLLM's objects as vLLM's code leaves them, at every point:
+//! `record_prefix_cache_stats` updates the manager's `prefix_cache_stats` (vLLM's
+//! `PrefixCacheStats`) in place, field by field, exactly as
+//! `PrefixCacheStats.record` does, and calls `record` itself for any other stats
+//! object (a subclass, a patched `record`); `take_events` hands over the queued
+//! events and annotates each `BlockStored` with its group's spec kind and sliding
+//! window, as vLLM's `KVCacheManager.take_events` does, with vLLM's warning for a
+//! group index outside the metadata.
+
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBool, PyDict, PyInt, PyList, PyString};
+
+use super::convert::expect_attr;
+use super::convert::request::vllm_request_num_tokens;
+use super::errors::InvalidArgumentError;
+use super::manager::PyKVCacheCore;
+
+/// vLLM's `PrefixCacheStats` class and its own `record` function, imported once;
+/// None where vLLM is not importable or `record` is not vLLM's.
+static PREFIX_CACHE_STATS: PyOnceLock<Option<(Py<PyAny>, Py<PyAny>)>> = PyOnceLock::new();
+
+/// Whether `stats` is an instance of vLLM's own `PrefixCacheStats` (not a
+/// subclass) whose `record` is vLLM's: its fields can then be counted here.
+fn counts_in_place(stats: &Bound<'_, PyAny>) -> bool {
+    let py = stats.py();
+    let known = PREFIX_CACHE_STATS.get_or_init(py, || {
+        let cls = py
+            .import("vllm.v1.metrics.stats")
+            .and_then(|m| m.getattr("PrefixCacheStats"))
+            .ok()?;
+        let record = cls.getattr("record").ok()?;
+        let name = |attr: &str| -> Option<String> { record.getattr(attr).ok()?.extract().ok() };
+        // Captured when first used: a `record` patched before then is not vLLM's.
+        (name("__module__").as_deref() == Some("vllm.v1.metrics.stats")
+            && name("__qualname__").as_deref() == Some("PrefixCacheStats.record"))
+        .then(|| (cls.unbind(), record.unbind()))
+    });
+    let Some((cls, record)) = known.as_ref() else {
+        return false;
+    };
+    let ty = stats.get_type();
+    ty.is(cls.bind(py))
+        && ty
+            .getattr(intern!(py, "record"))
+            .is_ok_and(|r| r.is(record.bind(py)))
+}
+
+/// `stats.<name> += by`.
+fn bump(
+    stats: &Bound<'_, PyAny>,
+    name: &Bound<'_, PyString>,
+    by: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let value = stats.getattr(name)?.add(by)?;
+    stats.setattr(name, value)
+}
+
+/// vLLM's `kv_cache_manager` logger (the warning of `take_events`).
+static VLLM_MANAGER_LOGGER: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+#[pymethods]
+impl PyKVCacheCore {
+    /// vLLM's `record_prefix_cache_stats`: counts an admitted request's query and
+    /// hits into `prefix_cache_stats` unless stats are off or the request skipped
+    /// the lookup. `num_hits` must be a non-negative int (`TypeError` /
+    /// `InvalidArgumentError` otherwise, with the stats unchanged); a stats object
+    /// replaced by None is `InvalidArgumentError` (vLLM asserts).
+    fn record_prefix_cache_stats(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+        num_hits: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let py = slf.py();
+        if !slf.getattr(intern!(py, "log_stats"))?.is_truthy()? {
+            return Ok(());
+        }
+        let caching = slf
+            .try_borrow()?
+            .core
+            .read("record_prefix_cache_stats", |c| {
+                PyResult::Ok(c.enable_caching())
+            })?;
+        if !caching
+            || expect_attr(
+                request,
+                intern!(py, "skip_reading_prefix_cache"),
+                "a vLLM Request",
+            )?
+            .is_truthy()?
+        {
+            return Ok(());
+        }
+        let stats = slf.getattr(intern!(py, "prefix_cache_stats"))?;
+        if stats.is_none() {
+            return Err(InvalidArgumentError::new_err(
+                "prefix_cache_stats was replaced by None",
+            ));
+        }
+        // vLLM's `record` counts the request before it adds the hits: a hit count
+        // that is not an int would leave the stats half-updated.
+        if !num_hits.is_instance_of::<PyInt>() || num_hits.is_instance_of::<PyBool>() {
+            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                "num_hits must be an int, got {}",
+                num_hits.get_type().name()?
+            )));
+        }
+        if num_hits.lt(0)? {
+            return Err(InvalidArgumentError::new_err(format!(
+                "num_hits must be non-negative, got {num_hits}"
+            )));
+        }
+        let num_tokens = match vllm_request_num_tokens(request) {
+            Some(n) => n.into_pyobject(py)?.into_any(),
+            None => request.getattr(intern!(py, "num_tokens"))?,
+        };
+        let preempted = request.getattr(intern!(py, "num_preemptions"))?.gt(0)?;
+        if !counts_in_place(&stats) {
+            let kwargs = PyDict::new(py);
+            kwargs.set_item(intern!(py, "num_tokens"), num_tokens)?;
+            kwargs.set_item(intern!(py, "num_hits"), num_hits)?;
+            kwargs.set_item(intern!(py, "preempted"), preempted)?;
+            stats.call_method(intern!(py, "record"), (), Some(&kwargs))?;
+            return Ok(());
+        }
+        // `PrefixCacheStats.record`'s body (the same in vLLM 0.30, 0.32 and 0.33
+        // without `hits_by_source`, which the manager never passes).
+        let one = 1i32.into_pyobject(py)?.into_any();
+        let (requests, queries, hits) = if preempted {
+            (
+                intern!(py, "preempted_requests"),
+                intern!(py, "preempted_queries"),
+                intern!(py, "preempted_hits"),
+            )
+        } else {
+            (
+                intern!(py, "requests"),
+                intern!(py, "queries"),
+                intern!(py, "hits"),
+            )
+        };
+        bump(&stats, requests, &one)?;
+        bump(&stats, queries, &num_tokens)?;
+        bump(&stats, hits, num_hits)
+    }
+
+    /// vLLM's `take_events`: the queued KV events (the queue is then empty), each
+    /// `BlockStored` annotated with its group's `kv_cache_spec_kind` and
+    /// `kv_cache_spec_sliding_window` from `kv_cache_event_metadata`.
+    fn take_events<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
+        let py = slf.py();
+        let (events, stored) = {
+            let mut this = slf.try_borrow_mut()?;
+            let events = this.take_event_queue(py);
+            if events.is_empty() {
+                return Ok(events);
+            }
+            (events, this.block_stored_class(py))
+        };
+        let Some(stored) = stored else {
+            return Ok(events);
+        };
+        let mut metadata: Option<Bound<'py, PyAny>> = None;
+        let group_idx = intern!(py, "group_idx");
+        let kind_name = intern!(py, "kv_cache_spec_kind");
+        let window_name = intern!(py, "kv_cache_spec_sliding_window");
+        for event in events.iter() {
+            if !event.is_instance(&stored)? {
+                continue;
+            }
+            let g = event.getattr(group_idx)?;
+            if g.is_none() {
+                continue;
+            }
+            let meta = match &metadata {
+                Some(m) => m,
+                None => metadata.insert(slf.getattr(intern!(py, "kv_cache_event_metadata"))?),
+            };
+            if g.lt(0)? || g.ge(meta.len()?)? {
+                let logger = VLLM_MANAGER_LOGGER.get_or_try_init(py, || {
+                    py.import("vllm.v1.core.kv_cache_manager")
+                        .and_then(|m| m.getattr("logger"))
+                        .map(Bound::unbind)
+                })?;
+                logger.bind(py).call_method1(
+                    intern!(py, "warning"),
+                    ("Group index `%s` not in KV cache metadata", &g),
+                )?;
+                continue;
+            }
+            let entry = meta.get_item(&g)?;
+            let (kind, window): (Bound<'py, PyAny>, Bound<'py, PyAny>) = entry.extract()?;
+            event.setattr(kind_name, kind)?;
+            event.setattr(window_name, window)?;
+        }
+        Ok(events)
+    }
+
+    /// The pool's event queue (vLLM's `BlockPool.kv_event_queue`), the list the
+    /// core appends each call's events to; None with events off.
+    fn core_kv_event_queue<'py>(&mut self, py: Python<'py>) -> Option<Bound<'py, PyList>> {
+        self.event_queue(py)
+    }
+
+    /// `BlockPool.kv_event_queue = queue`: the list later events are appended to.
+    /// False (nothing changed) with events off.
+    fn core_set_kv_event_queue(&mut self, queue: Bound<'_, PyList>) -> bool {
+        self.set_event_queue(queue)
+    }
+
+    /// vLLM's `BlockPool.take_events`: the queued events, not annotated; the queue
+    /// is then empty. An empty list with events off.
+    fn core_take_pool_events<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyList> {
+        self.take_event_queue(py)
+    }
+}

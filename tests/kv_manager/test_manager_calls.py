@@ -1,0 +1,241 @@
+"""The per-step calls besides the allocations, against vLLM's own manager: a refused
+admission (decided before its caching plan and event check), ``record_prefix_cache_stats``
+(counted into vLLM's ``PrefixCacheStats`` in place, in Rust) and ``take_events`` (the
+queue handed over and annotated in Rust), with the pool's ``kv_event_queue`` read and
+replaced in between as vLLM's tests do."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+import msgspec
+import pytest
+import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
+from hscache import exceptions
+from hscache.testing.kv_cache import (
+    full_attention,
+    full_attention_config,
+    group,
+    kv_cache_config,
+    sliding_window,
+)
+from hscache.testing.manager import build_manager
+from hscache.testing.requests import lora, make_request
+from hscache.vllm import KVCacheManager
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
+from vllm.v1.metrics.stats import PrefixCacheStats
+
+BOTH = (VllmKVCacheManager, KVCacheManager)
+
+
+def _stats(s: Any) -> tuple[Any, ...]:
+    return (
+        s.reset,
+        s.requests,
+        s.queries,
+        s.hits,
+        s.preempted_requests,
+        s.preempted_queries,
+        s.preempted_hits,
+    )
+
+
+def _encoded(events: list[Any]) -> list[bytes]:
+    return [msgspec.msgpack.encode(e) for e in events]
+
+
+def _tight(cls: type, num_blocks: int = 12, config: Any = None) -> Any:
+    return build_manager(
+        cls,
+        config if config is not None else full_attention_config(num_blocks),
+        max_model_len=1024,
+        enable_kv_cache_events=True,
+        log_stats=True,
+    )
+
+
+def _fill(m: Any, prefix: list[int]) -> Any:
+    """Caches ``prefix`` (freed: its blocks wait in the free queue), then holds every
+    other free block with a running request; returns the running request."""
+    first = make_request("first", [*prefix, 1])
+    blocks, hit, _ = m.get_computed_blocks(first)
+    assert m.allocate_slots(first, first.num_tokens - hit, hit, blocks) is not None
+    m.free(first)
+    free = m.block_pool.get_num_free_blocks()
+    cached = len(prefix) // 16
+    groups = len(m.kv_cache_config.kv_cache_groups)  # each group takes its own blocks
+    num_hog = (free - groups * (cached + 1)) // groups
+    hog = make_request("hog", [50_000 + i for i in range(num_hog * 16)])
+    assert m.allocate_slots(hog, hog.num_tokens) is not None
+    return hog
+
+
+@pytest.mark.parametrize("layout", ["full", "full+swa"])
+def test_refused_admission_matches_vllm(layout: str) -> None:
+    """An admission whose hit sits in the free queue and whose new blocks do not fit:
+    None on both managers, nothing changed, no event, at every retry; once a block is
+    freed, it fits on both, with the same blocks and events."""
+    outs = []
+    for cls in BOTH:
+        config = (
+            kv_cache_config(
+                [
+                    group(full_attention(16), "model.layers.0.self_attn"),
+                    group(sliding_window(16, 32), "model.layers.1.self_attn"),
+                ],
+                40,
+            )
+            if layout == "full+swa"
+            else None
+        )
+        m = _tight(cls, 24 if config is None else 40, config)
+        prefix = list(range(64))
+        hog = _fill(m, prefix)
+        m.take_events()
+        req = make_request("late", prefix + list(range(500, 548)))
+        seen = []
+        for _ in range(3):
+            blocks, hit, _ = m.get_computed_blocks(req)
+            got = m.allocate_slots(req, req.num_tokens - hit, hit, blocks)
+            seen.append((got, hit, m.block_pool.get_num_free_blocks(), _encoded(m.take_events())))
+        m.free(hog)
+        blocks, hit, _ = m.get_computed_blocks(req)
+        got = m.allocate_slots(req, req.num_tokens - hit, hit, blocks)
+        assert got is not None
+        seen.append((got.get_block_ids(), hit, m.usage, _encoded(m.take_events())))
+        outs.append(seen)
+    assert outs[0] == outs[1]
+    assert outs[1][0][0] is None and outs[1][0][1] == 64
+
+
+def test_refused_admission_skips_the_event_check() -> None:
+    """A request the event builder cannot describe (a LoRA request without
+    ``adapter_id``): refused for lack of blocks, it returns None as vLLM's manager does
+    (vLLM builds events only for blocks it caches); once it fits, hscache raises with
+    the manager unchanged instead of failing after its blocks were cached."""
+    results = []
+    for cls in BOTH:
+        m = _tight(cls)
+        hog = _fill(m, list(range(32)))
+        tokens = list(range(32)) + list(range(900, 940))
+        req = make_request("a", tokens, lora_request=lora("x", 1, "/p"))
+        req.lora_request = SimpleNamespace(lora_name="x", lora_path="/p", lora_int_id=1, name="x")  # type: ignore[assignment]
+        blocks, hit, _ = m.get_computed_blocks(req)
+        results.append(m.allocate_slots(req, req.num_tokens - hit, hit, blocks))
+        if cls is KVCacheManager:
+            m.free(hog)
+            before = m.state_digest()
+            blocks, hit, _ = m.get_computed_blocks(req)
+            with pytest.raises(exceptions.InvalidArgumentError, match="nothing was allocated"):
+                m.allocate_slots(req, req.num_tokens - hit, hit, blocks)
+            assert m.state_digest() == before
+    assert results == [None, None]
+
+
+def test_record_prefix_cache_stats_matches_vllm_at_every_read() -> None:
+    """New and preempted requests, a request that skips the lookup, a reset and a
+    ``make_prefix_cache_stats``: the ``prefix_cache_stats`` object reads as vLLM's after
+    every call, and stays the object vLLM's tests hold."""
+    managers = [_tight(cls, 64) for cls in BOTH]
+    reqs = [
+        make_request("n", list(range(40))),
+        make_request("p", list(range(70))),
+        make_request("skip", list(range(33)), prompt_logprobs=1),
+    ]
+    reqs[1].num_preemptions = 2
+    held = [m.prefix_cache_stats for m in managers]
+    for req, hits in zip(reqs * 2, (16, 32, 0, 0, 48, 0), strict=True):
+        for m in managers:
+            m.record_prefix_cache_stats(req, hits)
+        assert _stats(managers[0].prefix_cache_stats) == _stats(managers[1].prefix_cache_stats)
+    assert [m.prefix_cache_stats for m in managers] == held
+    assert managers[1].prefix_cache_stats is held[1]
+    assert _stats(held[1]) == (False, 2, 80, 16, 2, 140, 80)
+    taken = [m.make_prefix_cache_stats() for m in managers]
+    assert _stats(taken[0]) == _stats(taken[1])
+    for m in managers:
+        m.record_prefix_cache_stats(reqs[0], 8)
+    assert _stats(managers[0].prefix_cache_stats) == _stats(managers[1].prefix_cache_stats)
+
+
+def test_record_prefix_cache_stats_calls_record_of_other_stats_objects() -> None:
+    """A ``PrefixCacheStats`` subclass (or any stats object) gets its own ``record``
+    call, with vLLM's keywords; stats off or caching off records nothing; bad hit
+    counts are typed errors with the stats unchanged."""
+    calls: list[dict[str, Any]] = []
+
+    class Spy(PrefixCacheStats):
+        def record(self, **kwargs: Any) -> None:  # type: ignore[override]
+            calls.append(kwargs)
+
+    m = _tight(KVCacheManager, 64)
+    req = make_request("a", list(range(40)))
+    m.prefix_cache_stats = Spy()
+    m.record_prefix_cache_stats(req, 16)
+    assert calls == [{"num_tokens": 40, "num_hits": 16, "preempted": False}]
+    m.prefix_cache_stats = PrefixCacheStats()
+    for bad, error in ((1.0, TypeError), (True, TypeError), (-1, exceptions.InvalidArgumentError)):
+        with pytest.raises(error):
+            m.record_prefix_cache_stats(req, bad)  # type: ignore[arg-type]
+    assert _stats(m.prefix_cache_stats) == _stats(PrefixCacheStats())
+    m.prefix_cache_stats = None
+    with pytest.raises(exceptions.InvalidArgumentError):
+        m.record_prefix_cache_stats(req, 0)
+    off = build_manager(KVCacheManager, full_attention_config(64), log_stats=False)
+    off.record_prefix_cache_stats(req, 16)
+    assert off.prefix_cache_stats is None
+
+
+def test_take_events_matches_vllm_with_queue_reads_in_between() -> None:
+    """Events taken through the manager (annotated) and through the pool (not), the
+    pool's ``kv_event_queue`` read (the same list, growing) and replaced in between, and
+    a group index outside the metadata (vLLM's warning, the event left unannotated)."""
+    outs = []
+    for cls in BOTH:
+        m = _tight(cls, 64)
+        seen: list[Any] = []
+        a = make_request("a", list(range(40)))
+        assert m.allocate_slots(a, 40) is not None
+        queue = m.block_pool.kv_event_queue
+        seen.append(_encoded(queue))
+        b = make_request("b", list(range(100, 140)))
+        assert m.allocate_slots(b, 40) is not None
+        seen.append((len(queue), _encoded(m.take_events())))
+        assert m.block_pool.kv_event_queue == []
+        c = make_request("c", list(range(200, 240)))
+        assert m.allocate_slots(c, 40) is not None
+        seen.append(_encoded(m.block_pool.take_events()))
+        m.block_pool.kv_event_queue = []
+        b_ids = set(m.get_block_ids("b")[0])
+        m.free(a)
+        m.free(b)
+        m.block_pool.evict_blocks(b_ids)
+        seen.append(_encoded(m.take_events()))
+        d = make_request("d", list(range(300, 340)))
+        assert m.allocate_slots(d, 40) is not None
+        m.kv_cache_event_metadata = ()
+        seen.append(_encoded(m.take_events()))
+        seen.append(m.take_events())
+        outs.append(seen)
+    assert outs[0] == outs[1]
+    assert outs[1][1][1] and outs[1][4]
+
+
+def test_take_events_warns_in_vllms_words(caplog: pytest.LogCaptureFixture) -> None:
+    m = _tight(KVCacheManager, 64)
+    assert m.allocate_slots(make_request("a", list(range(40))), 40) is not None
+    m.kv_cache_event_metadata = ()
+    logging.getLogger("vllm").propagate = True
+    with caplog.at_level(logging.WARNING):
+        (event,) = m.take_events()
+    assert event.kv_cache_spec_kind is None
+    assert any("not in KV cache metadata" in r.getMessage() for r in caplog.records)
+
+
+def test_events_off_queue_and_take() -> None:
+    m = build_manager(KVCacheManager, full_attention_config(64), enable_kv_cache_events=False)
+    assert m.allocate_slots(make_request("a", list(range(40))), 40) is not None
+    assert m.take_events() == [] and m.block_pool.take_events() == []
+    assert m.block_pool.kv_event_queue == []
