@@ -1145,7 +1145,7 @@ impl PyKVCacheCore {
         self.core.set_check_invariants(on);
     }
 
-    /// Test only (the `mutants` build): breaks one invariant (`hscache.testing` names
+    /// Test only (the `mutants` build): breaks one invariant (`hscache_tools.testing` names
     /// them); the manager must then be thrown away.
     #[cfg(feature = "mutants")]
     fn _break_invariant(&mut self, name: &str) -> PyResult<()> {

@@ -3,7 +3,7 @@
 A server that is CPU-bound on its scheduler is a loaded one: ``max_num_seqs`` requests run
 most of the time, a queue waits, requests finish and arrive every few steps, admissions
 prefill in chunks under the token budget while the others decode. This module drives vLLM's
-real ``Scheduler`` (built offline, :mod:`hscache.testing.offline_scheduler`) through such a
+real ``Scheduler`` (built offline, :mod:`hscache_tools.testing.offline_scheduler`) through such a
 seeded trace, stock (vLLM's own manager) and ``hscache.vllm.Scheduler`` (hscache's manager
 and its fast path, :mod:`hscache.vllm.step`), side by side in one process on the same
 requests and sampled tokens:
