@@ -20,8 +20,9 @@
 //! Per-request state is keyed by the request's slot in the coordinator's table and
 //! dropped in `pop_request`.
 //!
-//! Length: `align` mode is one state machine over a request's running state, spec
-//! and checkpoint blocks; its steps read one another's per-request state.
+//! The `align` mode is one state machine over a request's running state, spec and
+//! checkpoint blocks, whose steps read one another's per-request state: this file
+//! owns it whole, beside the other modes' hooks.
 
 use rustc_hash::{FxHashMap, FxHashSet};
 use smallvec::SmallVec;
