@@ -9,13 +9,52 @@ use smallvec::SmallVec;
 use super::{CoordinatorConfig, CoordinatorKind, FieldNeeds, KVCacheCoordinator, SpecGroup};
 use crate::error::{Error, Result};
 use crate::manager::registry::new_manager;
-use crate::manager::single_type::ManagerBase;
+use crate::manager::single_type::{ManagerBase, SingleTypeManager};
 use crate::manager::spec::{GroupSpec, MambaCacheMode, ManagerKind};
 use crate::pool::BlockPool;
 use crate::request_table::RequestTable;
 
 fn lcm_divides(scheduler_block_size: usize, block_size: usize) -> bool {
     block_size != 0 && scheduler_block_size % block_size == 0
+}
+
+/// The EAGLE groups (the config's, or every group when the model drafts with EAGLE
+/// and names none) and those whose hits drop the last block (only with EAGLE on).
+fn eagle_group_ids(c: &CoordinatorConfig) -> (SmallVec<[u32; 4]>, SmallVec<[u32; 4]>) {
+    let n = c.groups.len() as u32;
+    let mut eagle_group_ids: SmallVec<[u32; 4]> = (0..n)
+        .filter(|&i| c.groups[i as usize].is_eagle_group)
+        .collect();
+    if c.use_eagle && eagle_group_ids.is_empty() {
+        eagle_group_ids = (0..n).collect();
+    }
+    let drop_eagle_group_ids = if c.use_eagle {
+        eagle_group_ids.clone()
+    } else {
+        SmallVec::new()
+    };
+    (eagle_group_ids, drop_eagle_group_ids)
+}
+
+/// One manager per group, each built by the registry from its [`ManagerBase`].
+fn new_managers(c: &CoordinatorConfig, caching: bool) -> Result<Vec<Box<dyn SingleTypeManager>>> {
+    let mut managers = Vec::with_capacity(c.groups.len());
+    for (i, spec) in c.groups.iter().enumerate() {
+        let mut base = ManagerBase::new(
+            spec.clone(),
+            i as u32,
+            caching,
+            c.scheduler_block_size,
+            c.hash_block_size,
+            c.dcp_world_size,
+            c.pcp_world_size,
+            c.needs_kv_cache_zeroing,
+        );
+        base.num_hash_lookahead_tokens = c.num_hash_lookahead_tokens;
+        base.eagle_checkpoints = c.use_eagle;
+        managers.push(new_manager(base, c.enable_kv_cache_events)?);
+    }
+    Ok(managers)
 }
 
 impl KVCacheCoordinator {
@@ -50,17 +89,7 @@ impl KVCacheCoordinator {
             c.enable_kv_cache_events,
             c.collect_metrics,
         )?;
-        let mut eagle_group_ids: SmallVec<[u32; 4]> = (0..n as u32)
-            .filter(|&i| c.groups[i as usize].is_eagle_group)
-            .collect();
-        if c.use_eagle && eagle_group_ids.is_empty() {
-            eagle_group_ids = (0..n as u32).collect();
-        }
-        let drop_eagle_group_ids = if c.use_eagle {
-            eagle_group_ids.clone()
-        } else {
-            SmallVec::new()
-        };
+        let (eagle_group_ids, drop_eagle_group_ids) = eagle_group_ids(&c);
         if caching && !eagle_group_ids.is_empty() && sbs < c.num_prefill_lookahead {
             return Err(Error::InvalidArgument(format!(
                 "Multi-module MTP with prefix caching requires scheduler_block_size \
@@ -68,22 +97,7 @@ impl KVCacheCoordinator {
                 c.num_prefill_lookahead
             )));
         }
-        let mut managers = Vec::with_capacity(n);
-        for (i, spec) in c.groups.iter().enumerate() {
-            let mut base = ManagerBase::new(
-                spec.clone(),
-                i as u32,
-                caching,
-                sbs,
-                hbs,
-                c.dcp_world_size,
-                c.pcp_world_size,
-                c.needs_kv_cache_zeroing,
-            );
-            base.num_hash_lookahead_tokens = c.num_hash_lookahead_tokens;
-            base.eagle_checkpoints = c.use_eagle;
-            managers.push(new_manager(base, c.enable_kv_cache_events)?);
-        }
+        let managers = new_managers(&c, caching)?;
         Self::validate_retention(c.retention_interval, sbs, &c.groups)?;
         let mamba_align = c
             .groups
@@ -110,16 +124,7 @@ impl KVCacheCoordinator {
         };
         match kind {
             CoordinatorKind::NoPrefixCache => {}
-            CoordinatorKind::Unitary => {
-                let bs = this.managers[0].base().block_size;
-                if hbs != bs {
-                    return Err(Error::InvalidArgument(format!(
-                        "one KV-cache group needs hash_block_size ({hbs}) == block_size ({bs})"
-                    )));
-                }
-                let drop = this.drop_eagle_group_ids.contains(&0);
-                this.managers[0].base_mut().use_eagle = drop;
-            }
+            CoordinatorKind::Unitary => this.init_unitary()?,
             CoordinatorKind::Hybrid => this.init_hybrid(&c)?,
         }
         this.needs = this.field_needs();
@@ -155,6 +160,20 @@ impl KVCacheCoordinator {
                  of scheduler_block_size ({sbs})."
             )));
         }
+        Ok(())
+    }
+
+    /// The unitary coordinator's constructor: one group, hashed at its block size.
+    fn init_unitary(&mut self) -> Result<()> {
+        let hbs = self.hash_block_size;
+        let bs = self.managers[0].base().block_size;
+        if hbs != bs {
+            return Err(Error::InvalidArgument(format!(
+                "one KV-cache group needs hash_block_size ({hbs}) == block_size ({bs})"
+            )));
+        }
+        let drop = self.drop_eagle_group_ids.contains(&0);
+        self.managers[0].base_mut().use_eagle = drop;
         Ok(())
     }
 
@@ -199,7 +218,22 @@ impl KVCacheCoordinator {
         for m in &mut self.managers {
             m.base_mut().cache_hit_alignment_tokens = align;
         }
-        // Spec groups: equal specs of the same manager kind are looked up together.
+        let groups = self.spec_groups()?;
+        self.full_attention_group_id = groups[0].is_full_attention.then(|| groups[0].group_ids[0]);
+        for g in &groups {
+            if g.use_eagle {
+                for &gid in &g.group_ids {
+                    self.managers[gid as usize].base_mut().use_eagle = true;
+                }
+            }
+        }
+        self.attention_groups = groups;
+        Ok(())
+    }
+
+    /// The hybrid coordinator's spec groups: equal specs of the same manager kind are
+    /// looked up together, full attention first.
+    fn spec_groups(&self) -> Result<Vec<SpecGroup>> {
         let mut groups: Vec<SpecGroup> = Vec::new();
         let mut classes: Vec<u32> = Vec::new();
         for (i, m) in self.managers.iter().enumerate() {
@@ -232,16 +266,7 @@ impl KVCacheCoordinator {
         }
         // Full attention first (stable): its left-to-right scan bounds the others.
         groups.sort_by_key(|g| !g.is_full_attention);
-        self.full_attention_group_id = groups[0].is_full_attention.then(|| groups[0].group_ids[0]);
-        for g in &groups {
-            if g.use_eagle {
-                for &gid in &g.group_ids {
-                    self.managers[gid as usize].base_mut().use_eagle = true;
-                }
-            }
-        }
-        self.attention_groups = groups;
-        Ok(())
+        Ok(groups)
     }
 
     /// vLLM's `partial_hash_hits_enabled`: a Mamba "align" group finer-hashed than

@@ -71,6 +71,8 @@ impl KVCacheCoordinator {
         Ok((found, hit))
     }
 
+    // One piece: the fixed point, each spec group shortening the candidate in turn,
+    // reads as vLLM's loop does; split, its state would pass between functions.
     fn find_hybrid_hit(
         &self,
         block_hashes: &dyn BlockHashSource,
