@@ -1,13 +1,13 @@
 //! `BlockHashToBlockMap`: the prefix-cache index from hash key to cached block(s).
 //!
-//! Length: about half of the file is its tests (duplicates, detached entries,
-//! secondary keys), kept beside the index they pin.
-//!
 //! Mirrors vLLM 0.33 `v1/core/block_pool.py::BlockHashToBlockMap` together with what
 //! vLLM keeps beside it: each block's primary key (`block.block_hash`) and its
 //! secondary keys (`BlockPool.cached_block_hashes_by_block`, the partial prefix
 //! entries of hybrid Mamba "align" models and of full attention with a block larger
 //! than the hash block).
+//!
+//! The tests at the end (duplicates, detached entries, secondary keys) pin the
+//! properties below on the index itself.
 //!
 //! Key properties:
 //! - Duplicates are kept, never de-duplicated: two requests that computed the same

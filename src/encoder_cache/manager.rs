@@ -1,8 +1,5 @@
 //! `EncoderCacheManager`: the bookkeeping of the multimodal encoder-output cache.
 //!
-//! Length: one method per vLLM method, each mirroring vLLM's dict updates in order;
-//! the tests live in `manager_tests.rs`.
-//!
 //! Mirrors vLLM 0.33 `v1/core/encoder_cache_manager.py`'s `EncoderCacheManager`. An
 //! entry is one multimodal item, keyed by its identifier (`mm_hash`), and is shared by
 //! every request that carries the same item.
@@ -34,8 +31,9 @@
 //!   (pure, may fail with a typed error) and then changes it (cannot fail), so an
 //!   `Err` changes nothing.
 //!
-//! Layout: this file is the state machine (one struct, ~600 lines); its read-only views
-//! of vLLM's dicts are in `views.rs` and its tests in `manager_tests.rs`.
+//! Layout: this file owns the state machine (one struct, one method per vLLM method,
+//! each mirroring vLLM's dict updates in order); its read-only views of vLLM's dicts
+//! are in `views.rs` and its tests in `manager_tests.rs`.
 //!
 //! Deliberate differences from vLLM, all on misuse paths only:
 //! - vLLM asserts in `allocate` (after it has already created the entry); here the

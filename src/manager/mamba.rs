@@ -20,8 +20,9 @@
 //! Per-request state is keyed by the request's slot in the coordinator's table and
 //! dropped in `pop_request`.
 //!
-//! Length: `align` mode is one state machine over a request's running state, spec
-//! and checkpoint blocks; its steps read one another's per-request state.
+//! The `align` mode is one state machine over a request's running state, spec and
+//! checkpoint blocks, whose steps read one another's per-request state: this file
+//! owns it whole, beside the other modes' hooks.
 
 use rustc_hash::{FxHashMap, FxHashSet};
 use smallvec::SmallVec;
@@ -386,40 +387,7 @@ impl MambaManager {
             let cow = fresh[0];
             fresh = &fresh[1..];
             if blocks_allocated {
-                // A running request's worker table is append-only: it stays on
-                // `source`, and the cache entry moves to the copy instead.
-                if req.blocks.get(block_idx) != Some(&source) {
-                    return Err(Error::Internal(format!(
-                        "Mamba partial-hit source {source} is not block {block_idx}"
-                    )));
-                }
-                pool.move_block_hashes(source, cow)?;
-                self.base.pending_cow_copies.push((source, cow));
-                pool.retain(source);
-                let producer_tail = self
-                    .align_reqs
-                    .get_mut(&slot)
-                    .and_then(|r| r.producer_partial_tail.take());
-                if let Some((marker, tokens)) = producer_tail {
-                    if marker != source {
-                        return Err(Error::Internal(
-                            "Mamba producer tail is not the partial-hit source".into(),
-                        ));
-                    }
-                    // The copy preserves the producer's boundary state: offer it.
-                    self.base
-                        .pending_boundary_state_offloads
-                        .push(BoundaryOffload {
-                            request_id: request_id.into(),
-                            group_id: self.base.group_id,
-                            block: cow,
-                            num_tokens: tokens,
-                        });
-                }
-                if let Some(key) = pool.block_hash(cow).copied() {
-                    // Filled only by this step's copy: defer same-step hits on it.
-                    self.cached_blocks_this_step.insert(key);
-                }
+                self.running_partial_hit_cow(pool, slot, request_id, req, block_idx, source, cow)?;
             } else {
                 apply_cow(&mut self.base, pool, req, block_idx, source, cow)?;
                 out.insert(returned_start, cow);
@@ -429,6 +397,57 @@ impl MambaManager {
         self.align_request_mut(slot).allocated = true;
         req.partial_hit = None;
         out.extend_from_slice(fresh);
+        Ok(())
+    }
+
+    /// A running request's partial hit, copied on write: its worker table is
+    /// append-only, so it stays on `source` and the cache entry moves to `cow`
+    /// (the producer's boundary state, if any, offered from the copy).
+    #[allow(clippy::too_many_arguments)]
+    fn running_partial_hit_cow(
+        &mut self,
+        pool: &mut BlockPool,
+        slot: u32,
+        request_id: &str,
+        req: &GroupBlocks,
+        block_idx: usize,
+        source: BlockId,
+        cow: BlockId,
+    ) -> Result<()> {
+        // A running request's worker table is append-only: it stays on
+        // `source`, and the cache entry moves to the copy instead.
+        if req.blocks.get(block_idx) != Some(&source) {
+            return Err(Error::Internal(format!(
+                "Mamba partial-hit source {source} is not block {block_idx}"
+            )));
+        }
+        pool.move_block_hashes(source, cow)?;
+        self.base.pending_cow_copies.push((source, cow));
+        pool.retain(source);
+        let producer_tail = self
+            .align_reqs
+            .get_mut(&slot)
+            .and_then(|r| r.producer_partial_tail.take());
+        if let Some((marker, tokens)) = producer_tail {
+            if marker != source {
+                return Err(Error::Internal(
+                    "Mamba producer tail is not the partial-hit source".into(),
+                ));
+            }
+            // The copy preserves the producer's boundary state: offer it.
+            self.base
+                .pending_boundary_state_offloads
+                .push(BoundaryOffload {
+                    request_id: request_id.into(),
+                    group_id: self.base.group_id,
+                    block: cow,
+                    num_tokens: tokens,
+                });
+        }
+        if let Some(key) = pool.block_hash(cow).copied() {
+            // Filled only by this step's copy: defer same-step hits on it.
+            self.cached_blocks_this_step.insert(key);
+        }
         Ok(())
     }
 

@@ -25,8 +25,11 @@
 //! `registry.rs`'s `new_manager`, the spec's mapping in `python/hscache/vllm/specs.py`,
 //! and a differential config in `tests/vllm_diff/`.
 //!
-//! Length: the trait is vLLM's base class, hook by hook, with each default's body
-//! beside it (the `base_*` functions) so an override reads against what it replaces.
+//! This file owns the trait (vLLM's base class, hook by hook) with each default's
+//! body beside it (the `base_*` functions, so an override reads against what it
+//! replaces), the state every manager shares ([`ManagerBase`]), the per-request
+//! tables ([`GroupBlocks`], [`RequestState`]) and the queries the coordinator hands
+//! the hooks.
 
 use smallvec::SmallVec;
 

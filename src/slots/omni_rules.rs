@@ -570,18 +570,13 @@ impl OmniStepRules {
         }
     }
 
-    /// Saves the planned step and issues its step id. `reads`: the positions (row
-    /// order) of the requests whose full rows the mirror served, of those whose hit
-    /// it refused, and per refused one the first block that failed (the null block
-    /// when none can be reported); `None` when no rows were written (nothing is
-    /// served a prefix).
-    pub fn save(
-        &mut self,
+    /// How [`Self::save`] serves each request of the plan, from the mirror's reads,
+    /// and the blocks of the refused hits to recompute (nothing changes here).
+    fn classify_reads(
+        &self,
         plan: &SavePlan,
         reads: Option<(&[usize], &[usize], &[BlockId])>,
-    ) -> Result<SavedStep, OmniRuleError> {
-        self.check_plan(plan)?;
-        self.check_room()?;
+    ) -> Result<(Vec<Served>, Vec<BlockId>), OmniRuleError> {
         let n = plan.req_ids.len();
         let mut served = vec![Served::Plain; n];
         let mut invalid: Vec<BlockId> = Vec::new();
@@ -622,6 +617,23 @@ impl OmniStepRules {
                 }
             }
         }
+        Ok((served, invalid))
+    }
+
+    /// Saves the planned step and issues its step id. `reads`: the positions (row
+    /// order) of the requests whose full rows the mirror served, of those whose hit
+    /// it refused, and per refused one the first block that failed (the null block
+    /// when none can be reported); `None` when no rows were written (nothing is
+    /// served a prefix).
+    pub fn save(
+        &mut self,
+        plan: &SavePlan,
+        reads: Option<(&[usize], &[usize], &[BlockId])>,
+    ) -> Result<SavedStep, OmniRuleError> {
+        self.check_plan(plan)?;
+        self.check_room()?;
+        let n = plan.req_ids.len();
+        let (served, invalid) = self.classify_reads(plan, reads)?;
         let mut prefix = Vec::new();
         let mut plain_sizes = Vec::with_capacity(n);
         let mut class_index = Vec::with_capacity(n);
