@@ -14,6 +14,7 @@ import msgspec
 import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
 from hscache import exceptions
+from hscache.vllm import KVCacheManager
 from hscache_tools.testing.kv_cache import (
     full_attention,
     full_attention_config,
@@ -23,7 +24,6 @@ from hscache_tools.testing.kv_cache import (
 )
 from hscache_tools.testing.manager import build_manager
 from hscache_tools.testing.requests import lora, make_request
-from hscache.vllm import KVCacheManager
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.metrics.stats import PrefixCacheStats
 
