@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -97,13 +98,22 @@ def _candidates(text: str, rust_header: bool) -> list[tuple[str, bool]]:
     return found
 
 
+def _build_output(path: str) -> bool:
+    """A path git ignores (``*.so``, ``target/``): a build output, which a fresh clone has
+    only once it is built, so it need not exist for a doc to name it."""
+    ignored = subprocess.run(
+        ["git", "-C", str(ROOT), "check-ignore", "-q", "--no-index", path], check=False
+    )
+    return ignored.returncode == 0
+
+
 def _exists(path: str, bare: bool, source: Path) -> bool:
     for package, folder in PACKAGES.items():
         if path.startswith(package):
             path = folder + path
             break
     if not bare:
-        return (ROOT / path).exists()
+        return (ROOT / path).exists() or _build_output(path)
     folder = source.parent if source.name in ("mod.rs", "lib.rs") else source.with_suffix("")
     return any((base / path).exists() for base in (source.parent, folder, ROOT / "src"))
 
