@@ -223,11 +223,14 @@ def test_take_events_matches_vllm_with_queue_reads_in_between() -> None:
     assert outs[1][1][1] and outs[1][4]
 
 
-def test_take_events_warns_in_vllms_words(caplog: pytest.LogCaptureFixture) -> None:
+def test_take_events_warns_in_vllms_words(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     m = _tight(KVCacheManager, 64)
     assert m.allocate_slots(make_request("a", list(range(40))), 40) is not None
     m.kv_cache_event_metadata = ()
-    logging.getLogger("vllm").propagate = True
+    # vLLM's logger does not propagate; for this test only (restored after it)
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
     with caplog.at_level(logging.WARNING):
         (event,) = m.take_events()
     assert event.kv_cache_spec_kind is None
