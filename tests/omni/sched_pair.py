@@ -72,10 +72,14 @@ class PairConfig:
     """vllm-omni's ``OmniGenerationScheduler`` (non-AR stages) instead of the AR ones;
     switched by the plugin only (hscache names no class for it)."""
     steps: int = 80
+    talker: bool = False
+    """A talker-like stage: short prompts, long decodes, many concurrent requests and a
+    queue behind them (:func:`talker_config`)."""
 
     def short(self) -> str:
         return (
-            f"seed{self.seed}-{'generation-' if self.generation else ''}{self.switch}"
+            f"seed{self.seed}-{'talker-' if self.talker else ''}"
+            f"{'generation-' if self.generation else ''}{self.switch}"
             f"-{'async' if self.async_scheduling else 'sync'}"
             f"-N{self.num_blocks}-c{int(self.enable_caching)}-xfer:{self.kv_transfer}"
             f"{'-mooncake' if self.mooncake else ''}{'-defer' if self.defer_block_free else ''}"
@@ -103,6 +107,23 @@ def config_for_seed(seed: int, steps: int = 80) -> PairConfig:
         defer_block_free=mooncake and async_scheduling and rng.random() < 0.7,
         kv_cache_events=rng.random() < 0.8,
         steps=steps,
+    )
+
+
+def talker_config(seed: int, async_scheduling: bool, steps: int = 160) -> PairConfig:
+    """A talker-like stage (hscache's own class, so the fast path may serve): prompts of
+    3-12 tokens, 40-120 output tokens each, 16 seats and arrivals that keep a queue."""
+    return PairConfig(
+        seed=seed,
+        async_scheduling=async_scheduling,
+        switch="scheduler_cls",
+        num_blocks=160,
+        block_size=8,
+        token_budget=64,
+        max_num_seqs=16,
+        kv_cache_events=seed % 2 == 0,
+        steps=steps,
+        talker=True,
     )
 
 
@@ -237,11 +258,18 @@ def _engine_outputs(outputs: dict[int, Any]) -> list[Any]:
             summary.append(
                 (
                     client,
+                    type(o).__qualname__,
                     o.request_id,
                     list(o.new_token_ids),
                     str(o.finish_reason),
+                    o.stop_reason,
+                    o.num_nans_in_logits,
+                    o.trace_headers,
+                    None if o.events is None else [(e.type, e.timestamp > 0) for e in o.events],
                     _untimed(o.kv_transfer_params),
                     None if ps is None else dataclasses.astuple(ps),
+                    # OmniEngineCoreOutput's own fields
+                    tuple(getattr(o, f, "-") for f in _OMNI_FIELDS),
                 )
             )
         st = eco.scheduler_stats
@@ -267,6 +295,15 @@ def _engine_outputs(outputs: dict[int, Any]) -> list[Any]:
             )
         summary.append(("finished", sorted(eco.finished_requests or ())))
     return summary
+
+
+_OMNI_FIELDS = (
+    "multimodal_output",
+    "pooling_output_payload",
+    "is_segment_finished",
+    "new_prompt_len_snapshot",
+    "num_generation_tokens",
+)
 
 
 def _untimed(params: Any) -> Any:
@@ -298,6 +335,8 @@ class PairCounts:
     events: int = 0
     comparisons: int = 0
     calls: dict[str, int] = dataclasses.field(default_factory=dict)
+    fast: dict[str, int] = dataclasses.field(default_factory=dict)
+    """hscache's scheduler's ``fast_path_counts`` at the end (empty: vllm-omni's class)."""
 
 
 _COUNTED = ("get_block_ids", "estimate_cached_tokens", "pop_blocks_for_free", "free")
@@ -418,7 +457,26 @@ def run_pair(cfg: PairConfig) -> PairCounts:
     with _watch_errors() as errors:
         for step in range(cfg.steps):
             counts.steps += 1
-            for _ in range(rng.choice((0, 1, 1, 2))):
+            arrivals = rng.choice((0, 1, 1, 2))
+            if cfg.talker:
+                arrivals = 24 if step == 0 else rng.choice((0, 0, 0, 1, 1, 2))
+            for _ in range(arrivals):
+                if cfg.talker:
+                    prompt = [rng.randrange(1, 900) for _ in range(rng.randint(3, 12))]
+                    max_tokens = rng.randint(40, 120)
+                    for sched in sides:
+                        sched.add_request(
+                            make_request(
+                                f"r{next_id}",
+                                prompt,
+                                max_tokens=max_tokens,
+                                hash_block_size=bs,
+                                ignore_eos=True,
+                            )
+                        )
+                    next_id += 1
+                    counts.requests += 1
+                    continue
                 if recent and rng.random() < 0.25:
                     prompt = list(rng.choice(recent))
                 else:
@@ -439,7 +497,7 @@ def run_pair(cfg: PairConfig) -> PairCounts:
                 next_id += 1
                 counts.requests += 1
             live = [r for r in reference.requests if not reference.requests[r].is_finished()]
-            if live and rng.random() < 0.06:
+            if live and rng.random() < (0.02 if cfg.talker else 0.06):
                 victim = rng.choice(sorted(live))
                 for sched in sides:
                     sched.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
@@ -481,4 +539,5 @@ def run_pair(cfg: PairConfig) -> PairCounts:
             update(cfg.steps + 6)
     if errors.records:
         raise PairDivergence(f"{cfg.short()}: errors logged: {errors.records[:3]}")
+    counts.fast = dict(getattr(ours, "fast_path_counts", {}))
     return counts

@@ -41,6 +41,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib
+import importlib.util
 import inspect
 import linecache
 import logging
@@ -230,8 +231,19 @@ def _current() -> tuple[dict[str, str], dict[str, Any]]:
     for key, (module, name) in STRUCTS.items():
         cls = getattr(importlib.import_module(module), name, None)
         objects[key] = cls
-        prints[key] = _ABSENT if cls is None else _struct_hash(cls)
+        own = _vllm_class(cls, name)
+        prints[key] = _ABSENT if own is None else _struct_hash(own)
     return prints, objects
+
+
+def _vllm_class(cls: Any, name: str) -> Any:
+    """vLLM's own class ``name`` in the MRO of ``cls`` (what a module name is bound to now:
+    vllm-omni rebinds ``EngineCoreOutput`` to its subclass ``OmniEngineCoreOutput``, whose
+    own fields are ``hscache.omni.mirror``'s business), or None."""
+    for klass in getattr(cls, "__mro__", ()):
+        if klass.__qualname__ == name and klass.__module__.startswith("vllm."):
+            return klass
+    return None
 
 
 def fingerprint() -> dict[str, str]:
@@ -287,6 +299,23 @@ def _verdict() -> _Verdict:
     return _why_not()
 
 
+def code_proven() -> bool:
+    """Whether the installed vLLM is a tested version whose mirrored code is the code
+    tested, whatever ``EngineCoreOutput`` its scheduler module builds now (vllm-omni's
+    schedulers check theirs themselves, ``hscache.omni.mirror``). The reason is logged
+    once when not."""
+    reason = _verdict().reason
+    if reason is not None and ("code", "") not in _logged:
+        _logged.add(("code", ""))
+        logger.warning("hscache: the fast path is off: %s", reason)
+    return reason is None
+
+
+def verified_objects() -> dict[str, Any]:
+    """The objects the fingerprint was taken of (table key -> object)."""
+    return _verdict().objects
+
+
 @functools.cache
 def proven(output_class: Any) -> bool:
     """Whether the installed vLLM is a tested version whose mirrored code is the code tested,
@@ -295,6 +324,13 @@ def proven(output_class: Any) -> bool:
     verdict = _verdict()
     reason = verdict.reason
     used = verdict.objects.get("EngineCoreOutput")
+    if reason is None and used is not _vllm_class(used, "EngineCoreOutput"):
+        # vllm-omni's patch: its own schedulers' fast path is hscache.omni's business.
+        reason = (
+            f"vLLM's scheduler builds {_name(used)}, a subclass of vLLM's EngineCoreOutput "
+            "(as vllm-omni's patch binds): not what vLLM's schedulers were tested with "
+            "(hscache.omni's schedulers check their own)"
+        )
     if reason is None and used is not output_class:
         reason = f"vLLM's scheduler builds {_name(used)}, the fast path {_name(output_class)}"
     if reason is not None:
@@ -331,7 +367,7 @@ def _covered(
 def _hscache_own(klass: type) -> bool:
     """hscache's scheduler classes, whose ``schedule`` / ``update_from_output`` are the fast
     path's own entry points."""
-    return klass.__module__ == "hscache.vllm.scheduler"
+    return klass.__module__ in ("hscache.vllm.scheduler", "hscache.omni.scheduler")
 
 
 _SCHEDULER_KEYS = tuple(k for k in MIRRORED if k.split(".")[0] in ("Scheduler", "AsyncScheduler"))
@@ -346,15 +382,18 @@ def _log_once(kind: str, cls: type, reason: str) -> None:
         logger.warning("hscache: the fast path is off for this %s: %s", kind, reason)
 
 
-def scheduler_covered(cls: type) -> bool:
+def scheduler_covered(cls: type, stood_in: Sequence[str] = ()) -> bool:
     """Whether scheduler class ``cls`` runs vLLM's mirrored ``Scheduler`` methods,
     ``check_stop`` and ``EngineCoreOutput`` as fingerprinted (hscache's own classes aside):
     a subclass or a patch that replaced one since is not what was tested (logged once per
-    class). Call it after :func:`proven`."""
+    class). ``stood_in``: mirrored keys a subclass overrides and whose override is checked
+    by its caller (vllm-omni's ``schedule`` / ``update_from_output``,
+    ``hscache.omni.mirror``). Call it after :func:`proven` or :func:`code_proven`."""
     verdict = _verdict()
     if verdict.reason is not None:
         return False
-    reason = _covered(cls, _SCHEDULER_KEYS, verdict.objects, _hscache_own)
+    keys = tuple(k for k in _SCHEDULER_KEYS if k not in stood_in)
+    reason = _covered(cls, keys, verdict.objects, _hscache_own)
     for key in ("check_stop", "EngineCoreOutput"):
         if reason is None and _lookup(_SCHEDULER, None, key) is not verdict.objects[key]:
             reason = f"vLLM's scheduler module's {key} is not the one tested"
@@ -383,6 +422,8 @@ def _reset() -> None:
     """Test only: forget every verdict (after a test patched vLLM)."""
     _verdict.cache_clear()
     proven.cache_clear()
+    if "hscache.omni.mirror" in sys.modules:
+        sys.modules["hscache.omni.mirror"].omni_verdict.cache_clear()
     _logged.clear()
     _request_verdicts.clear()
 
@@ -419,6 +460,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     prints = fingerprint()
     if args.write:
         print(f"vLLM {version}: wrote {_write_table(version, prints)}")
+        if importlib.util.find_spec("vllm_omni") is not None:
+            # vllm-omni's schedulers' entry (its import patches vLLM: after vLLM's own).
+            omni_mirror = importlib.import_module("hscache.omni.mirror")
+            print(omni_mirror.write_entry())
         return 0
     key = tested_version(version)
     expected = _mirror_table.FINGERPRINTS.get(key or "", {})

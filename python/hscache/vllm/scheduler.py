@@ -104,8 +104,13 @@ class _FastStepMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fast_step = step.enabled() and mirror.scheduler_covered(type(self))
+        self.fast_step = self._fast_step_allowed()
         self.fast_path_counts: dict[str, int] = dict.fromkeys(FAST_PATH_COUNTS, 0)
+
+    def _fast_step_allowed(self) -> bool:
+        """Whether the fast path may serve this scheduler's steps (decided at construction;
+        ``hscache.omni.scheduler`` decides for vllm-omni's classes)."""
+        return step.enabled() and mirror.scheduler_covered(type(self))
 
     def add_request(self, request: Any) -> None:
         # Requests are built by the engine (or a plugin's Request subclass): the first

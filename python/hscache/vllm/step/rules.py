@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import os
 
-from vllm.v1.engine import EngineCoreOutput
-
 from hscache._core import StepSchedule, StepUpdate
 from hscache.vllm import mirror
 from hscache.vllm.version import require
 
-__all__ = ["BROKEN", "CORE_RULES", "GLUE_RULES", "RULES", "enabled"]
+__all__ = ["BROKEN", "CORE_RULES", "GLUE_RULES", "RULES", "enabled", "switched_on"]
 
 _PROFILE = require()
 
@@ -46,13 +44,19 @@ BROKEN: frozenset[str] = frozenset()
 """The glue rules broken (test-only mutants): always empty outside the hook."""
 
 
-def enabled() -> bool:
-    """Whether the fast path serves steps: the version's profile says it was proven,
-    ``HSCACHE_FAST_STEP`` is not ``0``, and the installed vLLM's mirrored code is the code
-    tested (``hscache.vllm.mirror.proven``: exact version, fingerprint)."""
+def switched_on() -> bool:
+    """The version's profile says the fast path was proven and ``HSCACHE_FAST_STEP`` is
+    not ``0``."""
     flag = os.environ.get("HSCACHE_FAST_STEP", "1").lower()
-    return (
-        _PROFILE.fast_step
-        and flag not in ("0", "false", "no", "off")
-        and mirror.proven(EngineCoreOutput)
-    )
+    return _PROFILE.fast_step and flag not in ("0", "false", "no", "off")
+
+
+def enabled() -> bool:
+    """Whether the fast path serves steps: :func:`switched_on`, and the installed vLLM's
+    mirrored code is the code tested (``hscache.vllm.mirror.proven``: exact version,
+    fingerprint) with its scheduler building the ``EngineCoreOutput`` the core builds
+    (``update.OUTPUT_CLASS``: under vllm-omni's patch, vLLM's code builds
+    ``OmniEngineCoreOutput``)."""
+    from hscache.vllm.step.update import OUTPUT_CLASS
+
+    return switched_on() and mirror.proven(OUTPUT_CLASS)

@@ -30,10 +30,12 @@ _PROFILE = require()
 # update_from_output's steady requests, served by the core (src/python/step_update.rs):
 # vLLM's objects it compares with and builds, and where this version's async
 # cache_blocks call caches up to.
+OUTPUT_CLASS = EngineCoreOutput
+"""The class the core builds (bound at import: vllm-omni's patch rebinds the name
+``EngineCoreOutput`` in this module, not ``OUTPUT_CLASS``)."""
+CACHE_BLOCKS_AT = "in_flight" if _PROFILE.async_cache_blocks_in_scheduler else "placeholders"
 _STEP_UPDATE = StepUpdate(
-    running=RequestStatus.RUNNING,
-    output_class=EngineCoreOutput,
-    cache_blocks_at="in_flight" if _PROFILE.async_cache_blocks_in_scheduler else "placeholders",
+    running=RequestStatus.RUNNING, output_class=OUTPUT_CLASS, cache_blocks_at=CACHE_BLOCKS_AT
 )
 
 
@@ -60,7 +62,11 @@ def _update_applies(sched: Any, output: Any) -> bool:
 
 
 def split_update(
-    sched: Any, scheduler_output: SchedulerOutput, output: Any, is_async: bool = False
+    sched: Any,
+    scheduler_output: SchedulerOutput,
+    output: Any,
+    is_async: bool = False,
+    phase: StepUpdate | None = None,
 ) -> tuple[SchedulerOutput, dict[str, EngineCoreOutput]] | None:
     """Serves the steady requests of ``update_from_output``: appends each one's sampled
     token and builds its ``EngineCoreOutput``. Returns the ``SchedulerOutput`` that
@@ -75,13 +81,16 @@ def split_update(
     ``is_async`` (an ``AsyncScheduler``): a steady request's output also resolves its
     placeholder and caches its blocks, as vLLM does per request in scheduling order;
     so that the manager sees those calls in vLLM's order, only the steady requests
-    before the first one vLLM must serve are taken."""
+    before the first one vLLM must serve are taken.
+
+    ``phase``: the core's ``StepUpdate`` (default: this module's; ``hscache.omni.fast``
+    passes one that builds vllm-omni's ``OmniEngineCoreOutput``)."""
     if not _update_applies(sched, output):
         return None
     sampled = output.sampled_token_ids
     if not sampled:
         return None
-    split = _STEP_UPDATE.split(
+    split = (phase or _STEP_UPDATE).split(
         sched.requests,
         scheduler_output.num_scheduled_tokens,
         sampled,
