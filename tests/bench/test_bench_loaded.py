@@ -96,7 +96,8 @@ def test_cli_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_talker_stage_under_vllm_omnis_scheduler(async_scheduling: bool) -> None:
     """``--variant talker``: vllm-omni's own ``OmniARScheduler`` (vLLM's manager) against
-    ``hscache.omni.OmniARScheduler``; vLLM 0.30 + vllm-omni 0.30's environment only."""
+    ``hscache.omni.OmniARScheduler`` (with the fast path); vLLM 0.30 + vllm-omni 0.30's
+    environment only."""
     pytest.importorskip(
         "vllm_omni.core.sched.omni_ar_scheduler",
         reason="needs vllm-omni 0.30 (the environment of scripts/vllm030_env.sh)",
@@ -107,3 +108,5 @@ def test_talker_stage_under_vllm_omnis_scheduler(async_scheduling: bool) -> None
     assert r["checked_steps"] >= 12 + 16
     assert r["queued"] == 1.0 and r["admitted"] > 0
     assert r["vllm_us"] > 0 and r["hscache_us"] > 0
+    # hscache's omni schedulers have the fast path: both phases served some of it.
+    assert r["schedule_share"] > 0 and r["update_share"] > 0, r
