@@ -409,8 +409,9 @@ class OmniHiddenStateCache:
         )
         if unsaved and previous is not None:
             self._plan_unsaved(previous)
-        if self._delivered:
-            self._retire(getattr(scheduler_output, "finished_req_ids", None) or ())
+        finished = getattr(scheduler_output, "finished_req_ids", None)
+        if finished and self._deliver_once:
+            self._retire(finished)
 
     def save_outputs(
         self,
@@ -605,12 +606,10 @@ class OmniHiddenStateCache:
             for saved in self._steps.values():
                 waiting.update(saved.req_ids)
             for r in finished:
-                if r not in self._delivered:
-                    continue
-                if r in waiting:
+                if r in waiting:  # its rows are still to be handed out (a step late)
                     self._retiring.add(r)
                 else:
-                    del self._delivered[r]
+                    self._delivered.pop(r, None)
                     self._floors.pop(r, None)
 
     def _retire_after(self, consumed: _SavedStep) -> None:
