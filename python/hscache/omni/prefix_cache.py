@@ -562,7 +562,9 @@ class OmniHiddenStateCache:
 
     # ------------------------------------------------------------------ internals
 
-    def _deliver(self, saved: _SavedStep, req_ids: list[str], prefix: Sequence[bool]) -> list[int]:
+    def _deliver(
+        self, saved: _SavedStep, req_ids: list[str], prefix: Sequence[bool]
+    ) -> list[int] | None:
         """The delivery watermark (under the lock): per requested id, how many of the rows
         this materialize would hand out were handed out already, and the watermark moved
         past the rest. vllm-omni's runners append every materialized request's rows to
@@ -574,10 +576,17 @@ class OmniHiddenStateCache:
         output; its next step is served its prefix), the watermark unmoved. Outside a
         resumption every row is handed out as vllm-omni hands it out (a rejected draft's
         row, and the real token's at its position after it, alike: vllm-omni's drafting
-        payload, which the ``hscache_spec`` arm compares)."""
+        payload, which the ``hscache_spec`` arm compares; the watermark then follows the
+        rollback). None: nothing skipped."""
+        delivered, floors = self._delivered, self._floors
+        if not (saved.resumed or saved.recomputed or floors) and req_ids == saved.req_ids:
+            # The common step: nothing to hold back; the watermarks move to the rows' ends.
+            delivered.update(zip(req_ids, map(int.__add__, saved.starts, saved.sizes), strict=True))
+            if self._retiring:
+                self._retire_after(saved)
+            return None
         pos = {r: i for i, r in enumerate(saved.req_ids)}
         skips: list[int] = []
-        delivered, floors = self._delivered, self._floors
         for r, full in zip(req_ids, prefix, strict=True):
             i = pos[r]
             first = 0 if full else saved.starts[i]
@@ -593,7 +602,7 @@ class OmniHiddenStateCache:
             skips.append(max(0, min(floor, end) - first))
             if floor and end >= floor:
                 del floors[r]
-            if end > delivered.get(r, 0):
+            if end > delivered.get(r, 0):  # a resumed request recomputing below it
                 delivered[r] = end
         if self._retiring:
             self._retire_after(saved)
