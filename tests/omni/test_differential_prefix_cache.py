@@ -20,6 +20,12 @@ oracle. vLLM 0.30's real ``Scheduler`` produces the ``SchedulerOutput``s (``step
   recomputation off the same hits are refused (``UnservableHitError``), never served.
 - ``test_hybrid_layout_against_recomputation``: beyond vllm-omni (one KV-cache group
   only), a sliding-window + full-attention layout, against the recomputed oracle.
+- ``test_preempted_requests_deliver_each_row_once``: in pools that preempt, each request's
+  rows appended materialize after materialize (as vllm-omni's runner builds the next
+  stage's payload) are the oracle's positions ``0 .. n`` once, in order, with hscache's
+  delivery watermark; vllm-omni's cache and a runner with no cache repeat a resumed
+  request's recomputed rows (counted, asserted to happen). hscache's side expects rows
+  from its watermark on in every test here (``Side(deliver_once=True)``).
 - ``test_rule_mutants_are_caught``: each broken rule of hscache's slot mirror and of its
   omni rules (``OmniStepRules``: first hits, refused hits, the spans' order) makes one of
   the two comparisons fail (the continuation rule's mutant: ``test_bad_inputs.py``).
