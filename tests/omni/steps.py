@@ -77,6 +77,8 @@ class Params:
     abort: float = 0.08
     late: float = 0.25
     discard: float = 0.15
+    subset: float = 0.2
+    """The chance a materialize names only some of the step's requests."""
     unsaved: float = 0.0
     pad: int = 3
     window: int = 0
@@ -134,6 +136,8 @@ class StepRecord:
     first_from: dict[str, int]
     tokens: dict[str, list[int]]
     end: dict[str, int]
+    scheduled: dict[str, int] = field(default_factory=dict)
+    resumed: set[str] = field(default_factory=set)
     step_ids: dict[str, int] = field(default_factory=dict)
     dropped: set[str] = field(default_factory=set)
     """Requests sent back for recomputation at this step: the scheduler drops their
@@ -161,6 +165,11 @@ class Counts:
     """Recomputed requests' later steps compared from position 0."""
     mismatches: list[str] = field(default_factory=list)
     refused: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    """Per request, its tokens up to the furthest step end seen."""
+    cold_streams: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    """Per request, the positions ``[start, end)`` of every materialized step's rows as a
+    runner without any cache hands them on: the step's scheduled rows."""
 
 
 Materialize = Callable[[int, list[str]], Any]
@@ -169,9 +178,18 @@ Materialize = Callable[[int, list[str]], Any]
 class Side:
     """One cache under test: how to build it, what it returns."""
 
-    def __init__(self, name: str, cache: Any) -> None:
+    def __init__(self, name: str, cache: Any, deliver_once: bool = False) -> None:
         self.name = name
         self.cache = cache
+        self.deliver_once = deliver_once
+        """Hands each row out once, in order (hscache's delivery watermark): from a
+        request's resumption on, its rows start at the furthest position it had handed
+        out; a first hit sent back hands out none."""
+        self.delivered: dict[str, int] = {}
+        self.floors: dict[str, int] = {}
+        self.streams: dict[str, list[torch.Tensor]] = {}
+        """Per request, the hidden-state rows of every materialize, in order (what
+        vllm-omni's runner appends to the request's payload for the next stage)."""
 
     def materialize(self, step_id: int, req_ids: list[str]) -> dict[str, dict[str, Any]]:
         out = self.cache.materialize(step_id, req_ids)
@@ -236,18 +254,47 @@ def run_sequence(
                     pass
         counts.materialized += 1
         for r in req_ids:
-            if r in rec.dropped:
+            span = (rec.end[r] - rec.scheduled[r], rec.end[r])
+            counts.cold_streams.setdefault(r, []).append(span)
+            for side in sides:
+                res = results[side.name]
+                if not isinstance(res, Exception) and r in res.get("__hidden_states__", {}):
+                    side.streams.setdefault(r, []).append(res["__hidden_states__"][r])
+            if len(rec.tokens[r]) > len(counts.tokens.get(r, ())):
+                counts.tokens[r] = rec.tokens[r]
+            end = rec.end[r]
+            starts: dict[str, int] = {}
+            for side in sides:
+                if not side.deliver_once:
+                    starts[side.name] = rec.first_from[r]
+                elif isinstance(results[side.name], Exception):
+                    pass
+                elif r in rec.dropped:
+                    if r in rec.resumed:
+                        side.floors[r] = side.delivered.get(r, 0)
+                    starts[side.name] = end  # sent back: nothing handed out
+                else:
+                    if r in rec.resumed:
+                        side.floors[r] = side.delivered.get(r, 0)
+                    floor = side.floors.get(r, 0)
+                    starts[side.name] = min(end, max(rec.first_from[r], floor))
+                    if floor and end >= floor:
+                        del side.floors[r]
+                    side.delivered[r] = max(side.delivered.get(r, 0), end)
+            if r in rec.dropped and not any(side.deliver_once for side in sides):
                 continue
-            start, end = rec.first_from[r], rec.end[r]
-            tokens = torch.tensor(rec.tokens[r][start:end])
-            positions = torch.arange(start, end)
             counts.requests_compared += 1
             for key in ALL_KEYS:
-                want = toy_rows(key, tokens, positions)
                 for side in sides:
                     res = results[side.name]
                     if isinstance(res, Exception):
                         continue
+                    if r in rec.dropped and not side.deliver_once:
+                        continue
+                    start = starts[side.name]
+                    want = toy_rows(
+                        key, torch.tensor(rec.tokens[r][start:end]), torch.arange(start, end)
+                    )
                     got = res.get(key, {}).get(r)
                     counts.rows_compared += int(want.shape[0])
                     if got is None or got.dtype != want.dtype or not torch.equal(got, want):
@@ -256,6 +303,8 @@ def run_sequence(
                             f"{None if got is None else tuple(got.shape)}, want "
                             f"{tuple(want.shape)} from position {start}"
                         )
+            if r in rec.dropped:
+                continue
             served = [res for res in results.values() if not isinstance(res, Exception)]
             for key in PASS_KEYS:
                 values = [res.get(key, {}).get(r) for res in served]
@@ -326,7 +375,9 @@ def run_sequence(
         n = so.total_num_scheduled_tokens
         invalid: set[int] = set()
         save = n > 0 and not (first_saved and rng.random() < params.unsaved)
-        rec = StepRecord(first_from, tokens, end)
+        rec = StepRecord(
+            first_from, tokens, end, dict(so.num_scheduled_tokens), set(cached.resumed_req_ids)
+        )
         if save:
             order = view.batch_req_ids()
             padded = n + rng.randrange(0, params.pad + 1)
@@ -377,7 +428,7 @@ def run_sequence(
         pending_late = []
         if save:
             req_ids = view.batch_req_ids()
-            if len(req_ids) > 1 and rng.random() < 0.2:
+            if len(req_ids) > 1 and rng.random() < params.subset:
                 req_ids = rng.sample(req_ids, rng.randrange(1, len(req_ids)))
             u = rng.random()
             if u < params.discard:

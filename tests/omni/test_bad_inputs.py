@@ -207,8 +207,9 @@ def test_hit_on_unwritten_rows_is_refused_not_zeros() -> None:
 
 
 def test_hit_on_unwritten_rows_is_recomputed_when_reported() -> None:
-    """Recomputation on: d's refused hit hands out d's step rows and names block 4 (the
-    first unwritten one) for the scheduler; rolled back to 0, d's recomputation serves all
+    """Recomputation on: d's refused hit hands out no rows (the scheduler drops that
+    output; hscache's delivery watermark, ``deliver_once``, the default) and names block 4
+    (the first unwritten one) for the scheduler; rolled back to 0, d's recomputation serves all
     its rows; rolled back to its hit shared with a request recomputing block 4 in the
     same step, its rows are read again (``[cached prefix | rows]``)."""
     cache, view, _ = warm()
@@ -220,7 +221,8 @@ def test_hit_on_unwritten_rows_is_recomputed_when_reported() -> None:
     )
     out = cache.materialize(sid, ["d"])
     assert out.hidden_states is not None
-    assert torch.equal(out.hidden_states["d"], d)  # dropped by the scheduler
+    assert out.hidden_states["d"].shape == (0, 3)  # dropped by the scheduler: none handed on
+    assert out.mm_outputs["mm.codes"]["d"].shape[0] == 0
     assert cache.take_invalid_blocks(sid) == [4]
     assert cache.take_invalid_blocks(sid) == []
     assert cache.rules.recomputing() == ["d"]
@@ -427,3 +429,49 @@ def test_a_discard_wakes_a_save_waiting_for_room() -> None:
     assert not saver.is_alive(), "the discard did not wake the waiting save"
     assert len(result) == 1 and isinstance(result[0], int), result
     assert cache.unconsumed_steps() == [result[0]]
+
+
+def test_resumed_request_hands_each_row_on_once_and_is_forgotten_when_finished() -> None:
+    """p prefills 8 tokens and decodes one (rows 0..8 handed on), is preempted, and resumes
+    at its 8-token hit on its own blocks: the resumed step's row (position 8 again) is not
+    handed on a second time, the next decode row (position 9) is; once p has finished and
+    its steps are consumed, hscache keeps no watermark for it."""
+    cache, view = make()
+    p = rows(8, 0.0)
+    sid = step(cache, view, sched(new=(("p", [1, 2], 0, 8),)), p, **{"mm.codes": p})
+    assert cache.materialize(sid, ["p"]).hidden_states["p"].shape[0] == 8  # type: ignore[index]
+    d = rows(1, 40.0)
+    sid = step(cache, view, sched(cont=(("p", [3], 8, 1),)), d, **{"mm.codes": d})
+    assert cache.materialize(sid, ["p"]).hidden_states["p"].shape[0] == 1  # type: ignore[index]
+    preempt = sched()
+    preempt.preempted_req_ids = {"p"}
+    cache.new_step_starts(preempt)
+    resumed = sched(cont=(("p", [1, 2, 4], 8, 1),))
+    resumed.scheduled_cached_reqs.resumed_req_ids = {"p"}
+    again = rows(1, 40.0)
+    sid = step(cache, view, resumed, again, **{"mm.codes": again})
+    out = cache.materialize(sid, ["p"])
+    assert out.hidden_states is not None
+    assert out.hidden_states["p"].shape == (0, W)  # position 8: handed on already
+    assert out.mm_outputs["mm.codes"]["p"].shape == (0, W)
+    nxt = rows(1, 60.0)
+    sid = step(cache, view, sched(cont=(("p", None, 9, 1),)), nxt, **{"mm.codes": nxt})
+    out = cache.materialize(sid, ["p"])
+    assert out.hidden_states is not None
+    assert torch.equal(out.hidden_states["p"], nxt)  # position 9: new
+    cache.new_step_starts(sched(finished=("p",)))
+    assert "p" not in cache._delivered and "p" not in cache._floors
+
+
+def test_watermark_of_a_request_finished_before_its_last_step_is_consumed() -> None:
+    """The async output thread materializes a step late: q's last step is consumed after the
+    step that reports q finished began; its rows are still handed on, then q is forgotten."""
+    cache, view = make()
+    q = rows(8, 0.0)
+    sid = step(cache, view, sched(new=(("q", [1, 2], 0, 8),)), q, **{"mm.codes": q})
+    cache.new_step_starts(sched(finished=("q",)))
+    assert "q" not in cache._delivered
+    out = cache.materialize(sid, ["q"])
+    assert out.hidden_states is not None
+    assert torch.equal(out.hidden_states["q"], q)
+    assert "q" not in cache._delivered and not cache._retiring

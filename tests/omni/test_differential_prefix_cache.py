@@ -20,6 +20,12 @@ oracle. vLLM 0.30's real ``Scheduler`` produces the ``SchedulerOutput``s (``step
   recomputation off the same hits are refused (``UnservableHitError``), never served.
 - ``test_hybrid_layout_against_recomputation``: beyond vllm-omni (one KV-cache group
   only), a sliding-window + full-attention layout, against the recomputed oracle.
+- ``test_preempted_requests_deliver_each_row_once``: in pools that preempt, each request's
+  rows appended materialize after materialize (as vllm-omni's runner builds the next
+  stage's payload) are the oracle's positions ``0 .. n`` once, in order, with hscache's
+  delivery watermark; vllm-omni's cache and a runner with no cache repeat a resumed
+  request's recomputed rows (counted, asserted to happen). hscache's side expects rows
+  from its watermark on in every test here (``Side(deliver_once=True)``).
 - ``test_rule_mutants_are_caught``: each broken rule of hscache's slot mirror and of its
   omni rules (``OmniStepRules``: first hits, refused hits, the spans' order) makes one of
   the two comparisons fail (the continuation rule's mutant: ``test_bad_inputs.py``).
@@ -29,6 +35,7 @@ Needs vllm-omni 0.30 on vLLM 0.30 (``scripts/vllm030_env.sh``); skipped elsewher
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
@@ -76,7 +83,7 @@ def _hscache_side(view: BatchView, p: Params, recompute: bool = True) -> Side:
         recompute_refused=recompute,
     )
     cache.register_policy(ModelCachePolicy(deferred_keys=DEFERRED_KEYS))
-    return Side("hscache", cache)
+    return Side("hscache", cache, deliver_once=True)
 
 
 def _params(seed: int, **kw: Any) -> Params:
@@ -201,7 +208,7 @@ def test_hybrid_layout_wrong_group_is_caught() -> None:
     def wrong(view: BatchView) -> list[Side]:
         cfg = PrefixCacheConfig(num_blocks=p.num_blocks, block_size=p.block_size)
         cache = OmniHiddenStateCache(cfg, view, settings=OmniSettings(storage="cpu"))
-        return [Side("hscache", cache)]
+        return [Side("hscache", cache, deliver_once=True)]
 
     counts = run_sequence(p, wrong)
     assert counts.refused.get("hscache", 0) > 0
@@ -268,3 +275,82 @@ def test_every_omni_rule_mutant_is_caught_somewhere() -> None:
 
     listed = {m for m, _ in MUTANTS} | CAUGHT_ELSEWHERE
     assert set(OmniStepRules._rule_mutants()) <= listed
+
+
+def _stream_faults(streams: dict[str, list[Any]], tokens: dict[str, list[int]]) -> list[str]:
+    """The requests whose rows, appended materialize after materialize as vllm-omni's
+    runner appends them for the next stage, are not exactly the oracle's rows of positions
+    ``0 .. n`` (each row once, in order: what a never-preempted run hands on)."""
+    import torch
+
+    from tests.omni.steps import toy_rows
+
+    faults = []
+    for r, parts in streams.items():
+        got = torch.cat(parts)
+        n = got.shape[0]
+        if len(tokens[r]) < n:
+            faults.append(f"{r}: {n} rows for {len(tokens[r])} tokens")
+            continue
+        want = toy_rows("__hidden_states__", torch.tensor(tokens[r][:n]), torch.arange(n))
+        if not torch.equal(got, want):
+            faults.append(f"{r}: {n} rows for {len(tokens[r])} tokens")
+    return faults
+
+
+# Pools small enough to preempt (and resume) every sequence, every step materialized for
+# all its requests (the runner's contract), at once or one step late, no aborts: each
+# request's stream is then whole.
+DELIVERY_SEEDS = range(int(os.environ.get("HSCACHE_OMNI_DIFF_SEEDS", "12")))
+
+
+def _delivery(seed: int) -> tuple[Counts, list[Side]]:
+    p = Params(
+        seed=seed,
+        num_blocks=12 + seed % 3,
+        max_num_seqs=5,
+        discard=0.0,
+        subset=0.0,
+        abort=0.0,
+    )
+    made: list[Side] = []
+
+    def sides(view: BatchView) -> list[Side]:
+        made.extend([_omni_side(view, p), _hscache_side(view, p)])
+        return made
+
+    return run_sequence(p, sides), made
+
+
+def test_preempted_requests_deliver_each_row_once() -> None:
+    """Preemption and resumption: every request's rows, appended step by step as vllm-omni's
+    runner appends them for the next stage, are exactly the never-preempted run's (the
+    oracle's rows of positions 0 .. n, once, in order) with hscache's cache (its delivery
+    watermark). Over the same sequences vllm-omni's own cache, and a runner with no cache
+    at all (each step's scheduled rows), hand resumed requests' recomputed rows on again
+    after the ones they had delivered (counted and printed; asserted to happen)."""
+    preempted = resumed = checked = 0
+    omni_faults: list[str] = []
+    cold_faults = 0
+    for seed in DELIVERY_SEEDS:
+        counts, (omni, hs) = _delivery(seed)
+        assert not counts.mismatches, (seed, counts.mismatches[:5])
+        assert not counts.refused, (seed, counts.refused)
+        faults = _stream_faults(hs.streams, counts.tokens)
+        assert not faults, (seed, faults[:5])
+        checked += len(hs.streams)
+        preempted += counts.preemptions
+        resumed += counts.resumptions
+        omni_faults += _stream_faults(omni.streams, counts.tokens)
+        # With no cache, a resumed request's recomputed rows start below the end of the
+        # rows it handed on before (the scheduler here caches KV blocks, so a resumption
+        # starts at its hit, and a first schedule may start past 0: that is no repeat).
+        for spans in counts.cold_streams.values():
+            if any(s < e for (_, e), (s, _) in itertools.pairwise(spans)):
+                cold_faults += 1
+    print(
+        f"requests={checked} preemptions={preempted} resumptions={resumed} "
+        f"vllm-omni streams wrong={len(omni_faults)} no-cache streams wrong={cold_faults}"
+    )
+    assert preempted > 0 and resumed > 0 and checked > 0
+    assert omni_faults and cold_faults > 0

@@ -125,6 +125,9 @@ def workload() -> list[Round]:
        ``Omni.abort`` once the thinker has decoded a few tokens of it.
     8. After the abort: its prompt again and a new suffix over its first 3 blocks, which
        hit the blocks (and rows) the aborted request computed (deterministic).
+    9-10. Never preempted: each of round 6's prompts again, with its own ``cache_salt``
+       (no hit: cold in every arm), beside a 3-token gated partner (19 blocks in 23: no
+       preemption): the rows a never-preempted run hands the talker, round 6's reference.
     The thinker prefills at most 64 tokens a step: every long prompt is a chunked prefill.
     """
     a, b = _prefix(1, 160), _prefix(2, 128)
@@ -149,20 +152,27 @@ def workload() -> list[Round]:
     ]
     same = _gated(3, 50, 40)
     x = _prefix(70, 96) + _prefix(71, 5)
+    preempt = [("q1", _gated(2, 60, 288)), ("q2", _gated(2, 61, 288))]
+    solo = [
+        Round(
+            f"solo_{name}",
+            True,
+            [(name, ids), (f"partner_{name}", _gated(2, 62, 3))],
+            thinker_max_tokens=PREEMPT_MAX_TOKENS,
+            salted=True,
+        )
+        for name, ids in preempt
+    ]
     return [
         Round("shared", False, round1),
         Round("repeat", True, round2),
         Round("pressure", False, pressure),
         Round("recycled", False, recycled),
         Round("same_step", True, [("s1", same), ("s2", same), ("s3", same)]),
-        Round(
-            "preempt",
-            True,
-            [("q1", _gated(2, 60, 288)), ("q2", _gated(2, 61, 288))],
-            thinker_max_tokens=PREEMPT_MAX_TOKENS,
-        ),
+        Round("preempt", True, preempt, thinker_max_tokens=PREEMPT_MAX_TOKENS),
         Round("abort", True, [("x", x)], thinker_max_tokens=ABORT_MAX_TOKENS),
         Round("after_abort", True, [("x_again", x), ("x_branch", x[:96] + _prefix(72, 9))]),
+        *solo,
     ]
 
 

@@ -18,6 +18,17 @@ token count (vllm-omni's JOIN_NEXT_STEP and JOIN_ON_FINISH keys alike: both are 
 hits from the step that saved them, so both are written at save); other multimodal outputs
 are passed through per request as vllm-omni does.
 
+Each row is handed out once, in order (``deliver_once``, on by default): vllm-omni's runners
+append every materialized request's rows to its payload for the next stage
+(``accumulate_full_payload_output``), and a request preempted and resumed recomputes its
+rows from its hit (or 0), which vllm-omni 0.30 hands on again after the ones it had
+delivered (with its own cache, and with none). A per-request delivery watermark (the
+furthest position handed out) trims a resumed request's materializes to the rows past the
+watermark it had when it was resumed; a first hit sent back for recomputation hands out
+nothing (the scheduler drops that output, and its
+next step is served its prefix). ``deliver_once=False`` keeps vllm-omni's contract above
+exactly. The watermark is this class's (Python, under its lock), not the Rust rules'.
+
 Who decides what: hscache's Rust slot mirror (``src/slots/``) takes the step's facts from
 the ``SchedulerOutput`` itself (new requests' tables and hits, running requests' new
 blocks, resumptions, finishes and preemptions), bumps the version of every block assigned
@@ -108,11 +119,12 @@ class _Key:
 
 
 class _Step(NamedTuple):
-    """A begun step: its ``SchedulerOutput`` and the recomputed requests whose rows the
-    mirror reads again (the rules' ``begin_step``)."""
+    """A begun step: its ``SchedulerOutput``, the recomputed requests whose rows the
+    mirror reads again (the rules' ``begin_step``), and the requests resumed in it."""
 
     output: Any
     rereads: list[str]
+    resumed: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -131,6 +143,13 @@ class _SavedStep:
     """Per request served its prefix (the rules' prefix order): ``key -> full rows``."""
     leftover: dict[str, Any] = field(default_factory=dict)
     """Outputs that are not one row per token, passed through."""
+    recomputed: frozenset[str] = frozenset()
+    """Requests whose first hit this step sent back for recomputation."""
+    resumed: frozenset[str] = frozenset()
+    """Requests resumed after preemption in this step."""
+    starts: list[int] = field(default_factory=list)
+    """Position of each request's first row of this step (its ``num_computed_tokens``;
+    a request served its prefix starts at 0), in row order."""
 
 
 def _split(
@@ -166,6 +185,36 @@ def _split(
         else:
             rest[key] = val
     return rows, rest
+
+
+def _starts(scheduler_output: Any, req_ids: Sequence[str]) -> list[int]:
+    """Each request's ``num_computed_tokens`` in the step (the position of its first
+    scheduled row), from vLLM's ``SchedulerOutput``, in ``req_ids``' order."""
+    computed: dict[str, int] = {}
+    for nr in scheduler_output.scheduled_new_reqs:
+        computed[nr.req_id] = int(nr.num_computed_tokens or 0)
+    cached = scheduler_output.scheduled_cached_reqs
+    for r, nc in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+        computed.setdefault(r, int(nc))
+    try:
+        return [computed[r] for r in req_ids]
+    except KeyError as e:
+        raise InvalidArgumentError(
+            f"request {e.args[0]!r} has rows in the step but is not scheduled in it"
+        ) from None
+
+
+def _resumed(scheduler_output: Any, delivered: Mapping[str, int]) -> frozenset[str]:
+    """The requests a step resumes after preemption: vLLM's ``resumed_req_ids`` (its V1
+    runner), and requests scheduled new again after rows of theirs were handed out (its
+    V2 runner resends a resumed request there)."""
+    cached = scheduler_output.scheduled_cached_reqs
+    found = set(getattr(cached, "resumed_req_ids", None) or ())
+    if delivered:
+        found.update(
+            nr.req_id for nr in scheduler_output.scheduled_new_reqs if nr.req_id in delivered
+        )
+    return frozenset(found)
 
 
 def _host_copy(val: Any, stream: Any = None) -> Any:
@@ -220,6 +269,7 @@ class OmniHiddenStateCache:
         settings: OmniSettings | None = None,
         kv_cache_group: int = 0,
         recompute_refused: bool = False,
+        deliver_once: bool = True,
     ) -> None:
         del eager
         self._kv_cache_group = kv_cache_group
@@ -272,6 +322,15 @@ class OmniHiddenStateCache:
         # Rows moved per key by the saves: into the cache, gathered for the hits, and
         # kept as the host copy of the plain requests' rows (``row_copies()``).
         self._rows_moved = {"written": 0, "gathered": 0, "kept": 0}
+        # The delivery watermark (``deliver_once``): per request, the next position
+        # whose rows no materialize has handed out yet. Requests finished while a
+        # saved step of theirs is unconsumed are retired when the last one is.
+        self._deliver_once = bool(deliver_once)
+        self._delivered: dict[str, int] = {}
+        # Per resumed request still recomputing rows it had handed out: the position its
+        # rows are handed out from again.
+        self._floors: dict[str, int] = {}
+        self._retiring: set[str] = set()
 
     # ------------------------------------------------------------------ properties
 
@@ -343,9 +402,16 @@ class OmniHiddenStateCache:
             # the device, the host does not) for the last step's copies out of them.
             torch.cuda.current_stream(self._last_copy[0]).wait_event(self._last_copy[1])
             self._last_copy = None
-        previous, self._pending = self._pending, _Step(scheduler_output, rereads)
+        resumed = _resumed(scheduler_output, self._delivered) if self._deliver_once else None
+        previous, self._pending = (
+            self._pending,
+            _Step(scheduler_output, rereads, resumed or frozenset()),
+        )
         if unsaved and previous is not None:
             self._plan_unsaved(previous)
+        finished = getattr(scheduler_output, "finished_req_ids", None)
+        if finished and self._deliver_once:
+            self._retire(finished)
 
     def save_outputs(
         self,
@@ -367,7 +433,12 @@ class OmniHiddenStateCache:
         )
         keys = self._check_keys(rows) if n else {}
         # Everything checked: change state.
-        saved = _SavedStep(req_ids=plan.req_ids, sizes=plan.sizes)
+        saved = _SavedStep(
+            req_ids=plan.req_ids,
+            sizes=plan.sizes,
+            starts=_starts(so.output, plan.req_ids) if self._deliver_once else [],
+            resumed=so.resumed,
+        )
         if n and not keys and self._cache is None and not self._keyless:
             self._keyless = True
             self._backlog.clear()
@@ -427,6 +498,10 @@ class OmniHiddenStateCache:
                 saved, step_rows, staged, prefix, plain_rows, plain_sizes, copied is not None
             )
 
+        if self._deliver_once:
+            recomputing = self._rules.recomputing()
+            if recomputing:
+                saved.recomputed = frozenset(recomputing).intersection(plan.req_ids)
         with self._lock:
             self._saving.discard(step_id)
             self._steps[step_id] = saved
@@ -446,6 +521,7 @@ class OmniHiddenStateCache:
             self._refuse_saving(step_id)
             index, prefix = self._rules.materialize(step_id, req_ids)
             saved = self._steps.pop(step_id)
+            skips = self._deliver(saved, req_ids, prefix) if self._deliver_once else None
             if self._savers_waiting:
                 self._consumed.notify_all()
         hidden: dict[str, torch.Tensor] | None = None
@@ -456,8 +532,10 @@ class OmniHiddenStateCache:
                 continue
             flat = len(key.row_shape) == 1
             per_req: dict[str, torch.Tensor] = {}
-            for r, i, full in zip(req_ids, index, prefix, strict=True):
+            for j, (r, i, full) in enumerate(zip(req_ids, index, prefix, strict=True)):
                 t = saved.prefix[i][name] if full else plain[i]
+                if skips is not None and skips[j]:
+                    t = t[skips[j] :]
                 per_req[r] = t if flat else t.reshape(t.shape[0], *key.row_shape)
             if name == HIDDEN_KEY:
                 hidden = per_req
@@ -473,7 +551,9 @@ class OmniHiddenStateCache:
         with self._lock:
             self._refuse_saving(step_id)
             self._rules.discard(step_id)
-            del self._steps[step_id]
+            saved = self._steps.pop(step_id)
+            if self._retiring:
+                self._retire_after(saved)
             if self._savers_waiting:
                 self._consumed.notify_all()
 
@@ -481,6 +561,78 @@ class OmniHiddenStateCache:
         """Nothing runs in the background; kept for vllm-omni's interface."""
 
     # ------------------------------------------------------------------ internals
+
+    def _deliver(
+        self, saved: _SavedStep, req_ids: list[str], prefix: Sequence[bool]
+    ) -> list[int] | None:
+        """The delivery watermark (under the lock): per requested id, how many of the rows
+        this materialize would hand out were handed out already, and the watermark moved
+        past the rest. vllm-omni's runners append every materialized request's rows to
+        the request's payload for the next stage (``accumulate_full_payload_output``), so
+        the rows of a request recomputed after preemption (positions from its hit, or 0)
+        would follow the rows it had delivered before: from its resumption on, its rows
+        below the furthest position handed out before it are not handed out again. A
+        first hit sent back for recomputation hands out nothing (the scheduler drops that
+        output; its next step is served its prefix), the watermark unmoved. Outside a
+        resumption every row is handed out as vllm-omni hands it out (a rejected draft's
+        row, and the real token's at its position after it, alike: vllm-omni's drafting
+        payload, which the ``hscache_spec`` arm compares; the watermark then follows the
+        rollback). None: nothing skipped."""
+        delivered, floors = self._delivered, self._floors
+        if not (saved.resumed or saved.recomputed or floors) and req_ids == saved.req_ids:
+            # The common step: nothing to hold back; the watermarks move to the rows' ends.
+            delivered.update(zip(req_ids, map(int.__add__, saved.starts, saved.sizes), strict=True))
+            if self._retiring:
+                self._retire_after(saved)
+            return None
+        pos = {r: i for i, r in enumerate(saved.req_ids)}
+        skips: list[int] = []
+        for r, full in zip(req_ids, prefix, strict=True):
+            i = pos[r]
+            first = 0 if full else saved.starts[i]
+            end = saved.starts[i] + saved.sizes[i]
+            if r in saved.resumed:
+                # Steps are consumed in order: every row before the preemption was handed
+                # out (or its step discarded) by now.
+                floors[r] = delivered.get(r, 0)
+            if r in saved.recomputed:  # its output is dropped; its next step is served
+                skips.append(end - first)
+                continue
+            floor = floors.get(r, 0)
+            skips.append(max(0, min(floor, end) - first))
+            if floor and end >= floor:
+                del floors[r]
+            if end > delivered.get(r, 0):  # a resumed request recomputing below it
+                delivered[r] = end
+        if self._retiring:
+            self._retire_after(saved)
+        return skips
+
+    def _retire(self, finished: Any) -> None:
+        """Forgets finished requests' watermarks, once no unconsumed step has their rows."""
+        with self._lock:
+            waiting: set[str] = set()
+            for saved in self._steps.values():
+                waiting.update(saved.req_ids)
+            for r in finished:
+                if r in waiting:  # its rows are still to be handed out (a step late)
+                    self._retiring.add(r)
+                else:
+                    self._delivered.pop(r, None)
+                    self._floors.pop(r, None)
+
+    def _retire_after(self, consumed: _SavedStep) -> None:
+        """Under the lock, ``consumed`` gone from ``_steps``: retires its finished requests
+        that no other unconsumed step has."""
+        done = self._retiring.intersection(consumed.req_ids)
+        if not done:
+            return
+        for saved in self._steps.values():
+            done.difference_update(saved.req_ids)
+        for r in done:
+            self._retiring.discard(r)
+            self._delivered.pop(r, None)
+            self._floors.pop(r, None)
 
     def _wait_for_room(self) -> None:
         """Waits (up to ``step_wait_s``) until fewer than ``max_unconsumed_steps`` saved
