@@ -3,6 +3,9 @@
 //! hot manager directly. One group's allocation or admission count is the
 //! coordinator's (`coordinator.rs`), the host pool a `BlockPoolCore` (`pool.rs`).
 //! Conversion only, as `hisparse.rs`.
+//!
+//! `HiSparseCore`'s one `#[pymethods]` block (`hisparse.rs`) holds these methods'
+//! signatures and docstrings and calls the longer bodies here.
 
 use pyo3::prelude::*;
 
@@ -13,12 +16,14 @@ use super::hisparse::PyHiSparseCore;
 use crate::error::Error;
 use crate::types::BlockId;
 
-#[pymethods]
+/// Per request with changes: its `(page, block id)` changes (`residency_changes`).
+type ResidencyChanges = Vec<(String, Vec<(usize, BlockId)>)>;
+
 impl PyHiSparseCore {
     // ---- resident and hot managers --------------------------------------------------
 
-    /// vLLM's `get_resident_page` of resident group `g`.
-    fn get_resident_page(
+    /// `HiSparseCore.get_resident_page`'s body (the method: `hisparse.rs`).
+    pub(super) fn get_resident_page_impl(
         &self,
         py: Python<'_>,
         g: usize,
@@ -33,8 +38,8 @@ impl PyHiSparseCore {
         })
     }
 
-    /// vLLM's `get_residency_row(request_id, start)` of resident group `g` (ids).
-    fn get_residency_row(
+    /// `HiSparseCore.get_residency_row`'s body (the method: `hisparse.rs`).
+    pub(super) fn get_residency_row_impl(
         &self,
         py: Python<'_>,
         g: usize,
@@ -51,8 +56,8 @@ impl PyHiSparseCore {
         })
     }
 
-    /// vLLM's `adopt_resident_page` of resident group `g`.
-    fn adopt_resident_page(
+    /// `HiSparseCore.adopt_resident_page`'s body (the method: `hisparse.rs`).
+    pub(super) fn adopt_resident_page_impl(
         &self,
         py: Python<'_>,
         g: usize,
@@ -76,8 +81,8 @@ impl PyHiSparseCore {
         })?)
     }
 
-    /// vLLM's `drop_resident_page` of resident group `g`.
-    fn drop_resident_page(
+    /// `HiSparseCore.drop_resident_page`'s body (the method: `hisparse.rs`).
+    pub(super) fn drop_resident_page_impl(
         &self,
         py: Python<'_>,
         g: usize,
@@ -98,13 +103,12 @@ impl PyHiSparseCore {
         })?)
     }
 
-    /// `residency_changes` of resident group `g`: `[(request, [(page, block)])]`.
-    #[allow(clippy::type_complexity)]
-    fn residency_changes(
+    /// `HiSparseCore.residency_changes`'s body (the method: `hisparse.rs`).
+    pub(super) fn residency_changes_impl(
         &self,
         py: Python<'_>,
         g: usize,
-    ) -> PyResult<Vec<(String, Vec<(usize, BlockId)>)>> {
+    ) -> PyResult<ResidencyChanges> {
         let this = self.owner.bind(py).try_borrow()?;
         this.core.read("residency_changes", |c| {
             let m = resident(c, g)?;
@@ -120,8 +124,13 @@ impl PyHiSparseCore {
         })
     }
 
-    /// vLLM's `require_hot` of hot group `g`.
-    fn require_hot(&self, py: Python<'_>, g: usize, request_id: &str) -> PyResult<()> {
+    /// `HiSparseCore.require_hot`'s body (the method: `hisparse.rs`).
+    pub(super) fn require_hot_impl(
+        &self,
+        py: Python<'_>,
+        g: usize,
+        request_id: &str,
+    ) -> PyResult<()> {
         let mut this = self.owner.bind(py).try_borrow_mut()?;
         Ok(this.core.hisparse_call(|_, ctx| {
             ctx.managers[g]
@@ -132,8 +141,8 @@ impl PyHiSparseCore {
         })?)
     }
 
-    /// `hot_required` of hot group `g`.
-    fn hot_required(&self, py: Python<'_>, g: usize) -> PyResult<Vec<String>> {
+    /// `HiSparseCore.hot_required`'s body (the method: `hisparse.rs`).
+    pub(super) fn hot_required_impl(&self, py: Python<'_>, g: usize) -> PyResult<Vec<String>> {
         let this = self.owner.bind(py).try_borrow()?;
         this.core.read("hot_required", |c| {
             let m = c
