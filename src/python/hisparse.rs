@@ -1,7 +1,8 @@
 //! `HiSparseCore`: HiSparse's coordinator of a `KVCacheCore`, for the Python view
-//! of vLLM's `HiSparseCoordinator` (`python/hscache/vllm/hisparse.py`); its calls
-//! on the resident and hot managers are in `hisparse_groups.rs`, the host pool is
-//! a `BlockPoolCore` (`pool.rs`).
+//! of vLLM's `HiSparseCoordinator` (`python/hscache/vllm/hisparse.py`), and the calls
+//! vLLM code makes on its resident and hot managers directly (the last section). One
+//! group's allocation or admission count is the coordinator's (`coordinator.rs`),
+//! the host pool a `BlockPoolCore` (`pool.rs`).
 //!
 //! The class holds its owner (`Py<KVCacheCore>`) and borrows it per call.
 //! Conversion only: request ids, counts and block handles in, a core call, ids and
@@ -17,6 +18,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use pyo3::PyTraverseError;
 
+use super::convert::blocks::id_in;
 use super::convert::count;
 use super::convert::publications::Publications;
 use super::errors::InvalidArgumentError;
@@ -596,6 +598,8 @@ impl PyHiSparseCore {
         })
     }
 
+    // ---- resident and hot managers --------------------------------------------------
+
     /// vLLM's `get_resident_page` of resident group `g`.
     fn get_resident_page(
         &self,
@@ -604,7 +608,12 @@ impl PyHiSparseCore {
         request_id: &str,
         page: i64,
     ) -> PyResult<Option<BlockId>> {
-        self.get_resident_page_impl(py, g, request_id, page)
+        let this = self.owner.bind(py).try_borrow()?;
+        let page = count("block_idx", page)?;
+        this.core.read("get_resident_page", |c| {
+            let m = resident(c, g)?;
+            Ok(m.get_resident_page(request_id, c.get_blocks(request_id, g), page))
+        })
     }
 
     /// vLLM's `get_residency_row(request_id, start)` of resident group `g` (ids).
@@ -615,7 +624,14 @@ impl PyHiSparseCore {
         request_id: &str,
         start: i64,
     ) -> PyResult<Vec<BlockId>> {
-        self.get_residency_row_impl(py, g, request_id, start)
+        let this = self.owner.bind(py).try_borrow()?;
+        let start = count("start", start)?;
+        this.core.read("get_residency_row", |c| {
+            let m = resident(c, g)?;
+            let mut out = Vec::new();
+            m.residency_row(request_id, c.get_blocks(request_id, g), start, &mut out);
+            Ok(out)
+        })
     }
 
     /// vLLM's `adopt_resident_page` of resident group `g`.
@@ -627,7 +643,20 @@ impl PyHiSparseCore {
         page: i64,
         block: &Bound<'_, PyAny>,
     ) -> PyResult<bool> {
-        self.adopt_resident_page_impl(py, g, request_id, page, block)
+        let slf = self.owner.bind(py);
+        let page = count("block_idx", page)?;
+        let id = id_in(slf, block, false)?;
+        let mut this = slf.try_borrow_mut()?;
+        Ok(this.core.hisparse_call(|_, ctx| {
+            let table = ctx
+                .requests
+                .get(request_id)
+                .map(|s| s.groups[g].blocks.clone());
+            let m = ctx.managers[g]
+                .hisparse_resident_mut()
+                .ok_or_else(|| Error::InvalidArgument(format!("group {g} is not resident")))?;
+            Ok(m.adopt_resident_page(request_id, table.as_deref(), page, id))
+        })?)
     }
 
     /// vLLM's `drop_resident_page` of resident group `g`.
@@ -638,7 +667,18 @@ impl PyHiSparseCore {
         request_id: &str,
         page: i64,
     ) -> PyResult<Option<BlockId>> {
-        self.drop_resident_page_impl(py, g, request_id, page)
+        let mut this = self.owner.bind(py).try_borrow_mut()?;
+        let page = count("block_idx", page)?;
+        Ok(this.core.hisparse_call(|_, ctx| {
+            let table = ctx
+                .requests
+                .get(request_id)
+                .map(|s| s.groups[g].blocks.clone());
+            let m = ctx.managers[g]
+                .hisparse_resident_mut()
+                .ok_or_else(|| Error::InvalidArgument(format!("group {g} is not resident")))?;
+            Ok(m.drop_resident_page(request_id, table.as_deref(), page))
+        })?)
     }
 
     /// `residency_changes` of resident group `g`: `[(request, [(page, block)])]`.
@@ -648,16 +688,55 @@ impl PyHiSparseCore {
         py: Python<'_>,
         g: usize,
     ) -> PyResult<Vec<(String, Vec<(usize, BlockId)>)>> {
-        self.residency_changes_impl(py, g)
+        let this = self.owner.bind(py).try_borrow()?;
+        this.core.read("residency_changes", |c| {
+            let m = resident(c, g)?;
+            Ok(m.requests_with_changes()
+                .map(|rid| {
+                    let changes = m
+                        .residency_changes(rid)
+                        .map(|c| c.iter().map(|(&p, &b)| (p, b)).collect())
+                        .unwrap_or_default();
+                    (rid.to_owned(), changes)
+                })
+                .collect())
+        })
     }
 
     /// vLLM's `require_hot` of hot group `g`.
     fn require_hot(&self, py: Python<'_>, g: usize, request_id: &str) -> PyResult<()> {
-        self.require_hot_impl(py, g, request_id)
+        let mut this = self.owner.bind(py).try_borrow_mut()?;
+        Ok(this.core.hisparse_call(|_, ctx| {
+            ctx.managers[g]
+                .hisparse_hot_mut()
+                .ok_or_else(|| Error::InvalidArgument(format!("group {g} is not hot")))?
+                .require_hot(request_id);
+            Ok(())
+        })?)
     }
 
     /// `hot_required` of hot group `g`.
     fn hot_required(&self, py: Python<'_>, g: usize) -> PyResult<Vec<String>> {
-        self.hot_required_impl(py, g)
+        let this = self.owner.bind(py).try_borrow()?;
+        this.core.read("hot_required", |c| {
+            let m = c
+                .coordinator()
+                .managers()
+                .get(g)
+                .and_then(|m| m.hisparse_hot())
+                .ok_or_else(|| InvalidArgumentError::new_err(format!("group {g} is not hot")))?;
+            Ok(m.hot_required().map(str::to_owned).collect())
+        })
     }
+}
+
+fn resident(
+    core: &crate::manager::KVCacheManager,
+    g: usize,
+) -> PyResult<&crate::manager::hisparse::HiSparseResidentManager> {
+    core.coordinator()
+        .managers()
+        .get(g)
+        .and_then(|m| m.hisparse_resident())
+        .ok_or_else(|| InvalidArgumentError::new_err(format!("group {g} is not resident")))
 }

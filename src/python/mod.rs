@@ -19,7 +19,6 @@ mod events;
 mod explain;
 mod hasher;
 mod hisparse;
-mod hisparse_groups;
 mod manager;
 mod manager_calls;
 mod omni_rules;
