@@ -55,8 +55,7 @@ CRATE = ROOT / "src"
 _BINDINGS = (
     "the bindings' handles point at their owner: KVCacheBlock / KVCacheBlocks and the view "
     "classes (BlockPoolCore, KVCacheCoordinatorCore, HiSparseCore) hold their KVCacheCore and "
-    "borrow it per call; the core creates the handles, and its free / update_spills calls use "
-    "hisparse's publication oracle; batch, explain and convert/{blocks,request} are "
+    "borrow it per call; the core creates the handles; batch and convert/blocks are "
     "KVCacheCore's calls written in their own files. Inherent to the handles (DESIGN.md "
     "section 2: bindings mirror the core class by class)"
 )
@@ -68,9 +67,6 @@ RUST_KNOWN: dict[frozenset[str], str] = {
             "block",
             "blocks",
             "convert::blocks",
-            "convert::request",
-            "explain",
-            "hisparse",
             "manager",
         )
     ): _BINDINGS,

@@ -102,10 +102,7 @@ impl PyKVCacheCoordinatorCore {
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
         visit.call(&self.owner)
     }
-}
 
-#[pymethods]
-impl PyKVCacheCoordinatorCore {
     /// The coordinator's settings: `{kind, scheduler_block_size, hash_block_size,
     /// num_reprefillable_tokens, retention_interval, enable_partial_hash_hits,
     /// eagle_group_ids, drop_eagle_group_ids, full_attention_group_id,

@@ -1,83 +1,32 @@
 //! `HiSparseCore`: HiSparse's coordinator of a `KVCacheCore`, for the Python view
-//! of vLLM's `HiSparseCoordinator` (`python/hscache/vllm/hisparse.py`); its calls
-//! on the resident and hot managers are in `hisparse_groups.rs`, the host pool is
-//! a `BlockPoolCore` (`pool.rs`).
+//! of vLLM's `HiSparseCoordinator` (`python/hscache/vllm/hisparse.py`), and the calls
+//! vLLM code makes on its resident and hot managers directly (the last section). One
+//! group's allocation or admission count is the coordinator's (`coordinator.rs`),
+//! the host pool a `BlockPoolCore` (`pool.rs`).
 //!
 //! The class holds its owner (`Py<KVCacheCore>`) and borrows it per call.
 //! Conversion only: request ids, counts and block handles in, a core call, ids and
 //! tuples out; the views build vLLM's objects (`SparseKVPageTransfer`, ...). The
-//! core names a HiSparse publication's request by id; [`Publications`] answers its
+//! core names a HiSparse publication's request by id; `Publications`
+//! (`convert/publications.rs`) answers its
 //! questions about those requests (and the interpreter's `hash()` of request ids,
 //! which orders what vLLM iterates as a `set`) from the request objects the
 //! manager's binding keeps, by publication id, in `PyKVCacheCore::publications`.
 
-use std::cell::RefCell;
-
 use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString};
+use pyo3::types::{PyBytes, PyDict, PyList};
 use pyo3::PyTraverseError;
-use rustc_hash::FxHashMap;
 
+use super::convert::blocks::id_in;
 use super::convert::count;
+use super::convert::publications::Publications;
 use super::errors::InvalidArgumentError;
 use super::manager::PyKVCacheCore;
 use crate::error::{Error, Result};
-use crate::manager::hisparse::{
-    HiSparseCoordinator, HiSparseCtx, HiSparseRequestState, PublicationRequests,
-};
+use crate::manager::hisparse::{HiSparseCoordinator, HiSparseCtx, HiSparseRequestState};
 use crate::manager::KVCacheManager;
 use crate::types::BlockId;
-
-/// [`PublicationRequests`] over the publications' request objects.
-pub(crate) struct Publications<'a, 'py> {
-    py: Python<'py>,
-    requests: &'a FxHashMap<u64, Py<PyAny>>,
-    err: RefCell<Option<PyErr>>,
-}
-
-impl<'a, 'py> Publications<'a, 'py> {
-    pub(crate) fn new(py: Python<'py>, requests: &'a FxHashMap<u64, Py<PyAny>>) -> Self {
-        Self {
-            py,
-            requests,
-            err: RefCell::new(None),
-        }
-    }
-
-    fn stash(&self, e: PyErr) -> Error {
-        let msg = e.to_string();
-        *self.err.borrow_mut() = Some(e);
-        Error::InvalidArgument(msg)
-    }
-
-    /// The error to raise for a failed call: the Python error behind it, if any.
-    pub(crate) fn error(&self, e: Error) -> PyErr {
-        self.err.borrow_mut().take().unwrap_or_else(|| e.into())
-    }
-}
-
-impl PublicationRequests for Publications<'_, '_> {
-    fn is_finished(&self, publication: u64) -> Result<bool> {
-        let Some(request) = self.requests.get(&publication) else {
-            return Err(Error::Internal(format!(
-                "HiSparse publication {publication} has no request"
-            )));
-        };
-        request
-            .bind(self.py)
-            .call_method0("is_finished")
-            .and_then(|v| v.is_truthy())
-            .map_err(|e| self.stash(e))
-    }
-
-    fn request_hash(&self, request_id: &str) -> Result<u64> {
-        PyString::new(self.py, request_id)
-            .hash()
-            .map(|h| h as u64)
-            .map_err(|e| self.stash(e))
-    }
-}
 
 fn rid_counts(items: &Bound<'_, PyAny>) -> PyResult<Vec<(Box<str>, usize)>> {
     items
@@ -192,24 +141,6 @@ pub struct PyHiSparseCore {
     pub(crate) owner: Py<PyKVCacheCore>,
 }
 
-#[pymethods]
-impl PyHiSparseCore {
-    /// The HiSparse coordinator of `owner` (`InvalidArgumentError` without one).
-    #[new]
-    fn new(owner: &Bound<'_, PyKVCacheCore>) -> PyResult<Self> {
-        if owner.try_borrow()?.core.coordinator().hisparse().is_none() {
-            return Err(no_hisparse());
-        }
-        Ok(Self {
-            owner: owner.clone().unbind(),
-        })
-    }
-
-    fn __traverse__(&self, visit: PyVisit<'_>) -> std::result::Result<(), PyTraverseError> {
-        visit.call(&self.owner)
-    }
-}
-
 impl PyHiSparseCore {
     /// One call on the owner's HiSparse coordinator.
     fn call<T>(
@@ -258,6 +189,21 @@ impl PyHiSparseCore {
 
 #[pymethods]
 impl PyHiSparseCore {
+    /// The HiSparse coordinator of `owner` (`InvalidArgumentError` without one).
+    #[new]
+    fn new(owner: &Bound<'_, PyKVCacheCore>) -> PyResult<Self> {
+        if owner.try_borrow()?.core.coordinator().hisparse().is_none() {
+            return Err(no_hisparse());
+        }
+        Ok(Self {
+            owner: owner.clone().unbind(),
+        })
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> std::result::Result<(), PyTraverseError> {
+        visit.call(&self.owner)
+    }
+
     // ---- layout ---------------------------------------------------------------------
 
     /// The HiSparse layout: `host_group`, `resident_groups`, `hot_groups`,
@@ -651,4 +597,146 @@ impl PyHiSparseCore {
             Ok(d)
         })
     }
+
+    // ---- resident and hot managers --------------------------------------------------
+
+    /// vLLM's `get_resident_page` of resident group `g`.
+    fn get_resident_page(
+        &self,
+        py: Python<'_>,
+        g: usize,
+        request_id: &str,
+        page: i64,
+    ) -> PyResult<Option<BlockId>> {
+        let this = self.owner.bind(py).try_borrow()?;
+        let page = count("block_idx", page)?;
+        this.core.read("get_resident_page", |c| {
+            let m = resident(c, g)?;
+            Ok(m.get_resident_page(request_id, c.get_blocks(request_id, g), page))
+        })
+    }
+
+    /// vLLM's `get_residency_row(request_id, start)` of resident group `g` (ids).
+    fn get_residency_row(
+        &self,
+        py: Python<'_>,
+        g: usize,
+        request_id: &str,
+        start: i64,
+    ) -> PyResult<Vec<BlockId>> {
+        let this = self.owner.bind(py).try_borrow()?;
+        let start = count("start", start)?;
+        this.core.read("get_residency_row", |c| {
+            let m = resident(c, g)?;
+            let mut out = Vec::new();
+            m.residency_row(request_id, c.get_blocks(request_id, g), start, &mut out);
+            Ok(out)
+        })
+    }
+
+    /// vLLM's `adopt_resident_page` of resident group `g`.
+    fn adopt_resident_page(
+        &self,
+        py: Python<'_>,
+        g: usize,
+        request_id: &str,
+        page: i64,
+        block: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let slf = self.owner.bind(py);
+        let page = count("block_idx", page)?;
+        let id = id_in(slf, block, false)?;
+        let mut this = slf.try_borrow_mut()?;
+        Ok(this.core.hisparse_call(|_, ctx| {
+            let table = ctx
+                .requests
+                .get(request_id)
+                .map(|s| s.groups[g].blocks.clone());
+            let m = ctx.managers[g]
+                .hisparse_resident_mut()
+                .ok_or_else(|| Error::InvalidArgument(format!("group {g} is not resident")))?;
+            Ok(m.adopt_resident_page(request_id, table.as_deref(), page, id))
+        })?)
+    }
+
+    /// vLLM's `drop_resident_page` of resident group `g`.
+    fn drop_resident_page(
+        &self,
+        py: Python<'_>,
+        g: usize,
+        request_id: &str,
+        page: i64,
+    ) -> PyResult<Option<BlockId>> {
+        let mut this = self.owner.bind(py).try_borrow_mut()?;
+        let page = count("block_idx", page)?;
+        Ok(this.core.hisparse_call(|_, ctx| {
+            let table = ctx
+                .requests
+                .get(request_id)
+                .map(|s| s.groups[g].blocks.clone());
+            let m = ctx.managers[g]
+                .hisparse_resident_mut()
+                .ok_or_else(|| Error::InvalidArgument(format!("group {g} is not resident")))?;
+            Ok(m.drop_resident_page(request_id, table.as_deref(), page))
+        })?)
+    }
+
+    /// `residency_changes` of resident group `g`: `[(request, [(page, block)])]`.
+    #[allow(clippy::type_complexity)]
+    fn residency_changes(
+        &self,
+        py: Python<'_>,
+        g: usize,
+    ) -> PyResult<Vec<(String, Vec<(usize, BlockId)>)>> {
+        let this = self.owner.bind(py).try_borrow()?;
+        this.core.read("residency_changes", |c| {
+            let m = resident(c, g)?;
+            Ok(m.requests_with_changes()
+                .map(|rid| {
+                    let changes = m
+                        .residency_changes(rid)
+                        .map(|c| c.iter().map(|(&p, &b)| (p, b)).collect())
+                        .unwrap_or_default();
+                    (rid.to_owned(), changes)
+                })
+                .collect())
+        })
+    }
+
+    /// vLLM's `require_hot` of hot group `g`.
+    fn require_hot(&self, py: Python<'_>, g: usize, request_id: &str) -> PyResult<()> {
+        let mut this = self.owner.bind(py).try_borrow_mut()?;
+        Ok(this.core.hisparse_call(|_, ctx| {
+            ctx.managers[g]
+                .hisparse_hot_mut()
+                .ok_or_else(|| Error::InvalidArgument(format!("group {g} is not hot")))?
+                .require_hot(request_id);
+            Ok(())
+        })?)
+    }
+
+    /// `hot_required` of hot group `g`.
+    fn hot_required(&self, py: Python<'_>, g: usize) -> PyResult<Vec<String>> {
+        let this = self.owner.bind(py).try_borrow()?;
+        this.core.read("hot_required", |c| {
+            let m = c
+                .coordinator()
+                .managers()
+                .get(g)
+                .and_then(|m| m.hisparse_hot())
+                .ok_or_else(|| InvalidArgumentError::new_err(format!("group {g} is not hot")))?;
+            Ok(m.hot_required().map(str::to_owned).collect())
+        })
+    }
+}
+
+fn resident(
+    core: &crate::manager::KVCacheManager,
+    g: usize,
+) -> PyResult<&crate::manager::hisparse::HiSparseResidentManager> {
+    core.coordinator()
+        .managers()
+        .get(g)
+        .and_then(|m| m.hisparse_resident())
+        .ok_or_else(|| InvalidArgumentError::new_err(format!("group {g} is not resident")))
 }

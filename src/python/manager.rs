@@ -17,6 +17,12 @@
 //! `KVCacheCore` and borrow it per call: the pools (device and host,
 //! `BlockPoolCore`, `pool.rs`), the coordinator (`KVCacheCoordinatorCore`,
 //! `coordinator.rs`) and HiSparse's coordinator (`HiSparseCore`, `hisparse.rs`).
+//!
+//! The class's one `#[pymethods]` block is here: every Python-visible name,
+//! signature and docstring. The longer bodies of its concerns' methods are plain
+//! `impl` blocks in their own files, which that block calls: explain mode
+//! (`explain.rs`), retention (`retention.rs`), the stats and event-queue calls
+//! (`manager_calls.rs`).
 
 use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
@@ -29,7 +35,7 @@ use super::blocks::PyKVCacheBlocks;
 use super::convert::blocks::{grouped_ids, hit_ids};
 use super::convert::request::{request_id, PyRequest, StatusObjects};
 use super::convert::spec::group_spec;
-use super::convert::{count, count_arg, int64, Int};
+use super::convert::{count, count_arg, int64, BlockIdInt, Int};
 use super::errors::InvalidArgumentError;
 use super::events::{Compactor, PyEventBuilder, StoredMemo};
 use crate::events::{EventsMode, MetricsOp};
@@ -493,6 +499,63 @@ impl PyKVCacheCore {
     }
 }
 
+impl PyKVCacheCore {
+    /// A block's neighbor in the free queue (see `KVCacheBlock.next_free_block`).
+    pub(crate) fn free_list_neighbor(
+        slf: &Bound<'_, Self>,
+        block_id: BlockId,
+        host: bool,
+        prev: bool,
+    ) -> PyResult<Option<Py<PyAny>>> {
+        let neighbors = {
+            let this = slf.try_borrow()?;
+            let pool = if host {
+                this.core.host_pool()
+            } else {
+                Some(this.core.block_pool())
+            };
+            pool.and_then(|p| p.free_block_queue().neighbors(block_id))
+        };
+        match neighbors {
+            None => Ok(None),
+            Some((p, n)) if host => {
+                // The host pool's queue ends have no sentinel objects.
+                let Some(id) = (if prev { p } else { n }) else {
+                    return Ok(None);
+                };
+                let mut this = slf.try_borrow_mut()?;
+                Ok(Some(
+                    Self::pool_handle(slf, &mut this, id, true)?.into_any(),
+                ))
+            }
+            Some((p, n)) => Self::link_target(slf, if prev { p } else { n }, !prev),
+        }
+    }
+
+    /// A block handle, or the tail (`to_tail`) / head sentinel for `None`.
+    pub(crate) fn link_target(
+        slf: &Bound<'_, Self>,
+        id: Option<BlockId>,
+        to_tail: bool,
+    ) -> PyResult<Option<Py<PyAny>>> {
+        let py = slf.py();
+        match id {
+            Some(id) => {
+                let mut this = slf.try_borrow_mut()?;
+                Ok(Some(Self::handle(slf, &mut this, id)?.into_any()))
+            }
+            None => {
+                let this = slf.try_borrow()?;
+                Ok(this
+                    .bindings()?
+                    .free_list_sentinels
+                    .as_ref()
+                    .map(|s| s[usize::from(to_tail)].clone_ref(py)))
+            }
+        }
+    }
+}
+
 #[pymethods]
 impl PyKVCacheCore {
     #[new]
@@ -846,7 +909,8 @@ impl PyKVCacheCore {
         {
             let mut this = slf.try_borrow_mut()?;
             let this = &mut *this;
-            let oracle = super::hisparse::Publications::new(slf.py(), &this.publications);
+            let oracle =
+                super::convert::publications::Publications::new(slf.py(), &this.publications);
             this.core
                 .shielded("free", |c| c.free_with(request_id, &oracle))
                 .map_err(|e| oracle.error(e))?;
@@ -868,7 +932,8 @@ impl PyKVCacheCore {
             ids.clear();
             let r = {
                 let this = &mut *this;
-                let oracle = super::hisparse::Publications::new(slf.py(), &this.publications);
+                let oracle =
+                    super::convert::publications::Publications::new(slf.py(), &this.publications);
                 let rid = rid.to_str()?;
                 this.core
                     .shielded("pop_blocks_for_free", |c| {
@@ -1205,67 +1270,7 @@ impl PyKVCacheCore {
             c.release();
         }
     }
-}
 
-impl PyKVCacheCore {
-    /// A block's neighbor in the free queue (see `KVCacheBlock.next_free_block`).
-    pub(crate) fn free_list_neighbor(
-        slf: &Bound<'_, Self>,
-        block_id: BlockId,
-        host: bool,
-        prev: bool,
-    ) -> PyResult<Option<Py<PyAny>>> {
-        let neighbors = {
-            let this = slf.try_borrow()?;
-            let pool = if host {
-                this.core.host_pool()
-            } else {
-                Some(this.core.block_pool())
-            };
-            pool.and_then(|p| p.free_block_queue().neighbors(block_id))
-        };
-        match neighbors {
-            None => Ok(None),
-            Some((p, n)) if host => {
-                // The host pool's queue ends have no sentinel objects.
-                let Some(id) = (if prev { p } else { n }) else {
-                    return Ok(None);
-                };
-                let mut this = slf.try_borrow_mut()?;
-                Ok(Some(
-                    Self::pool_handle(slf, &mut this, id, true)?.into_any(),
-                ))
-            }
-            Some((p, n)) => Self::link_target(slf, if prev { p } else { n }, !prev),
-        }
-    }
-
-    /// A block handle, or the tail (`to_tail`) / head sentinel for `None`.
-    pub(crate) fn link_target(
-        slf: &Bound<'_, Self>,
-        id: Option<BlockId>,
-        to_tail: bool,
-    ) -> PyResult<Option<Py<PyAny>>> {
-        let py = slf.py();
-        match id {
-            Some(id) => {
-                let mut this = slf.try_borrow_mut()?;
-                Ok(Some(Self::handle(slf, &mut this, id)?.into_any()))
-            }
-            None => {
-                let this = slf.try_borrow()?;
-                Ok(this
-                    .bindings()?
-                    .free_list_sentinels
-                    .as_ref()
-                    .map(|s| s[usize::from(to_tail)].clone_ref(py)))
-            }
-        }
-    }
-}
-
-#[pymethods]
-impl PyKVCacheCore {
     /// Selects the KV-event stream by name: `"vllm"` (vLLM's events, event for
     /// event; the default) or `"compact"` (consecutive events of one
     /// `take_events()` batch coalesced). Anything else is `InvalidArgumentError`,
@@ -1320,5 +1325,148 @@ impl PyKVCacheCore {
     #[getter]
     fn kv_events_mode(&self) -> &'static str {
         PyKVCacheCore::kv_events_mode_of(self).name()
+    }
+
+    /// Turns explain mode on or off (`history_capacity`: evicted keys and cached
+    /// fingerprints remembered; default 4 per block, at least 4096).
+    #[pyo3(signature = (on=true, history_capacity=None))]
+    fn core_set_explain(&mut self, on: bool, history_capacity: Option<i64>) -> PyResult<()> {
+        self.core_set_explain_impl(on, history_capacity)
+    }
+
+    /// Whether explain mode is on.
+    #[getter]
+    fn explain_enabled(&self) -> bool {
+        self.core.explain_enabled()
+    }
+
+    /// Explain mode's summary: `{"lookups": {reason: count}, "requests": n}`: every
+    /// explained lookup since explain mode was turned on by reason, and how many
+    /// requests' last lookups are remembered. `UnsupportedError` with explain mode off.
+    fn core_explain_summary<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.core_explain_summary_impl(py)
+    }
+
+    /// The record of the request's last lookup as a dict (`hit_blocks`,
+    /// `hit_tokens`, `num_full_blocks`, `num_tokens`, `reason`, `detail`,
+    /// `lookup_seq`). `UnsupportedError` (a `NotImplementedError`, so a `RuntimeError`)
+    /// with explain mode off, `UnknownRequestError` (a `KeyError`) for a request without
+    /// an explained lookup.
+    fn core_explain<'py>(&self, py: Python<'py>, request_id: &str) -> PyResult<Bound<'py, PyDict>> {
+        self.core_explain_impl(py, request_id)
+    }
+
+    /// vLLM's `record_prefix_cache_stats`: counts an admitted request's query and
+    /// hits into `prefix_cache_stats` unless stats are off or the request skipped
+    /// the lookup. `num_hits` must be a non-negative int (`TypeError` /
+    /// `InvalidArgumentError` otherwise, with the stats unchanged); a stats object
+    /// replaced by None is `InvalidArgumentError` (vLLM asserts).
+    fn record_prefix_cache_stats(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+        num_hits: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        Self::record_prefix_cache_stats_impl(slf, request, num_hits)
+    }
+
+    /// vLLM's `take_events`: the queued KV events (the queue is then empty), each
+    /// `BlockStored` annotated with its group's `kv_cache_spec_kind` and
+    /// `kv_cache_spec_sliding_window` from `kv_cache_event_metadata`.
+    fn take_events<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
+        Self::take_events_impl(slf)
+    }
+
+    /// The pool's event queue (vLLM's `BlockPool.kv_event_queue`), the list the
+    /// core appends each call's events to; None with events off.
+    fn core_kv_event_queue<'py>(&mut self, py: Python<'py>) -> Option<Bound<'py, PyList>> {
+        self.event_queue(py)
+    }
+
+    /// `BlockPool.kv_event_queue = queue`: the list later events are appended to.
+    /// False (nothing changed) with events off.
+    fn core_set_kv_event_queue(&mut self, queue: Bound<'_, PyList>) -> bool {
+        self.set_event_queue(queue)
+    }
+
+    /// vLLM's `BlockPool.take_events`: the queued events, not annotated; the queue
+    /// is then empty. An empty list with events off.
+    fn core_take_pool_events<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyList> {
+        self.take_event_queue(py)
+    }
+
+    /// Selects the retention policy (`lru|priority|pin|ttl|slru`) before any block
+    /// is used; unset settings keep their defaults. `manual_clock`: time moves only
+    /// by `retention_advance_clock` (simulated traces, tests).
+    #[pyo3(signature = (policy, *, default_priority=None, ttl_s=None,
+        max_pinned_blocks=None, slru_protected_blocks=None, manual_clock=false))]
+    fn core_set_retention(
+        &mut self,
+        policy: &str,
+        default_priority: Option<i64>,
+        ttl_s: Option<f64>,
+        max_pinned_blocks: Option<i64>,
+        slru_protected_blocks: Option<i64>,
+        manual_clock: bool,
+    ) -> PyResult<()> {
+        self.core_set_retention_impl(
+            policy,
+            default_priority,
+            ttl_s,
+            max_pinned_blocks,
+            slru_protected_blocks,
+            manual_clock,
+        )
+    }
+
+    /// The active retention policy's name.
+    #[getter]
+    fn retention_policy(&self) -> &'static str {
+        self.core.block_pool().retention_kind().name()
+    }
+
+    /// Sets the hint the next frees apply (the glue clears it after the free).
+    #[pyo3(signature = (priority=None, duration_s=None, pin=false))]
+    fn core_retention_hint(
+        &mut self,
+        priority: Option<i64>,
+        duration_s: Option<f64>,
+        pin: bool,
+    ) -> PyResult<()> {
+        self.core_retention_hint_impl(priority, duration_s, pin)
+    }
+
+    /// `free` under a retention policy: reads the request's hints
+    /// (`sampling_params.extra_args`: `hscache_priority`, `hscache_retention_s`,
+    /// `hscache_pin`), frees with them, and clears them, in one call.
+    fn core_free_retained(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
+        Self::core_free_retained_impl(slf, request)
+    }
+
+    /// Clears the free hint.
+    fn core_clear_retention_hint(&mut self) -> PyResult<()> {
+        self.core.block_pool_mut()?.clear_retention_hint();
+        Ok(())
+    }
+
+    /// Pins the listed cached blocks (policy `pin`); returns how many are pinned.
+    fn retention_pin_blocks(&mut self, block_ids: Vec<BlockIdInt>) -> PyResult<usize> {
+        let block_ids: Vec<i64> = block_ids.into_iter().map(|b| b.0).collect();
+        Ok(self.core.block_pool_mut()?.pin_blocks(&block_ids)?)
+    }
+
+    /// Unpins every block (policy `pin`).
+    fn retention_unpin_all(&mut self) -> PyResult<()> {
+        self.core.block_pool_mut()?.unpin_all();
+        Ok(())
+    }
+
+    /// Moves the policy's clock forward (simulated traces and tests).
+    fn retention_advance_clock(&mut self, seconds: f64) -> PyResult<()> {
+        self.retention_advance_clock_impl(seconds)
+    }
+
+    /// The policy's counters (`policy` only under `lru`).
+    fn retention_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.retention_stats_impl(py)
     }
 }

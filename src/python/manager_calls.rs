@@ -11,6 +11,9 @@
 //! events and annotates each `BlockStored` with its group's spec kind and sliding
 //! window, as vLLM's `KVCacheManager.take_events` does, with vLLM's warning for a
 //! group index outside the metadata.
+//!
+//! `KVCacheCore`'s one `#[pymethods]` block (`manager.rs`) holds these methods'
+//! signatures and docstrings and calls the longer bodies here.
 
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -65,14 +68,9 @@ fn bump(
 /// vLLM's `kv_cache_manager` logger (the warning of `take_events`).
 static VLLM_MANAGER_LOGGER: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
-#[pymethods]
 impl PyKVCacheCore {
-    /// vLLM's `record_prefix_cache_stats`: counts an admitted request's query and
-    /// hits into `prefix_cache_stats` unless stats are off or the request skipped
-    /// the lookup. `num_hits` must be a non-negative int (`TypeError` /
-    /// `InvalidArgumentError` otherwise, with the stats unchanged); a stats object
-    /// replaced by None is `InvalidArgumentError` (vLLM asserts).
-    fn record_prefix_cache_stats(
+    /// `KVCacheCore.record_prefix_cache_stats`'s body (the method: `manager.rs`).
+    pub(super) fn record_prefix_cache_stats_impl(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
         num_hits: &Bound<'_, PyAny>,
@@ -150,10 +148,8 @@ impl PyKVCacheCore {
         bump(&stats, hits, num_hits)
     }
 
-    /// vLLM's `take_events`: the queued KV events (the queue is then empty), each
-    /// `BlockStored` annotated with its group's `kv_cache_spec_kind` and
-    /// `kv_cache_spec_sliding_window` from `kv_cache_event_metadata`.
-    fn take_events<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
+    /// `KVCacheCore.take_events`'s body (the method: `manager.rs`).
+    pub(super) fn take_events_impl<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
         let py = slf.py();
         let (events, stored) = {
             let mut this = slf.try_borrow_mut()?;
@@ -200,23 +196,5 @@ impl PyKVCacheCore {
             event.setattr(window_name, window)?;
         }
         Ok(events)
-    }
-
-    /// The pool's event queue (vLLM's `BlockPool.kv_event_queue`), the list the
-    /// core appends each call's events to; None with events off.
-    fn core_kv_event_queue<'py>(&mut self, py: Python<'py>) -> Option<Bound<'py, PyList>> {
-        self.event_queue(py)
-    }
-
-    /// `BlockPool.kv_event_queue = queue`: the list later events are appended to.
-    /// False (nothing changed) with events off.
-    fn core_set_kv_event_queue(&mut self, queue: Bound<'_, PyList>) -> bool {
-        self.set_event_queue(queue)
-    }
-
-    /// vLLM's `BlockPool.take_events`: the queued events, not annotated; the queue
-    /// is then empty. An empty list with events off.
-    fn core_take_pool_events<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyList> {
-        self.take_event_queue(py)
     }
 }

@@ -19,14 +19,15 @@ mod events;
 mod explain;
 mod hasher;
 mod hisparse;
-mod hisparse_groups;
 mod manager;
 mod manager_calls;
 mod omni_rules;
+mod omni_save_plan;
 mod pool;
 mod prefill_skip;
 mod retention;
 mod slot_facts;
+mod slot_reads;
 mod slots;
 mod step_schedule;
 mod step_update;
@@ -105,9 +106,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<coordinator::PyKVCacheCoordinatorCore>()?;
     m.add_class::<hisparse::PyHiSparseCore>()?;
     m.add_class::<slots::PySlotMirror>()?;
-    m.add_class::<slots::PySlotReads>()?;
+    m.add_class::<slot_reads::PySlotReads>()?;
     m.add_class::<omni_rules::PyOmniStepRules>()?;
-    m.add_class::<omni_rules::PyOmniSavePlan>()?;
+    m.add_class::<omni_save_plan::PyOmniSavePlan>()?;
     m.add_class::<step_schedule::PyStepSchedule>()?;
     #[cfg(feature = "mutants")]
     m.add_function(wrap_pyfunction!(step_schedule::_break_step_rules, m)?)?;

@@ -1,5 +1,6 @@
-//! `OmniStepRules` and `OmniSavePlan`: the core `crate::slots::OmniStepRules` (the
-//! decisions of `hscache.omni.OmniHiddenStateCache`) as Python classes.
+//! `OmniStepRules`: the core `crate::slots::OmniStepRules` (the
+//! decisions of `hscache.omni.OmniHiddenStateCache`) as a Python class; the step it
+//! lays out is `OmniSavePlan` (`omni_save_plan.rs`).
 //!
 //! Conversion only: `begin_step` reads vLLM's `SchedulerOutput` in place
 //! (`finished_req_ids`, each `scheduled_new_reqs` entry's `req_id` and
@@ -8,13 +9,14 @@
 
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyByteArray, PyDict, PyInt, PyList, PyString};
+use pyo3::types::{PyBool, PyByteArray, PyDict, PyInt, PyString};
 
 use super::buffers::i64_bytearray;
 use super::convert::{count_arg, expect_attr, Int};
+use super::omni_save_plan::PyOmniSavePlan;
 use super::slot_facts::as_str;
 use crate::shield::Shielded;
-use crate::slots::{OmniStepRules, SavePlan};
+use crate::slots::OmniStepRules;
 
 /// `(step_id, prefix positions, plain_rows or None, plain_sizes)`.
 type SavedTuple<'py> = (u64, Vec<u32>, Option<Bound<'py, PyByteArray>>, Vec<usize>);
@@ -23,47 +25,6 @@ type SavedTuple<'py> = (u64, Vec<u32>, Option<Bound<'py, PyByteArray>>, Vec<usiz
 #[pyclass(name = "OmniStepRules", module = "hscache._core")]
 pub struct PyOmniStepRules {
     core: Shielded<OmniStepRules>,
-}
-
-/// One laid-out step (`OmniStepRules.lay_out`), taken once by `OmniStepRules.save`.
-#[pyclass(name = "OmniSavePlan", module = "hscache._core", frozen)]
-pub struct PyOmniSavePlan {
-    plan: SavePlan,
-}
-
-#[pymethods]
-impl PyOmniSavePlan {
-    /// The step's requests in row order.
-    #[getter]
-    fn req_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.plan.req_ids())
-    }
-
-    /// Rows of each request, in row order.
-    #[getter]
-    fn sizes(&self) -> Vec<usize> {
-        self.plan.sizes().to_vec()
-    }
-
-    /// The step's rows.
-    #[getter]
-    fn num_rows(&self) -> usize {
-        self.plan.num_rows()
-    }
-
-    /// The rules that laid it out.
-    #[getter]
-    fn rules_id(&self) -> u64 {
-        self.plan.rules_id()
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "OmniSavePlan(requests={}, rows={})",
-            self.plan.req_ids().len(),
-            self.plan.num_rows()
-        )
-    }
 }
 
 /// A step id as Python gave it: any object; only a non-negative `int` (not a `bool`)

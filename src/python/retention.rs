@@ -2,12 +2,14 @@
 //! selecting a policy on a fresh manager, the per-free hint, pins, the policy's
 //! test clock and its counters. `hscache.vllm.retention` is the glue that reads
 //! the hints from `sampling_params.extra_args`.
+//!
+//! `KVCacheCore`'s one `#[pymethods]` block (`manager.rs`) holds these methods'
+//! signatures and docstrings and calls the longer bodies here.
 
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::convert::BlockIdInt;
 use super::errors::InvalidArgumentError;
 use super::manager::PyKVCacheCore;
 use crate::pool::retention::{RetentionConfig, RetentionHint, RetentionKind};
@@ -21,14 +23,9 @@ fn millis(name: &str, seconds: f64) -> PyResult<u64> {
     Ok((seconds * 1000.0).round().min(u64::MAX as f64) as u64)
 }
 
-#[pymethods]
 impl PyKVCacheCore {
-    /// Selects the retention policy (`lru|priority|pin|ttl|slru`) before any block
-    /// is used; unset settings keep their defaults. `manual_clock`: time moves only
-    /// by `retention_advance_clock` (simulated traces, tests).
-    #[pyo3(signature = (policy, *, default_priority=None, ttl_s=None,
-        max_pinned_blocks=None, slru_protected_blocks=None, manual_clock=false))]
-    fn core_set_retention(
+    /// `KVCacheCore.core_set_retention`'s body (the method: `manager.rs`).
+    pub(super) fn core_set_retention_impl(
         &mut self,
         policy: &str,
         default_priority: Option<i64>,
@@ -56,15 +53,8 @@ impl PyKVCacheCore {
         Ok(pool.set_retention(kind, config)?)
     }
 
-    /// The active retention policy's name.
-    #[getter]
-    fn retention_policy(&self) -> &'static str {
-        self.core.block_pool().retention_kind().name()
-    }
-
-    /// Sets the hint the next frees apply (the glue clears it after the free).
-    #[pyo3(signature = (priority=None, duration_s=None, pin=false))]
-    fn core_retention_hint(
+    /// `KVCacheCore.core_retention_hint`'s body (the method: `manager.rs`).
+    pub(super) fn core_retention_hint_impl(
         &mut self,
         priority: Option<i64>,
         duration_s: Option<f64>,
@@ -81,10 +71,11 @@ impl PyKVCacheCore {
         Ok(())
     }
 
-    /// `free` under a retention policy: reads the request's hints
-    /// (`sampling_params.extra_args`: `hscache_priority`, `hscache_retention_s`,
-    /// `hscache_pin`), frees with them, and clears them, in one call.
-    fn core_free_retained(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// `KVCacheCore.core_free_retained`'s body (the method: `manager.rs`).
+    pub(super) fn core_free_retained_impl(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let py = slf.py();
         let rid = request.getattr(intern!(py, "request_id"))?;
         let hint = hint_of(request)?;
@@ -106,26 +97,8 @@ impl PyKVCacheCore {
         r.map(|_| ())
     }
 
-    /// Clears the free hint.
-    fn core_clear_retention_hint(&mut self) -> PyResult<()> {
-        self.core.block_pool_mut()?.clear_retention_hint();
-        Ok(())
-    }
-
-    /// Pins the listed cached blocks (policy `pin`); returns how many are pinned.
-    fn retention_pin_blocks(&mut self, block_ids: Vec<BlockIdInt>) -> PyResult<usize> {
-        let block_ids: Vec<i64> = block_ids.into_iter().map(|b| b.0).collect();
-        Ok(self.core.block_pool_mut()?.pin_blocks(&block_ids)?)
-    }
-
-    /// Unpins every block (policy `pin`).
-    fn retention_unpin_all(&mut self) -> PyResult<()> {
-        self.core.block_pool_mut()?.unpin_all();
-        Ok(())
-    }
-
-    /// Moves the policy's clock forward (simulated traces and tests).
-    fn retention_advance_clock(&mut self, seconds: f64) -> PyResult<()> {
+    /// `KVCacheCore.retention_advance_clock`'s body (the method: `manager.rs`).
+    pub(super) fn retention_advance_clock_impl(&mut self, seconds: f64) -> PyResult<()> {
         let ms = millis("seconds", seconds)?;
         if let Some(r) = self.core.block_pool_mut()?.retention_mut() {
             r.advance_clock(ms);
@@ -133,8 +106,11 @@ impl PyKVCacheCore {
         Ok(())
     }
 
-    /// The policy's counters (`policy` only under `lru`).
-    fn retention_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+    /// `KVCacheCore.retention_stats`'s body (the method: `manager.rs`).
+    pub(super) fn retention_stats_impl<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         // Refused on a poisoned manager, like every other read.
         self.core.read("retention_stats", |_| Ok::<_, PyErr>(()))?;

@@ -8,7 +8,9 @@
 
 pub mod blocks;
 pub mod buffers;
+pub mod facts;
 pub mod hashes;
+pub mod publications;
 pub mod request;
 pub mod spec;
 

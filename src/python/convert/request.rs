@@ -269,6 +269,6 @@ impl<'py> RequestLike for PyRequest<'_, 'py> {
         start: usize,
         end: usize,
     ) -> Result<Option<crate::explain::RequestFacts>> {
-        crate::python::explain::request_facts(&self.request, block_size, start, end)
+        super::facts::request_facts(&self.request, block_size, start, end)
     }
 }
