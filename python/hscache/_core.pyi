@@ -587,7 +587,7 @@ class OmniSavePlan:
 
 @final
 class StepSchedule:
-    """The ``schedule()`` phase of one scheduler's steady decode steps
+    """The ``schedule()`` phase of one scheduler's steps that admit nothing
     (``hscache.vllm.step.schedule``; rules in ``src/step/schedule.rs``)."""
 
     RULES: ClassVar[list[str]]
@@ -607,26 +607,65 @@ class StepSchedule:
     def num_sampled_tokens_per_step(self) -> int: ...
     @property
     def num_lookahead_tokens(self) -> int: ...
-    def plain_decodes(self, running: list[Any], step: int) -> tuple[list[int], list[int]] | None:
-        """The decision alone, for a manager that is not the core: every request's
-        ``(num_computed_tokens, num_output_tokens)`` when each is a plain decode at
-        ``step``, else ``None``."""
+    def plain_decodes(
+        self,
+        running: list[Any],
+        step: int,
+        *,
+        token_budget: int | None = None,
+        long_prefill_token_threshold: int = 0,
+        throttle: bool = False,
+        queue_left: int | None = None,
+    ) -> tuple[list[int], list[int], list[int], int | None, bool] | None:
+        """The plan alone, for a manager that is not the core: ``(num_computed_tokens,
+        num_output_tokens, num_new_tokens, first_chunk, any_decode)`` of the requests
+        vLLM's running loop schedules at ``step`` (in running order, up to where
+        ``token_budget`` is spent; None: no limit), else ``None``. ``first_chunk``: the
+        index of the first planned prefill chunk; ``any_decode``: a running request is
+        not a prefill chunk. ``long_prefill_token_threshold``: the step's effective
+        threshold; ``throttle``: the step defers prefill chunks beside a decode (such a
+        step with a chunk is refused); ``queue_left``: a queue waits that vLLM could
+        admit from unless the budget is spent, so the plan may leave at most this many
+        tokens of it."""
     def decodes(
-        self, manager: KVCacheCore, running: list[Any], start: int, step: int
-    ) -> tuple[int, list[tuple[list[int], ...] | None], list[int], list[int]] | None:
+        self,
+        manager: KVCacheCore,
+        running: list[Any],
+        start: int,
+        step: int,
+        *,
+        token_budget: int | None = None,
+        long_prefill_token_threshold: int = 0,
+        throttle: bool = False,
+        queue_left: int | None = None,
+        tokens: list[int] | None = None,
+    ) -> (
+        tuple[
+            int,
+            list[tuple[list[int], ...] | None],
+            list[int],
+            list[int],
+            list[int],
+            int | None,
+            bool,
+        ]
+        | None
+    ):
         """The phase at ``step`` on ``manager``.
 
-        With ``start == 0``: ``None`` (nothing changed) unless every request of
-        ``running`` is a plain decode this step (``src/step/schedule.rs``); then the
-        manager's step starts and ``allocate_slots(request, 1,
-        num_lookahead_tokens=...)`` runs for each request in order, up to the first that
-        does not fit. Returns ``(next, new_block_ids, num_computed_tokens,
-        num_output_tokens)``: ``next`` is the first request not allocated (the caller
-        preempts from the tail and calls again with ``start=next``, which only
-        allocates), ``new_block_ids`` what ``get_block_ids(allow_none=True)`` gives for
-        each allocated request, and the two count lists (every request's, for
-        ``CachedRequestData``; empty when ``start > 0``). Every request must hold blocks
-        in ``manager`` (``UnknownRequestError`` otherwise, before anything changes)."""
+        With ``start == 0``: ``None`` (nothing changed) unless vLLM's running loop
+        serves every running request as the fast path does (``plain_decodes``'s plan,
+        ``src/step/schedule.rs``); then the manager's step starts and
+        ``allocate_slots(request, num_new_tokens, num_lookahead_tokens=...)`` runs for
+        each planned request in order, up to the first that does not fit. Returns
+        ``(next, new_block_ids, num_computed_tokens, num_output_tokens, num_new_tokens,
+        first_chunk, any_decode)``: ``next`` is the first planned request not allocated
+        (the caller preempts from the tail and calls again with ``start=next`` and
+        ``tokens=num_new_tokens``, which only allocates; without ``tokens`` one each),
+        ``new_block_ids`` what ``get_block_ids(allow_none=True)`` gives for each
+        allocated request, then the plan (empty lists when ``start > 0``). Every request
+        must hold blocks in ``manager`` (``UnknownRequestError`` otherwise, before
+        anything changes)."""
 
 @final
 class StepUpdate:

@@ -1,21 +1,25 @@
-//! `StepSchedule`: the `schedule()` phase of the steady decode step
+//! `StepSchedule`: the `schedule()` phase of the fast path
 //! (`crate::step::schedule`, `hscache.vllm.step.schedule`), one call per step.
 //!
 //! `StepSchedule.decodes` reads each running `Request`'s fields once (interned
-//! `getattr`), checks that the manager (a `KVCacheCore`) holds every request, decides
-//! with [`crate::step::schedule::plain_decode`] (nothing changes when one request is not
-//! a plain decode), starts the manager's step (`new_step_starts`), then runs the
-//! manager's own `allocate_slots(request, 1, num_lookahead_tokens=L)` per request in
-//! order (the same core path as the per-call binding, so every layout gets vLLM's
+//! `getattr`), checks that the manager (a `KVCacheCore`) holds every request, plans the
+//! running loop with [`crate::step::schedule::num_new_tokens`] in running order under
+//! the token budget (nothing changes when one request is not served, or when the step
+//! defers prefill chunks: [`crate::step::schedule::defers_prefills`]), starts the
+//! manager's step (`new_step_starts`), then runs the manager's own
+//! `allocate_slots(request, num_new_tokens, num_lookahead_tokens=L)` per planned request
+//! in order (the same core path as the per-call binding, so every layout gets vLLM's
 //! decisions and per-group block ids), building each request's KV events with that
-//! request. It stops at the first request that does not fit (vLLM's `None`): the
-//! caller preempts from the tail with vLLM's `_preempt_request` and calls again from
-//! that index (`start`), which allocates only. `StepSchedule.plain_decodes` is the same
-//! decision for a manager that is not the core (parity mode, vLLM's own manager).
+//! request. Requests past the spent budget are not scheduled (vLLM's loop stops). It
+//! stops at the first request that does not fit (vLLM's `None`): the caller preempts
+//! from the tail with vLLM's `_preempt_request` and calls again from that index
+//! (`start`, with the plan's `tokens`), which allocates only. `StepSchedule.plain_decodes`
+//! is the same plan for a manager that is not the core (parity mode, vLLM's own manager).
 //!
 //! The scheduler's constants (`is_async`, `max_model_len`, ...) are the object's, given
-//! once; the mutants are the process's ([`crate::step::armed`]). This file only
-//! converts: the rule is the core's, the allocation the manager's.
+//! once; the step's (budget, threshold, throttle) are the call's; the mutants are the
+//! process's ([`crate::step::armed`]). This file only converts: the rule is the core's,
+//! the allocation the manager's.
 
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -27,17 +31,63 @@ use super::convert::request::{PyRequest, StatusObjects};
 use super::errors::{count, InvalidArgumentError, UnknownRequestError};
 use super::manager::PyKVCacheCore;
 use crate::manager::{AllocateSlots, GroupedBlocks};
-use crate::step::schedule::{plain_decode, ScheduleFacts, ScheduleRule, StepFacts};
+use crate::step::schedule::{
+    defers_prefills, num_new_tokens, ScheduleFacts, ScheduleRule, StepFacts,
+};
 use crate::step::{armed, BrokenRules, RuleSet};
 use crate::types::BlockId;
 
-/// `(next, new_block_ids, num_computed_tokens, num_output_tokens)`.
+/// `(next, new_block_ids, num_computed_tokens, num_output_tokens, num_new_tokens,
+/// first_chunk, any_decode)`.
 type Scheduled<'py> = (
     usize,
     Bound<'py, PyList>,
     Bound<'py, PyList>,
     Bound<'py, PyList>,
+    Bound<'py, PyList>,
+    Option<usize>,
+    bool,
 );
+
+/// `(num_computed_tokens, num_output_tokens, num_new_tokens, first_chunk, any_decode)`.
+type Planned = (Vec<i64>, Vec<i64>, Vec<i64>, Option<usize>, bool);
+
+/// The running loop's plan of one step: per planned request (in running order, up to
+/// where the budget is spent) its counts and tokens; the first planned request that is
+/// a prefill chunk; whether any running request is not one.
+#[derive(Default)]
+struct Plan {
+    computed: Vec<i64>,
+    outputs: Vec<i64>,
+    tokens: Vec<i64>,
+    first_chunk: Option<usize>,
+    any_decode: bool,
+}
+
+impl Plan {
+    fn into_tuple(self) -> Planned {
+        (
+            self.computed,
+            self.outputs,
+            self.tokens,
+            self.first_chunk,
+            self.any_decode,
+        )
+    }
+}
+
+/// The step's budget and throttle, as the call gives them.
+#[derive(Clone, Copy)]
+struct StepLimits {
+    /// The tokens the step may schedule (the smaller of vLLM's token and input budget).
+    budget: i64,
+    /// The step holds prefill chunks back when a decode runs (see
+    /// [`defers_prefills`]).
+    throttle: bool,
+    /// A queue vLLM's waiting loop could admit from unless the running requests spend
+    /// the budget: the most budget the plan may leave (None: no such queue).
+    queue_left: Option<i64>,
+}
 
 /// The rules named in `names` (an iterable of rule names of either core phase):
 /// `TypeError` for anything but names, `InvalidArgumentError` for an unknown one.
@@ -75,7 +125,7 @@ fn int_attr(r: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<i64> {
     attr(r, name)?.extract()
 }
 
-/// What [`plain_decode`] reads of `r`, and its `num_output_tokens` (output tokens and
+/// What [`num_new_tokens`] reads of `r`, and its `num_output_tokens` (output tokens and
 /// placeholders, as `CachedRequestData` reports them).
 fn read_facts(r: &Bound<'_, PyAny>) -> PyResult<(ScheduleFacts, i64)> {
     let py = r.py();
@@ -105,24 +155,53 @@ fn read_facts(r: &Bound<'_, PyAny>) -> PyResult<(ScheduleFacts, i64)> {
     Ok((facts, outputs + facts.num_output_placeholders))
 }
 
-/// Every request's counts (`num_computed_tokens`, `num_output_tokens`) when each is a
-/// plain decode this step; None (after reading only) when one is not.
-fn decide(
-    running: &Bound<'_, PyList>,
+/// The step's plan over `running` (the requests in running order), or None (after
+/// reading only) when the fast path does not serve it.
+fn decide<'py>(
+    running: impl Iterator<Item = Bound<'py, PyAny>>,
     step: &StepFacts,
+    limits: StepLimits,
     broken: BrokenRules,
-) -> PyResult<Option<(Vec<i64>, Vec<i64>)>> {
-    let mut computed = Vec::with_capacity(running.len());
-    let mut outputs = Vec::with_capacity(running.len());
-    for r in running.iter() {
-        let (facts, num_output_tokens) = read_facts(&r)?;
-        if !plain_decode(&facts, step, broken) {
-            return Ok(None);
+) -> PyResult<Option<Plan>> {
+    let mut plan = Plan::default();
+    let mut any_chunk = false;
+    let mut left = limits.budget;
+    for (i, r) in running.enumerate() {
+        if left <= 0 {
+            // vLLM's loop has stopped; whether a prefill chunk waits still decides
+            // whether the step defers them.
+            let chunk = attr(&r, intern!(r.py(), "is_prefill_chunk"))?.is_truthy()?;
+            any_chunk |= chunk;
+            plan.any_decode |= !chunk;
+            continue;
         }
-        computed.push(facts.num_computed_tokens);
-        outputs.push(num_output_tokens);
+        let (facts, num_output_tokens) = read_facts(&r)?;
+        let Some(n) = num_new_tokens(&facts, step, left, broken) else {
+            return Ok(None);
+        };
+        if facts.is_prefill_chunk {
+            any_chunk = true;
+            plan.first_chunk.get_or_insert(i);
+        } else {
+            plan.any_decode = true;
+        }
+        left -= n;
+        plan.computed.push(facts.num_computed_tokens);
+        plan.outputs.push(num_output_tokens);
+        plan.tokens.push(n);
     }
-    Ok(Some((computed, outputs)))
+    if any_chunk && defers_prefills(limits.throttle, plan.any_decode) {
+        return Ok(None);
+    }
+    if limits.queue_left.is_some_and(|most| left > most) {
+        return Ok(None);
+    }
+    Ok(Some(plan))
+}
+
+/// The step's token budget: `None` is no limit.
+fn budget(token_budget: Option<i64>) -> i64 {
+    token_budget.unwrap_or(i64::MAX)
 }
 
 /// `request.request_id` as a `str`.
@@ -157,12 +236,13 @@ pub struct PyStepSchedule {
 
 impl PyStepSchedule {
     /// The facts of step `step`.
-    fn facts(&self, step: i64) -> StepFacts {
+    fn facts(&self, step: i64, long_prefill_token_threshold: i64) -> StepFacts {
         StepFacts {
             step,
             is_async: self.is_async,
             max_model_len: self.max_model_len,
             num_sampled_tokens_per_step: self.num_sampled_tokens_per_step,
+            long_prefill_token_threshold,
         }
     }
 }
@@ -216,29 +296,62 @@ impl PyStepSchedule {
         self.num_lookahead_tokens
     }
 
-    /// Every request's `(num_computed_tokens, num_output_tokens)` when each is a plain
-    /// decode at step `step`, else None; for a manager that is not the core.
+    /// The step's plan `(num_computed_tokens, num_output_tokens, num_new_tokens,
+    /// first_chunk, any_decode)` at step `step`, else None; for a manager that is not
+    /// the core. `token_budget`: the tokens the step may schedule (None: no limit);
+    /// `long_prefill_token_threshold`: the step's effective threshold (0: none);
+    /// `throttle`: the step holds prefill chunks back beside a decode; `queue_left`:
+    /// a queue waits that vLLM's waiting loop could admit from unless the budget is
+    /// spent, so the plan may leave at most this many tokens of it (None: no such queue).
+    #[pyo3(signature = (running, step, *, token_budget=None, long_prefill_token_threshold=0,
+        throttle=false, queue_left=None))]
     fn plain_decodes(
         &self,
         running: &Bound<'_, PyList>,
         step: i64,
-    ) -> PyResult<Option<(Vec<i64>, Vec<i64>)>> {
-        decide(running, &self.facts(step), armed())
+        token_budget: Option<i64>,
+        long_prefill_token_threshold: i64,
+        throttle: bool,
+        queue_left: Option<i64>,
+    ) -> PyResult<Option<Planned>> {
+        let limits = StepLimits {
+            budget: budget(token_budget),
+            throttle,
+            queue_left,
+        };
+        let step = self.facts(step, long_prefill_token_threshold);
+        Ok(decide(running.iter(), &step, limits, armed())?.map(Plan::into_tuple))
     }
 
-    /// The phase on `manager` (see the module docs).
+    /// The phase on `manager` (see the module docs). `tokens`: in a resuming call
+    /// (`start > 0`), the deciding call's `num_new_tokens` (None: one each).
+    #[pyo3(signature = (manager, running, start, step, *, token_budget=None,
+        long_prefill_token_threshold=0, throttle=false, queue_left=None, tokens=None))]
+    #[allow(clippy::too_many_arguments)]
     fn decodes<'py>(
         &self,
         manager: &Bound<'py, PyKVCacheCore>,
         running: &Bound<'py, PyList>,
         start: i64,
         step: i64,
+        token_budget: Option<i64>,
+        long_prefill_token_threshold: i64,
+        throttle: bool,
+        queue_left: Option<i64>,
+        tokens: Option<Vec<i64>>,
     ) -> PyResult<Option<Scheduled<'py>>> {
+        let limits = StepLimits {
+            budget: budget(token_budget),
+            throttle,
+            queue_left,
+        };
         PyKVCacheCore::schedule_decodes(
             manager,
             running,
             start,
-            &self.facts(step),
+            &self.facts(step, long_prefill_token_threshold),
+            limits,
+            tokens,
             self.num_lookahead_tokens,
             armed(),
         )
@@ -247,11 +360,14 @@ impl PyStepSchedule {
 
 impl PyKVCacheCore {
     /// [`PyStepSchedule::decodes`].
+    #[allow(clippy::too_many_arguments)]
     fn schedule_decodes<'py>(
         slf: &Bound<'py, Self>,
         running: &Bound<'py, PyList>,
         start: i64,
         step: &StepFacts,
+        limits: StepLimits,
+        tokens: Option<Vec<i64>>,
         lookahead: usize,
         broken: BrokenRules,
     ) -> PyResult<Option<Scheduled<'py>>> {
@@ -265,16 +381,9 @@ impl PyKVCacheCore {
             )));
         }
         let statuses = Self::watermark_statuses(slf, true)?;
-        // One pass before anything changes: every request is one the core holds and, in
-        // the deciding call (`start == 0`), a plain decode.
-        let deciding = start == 0;
+        // One pass before anything changes: every request is one the core holds.
         let mut requests = Vec::with_capacity(n - start);
-        let (mut computed, mut outputs) = if deciding {
-            (Vec::with_capacity(n), Vec::with_capacity(n))
-        } else {
-            (Vec::new(), Vec::new())
-        };
-        let plain = slf.try_borrow()?.core.read("schedule_decodes", |c| {
+        slf.try_borrow()?.core.read("schedule_decodes", |c| {
             for (i, r) in running.iter().enumerate().skip(start) {
                 let rid = request_id(&r)?;
                 if c.coordinator().request(rid.to_str()?).is_none() {
@@ -282,25 +391,44 @@ impl PyKVCacheCore {
                         "running[{i}]: request {rid} holds no blocks in this manager"
                     )));
                 }
-                let num_computed = if deciding {
-                    let (facts, num_output_tokens) = read_facts(&r)?;
-                    if !plain_decode(&facts, &step, broken) {
-                        return Ok(false);
-                    }
-                    computed.push(facts.num_computed_tokens);
-                    outputs.push(num_output_tokens);
-                    facts.num_computed_tokens
-                } else {
-                    int_attr(&r, intern!(py, "num_computed_tokens"))?
-                };
-                let num_computed = count("request.num_computed_tokens", num_computed)?;
-                requests.push((r, rid, num_computed));
+                requests.push((r, rid));
             }
-            Ok::<_, PyErr>(true)
+            Ok::<_, PyErr>(())
         })?;
-        if !plain {
-            return Ok(None);
-        }
+        // The deciding call (`start == 0`) plans the step; a resuming one allocates the
+        // plan it is given.
+        let deciding = start == 0;
+        let plan = if deciding {
+            let Some(plan) = decide(
+                requests.iter().map(|(r, _)| r.clone()),
+                &step,
+                limits,
+                broken,
+            )?
+            else {
+                return Ok(None);
+            };
+            plan
+        } else {
+            let tokens = tokens.unwrap_or_else(|| vec![1; n]);
+            for &t in &tokens {
+                if t < 1 {
+                    return Err(InvalidArgumentError::new_err(format!(
+                        "tokens must be positive, got {t}"
+                    )));
+                }
+            }
+            Plan {
+                tokens,
+                ..Plan::default()
+            }
+        };
+        // The planned requests of this call: `running[start..end]`.
+        let end = if deciding {
+            plan.tokens.len()
+        } else {
+            plan.tokens.len().min(n)
+        };
         if deciding {
             slf.try_borrow_mut()?
                 .core
@@ -309,18 +437,23 @@ impl PyKVCacheCore {
                     Ok(())
                 })?;
         }
-        let args = AllocateSlots {
-            num_new_tokens: 1,
-            num_lookahead_tokens: lookahead,
-            ..AllocateSlots::default()
-        };
         let new_block_ids = PyList::empty(py);
         let mut blocks: Vec<BlockId> = Vec::new();
         let mut ends: SmallVec<[usize; 4]> = SmallVec::new();
         let mut next = start;
-        for (k, (request, rid, num_computed)) in requests.iter().enumerate() {
+        for (k, (request, rid)) in requests.iter().enumerate().take(end.saturating_sub(start)) {
             let i = start + k;
-            let num_computed = *num_computed;
+            let num_computed = if deciding {
+                plan.computed[i]
+            } else {
+                int_attr(request, intern!(py, "num_computed_tokens"))?
+            };
+            let num_computed = count("request.num_computed_tokens", num_computed)?;
+            let args = AllocateSlots {
+                num_new_tokens: count("num_new_tokens", plan.tokens[i])?,
+                num_lookahead_tokens: lookahead,
+                ..AllocateSlots::default()
+            };
             let rid = rid.to_str()?;
             blocks.clear();
             ends.clear();
@@ -355,11 +488,19 @@ impl PyKVCacheCore {
             new_block_ids.append(block_ids(py, &blocks, &ends)?)?;
             next = i + 1;
         }
+        let (computed, outputs, tokens) = if deciding {
+            (plan.computed, plan.outputs, plan.tokens)
+        } else {
+            (Vec::new(), Vec::new(), Vec::new())
+        };
         Ok(Some((
             next,
             new_block_ids,
             PyList::new(py, computed)?,
             PyList::new(py, outputs)?,
+            PyList::new(py, tokens)?,
+            plan.first_chunk,
+            plan.any_decode,
         )))
     }
 }

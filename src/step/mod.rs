@@ -5,7 +5,7 @@
 //! pure functions over per-request facts, so that the bindings (`src/python/step_*.rs`)
 //! only read a `Request`'s fields, call them and write back what vLLM's code would:
 //!
-//! - [`schedule`]: whether a running request is a plain decode this step (the step's
+//! - [`schedule`]: how many tokens a running request schedules this step (the step's
 //!   allocation is the manager's `allocate_slots` per request, driven by the binding);
 //!   its rules are [`schedule::ScheduleRule`].
 //! - [`update`]: whether a sampled token certainly does not stop a request (the negation
@@ -186,7 +186,7 @@ mod tests {
         check::<ScheduleRule>();
         check::<UpdateRule>();
         // The phases' masks do not overlap.
-        let s = BrokenRules::NONE.with(ScheduleRule::PlainDecode);
+        let s = BrokenRules::NONE.with(ScheduleRule::ChunkTokens);
         assert!(UpdateRule::ALL.iter().all(|&r| !s.breaks(r)));
         let u = BrokenRules::NONE.with(UpdateRule::StopEos);
         assert!(ScheduleRule::ALL.iter().all(|&r| !u.breaks(r)));
@@ -194,8 +194,8 @@ mod tests {
 
     #[test]
     fn names_parse_across_phases() {
-        let b = BrokenRules::from_names(["plain_decode", "stop_eos"]).unwrap();
-        assert!(b.breaks(ScheduleRule::PlainDecode) && b.breaks(UpdateRule::StopEos));
+        let b = BrokenRules::from_names(["chunk_tokens", "stop_eos"]).unwrap();
+        assert!(b.breaks(ScheduleRule::ChunkTokens) && b.breaks(UpdateRule::StopEos));
         assert_eq!(BrokenRules::from_names(["stop_eos", "nope"]), Err("nope"));
         assert!(BrokenRules::from_names([]).unwrap().is_empty());
     }

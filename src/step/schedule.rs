@@ -1,28 +1,42 @@
-//! `schedule()`'s decisions for a steady decode step: which running requests are plain
-//! decodes. See [`crate::step`]; the step's allocation is the manager's own
-//! `allocate_slots` per request (`src/python/step_schedule.rs` drives it), so that every
-//! layout the manager serves (sliding window and hybrids included) gets vLLM's exact
-//! decisions and per-group block ids.
+//! `schedule()`'s decisions for the running requests of a step: how many tokens each
+//! schedules (a decode its one token, a request still prefilling its chunk). See
+//! [`crate::step`]; the step's allocation is the manager's own `allocate_slots` per
+//! request (`src/python/step_schedule.rs` drives it), so that every layout the manager
+//! serves (sliding window and hybrids included) gets vLLM's exact decisions and
+//! per-group block ids.
 //!
-//! Mirrors the per-request conditions of vLLM 0.33's `Scheduler.schedule()` running loop
-//! under which it schedules exactly one decode token (and
-//! `AsyncScheduler`'s placeholder rules), as `hscache.vllm.fast_step` applies them.
+//! Mirrors the per-request part of vLLM 0.33's `Scheduler.schedule()` running loop (and
+//! `AsyncScheduler`'s placeholder rules), as `hscache.vllm.step.schedule` applies them:
+//! `num_new_tokens = num_tokens_with_spec + num_output_placeholders -
+//! num_computed_tokens`, capped by `long_prefill_token_threshold` (the step's effective
+//! value, which the glue computes per version), the token budget left (the smaller of the
+//! token and the input budget: without drafts both shrink alike) and the room
+//! `max_model_len` leaves for the sampled token. Where vLLM's loop would skip a request
+//! (`continue`) or do what the fast path does not serve, the rule answers None and the
+//! whole step is vLLM's.
 //!
 //! Key properties:
-//! - [`plain_decode`] is a pure function of one request's [`ScheduleFacts`] and the
-//!   step's [`StepFacts`]; all arithmetic is signed (vLLM's Python integers), so no
-//!   count underflows.
+//! - [`num_new_tokens`] is a pure function of one request's [`ScheduleFacts`], the
+//!   step's [`StepFacts`] and the budget left; all arithmetic is signed (vLLM's Python
+//!   integers), so no count underflows, and an answer is always in `1..=budget`.
+//! - [`defers_prefills`] is the step-level rule: a step that defers prefill chunks (the
+//!   DP throttle or the local cadence, with a decode running) skips them, which the
+//!   fast path leaves to vLLM.
 //! - `num_prompt_tokens` and `max_tokens` matter only for a request with output
 //!   placeholders ([`ScheduleFacts::reads_length`]): the binding reads them only then.
 
 use super::BrokenRules;
 
 crate::step_rules! {
-    /// The rules of `schedule()`'s per-request decision ([`plain_decode`]).
+    /// The rules of `schedule()`'s per-request decision ([`num_new_tokens`]).
     pub enum ScheduleRule at 0 {
-        /// Every running request has exactly one known token to compute (not a prefill
-        /// chunk).
-        PlainDecode = "plain_decode",
+        /// A request schedules every token it has left to compute (a decode its one
+        /// token, a prefill the rest of its prompt), before the caps.
+        ChunkTokens = "chunk_tokens",
+        /// A chunk is capped at the step's `long_prefill_token_threshold`.
+        LongPrefill = "long_prefill",
+        /// A request is capped at the token budget left, spent in running order.
+        TokenBudget = "token_budget",
         /// Async: a request sure to reach `max_tokens` is not scheduled again.
         AsyncLastStep = "async_last_step",
     }
@@ -54,7 +68,7 @@ pub struct ScheduleFacts {
 }
 
 impl ScheduleFacts {
-    /// Whether [`plain_decode`] reads `num_prompt_tokens` and `max_tokens` (the async
+    /// Whether [`num_new_tokens`] reads `num_prompt_tokens` and `max_tokens` (the async
     /// last-step rule, for a request with output placeholders).
     #[inline]
     pub fn reads_length(&self) -> bool {
@@ -73,52 +87,88 @@ pub struct StepFacts {
     pub max_model_len: i64,
     /// `num_sampled_tokens_per_step` (1 without speculative decoding).
     pub num_sampled_tokens_per_step: i64,
+    /// The step's effective `long_prefill_token_threshold` (0: none), as the version
+    /// computes it at the top of `schedule()`.
+    pub long_prefill_token_threshold: i64,
 }
 
 impl StepFacts {
-    /// The most computed tokens a request may have and still be scheduled: a decode
-    /// must leave room for the tokens the step samples.
+    /// The most tokens a request with `computed` computed tokens may schedule: the
+    /// step must leave room in `max_model_len` for the tokens it samples.
     #[inline]
-    fn room(&self) -> i64 {
-        self.max_model_len - self.num_sampled_tokens_per_step
+    fn room(&self, computed: i64) -> i64 {
+        self.max_model_len - computed - self.num_sampled_tokens_per_step
     }
 }
 
-/// Whether the running request `r` schedules exactly its one decode token this step.
+/// The tokens vLLM's running loop schedules for the running request `r` with `budget`
+/// tokens left (`budget > 0`: vLLM's loop stops before a request otherwise), or None
+/// where the fast path does not serve the step.
 ///
-/// Not a plain decode: output placeholders without async scheduling, a prefill chunk,
-/// drafts, encoder inputs, structured output, a request not eligible this step, other
-/// than exactly one token to compute (the placeholder's, with async scheduling), no
-/// room left in `max_model_len` (a defensive check: a synchronous step without drafts
-/// has stopped such a request), and with async scheduling a request whose in-flight
-/// output is sure to reach `max_tokens` (vLLM skips it). `broken` breaks
-/// [`ScheduleRule::PlainDecode`] (any prefill chunk and token count pass) and
-/// [`ScheduleRule::AsyncLastStep`] (test-only mutants).
-pub fn plain_decode(r: &ScheduleFacts, step: &StepFacts, broken: BrokenRules) -> bool {
+/// None: output placeholders without async scheduling, drafts, encoder inputs,
+/// structured output, a request not eligible this step (vLLM skips it), nothing left to
+/// compute, a prefill chunk with output placeholders (a resumed async request), no room
+/// left in `max_model_len` (vLLM skips it), and with async scheduling a request whose
+/// in-flight output is sure to reach `max_tokens` (vLLM skips it). Otherwise the
+/// tokens left to compute, capped by the threshold, the budget and the room, in vLLM's
+/// order. `broken` breaks the [`ScheduleRule`]s (test-only mutants).
+pub fn num_new_tokens(
+    r: &ScheduleFacts,
+    step: &StepFacts,
+    budget: i64,
+    broken: BrokenRules,
+) -> Option<i64> {
     let placeholders = r.num_output_placeholders;
-    let any_len = broken.breaks(ScheduleRule::PlainDecode);
     if (placeholders != 0 && !step.is_async)
-        || (r.is_prefill_chunk && !any_len)
         || r.has_drafts
         || r.has_mm_features
         || r.structured_output
         || step.step < r.next_decode_eligible_step
-        || (r.num_tokens + placeholders - r.num_computed_tokens != 1 && !any_len)
-        || r.num_computed_tokens >= step.room()
+        || budget <= 0
     {
-        return false;
+        return None;
     }
-    !(placeholders != 0
+    if placeholders != 0
         && !broken.breaks(ScheduleRule::AsyncLastStep)
-        && r.num_computed_tokens + 2 - placeholders >= r.num_prompt_tokens + r.max_tokens)
+        && r.num_computed_tokens + 2 - placeholders >= r.num_prompt_tokens + r.max_tokens
+    {
+        return None;
+    }
+    let left = r.num_tokens + placeholders - r.num_computed_tokens;
+    if left <= 0 || (left > 1 && placeholders != 0) {
+        return None;
+    }
+    let mut n = if broken.breaks(ScheduleRule::ChunkTokens) {
+        1
+    } else {
+        left
+    };
+    let threshold = step.long_prefill_token_threshold;
+    if 0 < threshold && threshold < n && !broken.breaks(ScheduleRule::LongPrefill) {
+        n = threshold;
+    }
+    if !broken.breaks(ScheduleRule::TokenBudget) {
+        n = n.min(budget);
+    }
+    n = n.min(step.room(r.num_computed_tokens));
+    (n > 0).then_some(n)
+}
+
+/// Whether the step defers prefill chunks, which vLLM's loop then skips (left to vLLM):
+/// `throttle` (the DP throttle without a capacity bound, or the local prefill cadence's
+/// hold) with any running request that is not a prefill chunk (`any_decode`).
+#[inline]
+pub fn defers_prefills(throttle: bool, any_decode: bool) -> bool {
+    throttle && any_decode
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{plain_decode, ScheduleFacts, ScheduleRule as Rule, StepFacts};
+    use super::{defers_prefills, num_new_tokens, ScheduleFacts, ScheduleRule as Rule, StepFacts};
     use crate::step::BrokenRules;
 
     const NONE: BrokenRules = BrokenRules::NONE;
+    const BUDGET: i64 = 256;
 
     /// A synchronous decode: 10 prompt + 5 output tokens, 14 computed.
     fn decode() -> ScheduleFacts {
@@ -131,12 +181,25 @@ mod tests {
         }
     }
 
+    /// A prompt of 100 tokens, 20 computed.
+    fn chunk() -> ScheduleFacts {
+        ScheduleFacts {
+            num_computed_tokens: 20,
+            num_tokens: 100,
+            num_prompt_tokens: 100,
+            max_tokens: 50,
+            is_prefill_chunk: true,
+            ..ScheduleFacts::default()
+        }
+    }
+
     fn sync_step() -> StepFacts {
         StepFacts {
             step: 7,
             is_async: false,
             max_model_len: 1000,
             num_sampled_tokens_per_step: 1,
+            long_prefill_token_threshold: 0,
         }
     }
 
@@ -156,91 +219,152 @@ mod tests {
         }
     }
 
+    fn n(r: &ScheduleFacts, step: &StepFacts) -> Option<i64> {
+        num_new_tokens(r, step, BUDGET, NONE)
+    }
+
     #[test]
-    fn a_steady_decode_is_plain() {
-        assert!(plain_decode(&decode(), &sync_step(), NONE));
-        assert!(plain_decode(&async_decode(), &async_step(), NONE));
+    fn a_steady_decode_schedules_one_token() {
+        assert_eq!(n(&decode(), &sync_step()), Some(1));
+        assert_eq!(n(&async_decode(), &async_step()), Some(1));
         // An async scheduler also serves a request without placeholders.
-        assert!(plain_decode(&decode(), &async_step(), NONE));
+        assert_eq!(n(&decode(), &async_step()), Some(1));
     }
 
     #[test]
     fn placeholders_need_async_scheduling() {
-        assert!(!plain_decode(&async_decode(), &sync_step(), NONE));
-        assert!(!plain_decode(
-            &async_decode(),
-            &sync_step(),
-            NONE.with(Rule::PlainDecode)
-        ));
+        assert_eq!(n(&async_decode(), &sync_step()), None);
     }
 
     #[test]
-    fn a_prefill_chunk_is_not_plain_unless_the_rule_is_broken() {
-        let r = ScheduleFacts {
-            is_prefill_chunk: true,
-            ..decode()
+    fn a_chunk_schedules_the_rest_of_its_prompt_under_the_caps() {
+        assert_eq!(n(&chunk(), &sync_step()), Some(80));
+        assert_eq!(n(&chunk(), &async_step()), Some(80));
+        // The threshold, then the budget, then the room.
+        let thr = StepFacts {
+            long_prefill_token_threshold: 32,
+            ..sync_step()
         };
-        assert!(!plain_decode(&r, &sync_step(), NONE));
-        assert!(plain_decode(&r, &sync_step(), NONE.with(Rule::PlainDecode)));
+        assert_eq!(n(&chunk(), &thr), Some(32));
+        assert_eq!(num_new_tokens(&chunk(), &thr, 10, NONE), Some(10));
+        assert_eq!(num_new_tokens(&chunk(), &sync_step(), 50, NONE), Some(50));
+        let thr_above = StepFacts {
+            long_prefill_token_threshold: 80,
+            ..sync_step()
+        };
+        assert_eq!(n(&chunk(), &thr_above), Some(80));
+        let room = StepFacts {
+            max_model_len: 61,
+            ..sync_step()
+        };
+        assert_eq!(n(&chunk(), &room), Some(40));
+        // A decode is never capped by a threshold of 1 or more.
+        let one = StepFacts {
+            long_prefill_token_threshold: 1,
+            ..sync_step()
+        };
+        assert_eq!(n(&decode(), &one), Some(1));
+        assert_eq!(n(&chunk(), &one), Some(1));
+        // The last prompt token of a chunked prompt is one token.
+        let last = ScheduleFacts {
+            num_computed_tokens: 99,
+            ..chunk()
+        };
+        assert_eq!(n(&last, &sync_step()), Some(1));
     }
 
     #[test]
-    fn drafts_encoder_inputs_and_grammar_are_not_plain() {
-        for r in [
-            ScheduleFacts {
-                has_drafts: true,
-                ..decode()
-            },
-            ScheduleFacts {
-                has_mm_features: true,
-                ..decode()
-            },
-            ScheduleFacts {
-                structured_output: true,
-                ..decode()
-            },
-        ] {
-            assert!(!plain_decode(&r, &sync_step(), NONE));
-            // Breaking the token-count rule does not let them through.
-            assert!(!plain_decode(
-                &r,
-                &sync_step(),
-                NONE.with(Rule::PlainDecode)
-            ));
+    fn each_mutant_changes_its_answer() {
+        let thr = StepFacts {
+            long_prefill_token_threshold: 32,
+            ..sync_step()
+        };
+        assert_eq!(
+            num_new_tokens(&chunk(), &thr, BUDGET, NONE.with(Rule::ChunkTokens)),
+            Some(1)
+        );
+        assert_eq!(
+            num_new_tokens(&chunk(), &thr, BUDGET, NONE.with(Rule::LongPrefill)),
+            Some(80)
+        );
+        assert_eq!(
+            num_new_tokens(&chunk(), &thr, 10, NONE.with(Rule::TokenBudget)),
+            Some(32)
+        );
+    }
+
+    #[test]
+    fn a_chunk_with_placeholders_is_left_to_vllm() {
+        let r = ScheduleFacts {
+            num_output_placeholders: 1,
+            ..chunk()
+        };
+        assert_eq!(n(&r, &async_step()), None);
+    }
+
+    #[test]
+    fn drafts_encoder_inputs_and_grammar_are_left_to_vllm() {
+        for base in [decode(), chunk()] {
+            for r in [
+                ScheduleFacts {
+                    has_drafts: true,
+                    ..base
+                },
+                ScheduleFacts {
+                    has_mm_features: true,
+                    ..base
+                },
+                ScheduleFacts {
+                    structured_output: true,
+                    ..base
+                },
+            ] {
+                assert_eq!(n(&r, &sync_step()), None);
+                assert_eq!(
+                    num_new_tokens(&r, &sync_step(), BUDGET, NONE.with(Rule::ChunkTokens)),
+                    None
+                );
+            }
         }
     }
 
     #[test]
-    fn a_request_not_yet_eligible_is_not_plain() {
+    fn a_request_not_yet_eligible_is_left_to_vllm() {
         let r = ScheduleFacts {
             next_decode_eligible_step: 8,
             ..decode()
         };
-        assert!(!plain_decode(&r, &sync_step(), NONE));
+        assert_eq!(n(&r, &sync_step()), None);
         let r = ScheduleFacts {
             next_decode_eligible_step: 7,
             ..decode()
         };
-        assert!(plain_decode(&r, &sync_step(), NONE));
+        assert_eq!(n(&r, &sync_step()), Some(1));
     }
 
     #[test]
-    fn exactly_one_token_to_compute() {
-        for computed in [12, 13, 15, 16] {
+    fn nothing_left_or_no_budget_is_left_to_vllm() {
+        for computed in [15, 16] {
             let r = ScheduleFacts {
                 num_computed_tokens: computed,
                 ..decode()
             };
-            assert!(!plain_decode(&r, &sync_step(), NONE), "{computed}");
-            assert!(plain_decode(&r, &sync_step(), NONE.with(Rule::PlainDecode)));
+            assert_eq!(n(&r, &sync_step()), None, "{computed}");
         }
-        // With async scheduling the placeholder is the token to compute: one more
-        // placeholder than that is two tokens.
+        assert_eq!(num_new_tokens(&decode(), &sync_step(), 0, NONE), None);
+        assert_eq!(num_new_tokens(&decode(), &sync_step(), -1, NONE), None);
+        // Two tokens left (not a prompt): scheduled as vLLM does.
+        let r = ScheduleFacts {
+            num_computed_tokens: 13,
+            ..decode()
+        };
+        assert_eq!(n(&r, &sync_step()), Some(2));
+        // With async scheduling one more placeholder than that is two tokens in flight.
         let r = ScheduleFacts {
             num_output_placeholders: 2,
             ..async_decode()
         };
-        assert!(!plain_decode(&r, &async_step(), NONE));
+        assert_eq!(n(&r, &async_step()), None);
     }
 
     #[test]
@@ -249,24 +373,19 @@ mod tests {
             max_model_len: 15,
             ..sync_step()
         };
-        assert!(!plain_decode(&decode(), &step, NONE));
-        assert!(!plain_decode(
-            &decode(),
-            &step,
-            NONE.with(Rule::PlainDecode)
-        ));
+        assert_eq!(n(&decode(), &step), None);
         let step = StepFacts {
             max_model_len: 16,
             ..sync_step()
         };
-        assert!(plain_decode(&decode(), &step, NONE));
+        assert_eq!(n(&decode(), &step), Some(1));
         // Each sampled token of the step needs room.
         let step = StepFacts {
             max_model_len: 16,
             num_sampled_tokens_per_step: 2,
             ..sync_step()
         };
-        assert!(!plain_decode(&decode(), &step, NONE));
+        assert_eq!(n(&decode(), &step), None);
     }
 
     #[test]
@@ -278,26 +397,32 @@ mod tests {
                 max_tokens,
                 ..async_decode()
             };
-            assert!(!plain_decode(&r, &async_step(), NONE), "{max_tokens}");
-            assert!(plain_decode(
-                &r,
-                &async_step(),
-                NONE.with(Rule::AsyncLastStep)
-            ));
+            assert_eq!(n(&r, &async_step()), None, "{max_tokens}");
+            assert_eq!(
+                num_new_tokens(&r, &async_step(), BUDGET, NONE.with(Rule::AsyncLastStep)),
+                Some(1)
+            );
         }
         let r = ScheduleFacts {
             max_tokens: 7,
             ..async_decode()
         };
-        assert!(plain_decode(&r, &async_step(), NONE));
+        assert_eq!(n(&r, &async_step()), Some(1));
         // Without placeholders the rule does not apply (nor are the lengths read).
         let r = ScheduleFacts {
             max_tokens: 0,
             ..decode()
         };
         assert!(!r.reads_length());
-        assert!(plain_decode(&r, &async_step(), NONE));
+        assert_eq!(n(&r, &async_step()), Some(1));
         assert!(async_decode().reads_length());
+    }
+
+    #[test]
+    fn prefills_are_deferred_only_beside_a_decode() {
+        assert!(defers_prefills(true, true));
+        assert!(!defers_prefills(true, false));
+        assert!(!defers_prefills(false, true));
     }
 
     #[test]
@@ -307,12 +432,19 @@ mod tests {
             num_tokens: 0,
             ..ScheduleFacts::default()
         };
-        assert!(!plain_decode(&r, &sync_step(), NONE));
+        assert_eq!(n(&r, &sync_step()), None);
         let step = StepFacts {
             max_model_len: 0,
-            num_sampled_tokens_per_step: 1,
             ..sync_step()
         };
-        assert!(!plain_decode(&decode(), &step, NONE));
+        assert_eq!(n(&decode(), &step), None);
+        let huge = ScheduleFacts {
+            num_tokens: i64::MAX / 2,
+            ..chunk()
+        };
+        assert_eq!(
+            num_new_tokens(&huge, &sync_step(), BUDGET, NONE),
+            Some(BUDGET)
+        );
     }
 }

@@ -86,6 +86,19 @@ class Scenario:
     """hscache's requests hash their blocks with hscache's block hasher (as under
     ``hscache.vllm.Scheduler`` in vLLM's engine), whose calls the fast path skips where
     no block completes; vLLM's keep vLLM's."""
+    long_prompts: float = 0.0
+    """The share of new requests whose prompt is 100-400 tokens longer (chunked under a
+    small budget: prefill chunks among decodes)."""
+    long_prefill_token_threshold: int = 0
+    """``SchedulerConfig.long_prefill_token_threshold`` (0: none)."""
+    adaptive_threshold: bool = False
+    """The threshold is floored at a fair share of the input budget
+    (``adaptive_long_prefill_threshold``, 0.33 / 0.32)."""
+    prefill_interval: int = 0
+    """The local prefill cadence (``local_prefill_interval``, 0.33; 0: the default, none)."""
+    throttle_every: int = 0
+    """Every this many steps ``schedule(throttle_prefills=True)`` (vLLM's DP throttle;
+    0: never)."""
     schedule_floor: int | None = None
     """The least number of ``schedule()`` steps the fast path must serve (None: a quarter
     of the steps; 0 with ``schedule_served=False``: it must serve none)."""
@@ -182,6 +195,8 @@ def _stream(sc: Scenario, hash_block_size: int, hscache: bool = False) -> Iterat
             prompt = rng.choice(prefixes) + [
                 rng.randrange(VOCAB, 50000) for _ in range(rng.randrange(4, 40))
             ]
+            if sc.long_prompts and rng.random() < sc.long_prompts:
+                prompt += [rng.randrange(VOCAB, 50000) for _ in range(rng.randrange(100, 400))]
             kind = rng.randrange(6)
             extra: dict[str, Any] = {}
             if kind == 0:
@@ -251,7 +266,13 @@ def _build(cls: type, sc: Scenario) -> Any:
         max_num_batched_tokens=sc.max_num_batched_tokens,
         max_model_len=sc.max_model_len,
         kv_cache_events=sc.kv_events,
+        long_prefill_token_threshold=sc.long_prefill_token_threshold,
     )
+    if sc.adaptive_threshold and PROFILE.long_prefill_eligibility:
+        sched.adaptive_long_prefill_threshold = True
+    if sc.prefill_interval and PROFILE.prefill_cadence:
+        sched.local_prefill_interval = sc.prefill_interval
+        sched.last_prefill_step = -sc.prefill_interval
     published: list[Any] = []
     sched.kv_event_publisher.publish = published.append
     return sched, published, lc.hash_block_size
@@ -270,13 +291,17 @@ COUNTS = (
     "capacity_reset",
     "queue_seats",
     "queue_budget",
+    "chunk",
+    "chunk_decode",
 )
 """What :func:`run_differential` counts: steps; ``schedule()`` calls the fast path was
 asked (``schedule_tried``) and served; ``update_from_output()`` calls asked and split,
 the requests it served in them, splits that left requests to vLLM (``update_mixed``);
 served steps that preempted, carried ``all_token_ids``, or reset a capacity bound; served
 steps with a queue (not preempting) behind full seats (``queue_seats``: the running
-requests at ``max_num_seqs``) or a spent token budget (``queue_budget``, seats free)."""
+requests at ``max_num_seqs``) or a spent token budget (``queue_budget``, seats free);
+served steps that scheduled a prefill chunk of more than one token (``chunk``), and among
+them steps that also scheduled a decode (``chunk_decode``)."""
 
 
 def _queue_exit(sched: Any) -> str | None:
@@ -376,6 +401,10 @@ def run_differential(
             counts["preempt"] += bool(out.preempted_req_ids)
             counts["all_token_ids"] += bool(out.scheduled_cached_reqs.all_token_ids)
             counts["capacity_reset"] += bound and not sched.prefill_capacity_bound
+            sizes = set(out.num_scheduled_tokens.values())
+            chunked = any(k > 1 for k in sizes)
+            counts["chunk"] += chunked
+            counts["chunk_decode"] += chunked and 1 in sizes
         return out
 
     def counted_split(sched: Any, out: Any, *a: Any, **kw: Any) -> Any:
@@ -429,8 +458,9 @@ def run_differential(
                 waiting = [r.request_id for r in ref.waiting]
                 ref.finish_requests(waiting, RequestStatus.FINISHED_ABORTED)
                 cand.finish_requests(waiting, RequestStatus.FINISHED_ABORTED)
-            out_ref = ref.schedule()
-            out_cand = cand.schedule()
+            throttle = bool(sc.throttle_every) and step % sc.throttle_every == 0
+            out_ref = ref.schedule(throttle_prefills=throttle)
+            out_cand = cand.schedule(throttle_prefills=throttle)
             assert _norm(out_cand) == _norm(out_ref), f"step {step}: SchedulerOutput"
             assert _scheduler_state(cand) == _scheduler_state(ref), f"step {step}: after schedule"
             ro_ref = hooks.runner_output(sc, step, out_ref, ref.requests)

@@ -28,6 +28,7 @@ phase of the fast path served.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
@@ -48,6 +49,19 @@ from tests.scheduler.differential import (
 )
 
 pytestmark = pytest.mark.vllm
+
+
+def _chunked(**kw: Any) -> list[Scenario]:
+    """A chunked-prefill scenario (long prompts, a budget of 64), sync then async."""
+    base = {
+        "long_prompts": 0.4,
+        "max_num_batched_tokens": 64,
+        "num_blocks": 200,
+        "expect": ("chunk", "chunk_decode"),
+        **kw,
+    }
+    return [Scenario(**base), Scenario(**{**base, "async_scheduling": True})]
+
 
 SCENARIOS = [
     Scenario(expect=("update_mixed",)),
@@ -101,6 +115,50 @@ SCENARIOS = [
         async_scheduling=True,
         expect=("queue_budget",),
     ),
+    # Prefill chunks among decodes: long prompts chunked under a small budget, with
+    # long_prefill_token_threshold unset, set and adaptive, a queue behind full seats
+    # while a prefill continues, preemption, the prefill cadence and the DP throttle.
+    *_chunked(seed=21),
+    *_chunked(seed=22, long_prefill_token_threshold=24),
+    _chunked(seed=23, long_prefill_token_threshold=8, adaptive_threshold=True)[0],
+    Scenario(
+        seed=24,
+        max_num_seqs=6,
+        long_prompts=0.4,
+        max_num_batched_tokens=96,
+        num_blocks=400,
+        long_prefill_token_threshold=32,
+        expect=("chunk", "queue_seats"),
+    ),
+    Scenario(
+        seed=24,
+        async_scheduling=True,
+        max_num_seqs=6,
+        long_prompts=0.4,
+        max_num_batched_tokens=96,
+        num_blocks=400,
+        long_prefill_token_threshold=32,
+        expect=("chunk", "queue_seats"),
+    ),
+    Scenario(
+        seed=32,
+        aborts=0.0,
+        long_prompts=0.3,
+        max_num_batched_tokens=64,
+        num_blocks=60,
+        expect=("chunk", "preempt"),
+    ),
+    Scenario(
+        seed=32,
+        aborts=0.0,
+        long_prompts=0.3,
+        max_num_batched_tokens=64,
+        num_blocks=60,
+        async_scheduling=True,
+        expect=("chunk", "preempt"),
+    ),
+    _chunked(seed=26, prefill_interval=3, throttle_every=5)[0],
+    _chunked(seed=27, layout="full+swa", kv_events=True)[0],
 ]
 
 # Per scenario, (schedule_floor, update_floor): three quarters of the steps each phase of
@@ -129,6 +187,17 @@ FLOORS = [
     (132, 154),  # served 177, 206
     (59, 152),  # served 79, 203
     (55, 148),  # served 74, 198
+    (132, 148),  # served 177, 198
+    (126, 93),  # served 169, 125
+    (139, 162),  # served 186, 217
+    (127, 130),  # served 170, 174
+    (152, 150),  # served 203, 200
+    (144, 163),  # served 192, 218
+    (133, 135),  # served 178, 180
+    (79, 160),  # served 106, 214
+    (75, 119),  # served 101, 159
+    (118, 144),  # served 158, 192
+    (136, 162),  # served 182, 217
 ]
 SCENARIOS = [
     dataclasses.replace(sc, schedule_floor=s, update_floor=u)

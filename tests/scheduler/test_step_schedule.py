@@ -66,7 +66,7 @@ def test_allocations_are_vllms_per_request(layout: str) -> None:
     ours_running = [a for a, _ in pairs]
     result = SYNC.decodes(ours, ours_running, 0, 1)
     assert result is not None
-    done, new_block_ids, computed, outputs = result
+    done, new_block_ids, computed, outputs, _, _, _ = result
     expected = []
     for _, b in pairs:
         blocks = theirs.allocate_slots(b, 1)
@@ -86,13 +86,45 @@ def test_refusal_changes_nothing() -> None:
     ours = managers[0]
     pairs = _prefilled(managers, 3, 16)
     running = [a for a, _ in pairs]
-    running[2].num_computed_tokens -= 1  # two tokens to compute: not a plain decode
+    running[2].next_decode_eligible_step = 2  # vLLM skips it at step 1
     before = ours.state_digest()
     assert SYNC.decodes(ours, running, 0, 1) is None
     assert ours.state_digest() == before
     assert SYNC.plain_decodes(running, 1) is None
-    running[2].num_computed_tokens += 1
-    assert SYNC.plain_decodes(running, 1) == ([16, 16, 16], [1, 1, 1])
+    running[2].next_decode_eligible_step = 0
+    assert SYNC.plain_decodes(running, 1) == ([16, 16, 16], [1, 1, 1], [1, 1, 1], None, True)
+    # A queue vLLM could admit from unless the budget is spent: refused while it is not.
+    assert SYNC.decodes(ours, running, 0, 1, token_budget=4, queue_left=0) is None
+    assert ours.state_digest() == before
+
+
+def test_a_prefill_chunk_is_planned_under_the_budget_and_threshold() -> None:
+    managers = _managers("full", 64)
+    ours, theirs = managers
+    pairs = _prefilled(managers, 3, 16)
+    running = [a for a, _ in pairs]
+    # The third request is prefilling: 8 of its 17 tokens left to compute.
+    running[2].num_computed_tokens -= 8
+    running[2].is_prefill_chunk = True
+    plan = SYNC.plain_decodes(running, 1)
+    assert plan == ([16, 16, 8], [1, 1, 1], [1, 1, 9], 2, True)
+    assert SYNC.plain_decodes(running, 1, long_prefill_token_threshold=4)[2] == [1, 1, 4]
+    assert SYNC.plain_decodes(running, 1, token_budget=5)[2] == [1, 1, 3]
+    # The budget spent before the chunk: it is not scheduled (vLLM's loop stops).
+    assert SYNC.plain_decodes(running, 1, token_budget=2) == ([16, 16], [1, 1], [1, 1], None, True)
+    assert SYNC.plain_decodes(running, 1, token_budget=3, queue_left=0) is not None
+    # A step that defers prefills beside a decode is vLLM's.
+    assert SYNC.plain_decodes(running, 1, throttle=True) is None
+    assert SYNC.plain_decodes(running[2:], 1, throttle=True) is not None
+    # The allocation is vLLM's for each planned request's tokens.
+    theirs_req = pairs[2][1]
+    theirs_req.num_computed_tokens -= 8
+    result = SYNC.decodes(ours, running, 0, 1, token_budget=5)
+    assert result is not None
+    done, new_block_ids, computed, _, tokens, first_chunk, any_decode = result
+    assert (done, computed, tokens, first_chunk, any_decode) == (3, [16, 16, 8], [1, 1, 3], 2, True)
+    expected = [theirs.allocate_slots(b, k) for (_, b), k in zip(pairs, tokens, strict=True)]
+    assert new_block_ids == [e.get_block_ids(allow_none=True) for e in expected if e is not None]
 
 
 def test_stops_at_the_first_that_does_not_fit_and_resumes() -> None:
@@ -103,7 +135,7 @@ def test_stops_at_the_first_that_does_not_fit_and_resumes() -> None:
     running = [a for a, _ in pairs]
     result = SYNC.decodes(ours, running, 0, 1)
     assert result is not None
-    done, new_block_ids, _, _ = result
+    done, new_block_ids, _, _, _, _, _ = result
     assert done == 2 and len(new_block_ids) == 2
     for _, b in pairs[:2]:
         assert theirs.allocate_slots(b, 1) is not None
@@ -114,14 +146,25 @@ def test_stops_at_the_first_that_does_not_fit_and_resumes() -> None:
     theirs.free(pairs[0][1])
     resumed = SYNC.decodes(ours, running, 2, 1)
     assert resumed is not None
-    done, more, computed, outputs = resumed
+    done, more, computed, outputs, tokens, _, _ = resumed
     expected = theirs.allocate_slots(pairs[2][1], 1)
     assert expected is not None
-    assert (done, more, computed, outputs) == (3, [expected.get_block_ids(allow_none=True)], [], [])
+    assert (done, more, computed, outputs, tokens) == (
+        3,
+        [expected.get_block_ids(allow_none=True)],
+        [],
+        [],
+        [],
+    )
 
 
 def test_rule_names_are_listed_and_bad_arguments_refused() -> None:
-    assert set(StepSchedule.RULES) == {"plain_decode", "async_last_step"}
+    assert set(StepSchedule.RULES) == {
+        "chunk_tokens",
+        "long_prefill",
+        "token_budget",
+        "async_last_step",
+    }
     assert set(StepSchedule.RULES) <= set(rules.RULES)
     for bad in ({"max_model_len": -1}, {"num_sampled_tokens_per_step": -1}):
         args = {"is_async": False, "max_model_len": 16, "num_sampled_tokens_per_step": 1}
@@ -136,6 +179,6 @@ def test_async_placeholder_is_the_token_to_compute() -> None:
     a.num_computed_tokens += 1  # the output token's decode is in flight
     a.num_output_placeholders = 1
     assert SYNC.plain_decodes([a], 1) is None  # placeholders need async scheduling
-    assert ASYNC.plain_decodes([a], 1) == ([21], [2])
+    assert ASYNC.plain_decodes([a], 1) == ([21], [2], [1], None, True)
     a.max_tokens = a.num_output_tokens + 1  # the in-flight output reaches max_tokens
     assert ASYNC.plain_decodes([a], 1) is None

@@ -134,6 +134,11 @@ class VllmProfile:
     """``schedule()`` keeps the local prefill cadence (``local_prefill_interval``) and its
     counters ``num_executed_steps`` / ``last_prefill_step`` (0.33); 0.32 and 0.30 have
     none of them."""
+    long_prefill_eligibility: bool = True
+    """``schedule()`` applies ``long_prefill_token_threshold`` only when more than one
+    request is running or waiting, floored at ``max_num_batched_tokens`` over that count
+    with ``long_prefill_token_threshold_adaptive`` (0.33, 0.32); 0.30 applies the
+    configured value as it is."""
     skip_drafts: bool = True
     """``SchedulerOutput.skip_drafts``, from the scheduler's ``can_skip_drafts`` and
     ``_drafts_unused`` (0.33); 0.32 and 0.30 have no such field."""
@@ -218,6 +223,7 @@ _V030 = dataclasses.replace(
     routed_experts_in_scheduler=True,
     prompt_token_id_logprobs=False,
     encoder_cache_mismatch=False,
+    long_prefill_eligibility=False,
 )
 
 _RELEASE = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)(.*)$")

@@ -24,18 +24,21 @@ GLUE_RULES = (
     "waiting",  # a step whose waiting loop could admit is not served
     "queue_seats",  # a queue behind full admission seats (max_num_seqs) is served
     "queue_budget",  # a queue behind a spent token / input budget is served
-    "budget",  # the token budget does not bind
     "preempt",  # pool pressure preempts from the tail (vLLM's FCFS rule)
     "all_token_ids",  # requests not scheduled last step carry their tokens (MRV1)
     "capacity_bound",  # the step records whether admissions were capacity-bound
-    "in_flight",  # scheduling counts the token in flight
+    "in_flight",  # scheduling counts the tokens in flight
+    "prefill_chunk",  # a request whose chunk ends mid-prompt stays a prefill chunk
+    "last_prefill_step",  # a running prefill chunk restarts the prefill cadence (0.33)
     # AsyncScheduler only:
     "output_placeholders",  # scheduling adds the token's output placeholder
+    "chunk_placeholders",  # a chunk that ends mid-prompt gets no placeholder
 )
 """The rules :mod:`hscache.vllm.step.schedule` applies in Python."""
 
 CORE_RULES: tuple[str, ...] = (*StepSchedule.RULES, *StepUpdate.RULES)
-"""The rules the core applies (``plain_decode``, ``async_last_step``, ``stop_eos``, ...)."""
+"""The rules the core applies (``chunk_tokens``, ``long_prefill``, ``token_budget``,
+``stop_eos``, ...)."""
 
 RULES: tuple[str, ...] = (*GLUE_RULES, *CORE_RULES)
 """Every rule of the fast path."""

@@ -1,18 +1,21 @@
-"""The ``schedule()`` phase of the steady decode step's fast path
-(``hscache.vllm.Scheduler``; ``docs/fast_step.md``).
+"""The ``schedule()`` phase of the fast path (``hscache.vllm.Scheduler``;
+``docs/fast_step.md``).
 
-:func:`schedule` serves a whole step, or nothing (returns ``None`` before changing
-anything): no connector, speculative decoding, LoRA, pipeline parallelism, deferred frees
-or priority policy, every running request a plain decode (one known token to compute, no
-encoder inputs, no structured output, no placeholders, within ``max_model_len``) that the
-token budget does not bind, and no request waiting unless vLLM's waiting loop stops
-before it looks at one (the running decodes fill the seats or spend the budget:
-:func:`_queue_blocked`). The per-request rule
-(``src/step/schedule.rs``) and the allocations are one core call per step
-(``hscache._core.StepSchedule``, ``src/python/step_schedule.rs``); preemption under pool
-pressure follows vLLM's FCFS rule with vLLM's own ``_preempt_request``; the
-``SchedulerOutput`` carries every field vLLM sets. The rules applied here are
-:data:`hscache.vllm.step.rules.GLUE_RULES`.
+:func:`schedule` serves a whole step that admits nothing, or nothing (returns ``None``
+before changing anything): no connector, speculative decoding, LoRA, pipeline
+parallelism, deferred frees or priority policy; every running request a decode (one
+known token to compute) or a prefill chunk (the rest of its prompt), with no encoder
+inputs, no structured output and no placeholders beyond async scheduling's one, within
+``max_model_len``; no step that defers prefill chunks beside a decode (the DP throttle,
+the local prefill cadence); and no request waiting unless vLLM's waiting loop stops
+before it looks at one (the running requests fill the seats, :func:`_seats_full`, or
+spend the token budget). Each request's tokens (capped by the step's
+``long_prefill_token_threshold``, the budget in running order and the room
+``max_model_len`` leaves; ``src/step/schedule.rs``) and the allocations are one core
+call per step (``hscache._core.StepSchedule``, ``src/python/step_schedule.rs``);
+preemption under pool pressure follows vLLM's FCFS rule with vLLM's own
+``_preempt_request``; the ``SchedulerOutput`` carries every field vLLM sets. The rules
+applied here are :data:`hscache.vllm.step.rules.GLUE_RULES`.
 """
 
 from __future__ import annotations
@@ -55,26 +58,50 @@ def _nothing_waiting(sched: Any) -> bool:
     return not (sched.waiting or sched.skipped_waiting)
 
 
-def _queue_blocked(sched: Any, n: int) -> bool:
-    """Whether vLLM's waiting loop, entered after ``n`` running decodes were scheduled
-    (one token each, no drafts, unpaused), leaves at its first checks, before it looks at
-    a waiting request: the token budget or the input budget spent
-    (``while token_budget > 0``, ``input_budget <= draft_slots``), or the running requests
-    and the streaming sessions filling the admission seats (the profile's
-    ``waiting_loop_seats``: ``max_num_active_reqs`` in 0.33 / 0.32,
-    ``max_num_running_reqs`` in 0.30). It then admits nothing and changes nothing (the
-    step's queue, its order, the deferred set and every waiting request stay as they
-    are). A preemption skips that loop whatever this says (:func:`schedule`)."""
+def _seats_full(sched: Any) -> bool:
+    """Whether vLLM's waiting loop, entered after the running requests were scheduled
+    (no drafts, unpaused), leaves at its seat check, before it looks at a waiting
+    request: the running requests and the streaming sessions fill the admission seats
+    (the profile's ``waiting_loop_seats``: ``max_num_active_reqs`` in 0.33 / 0.32,
+    ``max_num_running_reqs`` in 0.30). Its other early exit, a spent token or input
+    budget (``while token_budget > 0``, ``input_budget <= draft_slots``), only the plan
+    can tell: ``StepSchedule``'s ``queue_left``. Either way it then admits nothing and
+    changes nothing (the step's queue, its order, the deferred set and every waiting
+    request stay as they are). A preemption skips that loop whatever this says
+    (:func:`schedule`)."""
     seats: int = getattr(sched, _PROFILE.waiting_loop_seats)
     if "queue_seats" in _rules.BROKEN:
         seats -= 1  # mutant: one seat free counts as full
-    spent = n
-    if "queue_budget" in _rules.BROKEN:
-        spent += 1  # mutant: one token left counts as spent
-    return bool(
-        n + sched.num_waiting_for_streaming_input >= seats
-        or spent >= sched.max_num_scheduled_tokens
-        or spent >= sched.scheduler_config.max_num_batched_tokens
+    return bool(len(sched.running) + sched.num_waiting_for_streaming_input >= seats)
+
+
+def _long_prefill_threshold(sched: Any) -> int:
+    """The step's effective ``long_prefill_token_threshold`` (0: none), as the top of
+    vLLM's ``schedule()`` computes it: in 0.33 / 0.32 only with more than one request
+    running or waiting, floored at a fair share of the input budget when adaptive
+    (the profile's ``long_prefill_eligibility``); 0.30 takes the configured value."""
+    config = sched.scheduler_config
+    threshold: int = config.long_prefill_token_threshold
+    if threshold <= 0 or not _PROFILE.long_prefill_eligibility:
+        return threshold
+    num_running, num_waiting = sched.get_request_counts()
+    eligible = num_running + num_waiting
+    if eligible <= 1:
+        return 0
+    if sched.adaptive_long_prefill_threshold:
+        threshold = max(threshold, config.max_num_batched_tokens // eligible)
+    return threshold
+
+
+def _throttled(sched: Any, throttle_prefills: bool) -> bool:
+    """Whether the step holds prefill chunks back when a decode runs: the DP throttle
+    without a capacity bound, or the local prefill cadence's hold (0.33)."""
+    if sched.prefill_capacity_bound:
+        return False
+    return throttle_prefills or bool(
+        _PROFILE.prefill_cadence
+        and sched.local_prefill_interval > 1
+        and (sched.num_executed_steps + 1) - sched.last_prefill_step < sched.local_prefill_interval
     )
 
 
@@ -102,83 +129,97 @@ def _step_applies(sched: Any) -> bool:
 
 
 def _allocate_each(
-    manager: Any, running: list[Request], start: int, lookahead: int
+    manager: Any, running: list[Request], start: int, lookahead: int, tokens: list[int]
 ) -> tuple[int, list[Any]]:
-    """``allocate_slots(request, 1)`` for ``running[start:]`` through a manager that is
-    not the core (parity mode, vLLM's own manager), up to the first that does not fit:
-    ``(its index, the new block ids of the others)``."""
+    """``allocate_slots(request, tokens[i])`` for the planned ``running[start:]``
+    through a manager that is not the core (parity mode, vLLM's own manager), up to the
+    first that does not fit: ``(its index, the new block ids of the others)``."""
     allocate = manager.allocate_slots
     new_block_ids: list[Any] = []
-    for i in range(start, len(running)):
-        blocks = allocate(running[i], 1, num_lookahead_tokens=lookahead)
+    end = min(len(tokens), len(running))
+    for i in range(start, end):
+        blocks = allocate(running[i], tokens[i], num_lookahead_tokens=lookahead)
         if blocks is None:
             return i, new_block_ids
         new_block_ids.append(blocks.get_block_ids(allow_none=True))
-    return len(running), new_block_ids
+    return end, new_block_ids
 
 
 def schedule(sched: Any, throttle_prefills: bool, is_async: bool = False) -> SchedulerOutput | None:
-    """vLLM's ``schedule()`` for a steady decode step, or ``None`` (nothing changed)
-    when the step is not one. ``is_async``: ``sched`` is an ``AsyncScheduler`` (its
-    ``_update_after_schedule`` adds output placeholders).
+    """vLLM's ``schedule()`` for a step that admits nothing, or ``None`` (nothing
+    changed) when the step is not one. ``is_async``: ``sched`` is an ``AsyncScheduler``
+    (its ``_update_after_schedule`` adds output placeholders).
 
-    The per-request rule (``src/step/schedule.rs``: every running request a plain
-    decode, with async scheduling's last-step rule and the ``max_model_len`` room) and
-    the allocations are one core call (``StepSchedule.decodes``), which stops at
-    the first request that does not fit; this function preempts from the tail with
-    vLLM's ``_preempt_request`` and resumes the call from that request."""
+    The per-request rule (``src/step/schedule.rs``: each running request's tokens, a
+    decode's one or a prefill's chunk, under the threshold, the budget in running order
+    and the ``max_model_len`` room, with async scheduling's last-step rule) and the
+    allocations are one core call (``StepSchedule.decodes``), which stops at the first
+    request that does not fit; this function preempts from the tail with vLLM's
+    ``_preempt_request`` and resumes the call from that request."""
     if not _step_applies(sched):
         return None
     running: list[Request] = sched.running
-    n = len(running)
-    if "budget" not in _rules.BROKEN and (
-        n > sched.max_num_scheduled_tokens or n > sched.scheduler_config.max_num_batched_tokens
-    ):
+    budget = min(sched.max_num_scheduled_tokens, sched.scheduler_config.max_num_batched_tokens)
+    if budget <= 0:
         return None
-    # A queue vLLM's waiting loop could admit from: vLLM's step (unless a preemption
-    # would skip that loop, which only the allocations can tell).
-    if (
-        "waiting" not in _rules.BROKEN
-        and not _nothing_waiting(sched)
-        and not _queue_blocked(sched, n)
-    ):
-        return None
+    # A queue vLLM's waiting loop could admit from: vLLM's step, unless the plan spends
+    # the budget (or a preemption skips that loop, which only the allocations can tell).
+    queue_left: int | None = None
+    if "waiting" not in _rules.BROKEN and not _nothing_waiting(sched) and not _seats_full(sched):
+        queue_left = 1 if "queue_budget" in _rules.BROKEN else 0
+    throttle = _throttled(sched, throttle_prefills)
+    threshold = _long_prefill_threshold(sched)
     step = sched.current_step + 1
     manager = sched.kv_cache_manager
     lookahead = sched.num_lookahead_tokens
     phase = _step_schedule(sched, is_async)
     if isinstance(manager, KVCacheCore):
-        decided = phase.decodes(manager, running, 0, step)
+        decided = phase.decodes(
+            manager,
+            running,
+            0,
+            step,
+            token_budget=budget,
+            long_prefill_token_threshold=threshold,
+            throttle=throttle,
+            queue_left=queue_left,
+        )
         if decided is None:
             return None
-        done, new_block_ids, num_computed_tokens, num_output_tokens = decided
+        (
+            done,
+            new_block_ids,
+            num_computed_tokens,
+            num_output_tokens,
+            tokens,
+            first_chunk,
+            any_decode,
+        ) = decided
     else:
-        counts = phase.plain_decodes(running, step)
-        if counts is None:
+        plan = phase.plain_decodes(
+            running,
+            step,
+            token_budget=budget,
+            long_prefill_token_threshold=threshold,
+            throttle=throttle,
+            queue_left=queue_left,
+        )
+        if plan is None:
             return None
-        num_computed_tokens, num_output_tokens = counts
+        num_computed_tokens, num_output_tokens, tokens, first_chunk, any_decode = plan
         manager.new_step_starts()
-        done, new_block_ids = _allocate_each(manager, running, 0, lookahead)
+        done, new_block_ids = _allocate_each(manager, running, 0, lookahead, tokens)
 
     # From here on the step is served: the same state changes as vLLM's, in its order
     # (the manager's step has started and the requests before `done` are allocated).
     sched.current_step = step
     timestamp = time.monotonic()
-    # Every running request is a decode, so "any running decode" is "any running".
-    defer_prefills = throttle_prefills and not sched.prefill_capacity_bound
-    if (
-        _PROFILE.prefill_cadence
-        and not defer_prefills
-        and sched.local_prefill_interval > 1
-        and not sched.prefill_capacity_bound
-        and (sched.num_executed_steps + 1) - sched.last_prefill_step < sched.local_prefill_interval
-    ):
-        defer_prefills = True
+    defer_prefills = throttle and any_decode
 
-    # Pool pressure: `running[done]` did not fit. vLLM preempts from the tail and
-    # retries it, until it fits or is itself the victim.
+    # Pool pressure: `running[done]`, planned, did not fit. vLLM preempts from the tail
+    # and retries it, until it fits or is itself the victim.
     preempted = False
-    while done < len(running) and "preempt" not in _rules.BROKEN:
+    while done < min(len(tokens), len(running)) and "preempt" not in _rules.BROKEN:
         request = running[done]
         victim = running[-1]
         if not sched._request_blocks_can_be_freed(victim):
@@ -189,23 +230,25 @@ def schedule(sched: Any, throttle_prefills: bool, is_async: bool = False) -> Sch
         if victim is request:
             break
         if isinstance(manager, KVCacheCore):
-            resumed = phase.decodes(manager, running, done, step)
+            resumed = phase.decodes(manager, running, done, step, tokens=tokens)
             if resumed is None:  # pragma: no cover (a resuming call only allocates)
                 raise RuntimeError("StepSchedule.decodes refused a resumed step")
-            done, more, _, _ = resumed
+            done, more = resumed[0], resumed[1]
         else:
-            done, more = _allocate_each(manager, running, done, lookahead)
+            done, more = _allocate_each(manager, running, done, lookahead, tokens)
         new_block_ids += more
     scheduled = running[:done]
-    if done < n:
+    if done < len(tokens):
         num_computed_tokens = num_computed_tokens[:done]
         num_output_tokens = num_output_tokens[:done]
+        tokens = tokens[:done]
+    prefill_scheduled = first_chunk is not None and first_chunk < done
 
     skip_drafts = _PROFILE.skip_drafts
     drafts_needed = not skip_drafts or not sched.can_skip_drafts
     if not drafts_needed:
-        for r in scheduled:
-            if not sched._drafts_unused(r, r.num_computed_tokens, 1):
+        for r, k in zip(scheduled, tokens, strict=True):
+            if not sched._drafts_unused(r, r.num_computed_tokens, k):
                 drafts_needed = True
                 break
 
@@ -219,12 +262,20 @@ def schedule(sched: Any, throttle_prefills: bool, is_async: bool = False) -> Sch
         else:
             sched.prefill_capacity_bound = bool(sched.waiting)
 
-    total = len(scheduled)
-    if total > 0 and _PROFILE.prefill_cadence:
-        sched.num_executed_steps += 1
+    total = sum(tokens)
+    if _PROFILE.prefill_cadence:
+        if total > 0:
+            sched.num_executed_steps += 1
+        # The cadence restarts from a step that carried a running prefill chunk.
+        if (
+            sched.local_prefill_interval > 1
+            and prefill_scheduled
+            and "last_prefill_step" not in _rules.BROKEN
+        ):
+            sched.last_prefill_step = sched.num_executed_steps
 
     req_ids = [r.request_id for r in scheduled]
-    num_scheduled_tokens = dict.fromkeys(req_ids, 1)
+    num_scheduled_tokens = dict(zip(req_ids, tokens, strict=True))
     all_token_ids: dict[str, list[int]] = {}
     if not sched.use_v2_model_runner:
         prev = sched.prev_step_scheduled_req_ids
@@ -287,15 +338,20 @@ def schedule(sched: Any, throttle_prefills: bool, is_async: bool = False) -> Sch
         **extra,
     )
 
-    # vLLM's _update_after_schedule for one decode token each.
+    # vLLM's _update_after_schedule: each request's tokens computed and in flight, and
+    # whether it is still prefilling.
     count_in_flight = "in_flight" not in _rules.BROKEN
+    chunk_flag = "prefill_chunk" not in _rules.BROKEN
     inflight_prefills = sched._inflight_prefills
-    for r in scheduled:
-        r.num_computed_tokens += 1
+    for r, k in zip(scheduled, tokens, strict=True):
+        r.num_computed_tokens += k
         if count_in_flight:
-            r.num_in_flight_tokens += 1
-        r.is_prefill_chunk = False
-        if inflight_prefills:
+            r.num_in_flight_tokens += k
+        chunk = chunk_flag and r.num_computed_tokens < len(r._all_token_ids) + (
+            r.num_output_placeholders
+        )
+        r.is_prefill_chunk = chunk
+        if inflight_prefills and not chunk:
             inflight_prefills.discard(r)
     if is_async:
         _async_after_schedule(sched, scheduled, out)
@@ -305,7 +361,8 @@ def schedule(sched: Any, throttle_prefills: bool, is_async: bool = False) -> Sch
 
 
 def _async_after_schedule(sched: Any, scheduled: list[Request], out: SchedulerOutput) -> None:
-    """``AsyncScheduler._update_after_schedule``'s part for decodes: each gets the
+    """``AsyncScheduler._update_after_schedule``'s part without drafts: each request
+    that samples this step (not a prefill chunk that ends mid-prompt) gets the
     placeholder of the token it samples, and the step's (empty) draft placeholders.
     Without pipeline parallelism (a step condition) the decode stagger is 1."""
     placeholders: list[int] = [-1] * out.num_spec_tokens_to_schedule
@@ -313,8 +370,11 @@ def _async_after_schedule(sched: Any, scheduled: list[Request], out: SchedulerOu
     per_step = sched.num_sampled_tokens_per_step
     if "output_placeholders" in _rules.BROKEN:
         per_step = 0
+    every = "chunk_placeholders" in _rules.BROKEN  # mutant: a mid-prompt chunk samples
     next_step = sched.current_step + 1 if sched.use_v2_model_runner else None
     for r in scheduled:
+        if r.is_prefill_chunk and not every:
+            continue
         r.num_output_placeholders += per_step
         r.spec_token_ids = placeholders
         if next_step is not None:
