@@ -3,8 +3,8 @@
 //! `block_stored_fields`, the per-block part of vLLM's `BlockStored` event (wraps
 //! `src/extra_keys.rs`).
 //!
-//! Length: one concept (vLLM's event fields from the core's records), kept whole so
-//! that the 0.32 and 0.33 struct shapes and the fallback rules stay side by side.
+//! It owns vLLM's event fields from the core's records: the 0.32 and 0.33 struct
+//! shapes, the fallback rules, and the check `allocate_slots` runs before it mutates.
 //!
 //! The core records `BlockStored { group, start_block, end_block, block_size }` (a
 //! range of the recording call's request), `BlockRemoved` and `AllBlocksCleared`; the
@@ -309,196 +309,288 @@ pub fn block_stored_fields<'py>(
         int_block_hashes,
         1,
         &[],
-        true,
     )?;
     PyTuple::new(py, fields)
 }
 
-/// [`block_stored_fields`] with the arguments already read, in its tuple's order.
-///
-/// `build == false` checks the request without building what cannot fail for it
-/// (the token window of a `list`, the hash list, `[None] * n` keys: each `None`
-/// then): the pre-allocation check of [`PyEventBuilder::dry_run`], which raises
-/// exactly what a build would.
-#[allow(clippy::too_many_arguments)]
-fn stored_fields<'py>(
-    request: &Bound<'py, PyAny>,
+/// The blocks one `BlockStored` describes: the range, its layout and its lookahead.
+struct StoredRange<'s> {
     start_block: usize,
     end_block: usize,
     block_size: usize,
+    /// Lookahead tokens per block (`num_hash_lookahead_tokens`).
     la: usize,
-    int_block_hashes: bool,
-    hash_scale: usize,
-    skipped: &[u32],
-    build: bool,
-) -> PyResult<[Bound<'py, PyAny>; 8]> {
-    let py = request.py();
-    let none = py.None().into_bound(py);
-    let scale = hash_scale.max(1);
-    // The blocks the event describes: the range minus null and masked-out blocks.
-    let included = |i: &usize| skipped.binary_search(&(*i as u32)).is_err();
-    let n = (start_block..end_block).filter(included).count();
+    /// Hash blocks per block (at least 1).
+    scale: usize,
+    /// Left-out (null or masked) blocks, sorted.
+    skipped: &'s [u32],
+    /// How many blocks the event describes.
+    n: usize,
+}
 
-    // Hashes: `[maybe_convert_block_hash(h) for h in hashes[start:end]]` and the parent.
-    let hashes = request.getattr(intern!(py, "block_hashes"))?;
-    // The core only records hashed blocks. A range far past them (any huge one
-    // included) is left to vLLM's helpers, so that no caller-chosen size is ever
-    // allocated here.
-    if mul(end_block, scale)? > hashes.len()?.saturating_add(MAX_BLOCKS_PAST_HASHES) {
-        return Err(UnsupportedError::new_err(
-            "end_block is far past the request's block hashes",
-        ));
+impl<'s> StoredRange<'s> {
+    fn new(
+        start_block: usize,
+        end_block: usize,
+        block_size: usize,
+        la: usize,
+        hash_scale: usize,
+        skipped: &'s [u32],
+    ) -> Self {
+        let mut range = Self {
+            start_block,
+            end_block,
+            block_size,
+            la,
+            scale: hash_scale.max(1),
+            skipped,
+            n: 0,
+        };
+        range.n = range.blocks().count();
+        range
     }
-    // Block i's hash is the hash at its last hash-block boundary (vLLM's
-    // `BlockHashListWithBlockSize`).
-    let unconverted_list_slice = !int_block_hashes
-        && scale == 1
-        && skipped.is_empty()
-        && hashes.is_exact_instance_of::<PyList>();
-    let block_hashes = if !build && unconverted_list_slice {
-        // A list's slice, unconverted, cannot fail: nothing to check.
-        none.clone()
-    } else if !build && scale == 1 && skipped.is_empty() {
-        // Converted to ints: each hash must be bytes (no int or list is made).
+
+    /// The blocks the event describes: the range minus null and masked-out blocks.
+    fn blocks(&self) -> impl Iterator<Item = usize> + '_ {
+        (self.start_block..self.end_block)
+            .filter(|i| self.skipped.binary_search(&(*i as u32)).is_err())
+    }
+
+    /// One hash per block and nothing left out: `hashes[start:end]` is the list.
+    fn plain(&self) -> bool {
+        self.scale == 1 && self.skipped.is_empty()
+    }
+
+    /// `request.block_hashes`, when the range is near enough to them. The core only
+    /// records hashed blocks: a range far past them (any huge one included) is left to
+    /// vLLM's helpers, so that no caller-chosen size is ever allocated here.
+    fn hashes<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        let hashes = request.getattr(intern!(request.py(), "block_hashes"))?;
+        if mul(self.end_block, self.scale)? > hashes.len()?.saturating_add(MAX_BLOCKS_PAST_HASHES) {
+            return Err(UnsupportedError::new_err(
+                "end_block is far past the request's block hashes",
+            ));
+        }
+        Ok(hashes)
+    }
+
+    /// `[maybe_convert_block_hash(h) for h in hashes[start:end]]`; block i's hash is
+    /// the hash at its last hash-block boundary (vLLM's `BlockHashListWithBlockSize`).
+    fn block_hashes<'py>(
+        &self,
+        hashes: &Bound<'py, PyAny>,
+        to_int: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = hashes.py();
+        if self.plain() {
+            let sliced = slice(hashes, self.start_block, self.end_block)?;
+            return Ok(match sliced.cast_exact::<PyList>() {
+                Ok(list) if !to_int => list.clone().into_any(),
+                _ => PyList::new(
+                    py,
+                    sliced
+                        .try_iter()?
+                        .map(|h| convert_hash(h?, to_int))
+                        .collect::<PyResult<Vec<_>>>()?,
+                )?
+                .into_any(),
+            });
+        }
+        let scale = self.scale;
+        Ok(PyList::new(
+            py,
+            self.blocks()
+                .map(|i| convert_hash(hashes.get_item((i + 1) * scale - 1)?, to_int))
+                .collect::<PyResult<Vec<_>>>()?,
+        )?
+        .into_any())
+    }
+
+    /// What [`Self::block_hashes`] raises, without the list where it cannot fail.
+    fn check_block_hashes(&self, hashes: &Bound<'_, PyAny>, to_int: bool) -> PyResult<()> {
+        if !self.plain() {
+            return self.block_hashes(hashes, to_int).map(drop);
+        }
+        if !to_int && hashes.is_exact_instance_of::<PyList>() {
+            // A list's slice, unconverted, cannot fail: nothing to check.
+            return Ok(());
+        }
+        // Each hash must be bytes (no int or list is made).
         match hashes.cast::<PyList>() {
             Ok(list) => {
-                let n = end_block.min(list.len()).saturating_sub(start_block);
-                for h in list.iter().skip(start_block).take(n) {
+                let n = self
+                    .end_block
+                    .min(list.len())
+                    .saturating_sub(self.start_block);
+                for h in list.iter().skip(self.start_block).take(n) {
                     convertible_hash(&h)?;
                 }
             }
             Err(_) => {
-                for h in slice(&hashes, start_block, end_block)?.try_iter()? {
+                for h in slice(hashes, self.start_block, self.end_block)?.try_iter()? {
                     convertible_hash(&h?)?;
                 }
             }
         }
-        none.clone()
-    } else if scale == 1 && skipped.is_empty() {
-        let sliced = slice(&hashes, start_block, end_block)?;
-        match sliced.cast_exact::<PyList>() {
-            Ok(list) if !int_block_hashes => list.clone().into_any(),
-            _ => PyList::new(
-                py,
-                sliced
-                    .try_iter()?
-                    .map(|h| convert_hash(h?, int_block_hashes))
-                    .collect::<PyResult<Vec<_>>>()?,
-            )?
-            .into_any(),
-        }
-    } else {
-        PyList::new(
-            py,
-            (start_block..end_block)
-                .filter(included)
-                .map(|i| convert_hash(hashes.get_item((i + 1) * scale - 1)?, int_block_hashes))
-                .collect::<PyResult<Vec<_>>>()?,
-        )?
-        .into_any()
-    };
-    let parent = if start_block > 0 {
-        convert_hash(hashes.get_item(start_block * scale - 1)?, int_block_hashes)?
-    } else {
-        none.clone()
-    };
+        Ok(())
+    }
 
-    // Token ids: one window `all_token_ids[start*bs : end*bs + la]`, sliced here.
-    let first_token = mul(start_block, block_size)?;
-    let last_token = mul(end_block.max(start_block), block_size)?;
-    let all_token_ids = token_list(&request.getattr(intern!(py, "all_token_ids"))?)?;
-    let window_end = add(last_token, la)?;
-    // A list's slice is a list: with nothing to build, no window is made.
-    let window = if build || !all_token_ids.is_exact_instance_of::<PyList>() {
-        let window = slice(&all_token_ids, first_token, window_end)?;
-        Some(
-            window
-                .cast_into_exact::<PyList>()
-                .map_err(|_| unsupported("all_token_ids[a:b] is not a list"))?,
-        )
-    } else {
-        None
-    };
-    let span = last_token - first_token;
-    let (token_ids, lookahead_token_ids) = match window.filter(|_| build) {
-        None => (none.clone(), none.clone()),
-        Some(window) if la == 0 => (window.into_any(), none.clone()),
-        Some(window) => {
-            let lists = (start_block..end_block)
-                .filter(included)
-                .map(|i| {
-                    let end = (i - start_block + 1) * block_size; // <= span, which fits isize
-                    Ok(window.get_slice(end, add(end, la)?))
-                })
-                .collect::<PyResult<Vec<_>>>()?;
+    /// The hash of the block before the range (`None` for block 0).
+    fn parent<'py>(&self, hashes: &Bound<'py, PyAny>, to_int: bool) -> PyResult<Bound<'py, PyAny>> {
+        if self.start_block == 0 {
+            return Ok(hashes.py().None().into_bound(hashes.py()));
+        }
+        convert_hash(hashes.get_item(self.start_block * self.scale - 1)?, to_int)
+    }
+
+    /// `request.all_token_ids` and the token positions of the range: the first, the
+    /// last, and the end of the window `all_token_ids[first : last + la]`.
+    fn tokens<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<Tokens<'py>> {
+        let first = mul(self.start_block, self.block_size)?;
+        let last = mul(self.end_block.max(self.start_block), self.block_size)?;
+        let all = token_list(&request.getattr(intern!(request.py(), "all_token_ids"))?)?;
+        let window_end = add(last, self.la)?;
+        Ok(Tokens {
+            all,
+            first,
+            last,
+            window_end,
+        })
+    }
+
+    /// `(token_ids, lookahead_token_ids)` from the window (vLLM's per-block lookahead
+    /// lists only with lookahead tokens).
+    fn token_fields<'py>(
+        &self,
+        tokens: &Tokens<'py>,
+        window: Bound<'py, PyList>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+        let py = window.py();
+        if self.la == 0 {
+            return Ok((window.into_any(), py.None().into_bound(py)));
+        }
+        let lists = self
+            .blocks()
+            .map(|i| {
+                let end = (i - self.start_block + 1) * self.block_size; // <= span, which fits isize
+                Ok(window.get_slice(end, add(end, self.la)?))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok((
+            window.get_slice(0, tokens.last - tokens.first).into_any(),
+            PyList::new(py, lists)?.into_any(),
+        ))
+    }
+}
+
+/// The range's token positions in `all_token_ids` ([`StoredRange::tokens`]).
+struct Tokens<'py> {
+    all: Bound<'py, PyAny>,
+    first: usize,
+    last: usize,
+    window_end: usize,
+}
+
+impl<'py> Tokens<'py> {
+    /// `all_token_ids[first : last + la]`, which must be a list.
+    fn window(&self) -> PyResult<Bound<'py, PyList>> {
+        slice(&self.all, self.first, self.window_end)?
+            .cast_into_exact::<PyList>()
+            .map_err(|_| unsupported("all_token_ids[a:b] is not a list"))
+    }
+}
+
+/// What the request's extra keys and its LoRA and session fields are made of.
+struct KeySources<'py> {
+    /// The `lora_id` and `lora_name` fields (`None` without LoRA).
+    lora_id: Bound<'py, PyAny>,
+    lora_name: Bound<'py, PyAny>,
+    /// The key's LoRA object (`lora_request.lora_name`), with LoRA only.
+    lora_key: Option<Bound<'py, PyAny>>,
+    session_id: Bound<'py, PyAny>,
+    cache_salt: Bound<'py, PyAny>,
+    /// The salt is keyed on the block starting at token 0 only.
+    salt_keyed: bool,
+    embeds: Option<PromptEmbeds<'py>>,
+    mm: MmHolder<'py>,
+    mm_features: Vec<MmFeature<'static>>,
+}
+
+impl<'py> KeySources<'py> {
+    /// LoRA, session id, salt, embeddings and multimodal items, read in that order.
+    fn read(
+        request: &Bound<'py, PyAny>,
+        range: &StoredRange<'_>,
+        first_token: usize,
+    ) -> PyResult<Self> {
+        let py = request.py();
+        let none = py.None().into_bound(py);
+        let lora = request.getattr(intern!(py, "lora_request"))?;
+        let (lora_id, lora_name, lora_key) = if lora.is_truthy()? {
             (
-                window.get_slice(0, span).into_any(),
-                PyList::new(py, lists)?.into_any(),
+                lora.getattr(intern!(py, "adapter_id"))?,
+                lora.getattr(intern!(py, "name"))?,
+                Some(lora.getattr(intern!(py, "lora_name"))?),
             )
-        }
-    };
+        } else {
+            (none.clone(), none, None)
+        };
+        let session_id = request.getattr(intern!(py, "session_id"))?;
+        let cache_salt = request.getattr(intern!(py, "cache_salt"))?;
+        let salt_keyed = range.n > 0
+            && (range.start_block == 0 || range.block_size == 0)
+            && cache_salt.is_truthy()?;
+        let embeds = request.getattr(intern!(py, "prompt_embeds"))?;
+        let embeds = if embeds.is_none() {
+            None
+        } else {
+            Some(PromptEmbeds::read(request, embeds)?)
+        };
+        let (mm, mm_features) = mm_items(request, first_token)?;
+        Ok(Self {
+            lora_id,
+            lora_name,
+            lora_key,
+            session_id,
+            cache_salt,
+            salt_keyed,
+            embeds,
+            mm,
+            mm_features,
+        })
+    }
 
-    // LoRA (`lora_id`, `lora_name` fields and the key), session id, salt, embeddings.
-    let lora = request.getattr(intern!(py, "lora_request"))?;
-    let has_lora = lora.is_truthy()?;
-    let (lora_id, lora_name, lora_key) = if has_lora {
-        (
-            lora.getattr(intern!(py, "adapter_id"))?,
-            lora.getattr(intern!(py, "name"))?,
-            Some(lora.getattr(intern!(py, "lora_name"))?),
-        )
-    } else {
-        (none.clone(), none.clone(), None)
-    };
-    let session_id = request.getattr(intern!(py, "session_id"))?;
-    let cache_salt = request.getattr(intern!(py, "cache_salt"))?;
-    // The salt is keyed on the block starting at token 0 only.
-    let salt_keyed = n > 0 && (start_block == 0 || block_size == 0) && cache_salt.is_truthy()?;
-    let embeds = request.getattr(intern!(py, "prompt_embeds"))?;
-    let mut embeds = if embeds.is_none() {
-        None
-    } else {
-        Some(PromptEmbeds::read(request, embeds)?)
-    };
-    let (mm, mm_features) = mm_items(request, first_token)?;
+    /// Whether any block can have a key (else the keys are `[None] * n`).
+    fn may_key(&self) -> bool {
+        self.lora_key.is_some()
+            || self.salt_keyed
+            || self.embeds.is_some()
+            || !self.mm_features.is_empty()
+    }
 
-    let extra_keys = if n == 0 {
-        none.clone()
-    } else if !has_lora && !salt_keyed && embeds.is_none() && mm_features.is_empty() {
-        if !build {
-            return Ok([
-                none.clone(),
-                parent,
-                none.clone(),
-                lora_id,
-                lora_name,
-                none.clone(),
-                session_id,
-                none,
-            ]);
-        }
-        // No block can have a key: `[None] * n`.
-        PyList::new(py, std::iter::repeat_n(&none, n))?.into_any()
-    } else {
+    /// The `extra_keys` list of the range's blocks, in `to_event_extra_keys`' shape.
+    fn extra_keys(&mut self, range: &StoredRange<'_>) -> PyResult<Bound<'py, PyAny>> {
+        let py = self.cache_salt.py();
         let req_keys = RequestExtraKeys {
-            lora: has_lora.then_some((Atom::None, Atom::None)),
-            mm_features: &mm_features,
+            lora: self.lora_key.is_some().then_some((Atom::None, Atom::None)),
+            mm_features: &self.mm_features,
             // Truthy placeholder: the core keys it on the block at token 0.
-            cache_salt: salt_keyed.then_some(Atom::Int(1)),
+            cache_salt: self.salt_keyed.then_some(Atom::Int(1)),
         };
         let objs = KeyObjects {
-            lora_name: lora_key.as_ref(),
-            cache_salt: &cache_salt,
-            identifiers: &mm.identifiers,
+            lora_name: self.lora_key.as_ref(),
+            cache_salt: &self.cache_salt,
+            identifiers: &self.mm.identifiers,
         };
+        let (bs, la) = (range.block_size, range.la);
         let mut keys = Vec::new();
         let mut mm_idx = 0;
-        let mut out = Vec::with_capacity(n);
-        for i in (start_block..end_block).filter(included) {
-            let start = i * block_size; // <= last_token, which fits isize
-            let end = start + block_size;
+        let mut out = Vec::with_capacity(range.n);
+        for i in range.blocks() {
+            let start = i * bs; // <= last_token, which fits isize
+            let end = start + bs;
             let hash_end = add(end, la)?;
-            let digest = match embeds.as_mut() {
+            let digest = match self.embeds.as_mut() {
                 Some(e) => Some(e.digest(start, hash_end)?),
                 None => None,
             };
@@ -512,9 +604,44 @@ fn stored_fields<'py>(
             };
             out.push(event_keys(py, &keys, &objs, digest.as_ref().map(|d| &d.0))?);
         }
-        PyList::new(py, out)?.into_any()
-    };
+        Ok(PyList::new(py, out)?.into_any())
+    }
+}
 
+/// [`block_stored_fields`] with the arguments already read, in its tuple's order.
+#[allow(clippy::too_many_arguments)]
+fn stored_fields<'py>(
+    request: &Bound<'py, PyAny>,
+    start_block: usize,
+    end_block: usize,
+    block_size: usize,
+    la: usize,
+    int_block_hashes: bool,
+    hash_scale: usize,
+    skipped: &[u32],
+) -> PyResult<[Bound<'py, PyAny>; 8]> {
+    let py = request.py();
+    let none = py.None().into_bound(py);
+    let range = StoredRange::new(start_block, end_block, block_size, la, hash_scale, skipped);
+    let hashes = range.hashes(request)?;
+    let block_hashes = range.block_hashes(&hashes, int_block_hashes)?;
+    let parent = range.parent(&hashes, int_block_hashes)?;
+    let tokens = range.tokens(request)?;
+    let (token_ids, lookahead_token_ids) = range.token_fields(&tokens, tokens.window()?)?;
+    let mut sources = KeySources::read(request, &range, tokens.first)?;
+    let extra_keys = if range.n == 0 {
+        none
+    } else if sources.may_key() {
+        sources.extra_keys(&range)?
+    } else {
+        PyList::new(py, std::iter::repeat_n(&none, range.n))?.into_any()
+    };
+    let KeySources {
+        lora_id,
+        lora_name,
+        session_id,
+        ..
+    } = sources;
     Ok([
         block_hashes,
         parent,
@@ -525,6 +652,36 @@ fn stored_fields<'py>(
         session_id,
         lookahead_token_ids,
     ])
+}
+
+/// Raises exactly what [`stored_fields`] would for these arguments, in the same
+/// order, without building what cannot fail (the token window of a `list`, the hash
+/// list, `[None] * n` keys): the pre-allocation check of [`PyEventBuilder::dry_run`].
+#[allow(clippy::too_many_arguments)]
+fn check_stored_fields(
+    request: &Bound<'_, PyAny>,
+    start_block: usize,
+    end_block: usize,
+    block_size: usize,
+    la: usize,
+    int_block_hashes: bool,
+    hash_scale: usize,
+    skipped: &[u32],
+) -> PyResult<()> {
+    let range = StoredRange::new(start_block, end_block, block_size, la, hash_scale, skipped);
+    let hashes = range.hashes(request)?;
+    range.check_block_hashes(&hashes, int_block_hashes)?;
+    range.parent(&hashes, int_block_hashes)?;
+    let tokens = range.tokens(request)?;
+    // A list's slice is a list: with nothing to build, no window is made.
+    if !tokens.all.is_exact_instance_of::<PyList>() {
+        tokens.window()?;
+    }
+    let mut sources = KeySources::read(request, &range, tokens.first)?;
+    if range.n > 0 && sources.may_key() {
+        sources.extra_keys(&range)?;
+    }
+    Ok(())
 }
 
 /// vLLM 0.33's `BlockStored` fields, in declaration order: when the class has
@@ -755,7 +912,6 @@ impl PyEventBuilder {
                 self.int_block_hashes,
                 1,
                 &[],
-                true,
             )?;
             Ok((fields, block_size))
         });
@@ -802,7 +958,7 @@ impl PyEventBuilder {
             StoredCall::Positional15 | StoredCall::Positional14
         );
         if positional {
-            let checked = stored_fields(
+            let checked = check_stored_fields(
                 request,
                 0,
                 end_block,
@@ -811,7 +967,6 @@ impl PyEventBuilder {
                 self.int_block_hashes,
                 1,
                 &[],
-                false,
             );
             match checked {
                 Ok(_) => return Ok(()),
@@ -996,7 +1151,6 @@ impl PyEventBuilder {
                     self.int_block_hashes,
                     layout.0,
                     layout.1,
-                    true,
                 );
                 if let (Ok(f), true) = (&fields, whole) {
                     memo.last = Some(MemoEntry {

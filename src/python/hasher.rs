@@ -2,8 +2,8 @@
 //! `serialize`, `blake3_digest`, `blake3_block` (wraps `src/hash.rs`,
 //! `src/hash/request.rs`, `src/extra_keys.rs`).
 //!
-//! Length: pickle's identity-exact conversion is one concept and one recursion; its
-//! type cases must be read together.
+//! It owns pickle's identity-exact conversion of Python objects to core values: one
+//! recursion whose type cases are read together.
 //!
 //! Conversion only. Python objects become core values *with their identity*: every
 //! `str`, `bytes` and `tuple` carries its object address as [`ObjId`], and every object

@@ -1,7 +1,7 @@
 //! `KVCacheCore`: the core `KVCacheManager` as a subclassable Python class.
 //!
-//! Length: the class has one method per vLLM `KVCacheManager` method, each a few
-//! lines of conversion; splitting it would scatter vLLM's interface over files.
+//! It owns vLLM's `KVCacheManager` interface: one method per vLLM method, each a few
+//! lines of conversion around one core call.
 //!
 //! `hscache.vllm.KVCacheManager` subclasses it. The methods vLLM's Scheduler calls
 //! every step (`allocate_slots`, `get_computed_blocks`, `free`, `get_blocks`,
