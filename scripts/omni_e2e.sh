@@ -16,10 +16,11 @@
 # a probe reporting which caches served) into that venv, makes a tiny random Qwen2.5-Omni
 # (tests/omni_e2e/make_model.py; nothing downloaded), runs tests/omni_e2e/run_pipeline.py
 # once per arm (cold: thinker prefix caching off; omni: vllm-omni's cache; hscache:
-# HSCACHE=1 + HSCACHE_OMNI_PREFIX_CACHE=1 + HSCACHE_STRICT=1), then the hybrid arm (the
-# hscache arm on a second tiny model whose thinker has a full-attention and a 64-token
-# sliding-window layer, `make_model.py --sliding-window 64`, a layout vllm-omni's own cache
-# refuses; its cold reference runs in the same engine), checks the JSONs with
+# HSCACHE=1 + HSCACHE_OMNI_PREFIX_CACHE=1 + HSCACHE_STRICT=1, both stages on hscache.omni's
+# schedulers: the fast path), then the hybrid arm (the hscache arm, HSCACHE=1 alone, on a
+# second tiny model whose thinker has a full-attention and a 64-token sliding-window layer,
+# `make_model.py --sliding-window 64`, a layout vllm-omni's own cache refuses; its cold
+# reference runs in the same engine), checks the JSONs with
 # tests/omni_e2e/test_omni_pipeline.py and prints a table. Each arm starts two stage
 # engines (~1-3 min on 2 cores). Work folder: ${HSCACHE_OMNI_E2E_WORK:-$HSCACHE_CACHE/omni_e2e}.
 set -euo pipefail

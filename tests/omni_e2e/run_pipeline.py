@@ -4,7 +4,8 @@ A tiny random Qwen2.5-Omni (:mod:`make_model`) served by ``vllm_omni.Omni`` on C
 scaffolding plugin ``tests/omni_e2e/plugin`` must be installed in the venv): qwen2_5_omni's
 stages 0 (thinker) and 1 (talker), the thinker's latent hidden states passed to the talker.
 Arms: ``cold`` (thinker prefix caching off), ``omni`` (vllm-omni's own hidden-state cache),
-``hscache`` (hscache's KV-cache manager and hidden-state cache, ``HSCACHE_STRICT=1``);
+``hscache`` (hscache's KV-cache manager and hidden-state cache, ``HSCACHE_STRICT=1``,
+both stages on hscache's omni schedulers, :func:`scheduler_cls`: the fast path);
 ``hybrid``: the ``hscache`` arm on a thinker with a full-attention and a sliding-window
 layer (``make_model.py --sliding-window``), which vllm-omni's own cache refuses, over its
 own workload (:func:`hybrid_workload`) whose last round recomputes every request cold in
@@ -238,8 +239,22 @@ def spec_workload() -> list[Round]:
     ]
 
 
-def register_pipeline() -> None:
-    """qwen2_5_omni's stages 0 and 1, the talker a final output too (its token ids)."""
+def scheduler_cls(arm: str, async_scheduling: bool) -> str | None:
+    """The stages' scheduler class in this arm: hscache's omni schedulers (vllm-omni's
+    own, on hscache's manager, with the fast path) in the ``hscache`` arm, matching the
+    stages' ``async_scheduling``; None (vllm-omni's choice) elsewhere. The ``hybrid`` and
+    ``hscache_spec`` arms keep ``HSCACHE=1`` alone: hscache's manager under vllm-omni's
+    classes, no fast path."""
+    if arm != "hscache":
+        return None
+    return "hscache.omni." + ("OmniARAsyncScheduler" if async_scheduling else "OmniARScheduler")
+
+
+def register_pipeline(stage_scheduler_cls: str | None = None) -> None:
+    """qwen2_5_omni's stages 0 and 1, the talker a final output too (its token ids), both
+    on ``stage_scheduler_cls`` where given. It is the pipeline's (topology) field:
+    vllm-omni 0.30 overwrites a deploy YAML stage's ``scheduler_cls`` with it
+    (``StageConfig.to_omegaconf``), so a YAML key would be silently ignored."""
     from vllm_omni.config.pipeline_registry import register_pipeline as register
     from vllm_omni.model_executor.models.qwen2_5_omni.pipeline import QWEN2_5_OMNI_PIPELINE
 
@@ -250,6 +265,9 @@ def register_pipeline() -> None:
         final_output_type="text",
         custom_process_next_stage_input_func=None,
     )
+    if stage_scheduler_cls is not None:
+        thinker = dataclasses.replace(thinker, scheduler_cls=stage_scheduler_cls)
+        talker = dataclasses.replace(talker, scheduler_cls=stage_scheduler_cls)
     register(
         dataclasses.replace(
             QWEN2_5_OMNI_PIPELINE,
@@ -479,13 +497,15 @@ def run(arm: str, model: Path, out_path: Path, async_scheduling: bool) -> dict[s
     os.environ["HSCACHE_E2E_ROWS_DIR"] = str(rows_dir)
     from vllm_omni import Omni
 
-    register_pipeline()
+    stage_scheduler_cls = scheduler_cls(arm, async_scheduling)
+    register_pipeline(stage_scheduler_cls)
     deploy = work / "deploy.yaml"
     deploy.write_text(deploy_yaml(arm, async_scheduling))
     result: dict[str, Any] = {
         "arm": arm,
         "async_scheduling": async_scheduling,
         "block_size": BLOCK_SIZE,
+        "scheduler_cls": stage_scheduler_cls,
         "thinker_text_config": _thinker_text_config(model),
         "rounds": [],
     }

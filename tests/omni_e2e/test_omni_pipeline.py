@@ -10,10 +10,12 @@ thinker's cached tokens are the same under vLLM's and hscache's KV-cache manager
 repeat rounds really hit; and in the hscache arm hscache served both parts (its
 KV-cache manager in the thinker's scheduler, its hidden-state cache in the thinker's
 runner, nonzero counters, rows served from the cache), ``HSCACHE_STRICT=1`` ruling out a
-fallback. The ``hybrid`` arm (a thinker with a full-attention and a sliding-window layer,
-which vllm-omni's own cache refuses): its talker tokens equal its in-engine cold
-reference's, its hits are vLLM's under the window, the thinker really had the two
-KV-cache groups (vllm-omni's check refused them), hscache served both parts.
+fallback, and both stages ran hscache's omni scheduler with the fast path serving
+``schedule()`` steps (``fast_path_counts``; updates where a step leaves it any). The
+``hybrid`` arm (a thinker with a full-attention and a sliding-window layer, which
+vllm-omni's own cache refuses): its talker tokens equal its in-engine cold reference's,
+its hits are vLLM's under the window, the thinker really had the two KV-cache groups
+(vllm-omni's check refused them), hscache served both parts.
 ``HSCACHE_OMNI_E2E_RESULTS`` names the folder of ``<arm>.json`` files (``cold``, ``omni``,
 ``hscache``, optionally with a ``-sync`` suffix for ``async_scheduling: false``;
 ``hybrid``; ``cold_spec`` / ``hscache_spec``, the thinker drafting with ngram, and their
@@ -175,6 +177,40 @@ def test_hscache_served_both_parts(suffix: str) -> None:
         for op, vals in p.get("hscache_stats", {}).items()
     }
     assert sum(calls.values()) > 0, arm["probes"]
+
+
+def test_hscache_arm_served_steps_on_the_fast_path(suffix: str) -> None:
+    """Both stages of the hscache arm ran hscache's omni scheduler (the arm's
+    ``scheduler_cls``, matching its scheduling mode) with the fast path on, and the fast
+    path served ``schedule()`` steps in each. Updates: a step whose runner output carries
+    multimodal or inter-stage outputs (a stage handing hidden states on, as both stages
+    of qwen2_5_omni do on every step that samples) or whose stage has KV-transfer
+    criteria is vllm-omni's loop's whole (``hscache.omni.fast``); where a stage had any
+    other sampling step, the fast path must have served updates there. A silent decline
+    fails here (the probe's class-level wrappers once turned the path off unseen)."""
+    arm = _load("hscache" + suffix)
+    expected = "OmniARAsyncScheduler" if arm["async_scheduling"] else "OmniARScheduler"
+    assert arm["scheduler_cls"] == f"hscache.omni.{expected}", arm["scheduler_cls"]
+    stages = {s["stage"]: s for p in arm["probes"] for s in p["schedulers"]}
+    assert sorted(stages) == ["talker", "thinker"], list(stages)
+    for stage, sched in stages.items():
+        assert sched["scheduler"] == f"hscache.omni.scheduler.{expected}", (stage, sched)
+        assert sched["kv_cache_manager"] == HSCACHE_MANAGER, (stage, sched)
+        assert sched["fast_step"] is True, (stage, sched)
+        counts = sched["fast_path_counts"]
+        assert counts["schedule_steps"] > 0 and counts["update_requests"] > 0, (stage, counts)
+        assert counts["schedule_served"] > 0, (stage, counts)
+        steps = sched.get("update_steps", 0)
+        assert steps > 0, (stage, sched)
+        servable = steps - sched.get("update_steps_stage_outputs", 0)
+        if servable > 0 and not sched["kv_transfer_criteria"]:
+            assert counts["update_served"] > 0, (stage, counts, sched)
+        print(
+            f"hscache{suffix} {stage}: {counts}; sampling update steps {steps}, "
+            f"with stage outputs {sched.get('update_steps_stage_outputs', 0)}, declined "
+            f"(vLLM's step rules) {sched.get('update_steps_declined_vllm', 0)}, "
+            f"(vllm-omni's) {sched.get('update_steps_declined_omni', 0)}"
+        )
 
 
 def test_the_omni_arm_ran_vllm_omnis_cache(suffix: str) -> None:

@@ -15,7 +15,11 @@ and the time of the ``update_from_output`` that gave it its first output token (
 ``python -m hscache bench-omni-e2e`` reads as each stage's time to first token); per
 prefix cache its class, KV-cache group and counters; and ``hscache.stats()``
 (``HSCACHE_STATS=1``). Per scheduler also its speculative method and scheduling mode, and
-the drafts it scheduled, accepted and rejected (:func:`_count_drafts`); with
+the drafts it scheduled, accepted and rejected (:func:`_count_drafts`); for hscache's
+schedulers whether the fast path is on and its ``fast_path_counts``. The ``schedule`` and
+``update_from_output`` it watches are wrapped on each instance, so no class runs other
+code than the code hscache's fast path checks it mirrors (a class-level wrapper would turn
+the path off); with
 ``HSCACHE_E2E_ROWS_DIR`` set, the thinker rows each request hands the talker
 (:func:`_watch_rows`). Stage processes end by
 signal, so a periodic file is the record that survives them; the driver reads it after a
@@ -81,25 +85,25 @@ def _gate_arrivals(cls: type) -> None:
     cls.add_request = add_request  # type: ignore[attr-defined]
 
 
-def _watch_steps(cls: type) -> None:
-    original = cls.schedule
-    if getattr(original, "hscache_probe", False):
-        return
+def _watch_steps(sched: Any) -> None:
+    """Counts same-prompt admissions from each step's output. On the instance, not the
+    class: hscache's fast path checks that the scheduler's classes run the ``schedule``
+    it mirrors (``hscache.vllm.mirror``), and a class-level wrapper would turn it off."""
+    original = sched.schedule
 
-    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = original(self, *args, **kwargs)
+    def schedule(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
         groups: dict[tuple[int, ...], list[Any]] = {}
         for new in getattr(out, "scheduled_new_reqs", None) or []:
             if new.prompt_token_ids is not None:
                 groups.setdefault(tuple(new.prompt_token_ids), []).append(new)
         for group in groups.values():
-            _count(self, "same_step_max", at_least=len(group))
+            _count(sched, "same_step_max", at_least=len(group))
             if len(group) > 1:
-                _count(self, "same_step_hits", sum(g.num_computed_tokens > 0 for g in group))
+                _count(sched, "same_step_hits", sum(g.num_computed_tokens > 0 for g in group))
         return out
 
-    schedule.hscache_probe = True  # type: ignore[attr-defined]
-    cls.schedule = schedule  # type: ignore[attr-defined]
+    sched.schedule = schedule
 
 
 def _watch_arrivals(cls: type) -> None:
@@ -113,9 +117,6 @@ def _watch_arrivals(cls: type) -> None:
 
     # Not marked ``hscache_probe``: the gate wraps this add_request in turn.
     cls.add_request = add_request  # type: ignore[attr-defined]
-
-
-_in_update: dict[int, bool] = {}  # id(scheduler) -> inside its update_from_output
 
 
 def _count_drafts(sched: Any, scheduler_output: Any, runner_output: Any) -> None:
@@ -135,6 +136,33 @@ def _count_drafts(sched: Any, scheduler_output: Any, runner_output: Any) -> None
         _count(sched, "drafts_accepted", accepted)
         _count(sched, "drafts_rejected", len(tokens) - accepted)
         _count(sched, "draft_steps_with_rejection", int(accepted < len(tokens)))
+
+
+def _count_update_outputs(sched: Any, runner_output: Any) -> None:
+    """``update_steps``: the ``update_from_output`` calls whose runner output sampled a
+    token for some request; ``update_steps_stage_outputs``: those of them that also carry
+    per-request multimodal or inter-stage outputs (vllm-omni's ``OmniModelRunnerOutput``:
+    a stage handing hidden states on), steps hscache's omni update fast path leaves to
+    vllm-omni's loop whole (``hscache.omni.fast``)."""
+    sampled = getattr(runner_output, "sampled_token_ids", None) or []
+    if not any(len(tokens) for tokens in sampled):
+        return
+    _count(sched, "update_steps", 1)
+    if getattr(runner_output, "multimodal_outputs", None) or getattr(
+        runner_output, "inter_stage_outputs", None
+    ):
+        _count(sched, "update_steps_stage_outputs", 1)
+    if getattr(sched, "fast_step", False):
+        # hscache's own step-level verdicts, taken before the call changes the state
+        from hscache.omni import fast as omni_fast
+        from hscache.vllm.step import update as vllm_update
+
+        if not vllm_update._update_applies(sched, runner_output):
+            _count(sched, "update_steps_declined_vllm", 1)
+        elif type(sched).__module__ == "hscache.omni.scheduler" and not (
+            omni_fast._omni_applies(sched, runner_output)
+        ):
+            _count(sched, "update_steps_declined_omni", 1)
 
 
 def safe_name(request_id: str) -> str:
@@ -185,41 +213,32 @@ def _watch_rows(directory: Path) -> None:
 def _watch_first_tokens(sched: Any) -> None:
     """Records when an ``update_from_output`` first gave a request an output token (read
     from the request objects before and after the call: a request finished by that very
-    token has left ``self.requests`` by then). vllm-omni's ``OmniARScheduler`` defines its
-    own ``update_from_output`` without calling vLLM's, so every class of the scheduler's
-    MRO that defines one is wrapped (once; a wrapped one reached through ``super()``
-    records nothing new)."""
-    for cls in type(sched).__mro__:
-        original = cls.__dict__.get("update_from_output")
-        if original is None or getattr(original, "hscache_probe", False):
-            continue
+    token has left ``self.requests`` by then), and counts the step's drafts. One wrapper
+    on the instance, around whatever class's ``update_from_output`` the engine calls
+    (vllm-omni's ``OmniARScheduler`` defines its own without calling vLLM's): a
+    class-level one would replace the code hscache's fast path checks it mirrors
+    (``hscache.vllm.mirror``, ``hscache.omni.mirror``) and turn the path off."""
+    original = sched.update_from_output
 
-        def update_from_output(
-            self: Any, scheduler_output: Any, *args: Any, _orig: Any = original, **kwargs: Any
-        ) -> Any:
-            seen = _first_token.setdefault(id(self), {})
-            waiting = [
-                req
-                for req_id in getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
-                if req_id not in seen and (req := self.requests.get(req_id)) is not None
-            ]
-            outermost = not _in_update.get(id(self), False)
-            if outermost and args:
-                _count_drafts(self, scheduler_output, args[0])
-            _in_update[id(self)] = True
-            try:
-                out = _orig(self, scheduler_output, *args, **kwargs)
-            finally:
-                if outermost:
-                    _in_update[id(self)] = False
-            now = time.time()
-            for req in waiting:
-                if req.num_output_tokens > 0:
-                    seen.setdefault(str(req.request_id), now)
-            return out
+    def update_from_output(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        seen = _first_token.setdefault(id(sched), {})
+        waiting = [
+            req
+            for req_id in getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
+            if req_id not in seen and (req := sched.requests.get(req_id)) is not None
+        ]
+        runner_output = args[0] if args else kwargs.get("model_runner_output")
+        if runner_output is not None:
+            _count_drafts(sched, scheduler_output, runner_output)
+            _count_update_outputs(sched, runner_output)
+        out = original(scheduler_output, *args, **kwargs)
+        now = time.time()
+        for req in waiting:
+            if req.num_output_tokens > 0:
+                seen.setdefault(str(req.request_id), now)
+        return out
 
-        update_from_output.hscache_probe = True  # type: ignore[attr-defined]
-        cls.update_from_output = update_from_output  # type: ignore[attr-defined]
+    sched.update_from_output = update_from_output
 
 
 def _watch_aborts(cls: type) -> None:
@@ -255,6 +274,7 @@ def _record_instances(cls: type, into: list[weakref.ref[Any]]) -> None:
         original(self, *args, **kwargs)
         into.append(weakref.ref(self))
         if into is _schedulers:
+            _watch_steps(self)
             _watch_first_tokens(self)
 
     init.hscache_probe = True  # type: ignore[attr-defined]
@@ -343,6 +363,10 @@ def snapshot() -> dict[str, Any]:
                 "async_scheduling": bool(
                     getattr(sched.vllm_config.scheduler_config, "async_scheduling", False)
                 ),
+                # hscache's schedulers: whether the fast path is on, and what it served
+                "fast_step": getattr(sched, "fast_step", None),
+                "fast_path_counts": dict(getattr(sched, "fast_path_counts", None) or {}),
+                "kv_transfer_criteria": bool(getattr(sched, "kv_transfer_criteria", None)),
                 "arrived_at": dict(_arrived.get(id(sched), {})),
                 "first_token_at": dict(_first_token.get(id(sched), {})),
                 **_layouts.setdefault(id(sched), _kv_layout(sched)),
@@ -401,7 +425,6 @@ def register() -> None:
     _count_preemptions(Scheduler)
     _watch_arrivals(Scheduler)  # inside the gate: arrival is when the gate lets it in
     _gate_arrivals(Scheduler)
-    _watch_steps(Scheduler)
     _watch_aborts(Scheduler)
     try:
         from vllm_omni.core.prefix_cache.manager import OmniPrefixCacheManager
