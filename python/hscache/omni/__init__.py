@@ -18,9 +18,10 @@ build their own ``OmniPrefixCacheManager`` (see :mod:`hscache.omni.switch` and
 ``enable_prefix_caching``.
 
 The stage's KV-cache manager is another switch: ``HSCACHE=1`` (hscache's vLLM plugin), or
-``scheduler_cls: hscache.omni.OmniARScheduler`` / ``hscache.omni.OmniARAsyncScheduler`` in
-the deploy YAML (:mod:`hscache.omni.scheduler`: vllm-omni's schedulers on hscache's
-manager). Importing this package needs neither vllm nor vllm-omni, and imports
+``scheduler_cls: hscache.omni.OmniARScheduler`` / ``hscache.omni.OmniARAsyncScheduler`` as
+a pipeline stage's ``scheduler_cls`` (not the deploy YAML's, which vllm-omni 0.30
+overwrites; :mod:`hscache.omni.scheduler`: vllm-omni's schedulers on hscache's manager,
+with the fast path). Importing this package needs neither vllm nor vllm-omni, and imports
 :mod:`hscache.vllm` (the KV-manager drop-in) only when one of those two names is asked for.
 """
 

@@ -10,17 +10,20 @@ hscache's manager, the same manager and decisions either way:
   ``EngineCore`` in every engine process) rebinds that name, so whatever scheduler the
   stage runs, vllm-omni's included, builds hscache's manager (no fast path: the class is
   vllm-omni's own).
-- ``scheduler_cls: hscache.omni.OmniARScheduler`` (or ``hscache.omni.OmniARAsyncScheduler``)
-  in a stage of the deploy YAML: the classes below, vllm-omni's schedulers built inside
+- ``scheduler_cls: hscache.omni.OmniARScheduler`` (or
+  ``hscache.omni.OmniARAsyncScheduler``) as a pipeline stage's ``scheduler_cls``
+  (``StagePipelineConfig``, e.g. a pipeline registered with ``register_pipeline``;
+  vllm-omni 0.30 overwrites a deploy YAML stage's ``scheduler_cls`` with the pipeline's,
+  so a YAML key is ignored): the classes below, vllm-omni's schedulers built inside
   hscache's bindings (``hscache.vllm.scheduler``), with the whole-step fast path
   (``hscache.vllm.step``) where vllm-omni's code calls vLLM's: the fast ``schedule()``
   sits below vllm-omni's (its ``super().schedule()``), and the steady requests of
-  ``update_from_output()`` are taken out of vllm-omni's loop (``hscache.omni.fast``).
-  Both only where vLLM's and vllm-omni's code are the code tested
-  (``hscache.omni.mirror``). vllm-omni passes a stage's ``scheduler_cls`` through as it
-  is, so the class must match the stage's ``async_scheduling`` (vllm-omni picks the async
-  one when it chooses by itself). ``hscache.vllm.Scheduler`` there would drop vllm-omni's
-  own scheduling (KV transfer to the next stage, chunk transport, streaming input).
+  ``update_from_output()`` are taken out of vllm-omni's loop (``hscache.omni.fast``). Both
+  only where vLLM's and vllm-omni's code are the code tested (``hscache.omni.mirror``).
+  vllm-omni passes a stage's ``scheduler_cls`` through as it is, so the class must match
+  the stage's ``async_scheduling`` (vllm-omni picks the async one when it chooses by
+  itself). ``hscache.vllm.Scheduler`` there would drop vllm-omni's own scheduling (KV
+  transfer to the next stage, chunk transport, streaming input).
 
 Importing this module needs vLLM, vllm-omni and a vLLM version hscache supports
 (``hscache.vllm.version``); ``hscache.omni`` imports it only when one of the two names
