@@ -63,12 +63,13 @@ def rows(n: int, base: float) -> torch.Tensor:
     return base + torch.arange(n * W, dtype=torch.float32).reshape(n, W)
 
 
-def make() -> tuple[OmniHiddenStateCache, View]:
+def make(deliver_once: bool = True) -> tuple[OmniHiddenStateCache, View]:
     view = View()
     cache = OmniHiddenStateCache(
         NS(num_blocks=8, block_size=BS),
         view,
         settings=OmniSettings(storage="cpu", step_wait_s=0.05),
+        deliver_once=deliver_once,
     )
     return cache, view
 
@@ -285,15 +286,20 @@ def test_non_aligned_hit_is_refused_before_anything_changes() -> None:
     assert cache.rules.num_live == live and not cache.rules.has_pending_step
 
 
+@pytest.mark.parametrize("deliver_once", [True, False])
 @pytest.mark.parametrize(
     "mutant", [None, pytest.param("continuation_hit", marks=pytest.mark.hooks)]
 )
-def test_a_live_request_resent_as_new_gets_this_steps_rows(mutant: str | None) -> None:
+def test_a_live_request_resent_as_new_gets_this_steps_rows(
+    mutant: str | None, deliver_once: bool
+) -> None:
     """A request resent among ``scheduled_new_reqs`` while live (vllm-omni's async-chunk
     continuation, vLLM's V2-runner resumption) gets this step's rows only, as vllm-omni
     serves it, not its prefix again. vLLM's own scheduler never resends one, so the
-    differential does not reach this rule: it and its mutant are checked here."""
-    cache, view = make()
+    differential does not reach this rule: it and its mutant are checked here. The
+    delivery watermark (``deliver_once``) also trims a resent prefix, so the rule's mutant
+    is caught with the watermark off; with it on, the rows are right even then."""
+    cache, view = make(deliver_once)
     a = rows(8, 0.0)
     sid = step(cache, view, sched(new=(("a", [1, 2], 0, 8),)), a, **{"mm.codes": a})
     cache.materialize(sid, ["a"])
@@ -304,7 +310,7 @@ def test_a_live_request_resent_as_new_gets_this_steps_rows(mutant: str | None) -
     out = cache.materialize(sid, ["a"])
     assert out.hidden_states is not None
     served_step_rows = torch.equal(out.hidden_states["a"], x)
-    assert served_step_rows == (mutant is None)
+    assert served_step_rows == (mutant is None or deliver_once)
 
 
 def test_only_plain_rows_are_copied_once_more() -> None:
