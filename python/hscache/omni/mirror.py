@@ -30,7 +30,6 @@ import functools
 import importlib
 import importlib.metadata
 import logging
-from pathlib import Path
 from typing import Any
 
 from hscache.omni import _mirror_table
@@ -189,15 +188,5 @@ def omni_covered(cls: type) -> bool:
 def write_entry() -> str:
     """Store the installed vllm-omni's fingerprint as its entry of ``_mirror_table.py``."""
     version = _omni_version()
-    table = dict(_mirror_table.FINGERPRINTS)
-    table[version] = dict(sorted(omni_fingerprint().items()))
-    lines = ["FINGERPRINTS: dict[str, dict[str, str]] = {"]
-    for release, entry in sorted(table.items()):
-        lines.append(f'    "{release}": {{')
-        lines.extend(f'        "{k}": "{v}",' for k, v in sorted(entry.items()))
-        lines.append("    },")
-    lines.append("}")
-    path = Path(_mirror_table.__file__)
-    old = path.read_text()
-    path.write_text(old[: old.index("FINGERPRINTS")] + "\n".join(lines) + "\n")
+    path = mirror._write_table(version, omni_fingerprint(), _mirror_table)
     return f"vllm-omni {version}: wrote {path}"

@@ -428,8 +428,10 @@ def _reset() -> None:
     _request_verdicts.clear()
 
 
-def _write_table(version: str, prints: dict[str, str]) -> Path:
-    table = dict(_mirror_table.FINGERPRINTS)
+def _write_table(version: str, prints: dict[str, str], module: Any = _mirror_table) -> Path:
+    """Stores ``prints`` as ``version``'s entry of the table module ``module``
+    (``_mirror_table.py`` here; vllm-omni's, ``hscache.omni.mirror``'s)."""
+    table = dict(module.FINGERPRINTS)
     table[version.strip().split("+", 1)[0]] = dict(sorted(prints.items()))
     # ruff format's layout: one entry a line, trailing commas.
     lines = ["FINGERPRINTS: dict[str, dict[str, str]] = {"]
@@ -438,7 +440,7 @@ def _write_table(version: str, prints: dict[str, str]) -> Path:
         lines.extend(f'        "{k}": "{v}",' for k, v in sorted(entry.items()))
         lines.append("    },")
     lines.append("}")
-    path = Path(_mirror_table.__file__)
+    path = Path(module.__file__)
     old = path.read_text()
     header = old[: old.index("FINGERPRINTS")]  # the module doc and imports, kept
     path.write_text(header + "\n".join(lines) + "\n")
