@@ -194,6 +194,9 @@ step test-asserts python scripts/check_test_asserts.py
 step mypy timeout 900 mypy  # settings and files: [tool.mypy] in pyproject.toml
 step build timeout 1800 maturin develop --release --quiet
 step_after build stubtest python -m mypy.stubtest hscache._core --allowlist tests/stubtest_allowlist.txt
+# _core.pyi is generated from the bindings (PyO3's introspection, `maturin generate-stubs`):
+# the committed file must be what they generate (a debug build with the introspection on)
+step_after build stubs python scripts/gen_stubs.py --check
 # vLLM's own tests (the sdist's tests/ tree) before pytest: test_encoder_cache.py runs vLLM's
 # encoder-cache tests on hscache's manager from it, and would skip them on a clean machine.
 step vllm-sdist bash tests/vllm_upstream/fetch_sdist.sh

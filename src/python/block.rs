@@ -117,7 +117,7 @@ impl PyKVCacheBlock {
     }
 
     /// vLLM's `set_block_hash` (the pool's caching step): the core caches.
-    #[pyo3(signature = (block_hash, num_tokens = None))]
+    #[pyo3(signature = (block_hash, num_tokens: "Any" = None))]
     fn set_block_hash(
         &self,
         block_hash: &Bound<'_, PyAny>,

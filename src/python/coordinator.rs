@@ -95,6 +95,7 @@ impl PyKVCacheCoordinatorCore {
     }
 
     /// The HiSparse layout (None without one; see `HiSparseCore.layout`).
+    #[pyo3(signature = () -> "dict[str, Any] | None")]
     fn hisparse_layout<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         super::hisparse::layout(py, &self.owner.bind(py).try_borrow()?.core)
     }
@@ -107,6 +108,7 @@ impl PyKVCacheCoordinatorCore {
     /// num_reprefillable_tokens, retention_interval, enable_partial_hash_hits,
     /// eagle_group_ids, drop_eagle_group_ids, full_attention_group_id,
     /// cache_hit_alignment_tokens, attention_groups, mamba_shared_prefix_checkpoint}`.
+    #[pyo3(signature = () -> "dict[str, Any]")]
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let this = self.owner.bind(py).try_borrow()?;
         let c = this.coordinator();
@@ -137,6 +139,7 @@ impl PyKVCacheCoordinatorCore {
     /// Group `g`'s manager settings: `{block_size, use_eagle, records_new_block_ids,
     /// cache_hit_alignment_tokens, dcp_world_size, pcp_world_size,
     /// drop_eagle_checkpoint_block, shared_prefix_checkpoint}`.
+    #[pyo3(signature = (g: "int") -> "dict[str, Any]")]
     fn group_info<'py>(&self, py: Python<'py>, g: usize) -> PyResult<Bound<'py, PyDict>> {
         let this = self.owner.bind(py).try_borrow()?;
         this.check_group(g)?;
@@ -171,6 +174,7 @@ impl PyKVCacheCoordinatorCore {
 
     /// The request's table in group `g` as block handles (None if the request is
     /// unknown).
+    #[pyo3(signature = (request_id, g: "int") -> "list[KVCacheBlock] | None")]
     fn group_blocks<'py>(
         &self,
         py: Python<'py>,
@@ -189,6 +193,7 @@ impl PyKVCacheCoordinatorCore {
     }
 
     /// The request's `num_cached_block` in group `g` (None if it has none).
+    #[pyo3(signature = (request_id, g: "int"))]
     fn num_cached_block(
         &self,
         py: Python<'_>,
@@ -206,6 +211,7 @@ impl PyKVCacheCoordinatorCore {
 
     /// Group `g`'s partial hits awaiting copy-on-write: `{request_id: (block_idx,
     /// block)}` (vLLM's `_partial_hit_reqs`).
+    #[pyo3(signature = (g: "int") -> "dict[str, tuple[int, KVCacheBlock]]")]
     fn partial_hit_reqs<'py>(&self, py: Python<'py>, g: usize) -> PyResult<Bound<'py, PyDict>> {
         let slf = self.owner.bind(py);
         let entries: Vec<(String, usize, BlockId)> = {
@@ -235,6 +241,7 @@ impl PyKVCacheCoordinatorCore {
     /// Group `g`'s Mamba "align" state: `{checkpoints: {rid: (position, idx)},
     /// last_state_block_idx: {rid: idx}, allocated: [rid], cached_this_step:
     /// [key bytes]}`; None for other groups.
+    #[pyo3(signature = (g: "int") -> "dict[str, Any] | None")]
     fn mamba_state<'py>(&self, py: Python<'py>, g: usize) -> PyResult<Option<Bound<'py, PyDict>>> {
         let this = self.owner.bind(py).try_borrow()?;
         this.check_group(g)?;
@@ -270,6 +277,7 @@ impl PyKVCacheCoordinatorCore {
     }
 
     /// Sets the coordinator's `retention_interval` (None: dense retention).
+    #[pyo3(signature = (retention_interval: "int | None"))]
     fn set_retention_interval(
         &self,
         py: Python<'_>,
@@ -283,6 +291,7 @@ impl PyKVCacheCoordinatorCore {
     }
 
     /// Sets group `g`'s `use_eagle`.
+    #[pyo3(signature = (g: "int", use_eagle))]
     fn set_group_use_eagle(&self, py: Python<'_>, g: usize, use_eagle: bool) -> PyResult<()> {
         let mut this = self.owner.bind(py).try_borrow_mut()?;
         this.check_group(g)?;
@@ -291,6 +300,7 @@ impl PyKVCacheCoordinatorCore {
 
     /// Queues a copy-on-write pair on group `g` (vLLM code appends to a manager's
     /// `_pending_cow_copies`).
+    #[pyo3(signature = (g: "int", source: "KVCacheBlock", copy: "KVCacheBlock"))]
     fn push_cow_copy(
         &self,
         py: Python<'_>,
@@ -308,9 +318,7 @@ impl PyKVCacheCoordinatorCore {
 
     /// vLLM's `coordinator.get_num_blocks_to_allocate` (may be negative with Mamba
     /// "align", as in vLLM).
-    #[pyo3(signature = (request_id, num_tokens, new_computed_blocks, num_encoder_tokens,
-        total_computed_tokens, num_local_computed_tokens, num_tokens_main_model,
-        apply_admission_cap=false, prefill_end=0))]
+    #[pyo3(signature = (request_id, num_tokens: "int", new_computed_blocks: "Iterable[Iterable[KVCacheBlock]]", num_encoder_tokens: "int", total_computed_tokens: "int", num_local_computed_tokens: "int", num_tokens_main_model: "int", apply_admission_cap=false, prefill_end: "int"=0))]
     #[allow(clippy::too_many_arguments)]
     fn get_num_blocks_to_allocate(
         &self,
@@ -358,6 +366,7 @@ impl PyKVCacheCoordinatorCore {
 
     /// vLLM's `coordinator.find_longest_cache_hit(block_hashes,
     /// max_cache_hit_length)`: `(blocks per group, hit, uncached common prefix)`.
+    #[pyo3(signature = (block_hashes: "list[bytes]", max_cache_hit_length: "int") -> "tuple[tuple[list[KVCacheBlock], ...], int, int]")]
     fn find_longest_cache_hit<'py>(
         &self,
         py: Python<'py>,
@@ -385,6 +394,7 @@ impl PyKVCacheCoordinatorCore {
 
     /// vLLM's `coordinator.find_longest_cache_hit_per_group`: `(blocks per group,
     /// hit length per group)`.
+    #[pyo3(signature = (block_hashes: "list[bytes]", max_cache_hit_length: "int") -> "tuple[tuple[list[KVCacheBlock], ...], list[int]]")]
     fn find_longest_cache_hit_per_group<'py>(
         &self,
         py: Python<'py>,
@@ -417,6 +427,7 @@ impl PyKVCacheCoordinatorCore {
 
     /// One group's `allocate_new_blocks` (vLLM code may call a manager directly):
     /// the new block ids.
+    #[pyo3(signature = (g: "int", request_id, num_tokens: "int", num_tokens_main_model: "int"))]
     fn group_allocate_new_blocks(
         &self,
         py: Python<'_>,
@@ -439,9 +450,7 @@ impl PyKVCacheCoordinatorCore {
     /// One group's `get_num_blocks_to_allocate` (vLLM code may call a manager
     /// directly); `new_computed_blocks` are handles of the group's pool.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (g, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
-        num_local_computed_tokens, num_tokens_main_model, apply_admission_cap=false,
-        prefill_end=0))]
+    #[pyo3(signature = (g: "int", request_id, num_tokens: "int", new_computed_blocks: "Iterable[KVCacheBlock]", total_computed_tokens: "int", num_local_computed_tokens: "int", num_tokens_main_model: "int", apply_admission_cap=false, prefill_end: "int"=0))]
     fn group_num_blocks_to_allocate(
         &self,
         py: Python<'_>,

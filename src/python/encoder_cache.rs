@@ -100,7 +100,7 @@ fn replay_set<'py>(
 #[pymethods]
 impl PyEncoderCacheCore {
     #[new]
-    #[pyo3(signature = (cache_size))]
+    #[pyo3(signature = (cache_size: "int"))]
     fn new(cache_size: Int) -> PyResult<Self> {
         Ok(Self {
             core: Shielded::new(EncoderCacheManager::new(cache_size.0)?, OBJECT),
@@ -159,6 +159,7 @@ impl PyEncoderCacheCore {
     }
 
     /// vLLM's `check_and_update_cache`.
+    #[pyo3(signature = (request, input_id: "int"))]
     fn check_and_update_cache(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
@@ -185,6 +186,7 @@ impl PyEncoderCacheCore {
     }
 
     /// vLLM's `get_cached_num_encoder_embeds`.
+    #[pyo3(signature = (request, input_id: "int"))]
     fn get_cached_num_encoder_embeds(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
@@ -201,6 +203,7 @@ impl PyEncoderCacheCore {
     }
 
     /// vLLM's `can_allocate` (evicts unreferenced entries when that makes room).
+    #[pyo3(signature = (request, input_id: "int", encoder_compute_budget: "int", num_embeds_to_schedule: "int"))]
     fn can_allocate(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
@@ -220,6 +223,7 @@ impl PyEncoderCacheCore {
     }
 
     /// vLLM's `allocate`.
+    #[pyo3(signature = (request, input_id: "int"))]
     fn allocate(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>, input_id: Int) -> PyResult<()> {
         let input_id = input_id.0;
         let ident = identifier(request, input_id)?;
@@ -234,6 +238,7 @@ impl PyEncoderCacheCore {
     }
 
     /// vLLM's `free_encoder_input`.
+    #[pyo3(signature = (request, input_id: "int"))]
     fn free_encoder_input(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
@@ -260,6 +265,7 @@ impl PyEncoderCacheCore {
 
     /// vLLM's `get_cached_input_ids`: a new set that iterates in vLLM's order (the
     /// Scheduler frees inputs in that order).
+    #[pyo3(signature = (request) -> "set[int]")]
     fn get_cached_input_ids<'py>(
         slf: &Bound<'py, Self>,
         request: &Bound<'py, PyAny>,
@@ -272,6 +278,7 @@ impl PyEncoderCacheCore {
     }
 
     /// vLLM's `get_freed_mm_hashes`: drains the evicted identifiers.
+    #[pyo3(signature = () -> "list[str]")]
     fn get_freed_mm_hashes<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         self.core.write("get_freed_mm_hashes", |c| {
             PyList::new(py, c.get_freed_mm_hashes())
@@ -288,6 +295,7 @@ impl PyEncoderCacheCore {
     // ---- views of vLLM's dicts (cold) --------------------------------------------
 
     /// The keys of vLLM's `cached`.
+    #[pyo3(signature = () -> "list[str]")]
     fn core_cached_identifiers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         self.core.read("core_cached_identifiers", |c| {
             PyList::new(py, c.cached_identifiers())
@@ -295,6 +303,7 @@ impl PyEncoderCacheCore {
     }
 
     /// `cached[identifier]` (a new set), or None if not cached.
+    #[pyo3(signature = (identifier) -> "set[str] | None")]
     fn core_cached_request_ids<'py>(
         &self,
         py: Python<'py>,
@@ -345,12 +354,14 @@ impl PyEncoderCacheCore {
     }
 
     /// The keys of `request_cached_ids` (requests with cached inputs).
+    #[pyo3(signature = () -> "list[str]")]
     fn core_request_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         self.core
             .read("core_request_ids", |c| PyList::new(py, c.request_ids()))
     }
 
     /// `request_cached_ids[request_id]` (a new set), or None.
+    #[pyo3(signature = (request_id) -> "set[int] | None")]
     fn core_request_cached_ids<'py>(
         &self,
         py: Python<'py>,
@@ -365,6 +376,7 @@ impl PyEncoderCacheCore {
     }
 
     /// `request_hash_refs[request_id]` (a new dict), or None.
+    #[pyo3(signature = (request_id) -> "dict[str, int] | None")]
     fn core_request_hash_refs<'py>(
         &self,
         py: Python<'py>,
@@ -383,6 +395,7 @@ impl PyEncoderCacheCore {
     }
 
     /// `freed` (not drained), in eviction order.
+    #[pyo3(signature = () -> "list[str]")]
     fn core_freed<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         self.core.read("core_freed", |c| PyList::new(py, c.freed()))
     }
@@ -406,6 +419,7 @@ impl PyEncoderCacheCore {
 /// `(encoder_compute_budget, encoder_cache_size)`.
 #[pyfunction]
 #[pyo3(name = "compute_mm_encoder_budget")]
+#[pyo3(signature = (max_num_encoder_input_tokens: "int", encoder_cache_size: "int", max_num_batched_tokens: "int", disable_chunked_mm_input, mm_max_toks_per_item: "list[int]"))]
 pub fn py_compute_mm_encoder_budget(
     max_num_encoder_input_tokens: Int,
     encoder_cache_size: Int,

@@ -36,7 +36,7 @@ fn num_inputs(request: &Bound<'_, PyAny>) -> PyResult<usize> {
 #[pymethods]
 impl PyEncoderDecoderCacheCore {
     #[new]
-    #[pyo3(signature = (cache_size))]
+    #[pyo3(signature = (cache_size: "int"))]
     fn new(cache_size: Int) -> PyResult<Self> {
         Ok(Self {
             core: Shielded::new(
@@ -92,12 +92,14 @@ impl PyEncoderDecoderCacheCore {
     }
 
     /// Never a hit: encoder outputs are not shared between requests.
+    #[pyo3(signature = (request, input_id: "int"))]
     fn check_and_update_cache(&self, request: &Bound<'_, PyAny>, input_id: Int) -> bool {
         let _ = (request, input_id);
         false
     }
 
     /// vLLM's `can_allocate` (no eviction: nothing is kept).
+    #[pyo3(signature = (request, input_id: "int", encoder_compute_budget: "int", num_embeds_to_schedule: "int"))]
     fn can_allocate(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
@@ -117,6 +119,7 @@ impl PyEncoderDecoderCacheCore {
     }
 
     /// vLLM's `allocate`.
+    #[pyo3(signature = (request, input_id: "int"))]
     fn allocate(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>, input_id: Int) -> PyResult<()> {
         let input_id = input_id.0;
         let n = num_embeds(request, input_id)?;
@@ -128,6 +131,7 @@ impl PyEncoderDecoderCacheCore {
     }
 
     /// vLLM's `free_encoder_input`: the input's embeddings come back.
+    #[pyo3(signature = (request, input_id: "int"))]
     fn free_encoder_input(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
@@ -150,6 +154,7 @@ impl PyEncoderDecoderCacheCore {
     }
 
     /// vLLM's `get_cached_input_ids`: all of the request's input ids.
+    #[pyo3(signature = (request) -> "set[int]")]
     fn get_cached_input_ids<'py>(
         &self,
         py: Python<'py>,
@@ -159,6 +164,7 @@ impl PyEncoderDecoderCacheCore {
     }
 
     /// vLLM's `get_freed_mm_hashes`: the previous window's identifiers.
+    #[pyo3(signature = () -> "list[str]")]
     fn get_freed_mm_hashes<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         self.core.write("get_freed_mm_hashes", |c| {
             PyList::new(py, c.get_freed_mm_hashes())

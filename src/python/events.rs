@@ -288,9 +288,7 @@ fn event_keys<'py>(
 /// `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`. Raises `UnsupportedError` for requests it
 /// cannot convert exactly (see the module docs).
 #[pyfunction]
-#[pyo3(signature = (
-    request, start_block, end_block, block_size, num_hash_lookahead_tokens, int_block_hashes
-))]
+#[pyo3(signature = (request, start_block: "int", end_block: "int", block_size: "int", num_hash_lookahead_tokens: "int", int_block_hashes) -> "tuple[list[Any], Any, list[int], int | None, str | None, list[tuple[Any, ...] | None] | None, str | None, list[list[int]] | None]")]
 pub fn block_stored_fields<'py>(
     py: Python<'py>,
     request: &Bound<'py, PyAny>,
@@ -834,10 +832,7 @@ struct CompactTemplates {
 #[pymethods]
 impl PyEventBuilder {
     #[new]
-    #[pyo3(signature = (
-        block_stored, block_removed, all_blocks_cleared, medium, num_hash_lookahead_tokens,
-        int_block_hashes, fallback
-    ))]
+    #[pyo3(signature = (block_stored: "type", block_removed: "type", all_blocks_cleared: "type", medium: "str | None", num_hash_lookahead_tokens: "int", int_block_hashes, fallback: "Callable[..., Any]"))]
     fn new(
         block_stored: Bound<'_, PyAny>,
         block_removed: Bound<'_, PyAny>,
@@ -892,6 +887,7 @@ impl PyEventBuilder {
 
     /// vLLM's `BlockStored` for blocks `start_block..end_block` of `request`, as
     /// `BlockPool.cache_full_blocks` emits it for group `group_idx`.
+    #[pyo3(signature = (request, start_block: "int", end_block: "int", block_size: "int", group_idx: "int"))]
     fn block_stored<'py>(
         &self,
         request: &Bound<'py, PyAny>,

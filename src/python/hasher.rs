@@ -406,7 +406,7 @@ impl PyRequestBlockHasher {
 #[pymethods]
 impl PyRequestBlockHasher {
     #[new]
-    #[pyo3(signature = (algo, hash_block_size, num_hash_lookahead_tokens = 0, *, extra_keys = "tagged"))]
+    #[pyo3(signature = (algo, hash_block_size: "int", num_hash_lookahead_tokens: "int" = 0, *, extra_keys = "tagged"))]
     fn new(
         py: Python<'_>,
         algo: &str,
@@ -472,10 +472,7 @@ impl PyRequestBlockHasher {
 
     /// The hashes of the new full blocks of a request (vLLM appends them to
     /// `request.block_hashes`), computed from its fields.
-    #[pyo3(signature = (
-        block_hashes, token_ids, none_hash, mm_features = None, lora = None,
-        cache_salt = None, prompt_embeds_digests = None
-    ))]
+    #[pyo3(signature = (block_hashes: "list[bytes]", token_ids: "Sequence[int]", none_hash: "bytes", mm_features: "Sequence[Any] | None" = None, lora: "tuple[Any, Any] | None" = None, cache_salt: "Any" = None, prompt_embeds_digests: "Iterable[bytes] | None" = None) -> "list[bytes]")]
     #[allow(clippy::too_many_arguments)]
     fn hash_new_blocks<'py>(
         &self,
@@ -596,7 +593,7 @@ impl PyRequestBlockHasher {
 /// vLLM's `hash_block_tokens` with the parent resolved by the caller
 /// (`parent_block_hash or NONE_HASH`).
 #[pyfunction]
-#[pyo3(signature = (algo, parent, token_ids, extra_keys = None))]
+#[pyo3(signature = (algo, parent: "bytes", token_ids: "Sequence[int]", extra_keys: "Any" = None))]
 pub fn hash_block_tokens<'py>(
     py: Python<'py>,
     algo: &str,
@@ -671,7 +668,7 @@ pub fn blake3_digest<'py>(py: Python<'py>, data: &[u8]) -> Bound<'py, PyBytes> {
 /// (`None` for `extra_keys=None`): the fallback of `hscache.vllm.block_hasher.blake3`
 /// for extra keys the core cannot convert.
 #[pyfunction]
-#[pyo3(signature = (parent, token_ids, extras_cbor = None))]
+#[pyo3(signature = (parent: "bytes", token_ids: "Sequence[int]", extras_cbor = None))]
 pub fn blake3_block<'py>(
     py: Python<'py>,
     parent: &Bound<'py, PyAny>,

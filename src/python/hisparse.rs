@@ -209,11 +209,13 @@ impl PyHiSparseCore {
     /// The HiSparse layout: `host_group`, `resident_groups`, `hot_groups`,
     /// `block_size`, `max_spill_pages`, `transition_watermark`,
     /// `num_reprefillable_tokens`, `host_num_blocks`.
+    #[pyo3(signature = () -> "dict[str, Any]")]
     fn layout<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         layout(py, &self.owner.bind(py).try_borrow()?.core)?.ok_or_else(no_hisparse)
     }
 
     /// Sets `max_spill_pages` or `transition_watermark` (vLLM code assigns them).
+    #[pyo3(signature = (name, value: "int"))]
     fn set(&self, py: Python<'_>, name: &str, value: i64) -> PyResult<()> {
         let n = count(name, value)?;
         let which = name.to_owned();
@@ -235,12 +237,14 @@ impl PyHiSparseCore {
     // ---- the connector's calls ---------------------------------------------------------
 
     /// vLLM's `advance_scheduled(pairs of (request_id, num_tokens))`.
+    #[pyo3(signature = (requests: "Iterable[tuple[str, int]]"))]
     fn advance_scheduled(&self, py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<()> {
         let requests = rid_counts(requests)?;
         self.call_flushed(py, |h, ctx| h.advance_scheduled(ctx, &requests))
     }
 
     /// vLLM's `plan_prefix_materialization`.
+    #[pyo3(signature = (request_id, num_computed_tokens: "int"))]
     fn plan_prefix_materialization(
         &self,
         py: Python<'_>,
@@ -259,6 +263,7 @@ impl PyHiSparseCore {
     }
 
     /// vLLM's `commit_computed_blocks`.
+    #[pyo3(signature = (request_id, num_host_pages: "int"))]
     fn commit_computed_blocks(
         &self,
         py: Python<'_>,
@@ -270,6 +275,7 @@ impl PyHiSparseCore {
     }
 
     /// vLLM's `record_pending_host_import`.
+    #[pyo3(signature = (request_id, num_tokens: "int"))]
     fn record_pending_host_import(
         &self,
         py: Python<'_>,
@@ -289,6 +295,7 @@ impl PyHiSparseCore {
     }
 
     /// vLLM's `complete_host_import`.
+    #[pyo3(signature = (request_id, num_computed_tokens: "int"))]
     fn complete_host_import(
         &self,
         py: Python<'_>,
@@ -329,6 +336,7 @@ impl PyHiSparseCore {
     }
 
     /// vLLM's `release_completed_host_copies`.
+    #[pyo3(signature = (dst_block_ids: "list[int]"))]
     fn release_completed_host_copies(
         &self,
         py: Python<'_>,
@@ -341,6 +349,7 @@ impl PyHiSparseCore {
 
     /// vLLM's `build_row_mirrors`: `(source_starts, destination_start, num_rows)`.
     #[allow(clippy::type_complexity)]
+    #[pyo3(signature = (requests: "Iterable[tuple[str, int, int]]"))]
     fn build_row_mirrors(
         &self,
         py: Python<'_>,
@@ -355,6 +364,7 @@ impl PyHiSparseCore {
     }
 
     /// vLLM's `all_context_pages_resident`.
+    #[pyo3(signature = (requests: "Iterable[tuple[str, int, int]]"))]
     fn all_context_pages_resident(
         &self,
         py: Python<'_>,
@@ -367,6 +377,7 @@ impl PyHiSparseCore {
     /// vLLM's `take_residency_updates`: `(request_id, pages, block_ids per resident
     /// group)` for the requests that have one.
     #[allow(clippy::type_complexity)]
+    #[pyo3(signature = (request_ids: "Iterable[str]"))]
     fn take_residency_updates(
         &self,
         py: Python<'_>,
@@ -400,6 +411,7 @@ impl PyHiSparseCore {
     }
 
     /// vLLM's `update_spills(enqueued_counts, completed_counts)` (dicts).
+    #[pyo3(signature = (enqueued_counts: "dict[int, int]", completed_counts: "dict[int, int]"))]
     fn update_spills(
         &self,
         py: Python<'_>,
@@ -434,6 +446,7 @@ impl PyHiSparseCore {
 
     /// `request_states[request_id]` as a dict (None if absent); `state_id` names
     /// the state object (pending spills refer to it).
+    #[pyo3(signature = (request_id) -> "tuple[int, dict[str, Any]] | None")]
     fn request_state<'py>(
         &self,
         py: Python<'py>,
@@ -455,6 +468,7 @@ impl PyHiSparseCore {
     }
 
     /// The state of slab entry `state_id` as a dict (None if gone).
+    #[pyo3(signature = (state_id: "int") -> "dict[str, Any] | None")]
     fn state<'py>(&self, py: Python<'py>, state_id: u32) -> PyResult<Option<Bound<'py, PyDict>>> {
         let this = self.owner.bind(py).try_borrow()?;
         this.core.read("hisparse_state", |c| {
@@ -543,6 +557,7 @@ impl PyHiSparseCore {
     }
 
     /// The request of HiSparse publication `publication` (None if gone).
+    #[pyo3(signature = (publication: "int"))]
     fn publication_request(&self, py: Python<'_>, publication: u64) -> PyResult<Option<Py<PyAny>>> {
         let this = self.owner.bind(py).try_borrow()?;
         Ok(this.publications.get(&publication).map(|r| r.clone_ref(py)))
@@ -552,6 +567,7 @@ impl PyHiSparseCore {
     /// `copy_by_block` `[(block, key bytes)]`, `owners` `[(block, [(request, page)])]`,
     /// `retained_copies` `[(dst, src, dst)]`, `pending_imports` `[(request, tokens)]`,
     /// `resident_requests`, `next_spill_id`.
+    #[pyo3(signature = () -> "dict[str, Any]")]
     fn tables<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let this = self.owner.bind(py).try_borrow()?;
         this.core.read("hisparse_tables", |c| {
@@ -601,6 +617,7 @@ impl PyHiSparseCore {
     // ---- resident and hot managers --------------------------------------------------
 
     /// vLLM's `get_resident_page` of resident group `g`.
+    #[pyo3(signature = (g: "int", request_id, page: "int"))]
     fn get_resident_page(
         &self,
         py: Python<'_>,
@@ -617,6 +634,7 @@ impl PyHiSparseCore {
     }
 
     /// vLLM's `get_residency_row(request_id, start)` of resident group `g` (ids).
+    #[pyo3(signature = (g: "int", request_id, start: "int"))]
     fn get_residency_row(
         &self,
         py: Python<'_>,
@@ -635,6 +653,7 @@ impl PyHiSparseCore {
     }
 
     /// vLLM's `adopt_resident_page` of resident group `g`.
+    #[pyo3(signature = (g: "int", request_id, page: "int", block: "KVCacheBlock"))]
     fn adopt_resident_page(
         &self,
         py: Python<'_>,
@@ -660,6 +679,7 @@ impl PyHiSparseCore {
     }
 
     /// vLLM's `drop_resident_page` of resident group `g`.
+    #[pyo3(signature = (g: "int", request_id, page: "int"))]
     fn drop_resident_page(
         &self,
         py: Python<'_>,
@@ -683,6 +703,7 @@ impl PyHiSparseCore {
 
     /// `residency_changes` of resident group `g`: `[(request, [(page, block)])]`.
     #[allow(clippy::type_complexity)]
+    #[pyo3(signature = (g: "int"))]
     fn residency_changes(
         &self,
         py: Python<'_>,
@@ -704,6 +725,7 @@ impl PyHiSparseCore {
     }
 
     /// vLLM's `require_hot` of hot group `g`.
+    #[pyo3(signature = (g: "int", request_id))]
     fn require_hot(&self, py: Python<'_>, g: usize, request_id: &str) -> PyResult<()> {
         let mut this = self.owner.bind(py).try_borrow_mut()?;
         Ok(this.core.hisparse_call(|_, ctx| {
@@ -716,6 +738,7 @@ impl PyHiSparseCore {
     }
 
     /// `hot_required` of hot group `g`.
+    #[pyo3(signature = (g: "int"))]
     fn hot_required(&self, py: Python<'_>, g: usize) -> PyResult<Vec<String>> {
         let this = self.owner.bind(py).try_borrow()?;
         this.core.read("hot_required", |c| {

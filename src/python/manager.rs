@@ -559,12 +559,7 @@ impl PyKVCacheCore {
 #[pymethods]
 impl PyKVCacheCore {
     #[new]
-    #[pyo3(signature = (*, num_blocks, groups, max_model_len, scheduler_block_size,
-        hash_block_size, enable_caching=true, enable_kv_cache_events=false, use_eagle=false,
-        watermark_blocks=0, num_hash_lookahead_tokens=0, num_prefill_lookahead=0,
-        dcp_world_size=1, pcp_world_size=1, needs_kv_cache_zeroing=false,
-        retention_interval=None, collect_metrics=false,
-        enable_mamba_shared_prefix_checkpoint=false, vllm_series="0.33"))]
+    #[pyo3(signature = (*, num_blocks: "int", groups: "list[dict[str, Any]]", max_model_len: "int", scheduler_block_size: "int", hash_block_size: "int", enable_caching=true, enable_kv_cache_events=false, use_eagle=false, watermark_blocks: "int"=0, num_hash_lookahead_tokens: "int"=0, num_prefill_lookahead: "int"=0, dcp_world_size: "int"=1, pcp_world_size: "int"=1, needs_kv_cache_zeroing=false, retention_interval: "int | None"=None, collect_metrics=false, enable_mamba_shared_prefix_checkpoint=false, vllm_series="0.33"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: Int,
@@ -640,8 +635,7 @@ impl PyKVCacheCore {
     /// `event_sink`: `(list, EventBuilder)` with events on: each call's events are
     /// built and appended to the list before it returns; `host_event_builder`
     /// builds the events of HiSparse's host pool.
-    #[pyo3(signature = (waiting, preempted, event_sink=None, metrics_collector=None,
-        host_event_builder=None))]
+    #[pyo3(signature = (waiting, preempted, event_sink: "tuple[list[Any], EventBuilder] | None"=None, metrics_collector=None, host_event_builder=None))]
     fn _bind_vllm(
         slf: &Bound<'_, Self>,
         waiting: Bound<'_, PyAny>,
@@ -714,7 +708,7 @@ impl PyKVCacheCore {
 
     /// vLLM's `get_computed_blocks`: `(KVCacheBlocks, num_hit_tokens,
     /// shared_prefix_boundary)`.
-    #[pyo3(signature = (request, max_cache_hit_length=None))]
+    #[pyo3(signature = (request, max_cache_hit_length: "int | None"=None))]
     fn get_computed_blocks<'py>(
         slf: &Bound<'py, Self>,
         request: &Bound<'py, PyAny>,
@@ -726,7 +720,7 @@ impl PyKVCacheCore {
     }
 
     /// vLLM's `get_computed_blocks_for_connector`: the lookup plus `hit_diverged`.
-    #[pyo3(signature = (request, max_cache_hit_length=None))]
+    #[pyo3(signature = (request, max_cache_hit_length: "int | None"=None))]
     fn get_computed_blocks_for_connector<'py>(
         slf: &Bound<'py, Self>,
         request: &Bound<'py, PyAny>,
@@ -737,10 +731,7 @@ impl PyKVCacheCore {
 
     /// vLLM's `allocate_slots`: the newly allocated blocks as `KVCacheBlocks`, or
     /// None when they do not fit (hit blocks are then left untouched).
-    #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens=0,
-        new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0,
-        delay_cache_blocks=false, num_encoder_tokens=0, full_sequence_must_fit=false,
-        reserved_blocks=0, has_scheduled_reqs=true, skip_zeroing_group_ids=None))]
+    #[pyo3(signature = (request, num_new_tokens: "int", num_new_computed_tokens: "int"=0, new_computed_blocks=None, num_lookahead_tokens: "int"=0, num_external_computed_tokens: "int"=0, delay_cache_blocks=false, num_encoder_tokens: "int"=0, full_sequence_must_fit=false, reserved_blocks: "int"=0, has_scheduled_reqs=true, skip_zeroing_group_ids: "Iterable[int] | None"=None))]
     #[allow(clippy::too_many_arguments)]
     fn allocate_slots<'py>(
         slf: &Bound<'py, Self>,
@@ -877,6 +868,7 @@ impl PyKVCacheCore {
 
     /// vLLM's `cache_blocks`: caches the request's full blocks up to
     /// `num_computed_tokens`.
+    #[pyo3(signature = (request, num_computed_tokens: "int"))]
     fn cache_blocks(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
@@ -920,6 +912,7 @@ impl PyKVCacheCore {
 
     /// vLLM's `pop_blocks_for_free`: the request's blocks in allocation order, not
     /// yet freed (the caller frees them, reversed, through the block pool).
+    #[pyo3(signature = (request) -> "list[KVCacheBlock]")]
     fn pop_blocks_for_free<'py>(
         slf: &Bound<'py, Self>,
         request: &Bound<'py, PyAny>,
@@ -972,6 +965,7 @@ impl PyKVCacheCore {
     }
 
     /// vLLM's `get_block_ids`: one id list per group.
+    #[pyo3(signature = (request_id) -> "tuple[list[int], ...]")]
     fn get_block_ids<'py>(
         &self,
         py: Python<'py>,
@@ -986,6 +980,7 @@ impl PyKVCacheCore {
     }
 
     /// vLLM's `get_block_ids_for_computed_tokens`.
+    #[pyo3(signature = (request_id, num_computed_tokens: "int") -> "tuple[list[int], ...]")]
     fn get_block_ids_for_computed_tokens<'py>(
         &self,
         py: Python<'py>,
@@ -1028,7 +1023,7 @@ impl PyKVCacheCore {
     }
 
     /// vLLM's `remove_skipped_blocks`.
-    #[pyo3(signature = (request_id, processed_computed_tokens, num_prompt_tokens=None))]
+    #[pyo3(signature = (request_id, processed_computed_tokens: "int", num_prompt_tokens: "int | None"=None))]
     fn remove_skipped_blocks(
         slf: &Bound<'_, Self>,
         request_id: &str,
@@ -1049,6 +1044,7 @@ impl PyKVCacheCore {
 
     /// vLLM's `truncate_computed_blocks`: the lookup result cut at an aligned
     /// endpoint (pure).
+    #[pyo3(signature = (blocks, num_computed_tokens: "int"))]
     fn truncate_computed_blocks<'py>(
         slf: &Bound<'py, Self>,
         blocks: &Bound<'py, PyAny>,
@@ -1083,6 +1079,7 @@ impl PyKVCacheCore {
     }
 
     /// vLLM's `record_blocks_for_zeroing`.
+    #[pyo3(signature = (request_id, start_token: "int"))]
     fn record_blocks_for_zeroing(&mut self, request_id: &str, start_token: Int) -> PyResult<()> {
         let start = count_arg("start_token", start_token)?;
         Ok(self.core.shielded("record_blocks_for_zeroing", |c| {
@@ -1112,6 +1109,7 @@ impl PyKVCacheCore {
 
     /// vLLM's `take_boundary_state_offloads`: `{request_id: [(group_id, block_id,
     /// boundary_tokens), ...]}`.
+    #[pyo3(signature = () -> "dict[str, list[tuple[int, int, int]]]")]
     fn take_boundary_state_offloads<'py>(
         &mut self,
         py: Python<'py>,
@@ -1158,8 +1156,7 @@ impl PyKVCacheCore {
     /// One step's `allocate_slots` for running requests (see `batch.rs`):
     /// `(num_allocated, new_block_ids, offsets)` as int32 bytearrays; entry
     /// `num_allocated`, if any, did not fit and was left untouched.
-    #[pyo3(signature = (requests, handles, num_computed_tokens, num_new_tokens,
-        num_lookahead_tokens=0))]
+    #[pyo3(signature = (requests: "list[Any]", handles: "list[int] | bytes", num_computed_tokens: "list[int] | bytes", num_new_tokens: "list[int] | bytes", num_lookahead_tokens: "int"=0))]
     fn core_allocate_slots_batch<'py>(
         slf: &Bound<'py, Self>,
         requests: &Bound<'py, PyList>,
@@ -1179,6 +1176,7 @@ impl PyKVCacheCore {
     }
 
     /// Frees the requests `handles` name, in order, tail first each.
+    #[pyo3(signature = (handles: "list[int] | bytes"))]
     fn core_free_batch(slf: &Bound<'_, Self>, handles: &Bound<'_, PyAny>) -> PyResult<()> {
         super::batch::free_batch(slf, handles)?;
         Self::flush(slf, None)
@@ -1316,6 +1314,7 @@ impl PyKVCacheCore {
     }
 
     /// Drains event records as tuples (a bare core without an event sink).
+    #[pyo3(signature = () -> "list[tuple[Any, ...]]")]
     fn core_take_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let records = self.core.shielded("take_events", |c| Ok(c.take_events()))?;
         super::events::records_to_py(py, records)
@@ -1329,7 +1328,7 @@ impl PyKVCacheCore {
 
     /// Turns explain mode on or off (`history_capacity`: evicted keys and cached
     /// fingerprints remembered; default 4 per block, at least 4096).
-    #[pyo3(signature = (on=true, history_capacity=None))]
+    #[pyo3(signature = (on=true, history_capacity: "int | None"=None))]
     fn core_set_explain(&mut self, on: bool, history_capacity: Option<i64>) -> PyResult<()> {
         self.core_set_explain_impl(on, history_capacity)
     }
@@ -1343,6 +1342,7 @@ impl PyKVCacheCore {
     /// Explain mode's summary: `{"lookups": {reason: count}, "requests": n}`: every
     /// explained lookup since explain mode was turned on by reason, and how many
     /// requests' last lookups are remembered. `UnsupportedError` with explain mode off.
+    #[pyo3(signature = () -> "dict[str, Any]")]
     fn core_explain_summary<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         self.core_explain_summary_impl(py)
     }
@@ -1352,6 +1352,7 @@ impl PyKVCacheCore {
     /// `lookup_seq`). `UnsupportedError` (a `NotImplementedError`, so a `RuntimeError`)
     /// with explain mode off, `UnknownRequestError` (a `KeyError`) for a request without
     /// an explained lookup.
+    #[pyo3(signature = (request_id) -> "dict[str, Any]")]
     fn core_explain<'py>(&self, py: Python<'py>, request_id: &str) -> PyResult<Bound<'py, PyDict>> {
         self.core_explain_impl(py, request_id)
     }
@@ -1361,6 +1362,7 @@ impl PyKVCacheCore {
     /// the lookup. `num_hits` must be a non-negative int (`TypeError` /
     /// `InvalidArgumentError` otherwise, with the stats unchanged); a stats object
     /// replaced by None is `InvalidArgumentError` (vLLM asserts).
+    #[pyo3(signature = (request, num_hits: "int"))]
     fn record_prefix_cache_stats(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
@@ -1372,24 +1374,28 @@ impl PyKVCacheCore {
     /// vLLM's `take_events`: the queued KV events (the queue is then empty), each
     /// `BlockStored` annotated with its group's `kv_cache_spec_kind` and
     /// `kv_cache_spec_sliding_window` from `kv_cache_event_metadata`.
+    #[pyo3(signature = () -> "list[Any]")]
     fn take_events<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
         Self::take_events_impl(slf)
     }
 
     /// The pool's event queue (vLLM's `BlockPool.kv_event_queue`), the list the
     /// core appends each call's events to; None with events off.
+    #[pyo3(signature = () -> "list[Any] | None")]
     fn core_kv_event_queue<'py>(&mut self, py: Python<'py>) -> Option<Bound<'py, PyList>> {
         self.event_queue(py)
     }
 
     /// `BlockPool.kv_event_queue = queue`: the list later events are appended to.
     /// False (nothing changed) with events off.
+    #[pyo3(signature = (queue: "list[Any]"))]
     fn core_set_kv_event_queue(&mut self, queue: Bound<'_, PyList>) -> bool {
         self.set_event_queue(queue)
     }
 
     /// vLLM's `BlockPool.take_events`: the queued events, not annotated; the queue
     /// is then empty. An empty list with events off.
+    #[pyo3(signature = () -> "list[Any]")]
     fn core_take_pool_events<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyList> {
         self.take_event_queue(py)
     }
@@ -1397,8 +1403,7 @@ impl PyKVCacheCore {
     /// Selects the retention policy (`lru|priority|pin|ttl|slru`) before any block
     /// is used; unset settings keep their defaults. `manual_clock`: time moves only
     /// by `retention_advance_clock` (simulated traces, tests).
-    #[pyo3(signature = (policy, *, default_priority=None, ttl_s=None,
-        max_pinned_blocks=None, slru_protected_blocks=None, manual_clock=false))]
+    #[pyo3(signature = (policy, *, default_priority: "int | None"=None, ttl_s: "float | None"=None, max_pinned_blocks: "int | None"=None, slru_protected_blocks: "int | None"=None, manual_clock=false))]
     fn core_set_retention(
         &mut self,
         policy: &str,
@@ -1425,7 +1430,7 @@ impl PyKVCacheCore {
     }
 
     /// Sets the hint the next frees apply (the glue clears it after the free).
-    #[pyo3(signature = (priority=None, duration_s=None, pin=false))]
+    #[pyo3(signature = (priority: "int | None"=None, duration_s: "float | None"=None, pin=false))]
     fn core_retention_hint(
         &mut self,
         priority: Option<i64>,
@@ -1449,6 +1454,7 @@ impl PyKVCacheCore {
     }
 
     /// Pins the listed cached blocks (policy `pin`); returns how many are pinned.
+    #[pyo3(signature = (block_ids: "list[int]"))]
     fn retention_pin_blocks(&mut self, block_ids: Vec<BlockIdInt>) -> PyResult<usize> {
         let block_ids: Vec<i64> = block_ids.into_iter().map(|b| b.0).collect();
         Ok(self.core.block_pool_mut()?.pin_blocks(&block_ids)?)
@@ -1461,11 +1467,13 @@ impl PyKVCacheCore {
     }
 
     /// Moves the policy's clock forward (simulated traces and tests).
+    #[pyo3(signature = (seconds: "float"))]
     fn retention_advance_clock(&mut self, seconds: f64) -> PyResult<()> {
         self.retention_advance_clock_impl(seconds)
     }
 
     /// The policy's counters (`policy` only under `lru`).
+    #[pyo3(signature = () -> "dict[str, Any]")]
     fn retention_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         self.retention_stats_impl(py)
     }

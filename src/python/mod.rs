@@ -52,6 +52,7 @@ const TEST_HOOKS: bool = cfg!(feature = "mutants");
 /// Per-operation latency counters of the drop-in: `{op: {calls, total_ns, mean_ns,
 /// p50_ns, p90_ns, p99_ns}}` (percentiles are log2-bucket upper bounds).
 #[pyfunction]
+#[pyo3(signature = () -> "dict[str, dict[str, float]]")]
 fn stats(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
     let out = pyo3::types::PyDict::new(py);
     for s in crate::stats::snapshot() {
@@ -90,46 +91,70 @@ fn _arm_fault(site: &str, skip: usize) {
 }
 
 #[pymodule]
-fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    m.add("build_profile", BUILD_PROFILE)?;
-    m.add("TEST_HOOKS", TEST_HOOKS)?;
-    m.add_function(wrap_pyfunction!(stats, m)?)?;
-    m.add_function(wrap_pyfunction!(enable_stats, m)?)?;
-    m.add_function(wrap_pyfunction!(reset_stats, m)?)?;
+mod _core {
+    use pyo3::prelude::*;
+
+    #[pymodule_export]
+    use super::{enable_stats, reset_stats, stats};
+
     #[cfg(feature = "fault-injection")]
-    m.add_function(wrap_pyfunction!(_arm_fault, m)?)?;
-    m.add_class::<block::PyKVCacheBlock>()?;
-    m.add_class::<blocks::PyKVCacheBlocks>()?;
-    m.add_class::<manager::PyKVCacheCore>()?;
-    m.add_class::<pool::PyBlockPoolCore>()?;
-    m.add_class::<coordinator::PyKVCacheCoordinatorCore>()?;
-    m.add_class::<hisparse::PyHiSparseCore>()?;
-    m.add_class::<slots::PySlotMirror>()?;
-    m.add_class::<slot_reads::PySlotReads>()?;
-    m.add_class::<omni_rules::PyOmniStepRules>()?;
-    m.add_class::<omni_save_plan::PyOmniSavePlan>()?;
-    m.add_class::<step_schedule::PyStepSchedule>()?;
+    #[pymodule_export]
+    use super::_arm_fault;
+
+    #[pymodule_export]
+    use super::block::PyKVCacheBlock;
+    #[pymodule_export]
+    use super::blocks::PyKVCacheBlocks;
+    #[pymodule_export]
+    use super::coordinator::PyKVCacheCoordinatorCore;
+    #[pymodule_export]
+    use super::encoder_cache::{py_compute_mm_encoder_budget, PyEncoderCacheCore};
+    #[pymodule_export]
+    use super::encoder_decoder::PyEncoderDecoderCacheCore;
+    #[pymodule_export]
+    use super::events::{
+        block_stored_fields, coalesce_kv_events, normalize_kv_events_mode, PyEventBuilder,
+    };
+    #[pymodule_export]
+    use super::hasher::{
+        blake3_block, blake3_digest, hash_block_tokens, hash_object, serialize,
+        PyRequestBlockHasher,
+    };
+    #[pymodule_export]
+    use super::hisparse::PyHiSparseCore;
+    #[pymodule_export]
+    use super::manager::PyKVCacheCore;
+    #[pymodule_export]
+    use super::omni_rules::PyOmniStepRules;
+    #[pymodule_export]
+    use super::omni_save_plan::PyOmniSavePlan;
+    #[pymodule_export]
+    use super::pool::PyBlockPoolCore;
+    #[pymodule_export]
+    use super::prefill_skip::prefill_skip;
+    #[pymodule_export]
+    use super::slot_reads::PySlotReads;
+    #[pymodule_export]
+    use super::slots::PySlotMirror;
     #[cfg(feature = "mutants")]
-    m.add_function(wrap_pyfunction!(step_schedule::_break_step_rules, m)?)?;
-    m.add_class::<step_update::PyStepUpdate>()?;
-    m.add_function(wrap_pyfunction!(prefill_skip::prefill_skip, m)?)?;
-    m.add_class::<encoder_cache::PyEncoderCacheCore>()?;
-    m.add_class::<encoder_decoder::PyEncoderDecoderCacheCore>()?;
-    m.add_function(wrap_pyfunction!(
-        encoder_cache::py_compute_mm_encoder_budget,
-        m
-    )?)?;
-    m.add_class::<hasher::PyRequestBlockHasher>()?;
-    m.add_function(wrap_pyfunction!(hasher::hash_block_tokens, m)?)?;
-    m.add_function(wrap_pyfunction!(hasher::hash_object, m)?)?;
-    m.add_function(wrap_pyfunction!(hasher::serialize, m)?)?;
-    m.add_function(wrap_pyfunction!(hasher::blake3_digest, m)?)?;
-    m.add_function(wrap_pyfunction!(hasher::blake3_block, m)?)?;
-    m.add_function(wrap_pyfunction!(events::block_stored_fields, m)?)?;
-    m.add_function(wrap_pyfunction!(events::coalesce_kv_events, m)?)?;
-    m.add_function(wrap_pyfunction!(events::normalize_kv_events_mode, m)?)?;
-    m.add_class::<events::PyEventBuilder>()?;
-    errors::register(m)?;
-    Ok(())
+    #[pymodule_export]
+    use super::step_schedule::_break_step_rules;
+    #[pymodule_export]
+    use super::step_schedule::PyStepSchedule;
+    #[pymodule_export]
+    use super::step_update::PyStepUpdate;
+
+    #[allow(non_upper_case_globals)]
+    #[pymodule_export]
+    const __version__: &str = env!("CARGO_PKG_VERSION");
+    #[allow(non_upper_case_globals)]
+    #[pymodule_export]
+    const build_profile: &str = super::BUILD_PROFILE;
+    #[pymodule_export]
+    const TEST_HOOKS: bool = super::TEST_HOOKS;
+
+    #[pymodule_init]
+    fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
+        super::errors::register(m)
+    }
 }

@@ -50,7 +50,7 @@ fn str_items<'py>(items: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyString
 #[pymethods]
 impl PyOmniStepRules {
     #[new]
-    #[pyo3(signature = (*, block_size, max_unconsumed_steps))]
+    #[pyo3(signature = (*, block_size: "int", max_unconsumed_steps: "int"))]
     fn new(block_size: Int, max_unconsumed_steps: Int) -> PyResult<Self> {
         let core = OmniStepRules::new(
             count_arg("block_size", block_size)?,
@@ -200,6 +200,7 @@ impl PyOmniStepRules {
 
     /// Lays out the begun step's rows in the runner's `batch` order; `num_tokens` is
     /// the step's unpadded row count.
+    #[pyo3(signature = (batch: "Iterable[str]", num_tokens: "int"))]
     fn lay_out(
         slf: &Bound<'_, Self>,
         batch: &Bound<'_, PyAny>,
@@ -220,7 +221,7 @@ impl PyOmniStepRules {
     /// no rows were written. Returns `(step_id, prefix, plain_rows, plain_sizes)`:
     /// the positions served their prefix, the int64 row indices of the plain
     /// requests' rows (`None`: every request is plain) and their row counts.
-    #[pyo3(signature = (plan, hits=None, misses=None, miss_blocks=None))]
+    #[pyo3(signature = (plan: "OmniSavePlan", hits: "Sequence[int] | None"=None, misses: "Sequence[int] | None"=None, miss_blocks: "Sequence[int] | None"=None))]
     fn save<'py>(
         &mut self,
         py: Python<'py>,
@@ -297,6 +298,7 @@ impl PyOmniStepRules {
 
     /// The blocks to report with saved step `step_id`'s output (vLLM's
     /// `invalid_block_ids`), taken once; empty for any other id.
+    #[pyo3(signature = (step_id: "object"))]
     fn take_invalid_blocks(&mut self, step_id: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         let Ok(id) = step_id_arg(step_id) else {
             return Ok(Vec::new());
@@ -305,6 +307,7 @@ impl PyOmniStepRules {
             .write("take_invalid_blocks", |c| Ok(c.take_invalid_blocks(id)))
     }
 
+    #[pyo3(signature = (step_id: "object", req_ids: "Iterable[str]"))]
     fn materialize(
         slf: &Bound<'_, Self>,
         step_id: &Bound<'_, PyAny>,
@@ -321,6 +324,7 @@ impl PyOmniStepRules {
     }
 
     /// Consumes `step_id` without reading it.
+    #[pyo3(signature = (step_id: "object"))]
     fn discard(slf: &Bound<'_, Self>, step_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let step_id = step_id_arg(step_id);
         slf.try_borrow_mut()?.core.write("discard", |c| {

@@ -159,6 +159,7 @@ impl PyBlockPoolCore {
     }
 
     /// The handle of block `block_id`.
+    #[pyo3(signature = (block_id: "int"))]
     fn block(&self, py: Python<'_>, block_id: BlockIdInt) -> PyResult<Py<PyKVCacheBlock>> {
         let id = self.read(py, "block", |p| p.check_block_id(block_id.0))??;
         self.handle(py, id)
@@ -167,6 +168,7 @@ impl PyBlockPoolCore {
     /// Drops one reference per block, in the given order (first = evicted first).
     /// The device pool routes the host pool's blocks to that pool, after its own,
     /// as vLLM does.
+    #[pyo3(signature = (blocks: "Iterable[KVCacheBlock]"))]
     fn free_blocks(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
         let _timer = stats::Timer::start(Op::FreeBlocks);
         let owner = self.owner.bind(py);
@@ -194,6 +196,7 @@ impl PyBlockPoolCore {
     }
 
     /// Takes a reference on each block (removing free ones from the free queue).
+    #[pyo3(signature = (blocks: "Iterable[KVCacheBlock]"))]
     fn touch(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = self.ids(py, blocks)?;
         if self.host {
@@ -209,6 +212,7 @@ impl PyBlockPoolCore {
     }
 
     /// Hands out `num_blocks` blocks from the head of the free queue.
+    #[pyo3(signature = (num_blocks: "int") -> "list[KVCacheBlock]")]
     fn get_new_blocks<'py>(
         &self,
         py: Python<'py>,
@@ -236,6 +240,7 @@ impl PyBlockPoolCore {
     }
 
     /// The first-inserted cached block of `(block_hash, group_id)`, or None.
+    #[pyo3(signature = (block_hash: "bytes", group_id: "int"))]
     fn get_cached_block(
         &self,
         py: Python<'_>,
@@ -251,6 +256,7 @@ impl PyBlockPoolCore {
     }
 
     /// Drops the blocks from the prefix cache, in the given order.
+    #[pyo3(signature = (block_ids: "list[int]"))]
     fn evict_blocks(&self, py: Python<'_>, block_ids: Vec<BlockIdInt>) -> PyResult<()> {
         let block_ids: Vec<i64> = block_ids.into_iter().map(|b| b.0).collect();
         if self.host {
@@ -291,7 +297,7 @@ impl PyBlockPoolCore {
     /// the device pool's opposite sentinel (vLLM's
     /// `fake_free_list_head.next_free_block`); None for the host pool, whose queue
     /// ends have no sentinel objects.
-    #[pyo3(signature = (last=false))]
+    #[pyo3(signature = (last=false) -> "Any")]
     fn free_list_end(&self, py: Python<'_>, last: bool) -> PyResult<Option<Py<PyAny>>> {
         let end = self.read(py, "free_list_end", |p| {
             let q = p.free_block_queue();
@@ -310,6 +316,7 @@ impl PyBlockPoolCore {
     }
 
     /// Whether a block can be written by its sole owner (vLLM's `is_block_writable`).
+    #[pyo3(signature = (block: "KVCacheBlock"))]
     fn is_block_writable(&self, py: Python<'_>, block: &Bound<'_, PyAny>) -> PyResult<bool> {
         let id = self.id(py, block)?;
         self.read(py, "is_block_writable", |p| p.is_block_writable(id))
@@ -317,6 +324,7 @@ impl PyBlockPoolCore {
 
     /// The secondary keys of a block (vLLM's `cached_block_hashes_by_block[id]`), as
     /// `BlockHashWithGroupId` bytes.
+    #[pyo3(signature = (block_id: "int"))]
     fn secondary_keys<'py>(
         &self,
         py: Python<'py>,
@@ -359,6 +367,7 @@ impl PyBlockPoolCore {
 
     /// vLLM's `BlockHashToBlockMap.pop(key, block_id)`: the map forgets the pair but
     /// the block keeps its hash (a detached entry); whether the pair was there.
+    #[pyo3(signature = (key: "bytes", block_id: "int"))]
     fn index_pop(
         &self,
         py: Python<'_>,
@@ -370,6 +379,7 @@ impl PyBlockPoolCore {
     }
 
     /// vLLM's `_cache.pop(key)`: every block of `key` detached; their ids.
+    #[pyo3(signature = (key: "bytes"))]
     fn index_detach_key(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
         let key = key_from_bytes(key)?;
         self.mutate(py, "index_detach_key", |p| {
@@ -382,6 +392,7 @@ impl PyBlockPoolCore {
     }
 
     /// vLLM's `_cache[key] = ...` restoring detached entries of `key`, in order.
+    #[pyo3(signature = (key: "bytes", block_ids: "list[int]"))]
     fn index_reattach(
         &self,
         py: Python<'_>,
@@ -402,8 +413,7 @@ impl PyBlockPoolCore {
 
     /// vLLM's `cache_full_blocks(request, blocks, num_cached_blocks,
     /// num_full_blocks, block_size, kv_cache_group_id, block_mask)`.
-    #[pyo3(signature = (request, blocks, num_cached_blocks, num_full_blocks, block_size,
-        kv_cache_group_id, block_mask=None))]
+    #[pyo3(signature = (request, blocks: "Iterable[KVCacheBlock]", num_cached_blocks: "int", num_full_blocks: "int", block_size: "int", kv_cache_group_id: "int", block_mask: "list[bool] | None"=None))]
     #[allow(clippy::too_many_arguments)]
     fn cache_full_blocks(
         &self,
@@ -440,8 +450,7 @@ impl PyBlockPoolCore {
 
     /// vLLM's `cache_partial_block`: the key registered (bytes), or None for the
     /// null block.
-    #[pyo3(signature = (request, block, num_tokens, kv_cache_group_id, block_size,
-        replace_existing_hashes=false))]
+    #[pyo3(signature = (request, block: "KVCacheBlock", num_tokens: "int", kv_cache_group_id: "int", block_size: "int", replace_existing_hashes=false))]
     #[allow(clippy::too_many_arguments)]
     fn cache_partial_block<'py>(
         &self,
@@ -485,7 +494,7 @@ impl PyBlockPoolCore {
     }
 
     /// vLLM's `_insert_block_hash(key, block, num_tokens)`.
-    #[pyo3(signature = (key, block, num_tokens=None))]
+    #[pyo3(signature = (key: "bytes", block: "KVCacheBlock", num_tokens: "int | None"=None))]
     fn insert_block_hash(
         &self,
         py: Python<'_>,
@@ -502,6 +511,7 @@ impl PyBlockPoolCore {
     }
 
     /// vLLM's `move_block_hashes(src, dst)`.
+    #[pyo3(signature = (src: "KVCacheBlock", dst: "KVCacheBlock"))]
     fn move_block_hashes(
         &self,
         py: Python<'_>,

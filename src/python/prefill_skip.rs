@@ -97,8 +97,7 @@ fn read_flags(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
 
 /// The reduced batch of the KV-sharing layers (see `crate::prefill_skip`).
 #[pyfunction]
-#[pyo3(signature = (num_scheduled_tokens, num_spec_tokens=None, samples=None, *,
-    num_reqs_padded=None, num_logits_padded=0, query_start_loc=None))]
+#[pyo3(signature = (num_scheduled_tokens: "list[int] | bytes", num_spec_tokens: "list[int] | bytes | None"=None, samples: "list[bool] | bytes | None"=None, *, num_reqs_padded: "int | None"=None, num_logits_padded: "int"=0, query_start_loc: "list[int] | bytes | None"=None) -> "PrefillSkipRaw")]
 pub fn prefill_skip<'py>(
     py: Python<'py>,
     num_scheduled_tokens: &Bound<'py, PyAny>,

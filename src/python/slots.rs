@@ -254,7 +254,7 @@ impl PySlotMirror {
 #[pymethods]
 impl PySlotMirror {
     #[new]
-    #[pyo3(signature = (*, num_blocks, block_size, kv_cache_group=0))]
+    #[pyo3(signature = (*, num_blocks: "int", block_size: "int", kv_cache_group: "int"=0))]
     fn new(
         num_blocks: Int,
         block_size: Int,
@@ -319,9 +319,7 @@ impl PySlotMirror {
     /// Plans a step from vLLM's `SchedulerOutput` (see `crate::slots`).
     /// `rereads`: running requests that read their rows again (a refused first hit
     /// recomputed from its `num_computed_tokens`, `Assignment::Continue::reread`).
-    #[pyo3(signature = (scheduler_output, order=None, *, external_tokens=None,
-        connector_versions=None, fast_prefill=false, num_reqs_padded=None, num_logits_padded=0,
-        rereads=None))]
+    #[pyo3(signature = (scheduler_output, order: "Iterable[str] | None"=None, *, external_tokens: "Mapping[str, int] | None"=None, connector_versions: "Mapping[int, int] | Iterable[tuple[int, int]] | None"=None, fast_prefill=false, num_reqs_padded: "int | None"=None, num_logits_padded: "int"=0, rereads: "Collection[str] | None"=None) -> "SlotPlan")]
     #[allow(clippy::too_many_arguments)]
     fn plan_scheduler_output<'py>(
         &mut self,
@@ -353,9 +351,7 @@ impl PySlotMirror {
     /// `(req_id, block_ids, num_computed_tokens, num_scheduled_tokens)`, `running` as
     /// `(req_id, new_block_ids, num_scheduled_tokens)`; rows are laid out new first,
     /// then running, unless `order` lists the request ids.
-    #[pyo3(signature = (*, new=None, running=None, finished=None, fresh_block_ids=None,
-        order=None, external_tokens=None, connector_versions=None, num_prompt_tokens=None,
-        spec_tokens=None, fast_prefill=false, num_reqs_padded=None, num_logits_padded=0))]
+    #[pyo3(signature = (*, new: "Iterable[tuple[str, Iterable[int], int, int]] | None"=None, running: "Iterable[tuple[str, Iterable[int], int]] | None"=None, finished: "Iterable[str] | None"=None, fresh_block_ids: "Iterable[int] | None"=None, order: "Iterable[str] | None"=None, external_tokens: "Mapping[str, int] | None"=None, connector_versions: "Mapping[int, int] | Iterable[tuple[int, int]] | None"=None, num_prompt_tokens: "Mapping[str, int] | None"=None, spec_tokens: "Mapping[str, int] | None"=None, fast_prefill=false, num_reqs_padded: "int | None"=None, num_logits_padded: "int"=0) -> "SlotPlan")]
     #[allow(clippy::type_complexity, clippy::too_many_arguments)]
     fn plan<'py>(
         &mut self,
@@ -436,6 +432,7 @@ impl PySlotMirror {
 
     /// Counts the pending step's rows as written, then validates its reads. The step
     /// must be this mirror's (`mirror_id`) pending one.
+    #[pyo3(signature = (step_id: "int", mirror_id: "int"))]
     fn commit(&mut self, step_id: Int, mirror_id: Int) -> PyResult<PySlotReads> {
         let (step_id, mirror_id) = (
             u64_arg("step_id", step_id)?,
@@ -472,18 +469,21 @@ impl PySlotMirror {
     }
 
     /// `(version, leading rows written in it)` of a block (keys of every layer).
+    #[pyo3(signature = (block_id: "int"))]
     fn block_state(&self, block_id: BlockIdInt) -> PyResult<(u64, usize)> {
         let b = self::block_id(block_id.0)?;
         self.core.read("block_state", |c| Ok(c.block_state(b)?))
     }
 
     /// Leading rows of the skip-layer keys written in the block's current version.
+    #[pyo3(signature = (block_id: "int"))]
     fn block_skip_rows(&self, block_id: BlockIdInt) -> PyResult<usize> {
         let b = self::block_id(block_id.0)?;
         self.core
             .read("block_skip_rows", |c| Ok(c.block_skip_rows(b)?))
     }
 
+    #[pyo3(signature = (req_id) -> "list[int]")]
     fn block_table<'py>(&self, py: Python<'py>, req_id: &str) -> PyResult<Bound<'py, PyList>> {
         self.core
             .read("block_table", |c| PyList::new(py, c.block_table(req_id)?))
@@ -497,6 +497,7 @@ impl PySlotMirror {
     }
 
     /// The mirror's counters as a dict.
+    #[pyo3(signature = () -> "dict[str, int]")]
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.core.read("stats", |c| Ok::<_, PyErr>(c.stats()))?;
         let d = PyDict::new(py);

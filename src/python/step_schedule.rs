@@ -251,8 +251,7 @@ impl PyStepSchedule {
 impl PyStepSchedule {
     /// `is_async`: an `AsyncScheduler`; the others are the scheduler's own.
     #[new]
-    #[pyo3(signature = (*, is_async, max_model_len, num_sampled_tokens_per_step,
-        num_lookahead_tokens=0))]
+    #[pyo3(signature = (*, is_async, max_model_len: "int", num_sampled_tokens_per_step: "int", num_lookahead_tokens: "int"=0))]
     fn new(
         is_async: bool,
         max_model_len: i64,
@@ -303,8 +302,7 @@ impl PyStepSchedule {
     /// `throttle`: the step holds prefill chunks back beside a decode; `queue_left`:
     /// a queue waits that vLLM's waiting loop could admit from unless the budget is
     /// spent, so the plan may leave at most this many tokens of it (None: no such queue).
-    #[pyo3(signature = (running, step, *, token_budget=None, long_prefill_token_threshold=0,
-        throttle=false, queue_left=None))]
+    #[pyo3(signature = (running: "list[Any]", step: "int", *, token_budget: "int | None"=None, long_prefill_token_threshold: "int"=0, throttle=false, queue_left: "int | None"=None))]
     fn plain_decodes(
         &self,
         running: &Bound<'_, PyList>,
@@ -325,8 +323,7 @@ impl PyStepSchedule {
 
     /// The phase on `manager` (see the module docs). `tokens`: in a resuming call
     /// (`start > 0`), the deciding call's `num_new_tokens` (None: one each).
-    #[pyo3(signature = (manager, running, start, step, *, token_budget=None,
-        long_prefill_token_threshold=0, throttle=false, queue_left=None, tokens=None))]
+    #[pyo3(signature = (manager, running: "list[Any]", start: "int", step: "int", *, token_budget: "int | None"=None, long_prefill_token_threshold: "int"=0, throttle=false, queue_left: "int | None"=None, tokens: "list[int] | None"=None) -> "tuple[int, list[tuple[list[int], ...] | None], list[int], list[int], list[int], int | None, bool] | None")]
     #[allow(clippy::too_many_arguments)]
     fn decodes<'py>(
         &self,

@@ -608,7 +608,7 @@ impl PyStepUpdate {
     /// `"placeholders"` (0.32, 0.30), where a resolved placeholder's `cache_blocks` call
     /// caches up to.
     #[new]
-    #[pyo3(signature = (*, running, output_class, cache_blocks_at))]
+    #[pyo3(signature = (*, running, output_class: "Callable[..., Any]", cache_blocks_at))]
     fn new(
         running: Py<PyAny>,
         output_class: &Bound<'_, PyAny>,
@@ -658,10 +658,7 @@ impl PyStepUpdate {
     /// `scheduled_spec_decode_tokens`; `prompt_logprobs`: the runner output's prompt
     /// logprob dicts; `has_logprobs`: it carries sampled logprobs; `cache_blocks`: the
     /// manager's, called for each resolved placeholder.
-    #[pyo3(signature = (
-        requests, num_scheduled_tokens, sampled_token_ids, req_id_to_index, *, drafts,
-        prompt_logprobs, has_logprobs, max_model_len, is_async, cache_blocks = None
-    ))]
+    #[pyo3(signature = (requests: "dict[str, Any]", num_scheduled_tokens: "dict[str, int]", sampled_token_ids: "list[Any]", req_id_to_index: "dict[str, int]", *, drafts: "Mapping[str, Any]", prompt_logprobs: "Iterable[Mapping[str, Any]]", has_logprobs, max_model_len: "int", is_async, cache_blocks: "Callable[[Any, int], Any] | None" = None) -> "tuple[dict[str, Any], dict[str, int]] | None")]
     #[allow(clippy::too_many_arguments)]
     fn split<'py>(
         &self,

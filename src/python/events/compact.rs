@@ -569,6 +569,7 @@ impl PyEventBuilder {
 /// as it is, in order. The input list and its events are left unchanged (a merged
 /// run starts from a copy of its first event).
 #[pyfunction]
+#[pyo3(signature = (events: "list[Any]") -> "list[Any]")]
 pub fn coalesce_kv_events<'py>(events: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyList>> {
     static CLASSES: PyOnceLock<(Py<PyAny>, Py<PyAny>)> = PyOnceLock::new();
     let py = events.py();
