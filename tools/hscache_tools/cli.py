@@ -100,6 +100,11 @@ def bench_loaded_main(args: argparse.Namespace) -> int:
     if args.async_scheduling:
         variants = [v for v in variants if v != "spec"]
     mode = "AsyncScheduler, batch queue of two" if args.async_scheduling else "Scheduler"
+    hashing = (
+        "each side's engine's hasher (hscache's Scheduler installs its native one)"
+        if args.hasher == "engine"
+        else "vLLM's hasher on both sides"
+    )
     print(
         f"loaded server: whole schedule() + update_from_output() step ({mode}), median CPU "
         f"us over {args.steps} steps x {args.repeat} runs (decisions and outputs identical "
@@ -107,6 +112,7 @@ def bench_loaded_main(args: argparse.Namespace) -> int:
         "fast path served: 'schedule' of the schedule() calls, 'update' of the requests "
         "updated; workload: share of steps at max_num_seqs / with a queue / an admission / a "
         "chunked prefill\n"
+        f"block hashing: {hashing}\n"
         f"{'variant':>7} {'running':>7} {'vLLM':>9} {'hscache':>9} {'ratio':>7} "
         f"{'schedule':>8} {'update':>7}  {'full':>5} {'queued':>6} {'admits':>6} {'chunked':>7}"
     )
@@ -123,6 +129,7 @@ def bench_loaded_main(args: argparse.Namespace) -> int:
                 variant=variant,
                 seed=args.seed,
                 async_scheduling=args.async_scheduling,
+                hasher=args.hasher,
             )
             print(
                 f"{variant:>7} {running:>7} {r['vllm_us']:9.1f} {r['hscache_us']:9.1f} "
@@ -288,6 +295,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sched.add_argument("--workload", choices=("steady", "mixed", "both"), default="steady")
     sched.add_argument("--kv-events", choices=("off", "on", "both"), default="off")
+    sched.add_argument(
+        "--hasher",
+        choices=("engine", "vllm"),
+        default="engine",
+        help="with --loaded: hash each side's requests with its engine's block hasher "
+        "(default; hscache's Scheduler installs its native one) or with vLLM's on both",
+    )
     sched.add_argument(
         "--async-scheduling",
         action="store_true",

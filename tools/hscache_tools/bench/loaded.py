@@ -31,6 +31,13 @@ for every step today, and one configuration holding both would hide the other's 
   adapters (the ``max_loras`` rule is checked at every admission; with as many adapters as
   slots it never refuses one, which would starve the adapter left out).
 
+Block hashing: each side's requests are hashed by the hasher its engine builds, as in a
+server: vLLM's ``get_request_block_hasher`` for stock vLLM, and for hscache the one that
+``hscache.vllm.Scheduler`` installs in its place (``hscache.vllm.get_request_block_hasher``,
+the same hashes computed natively). A request hashes its new full blocks when its tokens
+are appended in ``update_from_output()``, so this is part of the timed step.
+``hasher="vllm"`` hashes both sides with vLLM's (the measurement before 2026-12-02).
+
 Timed per step: ``schedule()`` + ``update_from_output()`` (a stub ``ModelRunnerOutput``
 built in between, the drafts' hand-over after, neither timed), as CPU time of the stepping
 thread (``time.thread_time_ns``; on a shared machine a millisecond-long step is often
@@ -68,9 +75,11 @@ from typing import Any
 
 import hscache_tools.testing  # noqa: F401 (vLLM's CPU / offline environment defaults)
 
-__all__ = ["OMNI_VARIANTS", "SIDES", "VARIANTS", "bench_loaded", "run_loaded"]
+__all__ = ["HASHERS", "OMNI_VARIANTS", "SIDES", "VARIANTS", "bench_loaded", "run_loaded"]
 
 SIDES = ("vllm", "hscache")
+HASHERS = ("engine", "vllm")
+"""``engine``: each side's engine's block hasher; ``vllm``: vLLM's for both sides."""
 VARIANTS = ("base", "spec", "lora")
 OMNI_VARIANTS = ("talker",)
 """Variants that need vllm-omni (vLLM 0.30's environment)."""
@@ -239,6 +248,7 @@ def run_loaded(
     async_scheduling: bool = False,
     check: list[str] | None = None,
     workload: dict[str, int] | None = None,
+    hasher: str = "engine",
 ) -> tuple[list[int], dict[str, int]]:
     """Per-step ns of ``schedule() + update_from_output()`` over ``steps`` timed steps,
     after the batch filled (``running`` requests) and 16 more steps; and the
@@ -247,7 +257,7 @@ def run_loaded(
     the timed steps: ``steps``, ``full`` (it ran ``max_num_seqs`` requests),
     ``queued`` (a request waited when it began), ``admitted``
     (it admitted one), ``chunked`` (it scheduled a partial prefill), ``budget_bound``
-    (it used the whole token budget)."""
+    (it used the whole token budget). ``hasher``: :data:`HASHERS`."""
     from vllm.lora.request import LoRARequest
 
     from hscache_tools.testing.requests import init_none_hash, make_request, request_block_hasher
@@ -257,8 +267,16 @@ def run_loaded(
         raise ValueError(f"unknown variant {variant!r}: one of {names}")
     if async_scheduling and variant == "spec":
         raise ValueError("the spec variant runs synchronously only (the CPU ngram drafter)")
+    if hasher not in HASHERS:
+        raise ValueError(f"unknown hasher {hasher!r}: one of {', '.join(HASHERS)}")
     init_none_hash("sha256")
-    hasher = request_block_hasher(16, "sha256")
+    if side == "hscache" and hasher == "engine":
+        from hscache.vllm import get_request_block_hasher
+        from vllm.utils.hashing import get_hash_fn_by_name
+
+        block_hasher = get_request_block_hasher(16, get_hash_fn_by_name("sha256"))
+    else:
+        block_hasher = request_block_hasher(16, "sha256")
     queue = max(8, running // 8)
     # Room for every request to grow through the whole run: the pool never binds.
     growth = (steps + 128) * (1 + SPEC_TOKENS if variant == "spec" else 1)
@@ -280,7 +298,7 @@ def run_loaded(
                     prompt,
                     max_tokens=max_tokens,
                     ignore_eos=True,
-                    block_hasher=hasher,
+                    block_hasher=block_hasher,
                     lora_request=loras[lora] if lora else None,
                 )
             )
@@ -361,6 +379,7 @@ def bench_loaded(
     seed: int = 0,
     async_scheduling: bool = False,
     progress: Callable[[str], None] | None = None,
+    hasher: str = "engine",
 ) -> dict[str, float]:
     """Median whole-step µs of each side (:data:`SIDES`, over the timed steps of every
     repeat), ``ratio`` (stock / hscache), the shares the fast path served
@@ -368,7 +387,9 @@ def bench_loaded(
     updated; NaN where hscache's scheduler has no ``fast_path_counts``), the workload's
     shares of timed steps (``full``, ``queued``, ``admitted``, ``chunked``,
     ``budget_bound``) and ``checked_steps`` (steps whose decisions and
-    outputs were compared); raises ``RuntimeError`` at the first step where they differ."""
+    outputs were compared: a wrong block hash would change a prefix hit, which they
+    compare); ``hasher``: :data:`HASHERS`. Raises ``RuntimeError`` at the first step
+    where they differ."""
     per_side: dict[str, list[int]] = {s: [] for s in SIDES}
     served: dict[str, int] = {}
     workload: dict[str, int] = {}
@@ -389,6 +410,7 @@ def bench_loaded(
                 async_scheduling=async_scheduling,
                 check=seen[side],
                 workload=workload if side == "vllm" else None,
+                hasher=hasher,
             )
             per_side[side] += times
             for k, v in counts.items():
