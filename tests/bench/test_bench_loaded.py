@@ -61,6 +61,35 @@ def test_counters_cover_the_timed_steps() -> None:
     assert len(stock_times) == 10 and stock_counts == {}
 
 
+def test_each_side_hashes_with_its_engines_hasher(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default the hscache side's requests carry hscache's native hasher (what its
+    Scheduler installs in an engine), the stock side's vLLM's; ``hasher="vllm"`` gives
+    both vLLM's. The hashes are equal either way (the sides' hits are compared)."""
+    import hscache_tools.testing.requests as requests_module
+
+    seen: dict[str, set[str]] = {}
+    make = requests_module.make_request
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        hasher = kwargs["block_hasher"]
+        seen.setdefault(current, set()).add(f"{hasher.__module__}.{hasher.__qualname__}")
+        return make(*args, **kwargs)
+
+    monkeypatch.setattr(requests_module, "make_request", spy)
+    for current, side, hasher in (
+        ("engine-hscache", "hscache", "engine"),
+        ("engine-vllm", "vllm", "engine"),
+        ("vllm-hscache", "hscache", "vllm"),
+    ):
+        run_loaded(side, running=8, steps=4, hasher=hasher)
+    native = "hscache.vllm.block_hasher.get_request_block_hasher.<locals>.request_block_hasher"
+    assert seen["engine-hscache"] == {native}, seen
+    vllms = "vllm.v1.core.kv_cache_utils.get_request_block_hasher.<locals>.request_block_hasher"
+    assert seen["engine-vllm"] == seen["vllm-hscache"] == {vllms}, seen
+    with pytest.raises(ValueError, match="unknown hasher"):
+        run_loaded("hscache", running=8, steps=4, hasher="nope")
+
+
 def test_a_different_answer_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     update = Scheduler.update_from_output
 

@@ -342,10 +342,12 @@ def run_arm(cfg: E2EConfig, arm: str, model: Path, pass_index: int) -> dict[str,
     work = Path(tempfile.mkdtemp(prefix=f"hscache-omni-bench-{arm}-"))
     probe_dir = work / "probe"
     os.environ["HSCACHE_E2E_PROBE_DIR"] = str(probe_dir)
-    from run_pipeline import PIPELINE, register_pipeline  # tests/omni_e2e
+    from run_pipeline import PIPELINE, register_pipeline, scheduler_cls  # tests/omni_e2e
     from vllm_omni import Omni
 
-    register_pipeline()
+    # The hscache arm runs both stages on hscache's omni schedulers (the fast path), as
+    # docs/omni.md says to switch it on; the stages schedule asynchronously (deploy_config).
+    register_pipeline(scheduler_cls(arm, async_scheduling=True))
     deploy = work / "deploy.yaml"
     deploy.write_text(json.dumps(deploy_config(cfg, arm, PIPELINE), indent=1))  # JSON is YAML
     result: dict[str, Any] = {"arm": arm, "pass": pass_index, "rounds": []}
@@ -372,6 +374,10 @@ def run_arm(cfg: E2EConfig, arm: str, model: Path, pass_index: int) -> dict[str,
                 continue
         thinker = scheds.get("thinker", {})
         result["served"] = {
+            "fast_path": {
+                stage: {"fast_step": rec.get("fast_step"), **(rec.get("fast_path_counts") or {})}
+                for stage, rec in scheds.items()
+            },
             "kv_cache_manager": thinker.get("kv_cache_manager"),
             "enable_caching": thinker.get("enable_caching"),
             "preemptions": thinker.get("preemptions"),
@@ -626,11 +632,19 @@ def format_report(summary: dict[str, Any], cfg: E2EConfig) -> str:
 
 
 def check_served(results: list[dict[str, Any]]) -> list[str]:
-    """Every arm's thinker ran the KV-cache manager and hidden-state cache it names."""
+    """Every arm's thinker ran the KV-cache manager and hidden-state cache it names, and
+    the ``hscache`` arm's two stages ran hscache's omni schedulers with the fast path
+    serving ``schedule()`` steps (a silent decline fails the run)."""
     problems = []
     for res in results:
         manager, cache = EXPECTED[res["arm"]]
         served = res["served"]
+        if res["arm"] == "hscache":
+            fast = served.get("fast_path", {})
+            for stage in ("thinker", "talker"):
+                rec = fast.get(stage, {})
+                if rec.get("fast_step") is not True or not rec.get("schedule_served"):
+                    problems.append(f"hscache: the {stage}'s fast path served nothing: {rec}")
         classes = {c["class"] for c in served["prefix_caches"]}
         if manager is None:
             if served["enable_caching"] or classes:
