@@ -206,6 +206,8 @@ def soak_main(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # One piece: the CLI's argument table, one parser per sub-command and one `add_argument` per
+    # option, read top to bottom.
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in[:1] == ["bench"] and "--hidden-states" in args_in:
         from hscache_tools.bench.hidden_states import main as bench_hidden_states

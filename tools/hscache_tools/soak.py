@@ -131,6 +131,8 @@ def run_soak(
     progress: bool = False,
 ) -> SoakResult:
     """Run ``ops`` scheduler-like manager calls on one manager (see the module doc)."""
+    # One piece: the soak loop and its closures share the run's state (the manager, the seeded
+    # RNG, the live requests, the counters); split, each helper would take all of it.
     from hscache.vllm import KVCacheManager
     from hscache.vllm.block_hasher import get_request_block_hasher
     from vllm.utils.hashing import get_hash_fn_by_name

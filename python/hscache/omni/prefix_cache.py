@@ -422,6 +422,9 @@ class OmniHiddenStateCache:
         num_tokens_padded: int,
     ) -> int:
         """Writes this step's rows, serves its hits; returns the step id to consume."""
+        # One piece: the order is the contract (every check before any state changes, the rules'
+        # bookkeeping under the lock, the copies unlocked, the host work queued last); split,
+        # that order would be spread over helpers.
         n = int(num_tokens_unpadded)
         plan = self._rules.lay_out(self._view.batch_req_ids(), n)
         so = self._pending

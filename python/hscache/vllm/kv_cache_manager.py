@@ -247,6 +247,9 @@ class KVCacheManager(KVCacheCore):
         explain: bool | None = None,
         kv_events_mode: str | None = None,
     ) -> None:
+        # One piece: vLLM's constructor's signature and its attributes in vLLM's order,
+        # then the pool, the core's bindings and the coordinator view, each built from the
+        # one before; what is long is the signature vLLM's Scheduler calls.
         if getattr(self, "_hscache_initialized", False):
             # The core keeps the configuration it was built with: re-running
             # __init__ would change the Python attributes only.

@@ -98,6 +98,8 @@ def run_decode(
     """Per-step ns of ``schedule() + update_from_output()`` for ``steps`` steps after
     ``running`` requests have been admitted and prefilled (and one untimed step).
     ``served`` gets whether the fast path served that untimed step's ``schedule()``."""
+    # One piece: the timed step closure shares the scheduler, the pending updates and the
+    # digests of this run; split, it would take all of them.
     import hscache.vllm
     from hscache.vllm import step as fast_path
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler

@@ -228,6 +228,8 @@ def _gaps(starts: Sequence[float]) -> list[float]:
 
 def run_arm(args: argparse.Namespace) -> dict[str, Any]:
     """One arm in this process: one engine, one ``generate`` per concurrency."""
+    # One piece: one engine's life (build, one `generate` per concurrency, counters read, close)
+    # in one process.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     arm = args.run_arm
@@ -450,6 +452,7 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # One piece: the sub-command's argument table, then its driver loop over arms and repeats.
     ap = argparse.ArgumentParser(
         prog="python -m hscache bench-engine",
         description="vLLM's real engine on CPU at high concurrency, a tiny random model: "

@@ -258,6 +258,8 @@ def run_loaded(
     ``queued`` (a request waited when it began), ``admitted``
     (it admitted one), ``chunked`` (it scheduled a partial prefill), ``budget_bound``
     (it used the whole token budget). ``hasher``: :data:`HASHERS`."""
+    # One piece: the trace's closures (`top_up`, `one_step`) share the scheduler, the queue and
+    # the counters of this run; split, each would take all of them.
     from vllm.lora.request import LoRARequest
 
     from hscache_tools.testing.requests import init_none_hash, make_request, request_block_hasher

@@ -208,6 +208,8 @@ def _decisions(so: Any) -> tuple[Any, ...]:
 
 def run(cfg: OmniBenchConfig) -> dict[str, Any]:
     """One concurrency: every arm's per-step times (ns) and the medians and ratios."""
+    # One piece: every arm steps through the same generated step in one loop, so that the arms
+    # see the same requests and rows in the same order.
     from vllm.v1.outputs import ModelRunnerOutput
 
     from hscache_tools.testing.requests import init_none_hash, make_request

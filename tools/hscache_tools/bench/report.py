@@ -420,6 +420,8 @@ def write_plot(
 
     A path's ratio is the report's: its hscache median against the vLLM run it ran beside.
     vLLM's bar is the median of those vLLM runs (one per path)."""
+    # One piece: one matplotlib figure, built bar group by bar group; its parts only make sense
+    # on the same axes.
     try:
         import matplotlib
 

@@ -297,6 +297,8 @@ def _load_managers(args: argparse.Namespace) -> tuple[type, type]:
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run the ``bench`` sub-command; returns the process exit status."""
+    # One piece: the `bench` sub-command from arguments to report, in the order the report
+    # prints.
     stream = sys.stdout if out is None else out
     if args.list:
         for s in all_scenarios():

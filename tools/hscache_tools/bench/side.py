@@ -271,6 +271,9 @@ class Side:
 
     def step(self, measuring: bool, check: bool) -> list[Decision]:
         """One scheduler step + model output; returns the decisions made (for comparison)."""
+        # One piece: one emulated scheduler step in vLLM's order (schedule, block ids handed
+        # over, model output, frees, events, stats, usage), each manager call timed where vLLM
+        # makes it, with the timers bound to locals so that timing adds no calls.
         sc = self.scenario
         mgr = self.manager
         pc = time.perf_counter_ns

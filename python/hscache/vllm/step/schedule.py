@@ -154,8 +154,8 @@ def schedule(sched: Any, throttle_prefills: bool, is_async: bool = False) -> Sch
     decode's one or a prefill's chunk, under the threshold, the budget in running order
     and the ``max_model_len`` room, with async scheduling's last-step rule) and the
     allocations are one core call (``StepSchedule.decodes``), which stops at the first
-    request that does not fit; this function preempts from the tail with vLLM's
-    ``_preempt_request`` and resumes the call from that request."""
+    request that does not fit; :func:`_preempt_until_fits` preempts from the tail with
+    vLLM's ``_preempt_request`` and resumes the call from that request."""
     if not _step_applies(sched):
         return None
     running: list[Request] = sched.running
@@ -168,13 +168,69 @@ def schedule(sched: Any, throttle_prefills: bool, is_async: bool = False) -> Sch
     if "waiting" not in _rules.BROKEN and not _nothing_waiting(sched) and not _seats_full(sched):
         queue_left = 1 if "queue_budget" in _rules.BROKEN else 0
     throttle = _throttled(sched, throttle_prefills)
-    threshold = _long_prefill_threshold(sched)
     step = sched.current_step + 1
-    manager = sched.kv_cache_manager
-    lookahead = sched.num_lookahead_tokens
     phase = _step_schedule(sched, is_async)
+    decided = _plan_and_allocate(sched, phase, step, budget, throttle, queue_left)
+    if decided is None:
+        return None
+    done, new_block_ids, num_computed_tokens, num_output_tokens, tokens, first_chunk, any_decode = (
+        decided
+    )
+
+    # From here on the step is served: the same state changes as vLLM's, in its order
+    # (the manager's step has started and the requests before `done` are allocated).
+    sched.current_step = step
+    done, preempted = _preempt_until_fits(sched, phase, step, done, tokens, new_block_ids)
+    scheduled = running[:done]
+    if done < len(tokens):
+        num_computed_tokens = num_computed_tokens[:done]
+        num_output_tokens = num_output_tokens[:done]
+        tokens = tokens[:done]
+
+    skip_drafts = _PROFILE.skip_drafts
+    drafts_needed = not skip_drafts or not sched.can_skip_drafts
+    if not drafts_needed:
+        for r, k in zip(scheduled, tokens, strict=True):
+            if not sched._drafts_unused(r, r.num_computed_tokens, k):
+                drafts_needed = True
+                break
+
+    total = sum(tokens)
+    _record_step(
+        sched,
+        preempted=preempted,
+        defer_prefills=throttle and any_decode,
+        prefill_scheduled=first_chunk is not None and first_chunk < done,
+        total=total,
+    )
+    extra: dict[str, Any] = {}
+    if skip_drafts:
+        extra["skip_drafts"] = not drafts_needed
+    out = _scheduler_output(
+        sched, scheduled, tokens, new_block_ids, num_computed_tokens, num_output_tokens, extra
+    )
+    _update_after_schedule(sched, scheduled, tokens, out, is_async)
+    return out
+
+
+def _plan_and_allocate(
+    sched: Any,
+    phase: StepSchedule,
+    step: int,
+    budget: int,
+    throttle: bool,
+    queue_left: int | None,
+) -> tuple[int, list[Any], list[int], list[int], list[int], int | None, bool] | None:
+    """The step's plan and its allocations (the core's one call, or the plan and a
+    manager that is not the core allocating per request): ``(done, new_block_ids,
+    num_computed_tokens, num_output_tokens, tokens, first_chunk, any_decode)``, ``done``
+    the first planned request that did not fit; ``None`` (nothing changed) when the step
+    is not the fast path's."""
+    running: list[Request] = sched.running
+    manager = sched.kv_cache_manager
+    threshold = _long_prefill_threshold(sched)
     if isinstance(manager, KVCacheCore):
-        decided = phase.decodes(
+        return phase.decodes(
             manager,
             running,
             0,
@@ -184,40 +240,44 @@ def schedule(sched: Any, throttle_prefills: bool, is_async: bool = False) -> Sch
             throttle=throttle,
             queue_left=queue_left,
         )
-        if decided is None:
-            return None
-        (
-            done,
-            new_block_ids,
-            num_computed_tokens,
-            num_output_tokens,
-            tokens,
-            first_chunk,
-            any_decode,
-        ) = decided
-    else:
-        plan = phase.plain_decodes(
-            running,
-            step,
-            token_budget=budget,
-            long_prefill_token_threshold=threshold,
-            throttle=throttle,
-            queue_left=queue_left,
-        )
-        if plan is None:
-            return None
-        num_computed_tokens, num_output_tokens, tokens, first_chunk, any_decode = plan
-        manager.new_step_starts()
-        done, new_block_ids = _allocate_each(manager, running, 0, lookahead, tokens)
+    plan = phase.plain_decodes(
+        running,
+        step,
+        token_budget=budget,
+        long_prefill_token_threshold=threshold,
+        throttle=throttle,
+        queue_left=queue_left,
+    )
+    if plan is None:
+        return None
+    num_computed_tokens, num_output_tokens, tokens, first_chunk, any_decode = plan
+    manager.new_step_starts()
+    done, new_block_ids = _allocate_each(manager, running, 0, sched.num_lookahead_tokens, tokens)
+    return (
+        done,
+        new_block_ids,
+        num_computed_tokens,
+        num_output_tokens,
+        tokens,
+        first_chunk,
+        any_decode,
+    )
 
-    # From here on the step is served: the same state changes as vLLM's, in its order
-    # (the manager's step has started and the requests before `done` are allocated).
-    sched.current_step = step
+
+def _preempt_until_fits(
+    sched: Any,
+    phase: StepSchedule,
+    step: int,
+    done: int,
+    tokens: list[int],
+    new_block_ids: list[Any],
+) -> tuple[int, bool]:
+    """Pool pressure: ``running[done]``, planned, did not fit. vLLM preempts from the
+    tail and retries it, until it fits or is itself the victim; the allocations resume
+    from it (their block ids appended to ``new_block_ids``). ``(done, preempted)``."""
+    running: list[Request] = sched.running
+    manager = sched.kv_cache_manager
     timestamp = time.monotonic()
-    defer_prefills = throttle and any_decode
-
-    # Pool pressure: `running[done]`, planned, did not fit. vLLM preempts from the tail
-    # and retries it, until it fits or is itself the victim.
     preempted = False
     while done < min(len(tokens), len(running)) and "preempt" not in _rules.BROKEN:
         request = running[done]
@@ -235,23 +295,16 @@ def schedule(sched: Any, throttle_prefills: bool, is_async: bool = False) -> Sch
                 raise RuntimeError("StepSchedule.decodes refused a resumed step")
             done, more = resumed[0], resumed[1]
         else:
-            done, more = _allocate_each(manager, running, done, lookahead, tokens)
+            done, more = _allocate_each(manager, running, done, sched.num_lookahead_tokens, tokens)
         new_block_ids += more
-    scheduled = running[:done]
-    if done < len(tokens):
-        num_computed_tokens = num_computed_tokens[:done]
-        num_output_tokens = num_output_tokens[:done]
-        tokens = tokens[:done]
-    prefill_scheduled = first_chunk is not None and first_chunk < done
+    return done, preempted
 
-    skip_drafts = _PROFILE.skip_drafts
-    drafts_needed = not skip_drafts or not sched.can_skip_drafts
-    if not drafts_needed:
-        for r, k in zip(scheduled, tokens, strict=True):
-            if not sched._drafts_unused(r, r.num_computed_tokens, k):
-                drafts_needed = True
-                break
 
+def _record_step(
+    sched: Any, *, preempted: bool, defer_prefills: bool, prefill_scheduled: bool, total: int
+) -> None:
+    """What vLLM's step records besides the output: whether admissions were
+    capacity-bound, and 0.33's executed steps and local prefill cadence."""
     # vLLM's admission loop admits nothing (the queues are empty, or it stops before
     # looking at a request: `_queue_blocked`), and records whether admissions were
     # capacity-bound on a step it does not defer.
@@ -261,8 +314,6 @@ def schedule(sched: Any, throttle_prefills: bool, is_async: bool = False) -> Sch
             sched.prefill_capacity_bound = num_waiting > len(sched.deferred_waiting)
         else:
             sched.prefill_capacity_bound = bool(sched.waiting)
-
-    total = sum(tokens)
     if _PROFILE.prefill_cadence:
         if total > 0:
             sched.num_executed_steps += 1
@@ -274,6 +325,22 @@ def schedule(sched: Any, throttle_prefills: bool, is_async: bool = False) -> Sch
         ):
             sched.last_prefill_step = sched.num_executed_steps
 
+
+def _scheduler_output(
+    sched: Any,
+    scheduled: list[Request],
+    tokens: list[int],
+    new_block_ids: list[Any],
+    num_computed_tokens: list[int],
+    num_output_tokens: list[int],
+    extra: dict[str, Any],
+) -> SchedulerOutput:
+    """The step's ``SchedulerOutput`` with every field vLLM sets, its side effects in
+    vLLM's order (MRV1's ``all_token_ids`` and last step's ids, CoW copies, freed
+    encoder hashes, encoder input updates, blocks to zero); ``extra``: the fields only
+    some versions have."""
+    manager = sched.kv_cache_manager
+    running: list[Request] = sched.running
     req_ids = [r.request_id for r in scheduled]
     num_scheduled_tokens = dict(zip(req_ids, tokens, strict=True))
     all_token_ids: dict[str, list[int]] = {}
@@ -294,16 +361,12 @@ def schedule(sched: Any, throttle_prefills: bool, is_async: bool = False) -> Sch
         num_computed_tokens=num_computed_tokens,
         num_output_tokens=num_output_tokens,
     )
-    # The fields only some versions' SchedulerOutput has.
-    extra: dict[str, Any] = {}
     if _PROFILE.counts_common_prefix_blocks:
         extra["num_common_prefix_blocks"] = (
             manager.get_num_common_prefix_blocks(running[0].request_id)
             if running
             else [0] * len(sched.kv_cache_config.kv_cache_groups)
         )
-    if skip_drafts:
-        extra["skip_drafts"] = not drafts_needed
     manager.take_boundary_state_offloads()
     copies, retained = manager.take_kv_cache_block_copies()
     if copies:
@@ -318,11 +381,11 @@ def schedule(sched: Any, throttle_prefills: bool, is_async: bool = False) -> Sch
         extra["encoder_input_updates"] = sched._get_encoder_input_updates(
             num_scheduled_tokens, [], {}
         )
-    out = SchedulerOutput(
+    return SchedulerOutput(
         scheduled_new_reqs=[],
         scheduled_cached_reqs=cached,
         num_scheduled_tokens=num_scheduled_tokens,
-        total_num_scheduled_tokens=total,
+        total_num_scheduled_tokens=sum(tokens),
         scheduled_spec_decode_tokens={},
         scheduled_encoder_inputs={},
         scheduled_encoder_input_stats=encoder_input_stats,
@@ -338,8 +401,12 @@ def schedule(sched: Any, throttle_prefills: bool, is_async: bool = False) -> Sch
         **extra,
     )
 
-    # vLLM's _update_after_schedule: each request's tokens computed and in flight, and
-    # whether it is still prefilling.
+
+def _update_after_schedule(
+    sched: Any, scheduled: list[Request], tokens: list[int], out: SchedulerOutput, is_async: bool
+) -> None:
+    """vLLM's ``_update_after_schedule``: each request's tokens computed and in flight,
+    and whether it is still prefilling; the step's finished and preempted sets reset."""
     count_in_flight = "in_flight" not in _rules.BROKEN
     chunk_flag = "prefill_chunk" not in _rules.BROKEN
     inflight_prefills = sched._inflight_prefills
@@ -357,7 +424,6 @@ def schedule(sched: Any, throttle_prefills: bool, is_async: bool = False) -> Sch
         _async_after_schedule(sched, scheduled, out)
     sched.finished_req_ids = set()
     sched.reset_preempted_req_ids = set()
-    return out
 
 
 def _async_after_schedule(sched: Any, scheduled: list[Request], out: SchedulerOutput) -> None:
