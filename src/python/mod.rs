@@ -90,6 +90,8 @@ fn _arm_fault(site: &str, skip: usize) {
     crate::fault::arm(site, skip);
 }
 
+// The module, declared (not built in a function) so that PyO3's introspection
+// (`experimental-inspect`, read by `scripts/gen_stubs.py`) sees every export.
 #[pymodule]
 mod _core {
     use pyo3::prelude::*;
@@ -102,47 +104,34 @@ mod _core {
     use super::_arm_fault;
 
     #[pymodule_export]
-    use super::block::PyKVCacheBlock;
-    #[pymodule_export]
-    use super::blocks::PyKVCacheBlocks;
-    #[pymodule_export]
-    use super::coordinator::PyKVCacheCoordinatorCore;
-    #[pymodule_export]
-    use super::encoder_cache::{py_compute_mm_encoder_budget, PyEncoderCacheCore};
-    #[pymodule_export]
-    use super::encoder_decoder::PyEncoderDecoderCacheCore;
-    #[pymodule_export]
-    use super::events::{
-        block_stored_fields, coalesce_kv_events, normalize_kv_events_mode, PyEventBuilder,
+    use super::{
+        block::PyKVCacheBlock,
+        blocks::PyKVCacheBlocks,
+        coordinator::PyKVCacheCoordinatorCore,
+        encoder_cache::{py_compute_mm_encoder_budget, PyEncoderCacheCore},
+        encoder_decoder::PyEncoderDecoderCacheCore,
+        events::{
+            block_stored_fields, coalesce_kv_events, normalize_kv_events_mode, PyEventBuilder,
+        },
+        hasher::{
+            blake3_block, blake3_digest, hash_block_tokens, hash_object, serialize,
+            PyRequestBlockHasher,
+        },
+        hisparse::PyHiSparseCore,
+        manager::PyKVCacheCore,
+        omni_rules::PyOmniStepRules,
+        omni_save_plan::PyOmniSavePlan,
+        pool::PyBlockPoolCore,
+        prefill_skip::prefill_skip,
+        slot_reads::PySlotReads,
+        slots::PySlotMirror,
+        step_schedule::PyStepSchedule,
+        step_update::PyStepUpdate,
     };
-    #[pymodule_export]
-    use super::hasher::{
-        blake3_block, blake3_digest, hash_block_tokens, hash_object, serialize,
-        PyRequestBlockHasher,
-    };
-    #[pymodule_export]
-    use super::hisparse::PyHiSparseCore;
-    #[pymodule_export]
-    use super::manager::PyKVCacheCore;
-    #[pymodule_export]
-    use super::omni_rules::PyOmniStepRules;
-    #[pymodule_export]
-    use super::omni_save_plan::PyOmniSavePlan;
-    #[pymodule_export]
-    use super::pool::PyBlockPoolCore;
-    #[pymodule_export]
-    use super::prefill_skip::prefill_skip;
-    #[pymodule_export]
-    use super::slot_reads::PySlotReads;
-    #[pymodule_export]
-    use super::slots::PySlotMirror;
+
     #[cfg(feature = "mutants")]
     #[pymodule_export]
     use super::step_schedule::_break_step_rules;
-    #[pymodule_export]
-    use super::step_schedule::PyStepSchedule;
-    #[pymodule_export]
-    use super::step_update::PyStepUpdate;
 
     #[allow(non_upper_case_globals)]
     #[pymodule_export]
