@@ -222,6 +222,8 @@ impl PyKVCacheCore {
     /// publications the call made belong to `request`; events of the host pool are
     /// built by the host builder, from their publication's request.
     pub(crate) fn flush(slf: &Bound<'_, Self>, request: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        // One piece: the compactor taken out in the first borrow must be put back at
+        // the end with no early return between; one body keeps that pairing in view.
         let py = slf.py();
         type Record = (crate::events::KVCacheEvent, Option<Py<PyAny>>, bool);
         let (sink, host_builder, records, collector, ops, released, mut compactor) = {
