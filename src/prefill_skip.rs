@@ -80,6 +80,8 @@ fn invalid(msg: String) -> Error {
 
 /// Computes the reduced batch into `out` (its buffers are reused).
 pub fn plan_prefill_skip(input: &PrefillSkipInput<'_>, out: &mut PrefillSkip) -> Result<()> {
+    // One piece: every input is checked before `out` (reused buffers) is touched, and
+    // the fill reads the `total` and `max_sched` those checks sum.
     let sched = input.num_scheduled_tokens;
     let n = sched.len();
     for (name, len) in [

@@ -198,6 +198,8 @@ impl KVCacheManager {
         max_len: usize,
         detail: &mut Vec<(&'static str, Detail)>,
     ) -> Reason {
+        // One piece: one early `return` per reason, in the order they are told apart
+        // (capped, alignment, evicted, extra keys, never cached), each pushing its detail.
         let hbs = self.coordinator.hash_block_size().max(1);
         let pool = self.block_pool();
         let Ok(hashes) = request.block_hashes() else {

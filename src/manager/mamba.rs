@@ -325,6 +325,8 @@ impl MambaManager {
         num_tokens_main_model: usize,
         out: &mut Vec<BlockId>,
     ) -> Result<()> {
+        // One piece: its steps (null fill, relocation, new blocks, copy-on-write) share
+        // `prev_len` and `blocks_allocated`, and run in the order `out` lists blocks in.
         let bs = self.base.block_size;
         let nsb = self.nsb();
         let required = cdiv(num_tokens_main_model, bs) + nsb;
@@ -460,6 +462,8 @@ impl MambaManager {
         req: &mut GroupBlocks,
         q: &CacheQuery<'_>,
     ) -> Result<Option<BlockHashWithGroupId>> {
+        // One piece: two branches (a checkpoint, else a prompt boundary or junction), each
+        // a chain of early `Ok(None)` exits that ends in its `cache_partial_block` call.
         let bs = self.base.block_size;
         let hbs = pool.hash_block_size();
         let gid = self.base.group_id;

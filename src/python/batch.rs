@@ -47,6 +47,8 @@ pub(crate) fn allocate_slots_batch<'py>(
     num_new_tokens: &Bound<'py, PyAny>,
     num_lookahead_tokens: i64,
 ) -> PyResult<BatchResult<'py>> {
+    // One piece: its stages are the module doc's, in that order (read, validate, check
+    // the requests, plan, run), each borrowing what the one before built.
     let py = slf.py();
     let handles = handles("handles", handles_obj)?;
     let computed = counts("num_computed_tokens", num_computed_tokens)?;

@@ -487,12 +487,7 @@ impl PyRequestBlockHasher {
     ) -> PyResult<Bound<'py, PyList>> {
         crate::shield::catch("hash_new_blocks", || {
             crate::fault::point("hasher.hash_new_blocks");
-            let hashes = block_hashes.cast::<PyList>().map_err(|_| {
-                BlockHashError::new_err(format!(
-                    "block_hashes must be a list of bytes, got {}",
-                    type_name(block_hashes)
-                ))
-            })?;
+            let hashes = hash_list(block_hashes)?;
             let num_hashed = hashes.len();
             let mut core = self.core()?;
             let bs = self.hash_block_size;
@@ -523,21 +518,7 @@ impl PyRequestBlockHasher {
                 &mut tokens,
             )?;
 
-            let lora_pair = match lora.filter(|l| !l.is_none()) {
-                None => None,
-                Some(l) => {
-                    let t = l
-                        .cast::<PyTuple>()
-                        .ok()
-                        .filter(|t| t.len() == 2)
-                        .ok_or_else(|| {
-                            InvalidArgumentError::new_err(
-                                "lora must be a (lora_name, lora_path) tuple",
-                            )
-                        })?;
-                    Some((t.get_item(0)?, t.get_item(1)?))
-                }
-            };
+            let lora_pair = lora_pair(lora)?;
             let lora_atoms = match &lora_pair {
                 Some((name, path)) => {
                     Some((atom_of("lora_name", name)?, atom_of("lora_path", path)?))
@@ -548,26 +529,7 @@ impl PyRequestBlockHasher {
                 Some(s) => Some(atom_of("cache_salt", s)?),
                 None => None,
             };
-            let digests = match prompt_embeds_digests.filter(|d| !d.is_none()) {
-                None => None,
-                Some(d) => {
-                    let mut v: Vec<[u8; 32]> = Vec::with_capacity(n);
-                    for item in d.try_iter()? {
-                        let item = item?;
-                        let arr = item
-                            .cast::<PyBytes>()
-                            .ok()
-                            .and_then(|b| <[u8; 32]>::try_from(b.as_bytes()).ok())
-                            .ok_or_else(|| {
-                                InvalidArgumentError::new_err(
-                                    "prompt_embeds_digests must be 32-byte SHA-256 digests",
-                                )
-                            })?;
-                        v.push(arr);
-                    }
-                    Some(v)
-                }
-            };
+            let digests = embeds_digests(prompt_embeds_digests, n)?;
             let mm = MmHolder::read(mm_features, start)?;
             let features = mm.features()?;
 
@@ -587,6 +549,59 @@ impl PyRequestBlockHasher {
             core.hash_new_blocks(&input, &mut out)?;
             PyList::new(py, out.iter().map(|h| hash_to_py(py, h)))
         })
+    }
+}
+
+/// `hash_new_blocks`'s `block_hashes`, which must be a list.
+fn hash_list<'a, 'py>(block_hashes: &'a Bound<'py, PyAny>) -> PyResult<&'a Bound<'py, PyList>> {
+    block_hashes.cast::<PyList>().map_err(|_| {
+        BlockHashError::new_err(format!(
+            "block_hashes must be a list of bytes, got {}",
+            type_name(block_hashes)
+        ))
+    })
+}
+
+/// `hash_new_blocks`'s `lora`: None, or a `(lora_name, lora_path)` tuple.
+fn lora_pair<'py>(
+    lora: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>> {
+    match lora.filter(|l| !l.is_none()) {
+        None => Ok(None),
+        Some(l) => {
+            let t = l
+                .cast::<PyTuple>()
+                .ok()
+                .filter(|t| t.len() == 2)
+                .ok_or_else(|| {
+                    InvalidArgumentError::new_err("lora must be a (lora_name, lora_path) tuple")
+                })?;
+            Ok(Some((t.get_item(0)?, t.get_item(1)?)))
+        }
+    }
+}
+
+/// `hash_new_blocks`'s `prompt_embeds_digests` (None: none), room made for `n`.
+fn embeds_digests(d: Option<&Bound<'_, PyAny>>, n: usize) -> PyResult<Option<Vec<[u8; 32]>>> {
+    match d.filter(|d| !d.is_none()) {
+        None => Ok(None),
+        Some(d) => {
+            let mut v: Vec<[u8; 32]> = Vec::with_capacity(n);
+            for item in d.try_iter()? {
+                let item = item?;
+                let arr = item
+                    .cast::<PyBytes>()
+                    .ok()
+                    .and_then(|b| <[u8; 32]>::try_from(b.as_bytes()).ok())
+                    .ok_or_else(|| {
+                        InvalidArgumentError::new_err(
+                            "prompt_embeds_digests must be 32-byte SHA-256 digests",
+                        )
+                    })?;
+                v.push(arr);
+            }
+            Ok(Some(v))
+        }
     }
 }
 

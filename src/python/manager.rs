@@ -47,6 +47,9 @@ use crate::pool::rules::VllmRules;
 use crate::stats::{self, Op};
 use crate::types::BlockId;
 
+/// [`PyKVCacheCore::run_allocate_slots`]'s `(result, ids, ends, flush)`.
+type Allocated = (PyResult<bool>, Vec<BlockId>, SmallVec<[usize; 4]>, bool);
+
 #[pyclass(name = "KVCacheCore", module = "hscache._core", subclass)]
 pub struct PyKVCacheCore {
     pub(crate) core: KVCacheManager,
@@ -219,6 +222,8 @@ impl PyKVCacheCore {
     /// publications the call made belong to `request`; events of the host pool are
     /// built by the host builder, from their publication's request.
     pub(crate) fn flush(slf: &Bound<'_, Self>, request: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        // One piece: the compactor taken out in the first borrow must be put back at
+        // the end with no early return between; one body keeps that pairing in view.
         let py = slf.py();
         type Record = (crate::events::KVCacheEvent, Option<Py<PyAny>>, bool);
         let (sink, host_builder, records, collector, ops, released, mut compactor) = {
@@ -451,6 +456,104 @@ impl PyKVCacheCore {
         let (_, builder) = self.vllm.as_ref()?.event_sink.as_ref()?;
         (self.core.enable_caching() && self.core.coordinator().request(request_id).is_none())
             .then(|| (builder, self.core.coordinator().hash_block_size()))
+    }
+
+    /// The core's `allocate_slots` into the scratch buffers (taken out), with the
+    /// request's KV-event precheck: `(result, ids, ends, flush)`, `flush` when the call
+    /// recorded events, metrics calls or publications.
+    fn run_allocate_slots<'py>(
+        slf: &Bound<'py, Self>,
+        request: &Bound<'py, PyAny>,
+        id: &str,
+        statuses: Option<[Bound<'py, PyAny>; 2]>,
+        args: &AllocateSlots<'_>,
+    ) -> PyResult<Allocated> {
+        let mut this = slf.try_borrow_mut()?;
+        // Run by the core once the call may fit, before it changes anything (a
+        // refused admission builds nothing of its events).
+        let precheck = this
+            .event_precheck(id)
+            .map(|(b, hash_block_size)| (b.clone_ref(slf.py()), hash_block_size));
+        let check = || match &precheck {
+            Some((builder, hash_block_size)) => {
+                Self::precheck_events(request, builder.get(), *hash_block_size)
+            }
+            None => Ok(()),
+        };
+        let req = PyRequest::read(
+            request,
+            id,
+            statuses
+                .as_ref()
+                .map(|[waiting, preempted]| StatusObjects { waiting, preempted }),
+        )?;
+        let req = if precheck.is_some() {
+            req.with_precheck(&check)
+        } else {
+            req
+        };
+        let mut ids = std::mem::take(&mut this.scratch);
+        let mut ends = std::mem::take(&mut this.scratch_ends);
+        ids.clear();
+        ends.clear();
+        let result = this
+            .core
+            .shielded("allocate_slots", |c| {
+                c.allocate_slots(&req, args, &mut ids, &mut ends)
+            })
+            .map_err(|e| req.error(e));
+        let pool = this.core.block_pool();
+        let flush =
+            pool.has_events() || pool.has_metrics_ops() || this.core.has_publication_changes();
+        Ok((result, ids, ends, flush))
+    }
+
+    /// [`Self::run_allocate_slots`]'s result for Python: the new blocks as
+    /// `KVCacheBlocks` (None when they do not fit), the scratch buffers put back,
+    /// then the call's events flushed.
+    fn allocated_blocks<'py>(
+        slf: &Bound<'py, Self>,
+        request: &Bound<'py, PyAny>,
+        result: PyResult<bool>,
+        ids: Vec<BlockId>,
+        ends: SmallVec<[usize; 4]>,
+        flush: bool,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        // New blocks become a `KVCacheBlocks` (no borrow needed); no new blocks (the
+        // steady step) is the empty singleton, taken with the borrow that puts the
+        // scratch buffers back.
+        let fits_in_place = matches!(result, Ok(true)) && ids.is_empty();
+        let out = match result {
+            Ok(true) if !fits_in_place => Self::kv_cache_blocks(
+                slf,
+                GroupedBlocks {
+                    ids: &ids,
+                    ends: &ends,
+                },
+            )
+            .map(Some),
+            Ok(_) => Ok(None),
+            Err(e) => Err(e),
+        };
+        let out = {
+            let mut this = slf.try_borrow_mut()?;
+            this.scratch = ids;
+            this.scratch_ends = ends;
+            if fits_in_place {
+                let empty = this
+                    .bindings()?
+                    .empty_kv_cache_blocks
+                    .bind(slf.py())
+                    .clone();
+                Ok(Some(empty.into_any()))
+            } else {
+                out
+            }
+        };
+        if flush {
+            Self::flush(slf, Some(request))?;
+        }
+        out
     }
 
     /// `get_computed_blocks` / `..._for_connector`: `(blocks, hit, boundary, diverged)`.
@@ -789,81 +892,9 @@ impl PyKVCacheCore {
         };
         let id = request_id(request)?;
         let id = id.to_str()?;
-        let (result, ids, ends, flush) = {
-            let mut this = slf.try_borrow_mut()?;
-            // Run by the core once the call may fit, before it changes anything (a
-            // refused admission builds nothing of its events).
-            let precheck = this
-                .event_precheck(id)
-                .map(|(b, hash_block_size)| (b.clone_ref(slf.py()), hash_block_size));
-            let check = || match &precheck {
-                Some((builder, hash_block_size)) => {
-                    Self::precheck_events(request, builder.get(), *hash_block_size)
-                }
-                None => Ok(()),
-            };
-            let req = PyRequest::read(
-                request,
-                id,
-                statuses
-                    .as_ref()
-                    .map(|[waiting, preempted]| StatusObjects { waiting, preempted }),
-            )?;
-            let req = if precheck.is_some() {
-                req.with_precheck(&check)
-            } else {
-                req
-            };
-            let mut ids = std::mem::take(&mut this.scratch);
-            let mut ends = std::mem::take(&mut this.scratch_ends);
-            ids.clear();
-            ends.clear();
-            let result = this
-                .core
-                .shielded("allocate_slots", |c| {
-                    c.allocate_slots(&req, &args, &mut ids, &mut ends)
-                })
-                .map_err(|e| req.error(e));
-            let pool = this.core.block_pool();
-            let flush =
-                pool.has_events() || pool.has_metrics_ops() || this.core.has_publication_changes();
-            (result, ids, ends, flush)
-        };
-        // New blocks become a `KVCacheBlocks` (no borrow needed); no new blocks (the
-        // steady step) is the empty singleton, taken with the borrow that puts the
-        // scratch buffers back.
-        let fits_in_place = matches!(result, Ok(true)) && ids.is_empty();
-        let out = match result {
-            Ok(true) if !fits_in_place => Self::kv_cache_blocks(
-                slf,
-                GroupedBlocks {
-                    ids: &ids,
-                    ends: &ends,
-                },
-            )
-            .map(Some),
-            Ok(_) => Ok(None),
-            Err(e) => Err(e),
-        };
-        let out = {
-            let mut this = slf.try_borrow_mut()?;
-            this.scratch = ids;
-            this.scratch_ends = ends;
-            if fits_in_place {
-                let empty = this
-                    .bindings()?
-                    .empty_kv_cache_blocks
-                    .bind(slf.py())
-                    .clone();
-                Ok(Some(empty.into_any()))
-            } else {
-                out
-            }
-        };
-        if flush {
-            Self::flush(slf, Some(request))?;
-        }
-        out
+        let (result, ids, ends, flush) =
+            Self::run_allocate_slots(slf, request, id, statuses, &args)?;
+        Self::allocated_blocks(slf, request, result, ids, ends, flush)
     }
 
     /// vLLM's `cache_blocks`: caches the request's full blocks up to

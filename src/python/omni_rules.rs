@@ -47,6 +47,53 @@ fn str_items<'py>(items: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyString
     items.try_iter()?.map(|r| as_str(r?)).collect()
 }
 
+/// `scheduled_new_reqs`: each new request's id and hit (`num_computed_tokens`,
+/// None read as 0).
+fn new_req_hits<'py>(
+    new_reqs: &Bound<'py, PyAny>,
+) -> PyResult<(Vec<Bound<'py, PyString>>, Vec<usize>)> {
+    let py = new_reqs.py();
+    let mut new_ids = Vec::new();
+    let mut hits = Vec::new();
+    for nr in new_reqs.try_iter()? {
+        let nr = nr?;
+        let req_id = as_str(expect_attr(
+            &nr,
+            intern!(py, "req_id"),
+            "vLLM's NewRequestData",
+        )?)?;
+        let nc = expect_attr(
+            &nr,
+            intern!(py, "num_computed_tokens"),
+            "vLLM's NewRequestData",
+        )?;
+        let hit = if nc.is_none() {
+            0
+        } else {
+            count_arg("num_computed_tokens", nc.extract()?)?
+        };
+        new_ids.push(req_id);
+        hits.push(hit);
+    }
+    Ok((new_ids, hits))
+}
+
+/// `num_scheduled_tokens`: the scheduled ids and their counts, in the dict's order.
+fn scheduled_counts<'py>(
+    sched: &Bound<'py, PyAny>,
+) -> PyResult<(Vec<Bound<'py, PyString>>, Vec<usize>)> {
+    let sched = sched.cast::<PyDict>().map_err(|_| {
+        super::errors::InvalidArgumentError::new_err("num_scheduled_tokens must be a dict")
+    })?;
+    let mut sched_ids = Vec::with_capacity(sched.len());
+    let mut counts = Vec::with_capacity(sched.len());
+    for (k, v) in sched.iter() {
+        sched_ids.push(as_str(k)?);
+        counts.push(count_arg("num_scheduled_tokens", v.extract()?)?);
+    }
+    Ok((sched_ids, counts))
+}
+
 #[pymethods]
 impl PyOmniStepRules {
     #[new]
@@ -119,38 +166,8 @@ impl PyOmniStepRules {
         if !fin.is_none() {
             finished = str_items(&fin)?;
         }
-        let mut new_ids = Vec::new();
-        let mut hits = Vec::new();
-        for nr in attr(intern!(py, "scheduled_new_reqs"))?.try_iter()? {
-            let nr = nr?;
-            let req_id = as_str(expect_attr(
-                &nr,
-                intern!(py, "req_id"),
-                "vLLM's NewRequestData",
-            )?)?;
-            let nc = expect_attr(
-                &nr,
-                intern!(py, "num_computed_tokens"),
-                "vLLM's NewRequestData",
-            )?;
-            let hit = if nc.is_none() {
-                0
-            } else {
-                count_arg("num_computed_tokens", nc.extract()?)?
-            };
-            new_ids.push(req_id);
-            hits.push(hit);
-        }
-        let sched = attr(intern!(py, "num_scheduled_tokens"))?;
-        let sched = sched.cast::<PyDict>().map_err(|_| {
-            super::errors::InvalidArgumentError::new_err("num_scheduled_tokens must be a dict")
-        })?;
-        let mut sched_ids = Vec::with_capacity(sched.len());
-        let mut counts = Vec::with_capacity(sched.len());
-        for (k, v) in sched.iter() {
-            sched_ids.push(as_str(k)?);
-            counts.push(count_arg("num_scheduled_tokens", v.extract()?)?);
-        }
+        let (new_ids, hits) = new_req_hits(&attr(intern!(py, "scheduled_new_reqs"))?)?;
+        let (sched_ids, counts) = scheduled_counts(&attr(intern!(py, "num_scheduled_tokens"))?)?;
         // The running requests' computed tokens: only while a request waits for its
         // recomputation (a decode step reads nothing more otherwise).
         let mut running_ids = Vec::new();

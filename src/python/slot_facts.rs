@@ -161,6 +161,35 @@ fn push_group_ids(
     push_block_ids(arena, &ids)
 }
 
+/// The per-request counts of `SchedulerOutput`: `num_scheduled_tokens`, and the
+/// spec decode drafts when fast prefill reads them.
+struct Counts<'py> {
+    num_scheduled: Bound<'py, PyDict>,
+    spec_map: Option<Bound<'py, PyDict>>,
+}
+
+impl<'py> Counts<'py> {
+    fn scheduled(&self, req_id: &Bound<'py, PyString>) -> PyResult<usize> {
+        let n = self.num_scheduled.get_item(req_id)?.ok_or_else(|| {
+            InvalidArgumentError::new_err(format!(
+                "request {req_id} is scheduled but has no num_scheduled_tokens"
+            ))
+        })?;
+        count("num_scheduled_tokens", n.extract()?)
+    }
+
+    fn spec(&self, req_id: &Bound<'py, PyString>) -> PyResult<u32> {
+        match &self.spec_map {
+            Some(d) => match d.get_item(req_id)? {
+                Some(drafts) => u32::try_from(drafts.len()?)
+                    .map_err(|_| InvalidArgumentError::new_err("too many spec decode tokens")),
+                None => Ok(0),
+            },
+            None => Ok(0),
+        }
+    }
+}
+
 /// The facts of vLLM's `SchedulerOutput` for a mirror of KV-cache group `group`.
 pub(super) fn read_scheduler_output<'py>(
     so: &Bound<'py, PyAny>,
@@ -171,19 +200,14 @@ pub(super) fn read_scheduler_output<'py>(
 ) -> PyResult<Facts<'py>> {
     let py = so.py();
     // Missing attributes mean the caller passed something else: `TypeError`.
-    let attr = |name: &Bound<'py, PyString>| expect_attr(so, name, "vLLM's SchedulerOutput");
-    let num_scheduled = attr(intern!(py, "num_scheduled_tokens"))?;
+    let num_scheduled = expect_attr(
+        so,
+        intern!(py, "num_scheduled_tokens"),
+        "vLLM's SchedulerOutput",
+    )?;
     let num_scheduled = num_scheduled
-        .cast::<PyDict>()
+        .cast_into::<PyDict>()
         .map_err(|_| InvalidArgumentError::new_err("num_scheduled_tokens must be a dict"))?;
-    let scheduled_of = |req_id: &Bound<'py, PyString>| -> PyResult<usize> {
-        let n = num_scheduled.get_item(req_id)?.ok_or_else(|| {
-            InvalidArgumentError::new_err(format!(
-                "request {req_id} is scheduled but has no num_scheduled_tokens"
-            ))
-        })?;
-        count("num_scheduled_tokens", n.extract()?)
-    };
     // A connector may have loaded any hit: without per-request external counts,
     // every hit of a new request is treated as loaded (distrusted).
     let connector = so
@@ -196,27 +220,52 @@ pub(super) fn read_scheduler_output<'py>(
     } else {
         None
     };
-    let spec_of = |req_id: &Bound<'py, PyString>| -> PyResult<u32> {
-        match &spec_map {
-            Some(d) => match d.get_item(req_id)? {
-                Some(drafts) => u32::try_from(drafts.len()?)
-                    .map_err(|_| InvalidArgumentError::new_err("too many spec decode tokens")),
-                None => Ok(0),
-            },
-            None => Ok(0),
-        }
+    let counts = Counts {
+        num_scheduled,
+        spec_map,
     };
-
     let mut facts = Facts::default();
+    let new = NewReqs {
+        group,
+        external: external.as_ref(),
+        connector,
+        fast_prefill,
+    };
+    read_new_reqs(so, &new, &counts, &mut facts)?;
+    read_cached_reqs(so, group, rereads, &counts, &mut facts)?;
+    read_finished_and_fresh(so, &mut facts)?;
+    Ok(facts)
+}
+
+/// How [`read_new_reqs`] reads a new request's counts.
+struct NewReqs<'a, 'py> {
+    group: usize,
+    external: Option<&'a Bound<'py, PyDict>>,
+    connector: bool,
+    fast_prefill: bool,
+}
+
+/// `scheduled_new_reqs` into `facts`: each a started request.
+fn read_new_reqs<'py>(
+    so: &Bound<'py, PyAny>,
+    new: &NewReqs<'_, 'py>,
+    counts: &Counts<'py>,
+    facts: &mut Facts<'py>,
+) -> PyResult<()> {
+    let py = so.py();
     let new_attr = |nr: &Bound<'py, PyAny>, name: &Bound<'py, PyString>| {
         expect_attr(nr, name, "vLLM's NewRequestData")
     };
-    let new_reqs = attr(intern!(py, "scheduled_new_reqs"))?;
+    let new_reqs = expect_attr(
+        so,
+        intern!(py, "scheduled_new_reqs"),
+        "vLLM's SchedulerOutput",
+    )?;
     for nr in new_reqs.try_iter()? {
         let nr = nr?;
         let req_id = as_str(new_attr(&nr, intern!(py, "req_id"))?)?;
         let blocks = push_group_ids(
-            group,
+            new.group,
             &mut facts.arena,
             &new_attr(&nr, intern!(py, "block_ids"))?,
             &req_id,
@@ -225,12 +274,12 @@ pub(super) fn read_scheduler_output<'py>(
             "num_computed_tokens",
             new_attr(&nr, intern!(py, "num_computed_tokens"))?.extract()?,
         )?;
-        let num_external_tokens = match lookup("external_tokens", external.as_ref(), &req_id)? {
+        let num_external_tokens = match lookup("external_tokens", new.external, &req_id)? {
             Some(n) => n,
-            None if connector && external.is_none() => nc,
+            None if new.connector && new.external.is_none() => nc,
             None => 0,
         };
-        let num_prompt_tokens = if fast_prefill {
+        let num_prompt_tokens = if new.fast_prefill {
             match nr.getattr_opt(intern!(py, "prompt_len"))? {
                 Some(n) => Some(count("prompt_len", n.extract()?)?),
                 None => None,
@@ -242,15 +291,32 @@ pub(super) fn read_scheduler_output<'py>(
             start: true,
             blocks,
             num_computed_tokens: Some(nc),
-            num_scheduled_tokens: scheduled_of(&req_id)?,
+            num_scheduled_tokens: counts.scheduled(&req_id)?,
             num_external_tokens,
             num_prompt_tokens,
-            num_spec_tokens: spec_of(&req_id)?,
+            num_spec_tokens: counts.spec(&req_id)?,
             reread: false,
         });
         facts.req_ids.push(req_id);
     }
-    let cached = attr(intern!(py, "scheduled_cached_reqs"))?;
+    Ok(())
+}
+
+/// `scheduled_cached_reqs` into `facts`: running requests, and resumed ones
+/// (started again).
+fn read_cached_reqs<'py>(
+    so: &Bound<'py, PyAny>,
+    group: usize,
+    rereads: Option<&Bound<'py, PyAny>>,
+    counts: &Counts<'py>,
+    facts: &mut Facts<'py>,
+) -> PyResult<()> {
+    let py = so.py();
+    let cached = expect_attr(
+        so,
+        intern!(py, "scheduled_cached_reqs"),
+        "vLLM's SchedulerOutput",
+    )?;
     let cached_attr =
         |name: &Bound<'py, PyString>| expect_attr(&cached, name, "vLLM's CachedRequestData");
     let resumed = cached_attr(intern!(py, "resumed_req_ids"))?;
@@ -291,14 +357,21 @@ pub(super) fn read_scheduler_output<'py>(
             start,
             blocks,
             num_computed_tokens: Some(nc),
-            num_scheduled_tokens: scheduled_of(&req_id)?,
+            num_scheduled_tokens: counts.scheduled(&req_id)?,
             num_external_tokens: 0,
             num_prompt_tokens: None,
-            num_spec_tokens: spec_of(&req_id)?,
+            num_spec_tokens: counts.spec(&req_id)?,
             reread,
         });
         facts.req_ids.push(req_id);
     }
+    Ok(())
+}
+
+/// The finished and preempted request ids, and `new_block_ids_to_zero`, into `facts`.
+fn read_finished_and_fresh<'py>(so: &Bound<'py, PyAny>, facts: &mut Facts<'py>) -> PyResult<()> {
+    let py = so.py();
+    let attr = |name: &Bound<'py, PyString>| expect_attr(so, name, "vLLM's SchedulerOutput");
     for key in [
         intern!(py, "finished_req_ids"),
         intern!(py, "preempted_req_ids"),
@@ -315,5 +388,5 @@ pub(super) fn read_scheduler_output<'py>(
     if !fresh.is_none() {
         facts.fresh = Some(block_id_vec(&fresh)?);
     }
-    Ok(facts)
+    Ok(())
 }

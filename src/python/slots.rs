@@ -75,38 +75,7 @@ fn run<'py>(
         .map(|s| s.to_str())
         .collect::<PyResult<_>>()?;
     // Rows are laid out in `order` when given, else new requests first.
-    let (perm, req_list) = match order.filter(|o| !o.is_none()) {
-        None => (
-            (0..ids.len()).collect::<Vec<_>>(),
-            PyList::new(py, &req_ids)?,
-        ),
-        Some(order) => {
-            let pos: FxHashMap<&str, usize> =
-                ids.iter().enumerate().map(|(i, s)| (*s, i)).collect();
-            let mut perm = Vec::with_capacity(ids.len());
-            let list = PyList::empty(py);
-            for item in order.try_iter()? {
-                let item = item?.cast_into::<PyString>().map_err(|_| {
-                    InvalidArgumentError::new_err("order must be an iterable of request ids")
-                })?;
-                let i = *pos.get(item.to_str()?).ok_or_else(|| {
-                    InvalidArgumentError::new_err(format!(
-                        "order names {item} which is not scheduled in this step"
-                    ))
-                })?;
-                perm.push(i);
-                list.append(item)?;
-            }
-            if perm.len() != ids.len() {
-                return Err(InvalidArgumentError::new_err(format!(
-                    "order has {} request ids; {} are scheduled",
-                    perm.len(),
-                    ids.len()
-                )));
-            }
-            (perm, list)
-        }
-    };
+    let (perm, req_list) = row_order(py, &ids, &req_ids, order)?;
     let finished: Vec<&str> = finished
         .iter()
         .map(|s| s.to_str())
@@ -152,6 +121,59 @@ fn run<'py>(
             num_logits_padded: skip.num_logits_padded,
         }),
     })?;
+    plan_tuple(core, py, step.mirror_id, step.step_id, req_list)
+}
+
+/// The rows' order: `order` when given, else new requests first; the permutation
+/// of `ids` and the request ids in row order.
+fn row_order<'py>(
+    py: Python<'py>,
+    ids: &[&str],
+    req_ids: &[Bound<'py, PyString>],
+    order: Option<Bound<'py, PyAny>>,
+) -> PyResult<(Vec<usize>, Bound<'py, PyList>)> {
+    match order.filter(|o| !o.is_none()) {
+        None => Ok((
+            (0..ids.len()).collect::<Vec<_>>(),
+            PyList::new(py, req_ids)?,
+        )),
+        Some(order) => {
+            let pos: FxHashMap<&str, usize> =
+                ids.iter().enumerate().map(|(i, s)| (*s, i)).collect();
+            let mut perm = Vec::with_capacity(ids.len());
+            let list = PyList::empty(py);
+            for item in order.try_iter()? {
+                let item = item?.cast_into::<PyString>().map_err(|_| {
+                    InvalidArgumentError::new_err("order must be an iterable of request ids")
+                })?;
+                let i = *pos.get(item.to_str()?).ok_or_else(|| {
+                    InvalidArgumentError::new_err(format!(
+                        "order names {item} which is not scheduled in this step"
+                    ))
+                })?;
+                perm.push(i);
+                list.append(item)?;
+            }
+            if perm.len() != ids.len() {
+                return Err(InvalidArgumentError::new_err(format!(
+                    "order has {} request ids; {} are scheduled",
+                    perm.len(),
+                    ids.len()
+                )));
+            }
+            Ok((perm, list))
+        }
+    }
+}
+
+/// The plan call's result: the planned step's spans, slots and fast-prefill skip.
+fn plan_tuple<'py>(
+    core: &SlotMirror,
+    py: Python<'py>,
+    mirror_id: u64,
+    step_id: u64,
+    req_list: Bound<'py, PyList>,
+) -> PyResult<PlanTuple<'py>> {
     let planned = core.planned();
     let mut row = 0i64;
     let query_start_loc = std::iter::once(0).chain(planned.iter().map(|p| {
@@ -180,15 +202,7 @@ fn run<'py>(
         .pending_prefill_skip()
         .map(|s| skip_tuple(py, s))
         .transpose()?;
-    Ok((
-        step.mirror_id,
-        step.step_id,
-        req_list,
-        spans,
-        slots,
-        kept_slots,
-        skip,
-    ))
+    Ok((mirror_id, step_id, req_list, spans, slots, kept_slots, skip))
 }
 
 /// The fast-prefill options of a plan call, checked.

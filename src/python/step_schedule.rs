@@ -355,6 +355,58 @@ impl PyStepSchedule {
     }
 }
 
+/// A `decodes` call's `start`, checked against the `n` running requests.
+fn start_index(start: i64, n: usize) -> PyResult<usize> {
+    let start = count("start", start)?;
+    if start > n {
+        return Err(InvalidArgumentError::new_err(format!(
+            "start {start} is past the {n} running requests"
+        )));
+    }
+    Ok(start)
+}
+
+/// A `decodes` call's result: the deciding call's plan goes back with it (a
+/// resuming call's lists are empty).
+fn scheduled<'py>(
+    py: Python<'py>,
+    next: usize,
+    new_block_ids: Bound<'py, PyList>,
+    plan: Plan,
+    deciding: bool,
+) -> PyResult<Scheduled<'py>> {
+    let (computed, outputs, tokens) = if deciding {
+        (plan.computed, plan.outputs, plan.tokens)
+    } else {
+        (Vec::new(), Vec::new(), Vec::new())
+    };
+    Ok((
+        next,
+        new_block_ids,
+        PyList::new(py, computed)?,
+        PyList::new(py, outputs)?,
+        PyList::new(py, tokens)?,
+        plan.first_chunk,
+        plan.any_decode,
+    ))
+}
+
+/// A resuming call's plan: the `tokens` it is given (one each by default), checked.
+fn given_plan(tokens: Option<Vec<i64>>, n: usize) -> PyResult<Plan> {
+    let tokens = tokens.unwrap_or_else(|| vec![1; n]);
+    for &t in &tokens {
+        if t < 1 {
+            return Err(InvalidArgumentError::new_err(format!(
+                "tokens must be positive, got {t}"
+            )));
+        }
+    }
+    Ok(Plan {
+        tokens,
+        ..Plan::default()
+    })
+}
+
 impl PyKVCacheCore {
     /// [`PyStepSchedule::decodes`].
     #[allow(clippy::too_many_arguments)]
@@ -371,27 +423,9 @@ impl PyKVCacheCore {
         let py = slf.py();
         let step = *step;
         let n = running.len();
-        let start = count("start", start)?;
-        if start > n {
-            return Err(InvalidArgumentError::new_err(format!(
-                "start {start} is past the {n} running requests"
-            )));
-        }
+        let start = start_index(start, n)?;
         let statuses = Self::watermark_statuses(slf, true)?;
-        // One pass before anything changes: every request is one the core holds.
-        let mut requests = Vec::with_capacity(n - start);
-        slf.try_borrow()?.core.read("schedule_decodes", |c| {
-            for (i, r) in running.iter().enumerate().skip(start) {
-                let rid = request_id(&r)?;
-                if c.coordinator().request(rid.to_str()?).is_none() {
-                    return Err(UnknownRequestError::new_err(format!(
-                        "running[{i}]: request {rid} holds no blocks in this manager"
-                    )));
-                }
-                requests.push((r, rid));
-            }
-            Ok::<_, PyErr>(())
-        })?;
+        let requests = Self::held_requests(slf, running, start)?;
         // The deciding call (`start == 0`) plans the step; a resuming one allocates the
         // plan it is given.
         let deciding = start == 0;
@@ -407,18 +441,7 @@ impl PyKVCacheCore {
             };
             plan
         } else {
-            let tokens = tokens.unwrap_or_else(|| vec![1; n]);
-            for &t in &tokens {
-                if t < 1 {
-                    return Err(InvalidArgumentError::new_err(format!(
-                        "tokens must be positive, got {t}"
-                    )));
-                }
-            }
-            Plan {
-                tokens,
-                ..Plan::default()
-            }
+            given_plan(tokens, n)?
         };
         // The planned requests of this call: `running[start..end]`.
         let end = if deciding {
@@ -427,12 +450,7 @@ impl PyKVCacheCore {
             plan.tokens.len().min(n)
         };
         if deciding {
-            slf.try_borrow_mut()?
-                .core
-                .shielded("new_step_starts", |c| {
-                    c.new_step_starts();
-                    Ok(())
-                })?;
+            Self::start_step(slf)?;
         }
         let new_block_ids = PyList::empty(py);
         let mut blocks: Vec<BlockId> = Vec::new();
@@ -454,50 +472,83 @@ impl PyKVCacheCore {
             let rid = rid.to_str()?;
             blocks.clear();
             ends.clear();
-            let (fits, flush) = {
-                let mut this = slf.try_borrow_mut()?;
-                let req = PyRequest::with_computed(
-                    request,
-                    rid,
-                    num_computed,
-                    statuses
-                        .as_ref()
-                        .map(|[waiting, preempted]| StatusObjects { waiting, preempted }),
-                );
-                let fits = this
-                    .core
-                    .shielded("allocate_slots", |c| {
-                        c.allocate_slots(&req, &args, &mut blocks, &mut ends)
-                    })
-                    .map_err(|e| req.error(e));
-                let pool = this.core.block_pool();
-                let flush = pool.has_events()
-                    || pool.has_metrics_ops()
-                    || this.core.has_publication_changes();
-                (fits, flush)
-            };
-            if flush {
-                Self::flush(slf, Some(request))?;
-            }
-            if !fits? {
+            let req = PyRequest::with_computed(
+                request,
+                rid,
+                num_computed,
+                statuses
+                    .as_ref()
+                    .map(|[waiting, preempted]| StatusObjects { waiting, preempted }),
+            );
+            if !Self::allocate_planned(slf, request, &req, &args, &mut blocks, &mut ends)? {
                 break;
             }
             new_block_ids.append(block_ids(py, &blocks, &ends)?)?;
             next = i + 1;
         }
-        let (computed, outputs, tokens) = if deciding {
-            (plan.computed, plan.outputs, plan.tokens)
-        } else {
-            (Vec::new(), Vec::new(), Vec::new())
+        scheduled(py, next, new_block_ids, plan, deciding).map(Some)
+    }
+
+    /// The manager's `new_step_starts`, behind the shield.
+    fn start_step(slf: &Bound<'_, Self>) -> PyResult<()> {
+        slf.try_borrow_mut()?
+            .core
+            .shielded("new_step_starts", |c| {
+                c.new_step_starts();
+                Ok(())
+            })?;
+        Ok(())
+    }
+
+    /// The requests of `running[start..]` with their ids, checked in one pass before
+    /// anything changes: every request is one the core holds.
+    fn held_requests<'py>(
+        slf: &Bound<'py, Self>,
+        running: &Bound<'py, PyList>,
+        start: usize,
+    ) -> PyResult<Vec<(Bound<'py, PyAny>, Bound<'py, PyString>)>> {
+        let mut requests = Vec::with_capacity(running.len() - start);
+        slf.try_borrow()?.core.read("schedule_decodes", |c| {
+            for (i, r) in running.iter().enumerate().skip(start) {
+                let rid = request_id(&r)?;
+                if c.coordinator().request(rid.to_str()?).is_none() {
+                    return Err(UnknownRequestError::new_err(format!(
+                        "running[{i}]: request {rid} holds no blocks in this manager"
+                    )));
+                }
+                requests.push((r, rid));
+            }
+            Ok::<_, PyErr>(())
+        })?;
+        Ok(requests)
+    }
+
+    /// One planned request through the manager's `allocate_slots` (its new block
+    /// ids into `blocks` / `ends`), its KV events flushed with it; whether it fit.
+    fn allocate_planned(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+        req: &PyRequest<'_, '_>,
+        args: &AllocateSlots<'_>,
+        blocks: &mut Vec<BlockId>,
+        ends: &mut SmallVec<[usize; 4]>,
+    ) -> PyResult<bool> {
+        let (fits, flush) = {
+            let mut this = slf.try_borrow_mut()?;
+            let fits = this
+                .core
+                .shielded("allocate_slots", |c| {
+                    c.allocate_slots(req, args, blocks, ends)
+                })
+                .map_err(|e| req.error(e));
+            let pool = this.core.block_pool();
+            let flush =
+                pool.has_events() || pool.has_metrics_ops() || this.core.has_publication_changes();
+            (fits, flush)
         };
-        Ok(Some((
-            next,
-            new_block_ids,
-            PyList::new(py, computed)?,
-            PyList::new(py, outputs)?,
-            PyList::new(py, tokens)?,
-            plan.first_chunk,
-            plan.any_decode,
-        )))
+        if flush {
+            Self::flush(slf, Some(request))?;
+        }
+        fits
     }
 }

@@ -395,6 +395,8 @@ impl PyStepUpdate {
         n: &Bound<'py, PyAny>,
         stop_ids: &mut Vec<i64>,
     ) -> PyResult<Read<'py>> {
+        // One piece: the read stage, every Python field of one request read once, here, into
+        // `UpdateFacts` (the decision) and `Read` (the plan stage's inputs).
         let i = inputs
             .index
             .get_item(req_id)?

@@ -402,6 +402,8 @@ impl OmniStepRules {
         scheduled: &[(&str, usize)],
         running: &[(&str, usize)],
     ) -> Result<(bool, Vec<String>), OmniRuleError> {
+        // One piece: every fact is validated before anything changes, and the apply half
+        // consumes the `resumed` list and the `map` the validating half builds.
         let finished_set: FxHashSet<&str> = finished.iter().copied().collect();
         let is_live = |r: &str| self.live.contains(r) && !finished_set.contains(r);
         // Validate: every first schedule with a hit is block aligned.

@@ -254,6 +254,8 @@ impl SlotMirror {
         r: &ScheduledRequest<'_>,
         known: Option<RequestHandle>,
     ) -> Result<Planned> {
+        // One piece: the `Start` / `Continue` match yields the six values (head, tail,
+        // start, compute_start, read, loaded_from) that every later check reads.
         let bs = self.block_size;
         // The request's table after this step: `head` (kept) followed by `tail` (given);
         // the head's last block is also inline (`last`), to spare a decode step the read
@@ -357,6 +359,8 @@ impl SlotMirror {
 
     /// The infallible half: applies a plan made by `plan_into` for the same input.
     fn apply(&mut self, input: &StepInput<'_>, plan: &mut Plan) {
+        // One piece: the infallible half of `plan_step`, every change of a step in one pass
+        // over the scheduled requests, after `plan_into` validated them all.
         if self.pending_step.is_some() {
             self.stats.uncommitted_steps += 1;
             if self.faults.uncommitted_written {

@@ -200,6 +200,8 @@ fn resumed_request_replaces_its_table() {
 
 #[test]
 fn bad_input_leaves_the_mirror_unchanged() {
+    // One piece: each bad input lines up with its expected error kind in two parallel
+    // lists, and the mirror's state is compared once after all of them.
     let mut m = SlotMirror::new(10, 4).unwrap();
     step(&mut m, vec![start("a", &[3], 0, 4)]);
     let before = (m.step_id(), m.block_state(3).unwrap(), m.num_requests());
@@ -588,6 +590,8 @@ fn each_reported_bug_is_caught_and_would_fail_on_a_broken_mirror() {
 /// when some row was not.
 #[test]
 fn random_traces_match_a_naive_model() {
+    // One piece: the mirror and the naive model (`gen`, `ok`, `tables`) advance together
+    // in one loop, each step's assertions reading both.
     let mut rng: u64 = 0x1234_5678;
     let mut next = move |n: usize| {
         rng ^= rng << 13;

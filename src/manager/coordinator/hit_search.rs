@@ -71,14 +71,14 @@ impl KVCacheCoordinator {
         Ok((found, hit))
     }
 
-    // One piece: the fixed point, each spec group shortening the candidate in turn,
-    // reads as vLLM's loop does; split, its state would pass between functions.
     fn find_hybrid_hit(
         &self,
         block_hashes: &dyn BlockHashSource,
         max_cache_hit_length: usize,
         out: &mut [Vec<BlockId>],
     ) -> Result<(usize, usize)> {
+        // One piece: the fixed point, each spec group shortening the candidate in turn,
+        // reads as vLLM's loop does; split, its state would pass between functions.
         let n = self.managers.len();
         let mut hit_length = max_cache_hit_length;
         let mut longest = 0usize;

@@ -18,11 +18,11 @@ impl KVCacheCoordinator {
     /// handed out beside the tables: the `BlockPool` view's `get_new_blocks` and
     /// `touch`, `pop_blocks_for_free`), every device block's ref count must equal
     /// the number of table slots holding it plus its external references.
-    // One piece: one count of every table's holds, read against each pool in turn.
     pub fn check_invariants_with(
         &self,
         external: Option<&[i32]>,
     ) -> std::result::Result<(), String> {
+        // One piece: one count of every table's holds, read against each pool in turn.
         self.pool.check_invariants()?;
         let host_group = self.managers.iter().position(|m| m.host_pool().is_some());
         if let Some(g) = host_group {

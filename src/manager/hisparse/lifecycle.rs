@@ -146,6 +146,8 @@ impl HiSparseCoordinator {
         request_id: &str,
         pubs: &dyn PublicationRequests,
     ) -> Result<()> {
+        // One piece: the publication is settled (kept for in-flight spills, or dropped)
+        // before the residency walk, and both run before `release_state(id)` ends the state.
         self.resident_requests.remove(request_id);
         self.pending_imports.remove(request_id);
         let Some(id) = self.request_states.remove(request_id) else {
