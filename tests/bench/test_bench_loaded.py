@@ -68,19 +68,21 @@ def test_each_side_hashes_with_its_engines_hasher(monkeypatch: pytest.MonkeyPatc
     import hscache_tools.testing.requests as requests_module
 
     seen: dict[str, set[str]] = {}
+    run = {"label": ""}
     make = requests_module.make_request
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         hasher = kwargs["block_hasher"]
-        seen.setdefault(current, set()).add(f"{hasher.__module__}.{hasher.__qualname__}")
+        seen.setdefault(run["label"], set()).add(f"{hasher.__module__}.{hasher.__qualname__}")
         return make(*args, **kwargs)
 
     monkeypatch.setattr(requests_module, "make_request", spy)
-    for current, side, hasher in (
+    for label, side, hasher in (
         ("engine-hscache", "hscache", "engine"),
         ("engine-vllm", "vllm", "engine"),
         ("vllm-hscache", "hscache", "vllm"),
     ):
+        run["label"] = label
         run_loaded(side, running=8, steps=4, hasher=hasher)
     native = "hscache.vllm.block_hasher.get_request_block_hasher.<locals>.request_block_hasher"
     assert seen["engine-hscache"] == {native}, seen
