@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import builtins
 import difflib
 import importlib
 import os
@@ -168,7 +169,36 @@ def _fix_class(cls: ast.ClassDef, runtime: type) -> None:
 
 
 def _imports(tree: ast.Module) -> str:
-    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    """The import lines for the names the stub uses; a name neither imported here, nor a
+    builtin, nor defined in the stub fails (a binding's annotation named something this
+    script does not know: add it to ``IMPORTS``)."""
+    types: list[ast.expr] = []  # every place the stub names a type
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and node.annotation is not None:
+            types.append(node.annotation)
+        elif isinstance(node, ast.FunctionDef):
+            types += [node.returns] if node.returns is not None else []
+        elif isinstance(node, ast.AnnAssign):
+            types.append(node.annotation)
+        elif isinstance(node, ast.ClassDef):
+            types += node.bases
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            # `@final`, `@overload`, ...; not a property's own `@name.setter`
+            types += [d for d in node.decorator_list if isinstance(d, ast.Name)]
+    types += [node.value for node in tree.body if isinstance(node, ast.Assign)]
+    used = {n.id for t in types for n in ast.walk(t) if isinstance(n, ast.Name)}
+    defined: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            defined.add(node.name)
+        elif isinstance(node, ast.Assign):
+            defined.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            defined.add(node.target.id)
+    known = {n for names in IMPORTS.values() for n in names} | defined | set(dir(builtins))
+    unknown = sorted(used - known)
+    if unknown:
+        raise SystemExit(f"the stub uses names this script cannot import: {', '.join(unknown)}")
     lines = []
     for module, names in IMPORTS.items():
         wanted = [n for n in names if n in used]

@@ -1,7 +1,8 @@
 """The test harness's own judges fail what they must: the upstream run's ``compare.py``
 (swap off, never constructed, empty census, ``HSCACHE_DISABLE`` leaking in, an expected
-failure failing for another reason), the bench smoke's ``check_bench_smoke.py`` and the
-assertion checker ``check_test_asserts.py``. Each is fed hand-made results; nothing of
+failure failing for another reason), the bench smoke's ``check_bench_smoke.py``, the
+assertion checker ``check_test_asserts.py`` and the stub generator's post-processing
+(``gen_stubs.py``, fed a hand-made raw stub). Each is fed hand-made results; nothing of
 vLLM runs here.
 """
 
@@ -33,6 +34,7 @@ def _load(path: Path) -> ModuleType:
 compare = _load(ROOT / "tests" / "vllm_upstream" / "compare.py")
 bench_smoke = _load(ROOT / "scripts" / "check_bench_smoke.py")
 asserts = _load(ROOT / "scripts" / "check_test_asserts.py")
+gen_stubs = _load(ROOT / "scripts" / "gen_stubs.py")
 
 GRAMMAR = "tests/v1/core/test_scheduler.py::test_grammar_compile_error_finishes_only_request[True]"
 GRAMMAR_MESSAGE = "AttributeError: 'StructuredOutputManager' object has no attribute 'executor'"
@@ -220,3 +222,45 @@ def test_assertion_checker_finds_a_test_without_one(
     assert asserts.main() == 1
     flagged = [line for line in lines if "no assertion of its own" in line]
     assert len(flagged) == 1 and "test_drives_only" in flagged[0], lines
+
+
+# What maturin's introspection writes (shape of its output), for gen_stubs.render.
+RAW_STUB = '''from _typeshed import Incomplete
+from typing import final
+
+@final
+class KVCacheBlock: ...
+
+@final
+class KVCacheBlocks:
+    @property
+    def blocks(self, /) -> tuple:
+        """Doc kept."""
+    def get_block_ids(self, /, allow_none: bool = False) -> tuple | None: ...
+    def _only_in_a_mutants_build(self, /) -> None: ...
+
+def f(x: "list[int]", y: "int" | None = None) -> "Sequence[int]": ...
+def __getattr__(name: str) -> Incomplete: ...
+'''
+
+
+def test_gen_stubs_finishes_what_the_introspection_cannot_say() -> None:
+    text = gen_stubs.render(RAW_STUB)
+    # The signature attribute's string annotations become expressions, imported.
+    assert "def f(x: list[int], y: int | None = None) -> Sequence[int]: ..." in text
+    assert "from collections.abc import Sequence" in text
+    # A getter's element types, the overloads, the docstring.
+    assert "def blocks(self, /) -> tuple[Sequence[KVCacheBlock], ...]:" in text
+    assert text.count("@overload") == 2 and "allow_none: Literal[False] = False" in text
+    assert '"""Doc kept."""' in text
+    # What the built module lacks is dropped; maturin's catch-all gives way to the
+    # exceptions, read from the built module with their bases.
+    assert "_only_in_a_mutants_build" not in text and "__getattr__" not in text
+    assert "class InvalidArgumentError(ValueError, AssertionError):" in text
+    assert "SlotPlan = tuple[" in text
+    assert text.startswith('"""Type stubs of the compiled extension')
+
+
+def test_gen_stubs_refuses_a_name_it_cannot_import() -> None:
+    with pytest.raises(SystemExit, match="cannot import: Iterator"):
+        gen_stubs.render(RAW_STUB + 'def g(x: "Iterator[int]") -> None: ...\n')
