@@ -1194,6 +1194,20 @@ class KVCacheCore:
         The KV-event stream's mode: `"vllm"` or `"compact"`.
         """
 
+    @property
+    def log_stats(self, /) -> bool:
+        """
+        vLLM's `log_stats`: whether prefix-cache stats are kept.
+        """
+
+    @log_stats.setter
+    def log_stats(self, /, on: bool) -> None: ...
+    def make_prefix_cache_stats(self, /) -> Any:
+        """
+        vLLM's `make_prefix_cache_stats`: None with `log_stats` off, else the stats
+        so far, replaced by a new `PrefixCacheStats`.
+        """
+
     def new_step_starts(self, /) -> None:
         """
         vLLM's `new_step_starts`.
@@ -1236,6 +1250,15 @@ class KVCacheCore:
         vLLM's `prefix_cache_lookup_enabled`.
         """
 
+    @property
+    def prefix_cache_stats(self, /) -> Any | None:
+        """
+        vLLM's `prefix_cache_stats` (a `PrefixCacheStats`, or None), the counts of
+        every admission recorded so far written in.
+        """
+
+    @prefix_cache_stats.setter
+    def prefix_cache_stats(self, /, stats: Any | None) -> None: ...
     def record_blocks_for_zeroing(self, /, request_id: str, start_token: int) -> None:
         """
         vLLM's `record_blocks_for_zeroing`.

@@ -38,6 +38,7 @@ use super::convert::spec::group_spec;
 use super::convert::{count, count_arg, int64, BlockIdInt, Int};
 use super::errors::InvalidArgumentError;
 use super::events::{Compactor, PyEventBuilder, StoredMemo};
+use super::prefix_stats::PrefixStats;
 use crate::events::{EventsMode, MetricsOp};
 use crate::manager::{
     AllocateSlots, CoordinatorConfig, GroupedBlockIds, GroupedBlocks, KVCacheManager,
@@ -69,6 +70,9 @@ pub struct PyKVCacheCore {
     /// Compact KV events (`core_set_kv_events_mode("compact")`): the sink's last
     /// event while it may be continued. `None`: vLLM's events, event for event.
     compactor: Option<Compactor>,
+    /// `log_stats` and `prefix_cache_stats`, with the counts of admissions not yet
+    /// written into the stats object (`prefix_stats.rs`).
+    pub(crate) prefix_stats: PrefixStats,
 }
 
 /// vLLM objects and the empty-result singleton the drop-in methods need.
@@ -731,6 +735,7 @@ impl PyKVCacheCore {
             scratch_ends: SmallVec::new(),
             vllm: None,
             compactor: None,
+            prefix_stats: PrefixStats::default(),
         })
     }
 
@@ -1287,7 +1292,7 @@ impl PyKVCacheCore {
         if let Some(c) = &self.compactor {
             c.traverse(&visit)?;
         }
-        Ok(())
+        self.prefix_stats.traverse(&visit)
     }
 
     fn __clear__(&mut self) {
@@ -1298,6 +1303,7 @@ impl PyKVCacheCore {
         if let Some(c) = &mut self.compactor {
             c.release();
         }
+        self.prefix_stats.clear();
     }
 
     /// Selects the KV-event stream by name: `"vllm"` (vLLM's events, event for
@@ -1386,6 +1392,36 @@ impl PyKVCacheCore {
     #[pyo3(signature = (request_id) -> "dict[str, Any]")]
     fn core_explain<'py>(&self, py: Python<'py>, request_id: &str) -> PyResult<Bound<'py, PyDict>> {
         self.core_explain_impl(py, request_id)
+    }
+
+    /// vLLM's `log_stats`: whether prefix-cache stats are kept.
+    #[getter]
+    fn get_log_stats(&self) -> bool {
+        self.prefix_stats.log_stats()
+    }
+
+    #[setter]
+    fn set_log_stats(&mut self, on: bool) {
+        self.prefix_stats.set_log_stats(on);
+    }
+
+    /// vLLM's `prefix_cache_stats` (a `PrefixCacheStats`, or None), the counts of
+    /// every admission recorded so far written in.
+    #[getter]
+    fn get_prefix_cache_stats(&mut self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
+        self.prefix_stats.get(py)
+    }
+
+    #[setter]
+    fn set_prefix_cache_stats(&mut self, py: Python<'_>, stats: Option<Py<PyAny>>) -> PyResult<()> {
+        self.prefix_stats.set(py, stats)
+    }
+
+    /// vLLM's `make_prefix_cache_stats`: None with `log_stats` off, else the stats
+    /// so far, replaced by a new `PrefixCacheStats`.
+    #[pyo3(signature = () -> "Any")]
+    fn make_prefix_cache_stats(&mut self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
+        self.prefix_stats.make(py)
     }
 
     /// vLLM's `record_prefix_cache_stats`: counts an admitted request's query and

@@ -1,16 +1,11 @@
-//! The manager calls vLLM's Scheduler makes besides the allocations, in Rust so
-//! that they cost no Python frame: `record_prefix_cache_stats` (every admission)
-//! and `take_events` (every step), plus the pool-level event queue the Python
-//! `BlockPool` view exposes (`kv_event_queue`, `BlockPool.take_events`).
+//! `take_events` (every step) in Rust, so that it costs no Python frame, plus the
+//! pool-level event queue the Python `BlockPool` view exposes (`kv_event_queue`,
+//! `BlockPool.take_events`). The prefix-cache stats calls: `prefix_stats.rs`.
 //!
-//! Both keep vLLM's objects as vLLM's code leaves them, at every point:
-//! `record_prefix_cache_stats` updates the manager's `prefix_cache_stats` (vLLM's
-//! `PrefixCacheStats`) in place, field by field, exactly as
-//! `PrefixCacheStats.record` does, and calls `record` itself for any other stats
-//! object (a subclass, a patched `record`); `take_events` hands over the queued
-//! events and annotates each `BlockStored` with its group's spec kind and sliding
-//! window, as vLLM's `KVCacheManager.take_events` does, with vLLM's warning for a
-//! group index outside the metadata.
+//! `take_events` keeps vLLM's objects as vLLM's code leaves them: it hands over the
+//! queued events and annotates each `BlockStored` with its group's spec kind and
+//! sliding window, as vLLM's `KVCacheManager.take_events` does, with vLLM's warning
+//! for a group index outside the metadata.
 //!
 //! `KVCacheCore`'s one `#[pymethods]` block (`manager.rs`) holds these methods'
 //! signatures and docstrings and calls the longer bodies here.
@@ -18,136 +13,14 @@
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyDict, PyInt, PyList, PyString};
+use pyo3::types::PyList;
 
-use super::convert::expect_attr;
-use super::convert::request::vllm_request_num_tokens;
-use super::errors::InvalidArgumentError;
 use super::manager::PyKVCacheCore;
-
-/// vLLM's `PrefixCacheStats` class and its own `record` function, imported once;
-/// None where vLLM is not importable or `record` is not vLLM's.
-static PREFIX_CACHE_STATS: PyOnceLock<Option<(Py<PyAny>, Py<PyAny>)>> = PyOnceLock::new();
-
-/// Whether `stats` is an instance of vLLM's own `PrefixCacheStats` (not a
-/// subclass) whose `record` is vLLM's: its fields can then be counted here.
-fn counts_in_place(stats: &Bound<'_, PyAny>) -> bool {
-    let py = stats.py();
-    let known = PREFIX_CACHE_STATS.get_or_init(py, || {
-        let cls = py
-            .import("vllm.v1.metrics.stats")
-            .and_then(|m| m.getattr("PrefixCacheStats"))
-            .ok()?;
-        let record = cls.getattr("record").ok()?;
-        let name = |attr: &str| -> Option<String> { record.getattr(attr).ok()?.extract().ok() };
-        // Captured when first used: a `record` patched before then is not vLLM's.
-        (name("__module__").as_deref() == Some("vllm.v1.metrics.stats")
-            && name("__qualname__").as_deref() == Some("PrefixCacheStats.record"))
-        .then(|| (cls.unbind(), record.unbind()))
-    });
-    let Some((cls, record)) = known.as_ref() else {
-        return false;
-    };
-    let ty = stats.get_type();
-    ty.is(cls.bind(py))
-        && ty
-            .getattr(intern!(py, "record"))
-            .is_ok_and(|r| r.is(record.bind(py)))
-}
-
-/// `stats.<name> += by`.
-fn bump(
-    stats: &Bound<'_, PyAny>,
-    name: &Bound<'_, PyString>,
-    by: &Bound<'_, PyAny>,
-) -> PyResult<()> {
-    let value = stats.getattr(name)?.add(by)?;
-    stats.setattr(name, value)
-}
 
 /// vLLM's `kv_cache_manager` logger (the warning of `take_events`).
 static VLLM_MANAGER_LOGGER: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
 impl PyKVCacheCore {
-    /// `KVCacheCore.record_prefix_cache_stats`'s body (the method: `manager.rs`).
-    pub(super) fn record_prefix_cache_stats_impl(
-        slf: &Bound<'_, Self>,
-        request: &Bound<'_, PyAny>,
-        num_hits: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
-        let py = slf.py();
-        if !slf.getattr(intern!(py, "log_stats"))?.is_truthy()? {
-            return Ok(());
-        }
-        let caching = slf
-            .try_borrow()?
-            .core
-            .read("record_prefix_cache_stats", |c| {
-                PyResult::Ok(c.enable_caching())
-            })?;
-        if !caching
-            || expect_attr(
-                request,
-                intern!(py, "skip_reading_prefix_cache"),
-                "a vLLM Request",
-            )?
-            .is_truthy()?
-        {
-            return Ok(());
-        }
-        let stats = slf.getattr(intern!(py, "prefix_cache_stats"))?;
-        if stats.is_none() {
-            return Err(InvalidArgumentError::new_err(
-                "prefix_cache_stats was replaced by None",
-            ));
-        }
-        // vLLM's `record` counts the request before it adds the hits: a hit count
-        // that is not an int would leave the stats half-updated.
-        if !num_hits.is_instance_of::<PyInt>() || num_hits.is_instance_of::<PyBool>() {
-            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
-                "num_hits must be an int, got {}",
-                num_hits.get_type().name()?
-            )));
-        }
-        if num_hits.lt(0)? {
-            return Err(InvalidArgumentError::new_err(format!(
-                "num_hits must be non-negative, got {num_hits}"
-            )));
-        }
-        let num_tokens = match vllm_request_num_tokens(request) {
-            Some(n) => n.into_pyobject(py)?.into_any(),
-            None => request.getattr(intern!(py, "num_tokens"))?,
-        };
-        let preempted = request.getattr(intern!(py, "num_preemptions"))?.gt(0)?;
-        if !counts_in_place(&stats) {
-            let kwargs = PyDict::new(py);
-            kwargs.set_item(intern!(py, "num_tokens"), num_tokens)?;
-            kwargs.set_item(intern!(py, "num_hits"), num_hits)?;
-            kwargs.set_item(intern!(py, "preempted"), preempted)?;
-            stats.call_method(intern!(py, "record"), (), Some(&kwargs))?;
-            return Ok(());
-        }
-        // `PrefixCacheStats.record`'s body (the same in vLLM 0.30, 0.32 and 0.33
-        // without `hits_by_source`, which the manager never passes).
-        let one = 1i32.into_pyobject(py)?.into_any();
-        let (requests, queries, hits) = if preempted {
-            (
-                intern!(py, "preempted_requests"),
-                intern!(py, "preempted_queries"),
-                intern!(py, "preempted_hits"),
-            )
-        } else {
-            (
-                intern!(py, "requests"),
-                intern!(py, "queries"),
-                intern!(py, "hits"),
-            )
-        };
-        bump(&stats, requests, &one)?;
-        bump(&stats, queries, &num_tokens)?;
-        bump(&stats, hits, num_hits)
-    }
-
     /// `KVCacheCore.take_events`'s body (the method: `manager.rs`).
     pub(super) fn take_events_impl<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
         let py = slf.py();

@@ -25,6 +25,7 @@ mod omni_rules;
 mod omni_save_plan;
 mod pool;
 mod prefill_skip;
+mod prefix_stats;
 mod retention;
 mod slot_facts;
 mod slot_reads;

@@ -188,6 +188,79 @@ def test_record_prefix_cache_stats_calls_record_of_other_stats_objects() -> None
     assert off.prefix_cache_stats is None
 
 
+def test_prefix_cache_stats_counted_in_rust_read_as_vllms() -> None:
+    """Between two ``make_prefix_cache_stats`` calls the stats object is hidden, and
+    admissions are counted in Rust: every way of reading it (the getter, a reference held
+    from it, the object ``make_prefix_cache_stats`` returns, the object a setter replaces,
+    a ``record`` patched on the class, hit counts beyond 64 bits) reads vLLM's values."""
+    managers = [_tight(cls, 64) for cls in BOTH]
+    new, preempted = make_request("n", list(range(40))), make_request("p", list(range(70)))
+    preempted.num_preemptions = 1
+
+    def record(req: Any, hits: int) -> None:
+        for m in managers:
+            m.record_prefix_cache_stats(req, hits)
+
+    def same(a: Any, b: Any) -> None:
+        assert _stats(a) == _stats(b)
+
+    for m in managers:
+        m.make_prefix_cache_stats()  # the object is now hidden: counted in Rust
+    record(new, 16)
+    record(preempted, 32)
+    taken = [m.make_prefix_cache_stats() for m in managers]
+    same(*taken)
+    assert _stats(taken[1]) == (False, 1, 40, 16, 1, 70, 32)
+    record(new, 48)
+    held = [m.prefix_cache_stats for m in managers]  # handed out: counted into it now
+    same(*held)
+    record(preempted, 0)
+    same(*held)
+    record(new, 2**70)  # beyond a u64: Python ints, as vLLM's
+    same(*held)
+    for m in managers:
+        m.make_prefix_cache_stats()
+    record(new, 4)  # hidden counts of an object the setter then replaces
+    replaced = [PrefixCacheStats() for _ in managers]
+    for m, r in zip(managers, replaced, strict=True):
+        m.prefix_cache_stats = r
+    record(new, 2)
+    same(*replaced)
+    assert _stats(replaced[1]) == (False, 1, 40, 2, 0, 0, 0)
+    for m in managers:
+        m.make_prefix_cache_stats()
+    calls: list[Any] = []
+    original = PrefixCacheStats.record
+    PrefixCacheStats.record = lambda self, **kw: calls.append(kw)  # type: ignore[method-assign]
+    try:
+        record(new, 1)
+    finally:
+        PrefixCacheStats.record = original  # type: ignore[method-assign]
+    assert calls == [{"num_tokens": 40, "num_hits": 1, "preempted": False}] * 2
+    same(*(m.make_prefix_cache_stats() for m in managers))
+
+
+def test_log_stats_switched_off_and_on() -> None:
+    """``log_stats`` is the core's: switched off, nothing is counted and
+    ``make_prefix_cache_stats`` is None; switched on again, vLLM's values; a non-bool is a
+    ``TypeError``."""
+    managers = [_tight(cls, 64) for cls in BOTH]
+    req = make_request("n", list(range(40)))
+    for m in managers:
+        m.make_prefix_cache_stats()
+        m.log_stats = False
+        m.record_prefix_cache_stats(req, 16)
+        assert m.make_prefix_cache_stats() is None
+        m.log_stats = True
+        m.record_prefix_cache_stats(req, 32)
+    assert _stats(managers[0].make_prefix_cache_stats()) == _stats(
+        managers[1].make_prefix_cache_stats()
+    )
+    with pytest.raises(TypeError):
+        managers[1].log_stats = "yes"  # type: ignore[assignment]
+    assert managers[1].log_stats is True
+
+
 def test_take_events_matches_vllm_with_queue_reads_in_between() -> None:
     """Events taken through the manager (annotated) and through the pool (not), the
     pool's ``kv_event_queue`` read (the same list, growing) and replaced in between, and

@@ -266,7 +266,7 @@ class KVCacheManager(KVCacheCore):
         self.use_eagle = use_eagle
         self.log_stats = log_stats
         self.metrics_collector = metrics_collector
-        self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.kv_cache_config = kv_cache_config
         coordinator_core = KVCacheCoordinatorCore(self)
         coordinator_info = coordinator_core.info()
@@ -322,15 +322,10 @@ class KVCacheManager(KVCacheCore):
 
     # -- stats ----------------------------------------------------------------------
 
-    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
-        if not self.log_stats:
-            return None
-        stats = self.prefix_cache_stats
-        self.prefix_cache_stats = PrefixCacheStats()
-        return stats
-
-    # record_prefix_cache_stats: the core's (src/python/manager_calls.rs), which counts
-    # into ``prefix_cache_stats`` (vLLM's PrefixCacheStats) in place, as vLLM's does.
+    # log_stats, prefix_cache_stats, record_prefix_cache_stats and
+    # make_prefix_cache_stats: the core's (src/python/prefix_stats.rs), which counts an
+    # admission in Rust until the stats object is handed out, so that whoever reads it
+    # reads what vLLM's would hold.
 
     def explain(self, request_id: str) -> Explanation:
         """Why the request's last prefix-cache lookup stopped where it did
