@@ -10,7 +10,9 @@
 //! `allocate_slots(request, num_new_tokens, num_lookahead_tokens=L)` per planned request
 //! in order (the same core path as the per-call binding, so every layout gets vLLM's
 //! decisions and per-group block ids), building each request's KV events with that
-//! request. Requests past the spent budget are not scheduled (vLLM's loop stops). It
+//! request. A request the loop skips (`continue`: planned 0 tokens) is not allocated
+//! and gets None as its block ids; requests past the spent budget are not scheduled
+//! (vLLM's loop stops). It
 //! stops at the first request that does not fit (vLLM's `None`): the caller preempts
 //! from the tail with vLLM's `_preempt_request` and calls again from that index
 //! (`start`, with the plan's `tokens`), which allocates only. `StepSchedule.plain_decodes`
@@ -53,8 +55,9 @@ type Scheduled<'py> = (
 type Planned = (Vec<i64>, Vec<i64>, Vec<i64>, Option<usize>, bool);
 
 /// The running loop's plan of one step: per planned request (in running order, up to
-/// where the budget is spent) its counts and tokens; the first planned request that is
-/// a prefill chunk; whether any running request is not one.
+/// where the budget is spent) its counts and tokens (0: vLLM's loop skips it); the
+/// first scheduled request that is a prefill chunk; whether any running request is not
+/// one.
 #[derive(Default)]
 struct Plan {
     computed: Vec<i64>,
@@ -181,7 +184,9 @@ fn decide<'py>(
         };
         if facts.is_prefill_chunk {
             any_chunk = true;
-            plan.first_chunk.get_or_insert(i);
+            if n > 0 {
+                plan.first_chunk.get_or_insert(i);
+            }
         } else {
             plan.any_decode = true;
         }
@@ -395,9 +400,9 @@ fn scheduled<'py>(
 fn given_plan(tokens: Option<Vec<i64>>, n: usize) -> PyResult<Plan> {
     let tokens = tokens.unwrap_or_else(|| vec![1; n]);
     for &t in &tokens {
-        if t < 1 {
+        if t < 0 {
             return Err(InvalidArgumentError::new_err(format!(
-                "tokens must be positive, got {t}"
+                "tokens must be non-negative (0: skipped), got {t}"
             )));
         }
     }
@@ -458,6 +463,12 @@ impl PyKVCacheCore {
         let mut next = start;
         for (k, (request, rid)) in requests.iter().enumerate().take(end.saturating_sub(start)) {
             let i = start + k;
+            if plan.tokens[i] == 0 {
+                // Skipped by vLLM's loop: nothing allocated, a placeholder entry.
+                new_block_ids.append(py.None())?;
+                next = i + 1;
+                continue;
+            }
             let num_computed = if deciding {
                 plan.computed[i]
             } else {

@@ -11,14 +11,16 @@
 //! num_computed_tokens`, capped by `long_prefill_token_threshold` (the step's effective
 //! value, which the glue computes per version), the token budget left (the smaller of the
 //! token and the input budget: without drafts both shrink alike) and the room
-//! `max_model_len` leaves for the sampled token. Where vLLM's loop would skip a request
-//! (`continue`) or do what the fast path does not serve, the rule answers None and the
-//! whole step is vLLM's.
+//! `max_model_len` leaves for the sampled token. Where vLLM's loop skips a request
+//! (`continue`: async scheduling's last step, no token to schedule) the rule answers 0;
+//! where it would do what the fast path does not serve, None, and the whole step is
+//! vLLM's.
 //!
 //! Key properties:
 //! - [`num_new_tokens`] is a pure function of one request's [`ScheduleFacts`], the
 //!   step's [`StepFacts`] and the budget left; all arithmetic is signed (vLLM's Python
-//!   integers), so no count underflows, and an answer is always in `1..=budget`.
+//!   integers), so no count underflows, and an answer is always in `0..=budget`, 0
+//!   where vLLM's loop skips the request (`continue`) and goes on with the next.
 //! - [`defers_prefills`] is the step-level rule: a step that defers prefill chunks (the
 //!   DP throttle or the local cadence, with a decode running) skips them, which the
 //!   fast path leaves to vLLM.
@@ -102,16 +104,20 @@ impl StepFacts {
 }
 
 /// The tokens vLLM's running loop schedules for the running request `r` with `budget`
-/// tokens left (`budget > 0`: vLLM's loop stops before a request otherwise), or None
-/// where the fast path does not serve the step.
+/// tokens left (`budget > 0`: vLLM's loop stops before a request otherwise): `Some(0)`
+/// where the loop skips it (`continue`), or None where the fast path does not serve
+/// the step.
+///
+/// Skipped (`Some(0)`), as vLLM's loop skips them: with async scheduling a request
+/// whose in-flight output is sure to reach `max_tokens` (checked first, as vLLM does),
+/// and a request left with no token to schedule (nothing left to compute, or no room
+/// left in `max_model_len`).
 ///
 /// None: output placeholders without async scheduling, drafts, encoder inputs,
-/// structured output, a request not eligible this step (vLLM skips it), nothing left to
-/// compute, a prefill chunk with output placeholders (a resumed async request), no room
-/// left in `max_model_len` (vLLM skips it), and with async scheduling a request whose
-/// in-flight output is sure to reach `max_tokens` (vLLM skips it). Otherwise the
-/// tokens left to compute, capped by the threshold, the budget and the room, in vLLM's
-/// order. `broken` breaks the [`ScheduleRule`]s (test-only mutants).
+/// structured output, a request not eligible this step, a prefill chunk with output
+/// placeholders (a resumed async request), and a count vLLM would compute as negative.
+/// Otherwise the tokens left to compute, capped by the threshold, the budget and the
+/// room, in vLLM's order. `broken` breaks the [`ScheduleRule`]s (test-only mutants).
 pub fn num_new_tokens(
     r: &ScheduleFacts,
     step: &StepFacts,
@@ -132,10 +138,10 @@ pub fn num_new_tokens(
         && !broken.breaks(ScheduleRule::AsyncLastStep)
         && r.num_computed_tokens + 2 - placeholders >= r.num_prompt_tokens + r.max_tokens
     {
-        return None;
+        return Some(0);
     }
     let left = r.num_tokens + placeholders - r.num_computed_tokens;
-    if left <= 0 || (left > 1 && placeholders != 0) {
+    if left > 1 && placeholders != 0 {
         return None;
     }
     let mut n = if broken.breaks(ScheduleRule::ChunkTokens) {
@@ -151,7 +157,7 @@ pub fn num_new_tokens(
         n = n.min(budget);
     }
     n = n.min(step.room(r.num_computed_tokens));
-    (n > 0).then_some(n)
+    (n >= 0).then_some(n)
 }
 
 /// Whether the step defers prefill chunks, which vLLM's loop then skips (left to vLLM):
@@ -343,13 +349,15 @@ mod tests {
     }
 
     #[test]
-    fn nothing_left_or_no_budget_is_left_to_vllm() {
-        for computed in [15, 16] {
+    fn nothing_left_is_skipped_and_no_budget_left_to_vllm() {
+        // Nothing left: vLLM's loop skips the request; more computed than known is a
+        // count vLLM would compute as negative.
+        for (computed, answer) in [(15, Some(0)), (16, None)] {
             let r = ScheduleFacts {
                 num_computed_tokens: computed,
                 ..decode()
             };
-            assert_eq!(n(&r, &sync_step()), None, "{computed}");
+            assert_eq!(n(&r, &sync_step()), answer, "{computed}");
         }
         assert_eq!(num_new_tokens(&decode(), &sync_step(), 0, NONE), None);
         assert_eq!(num_new_tokens(&decode(), &sync_step(), -1, NONE), None);
@@ -369,8 +377,14 @@ mod tests {
 
     #[test]
     fn max_model_len_leaves_room_for_the_sampled_token() {
+        // No room: vLLM's loop skips the request; less than none: left to vLLM.
         let step = StepFacts {
             max_model_len: 15,
+            ..sync_step()
+        };
+        assert_eq!(n(&decode(), &step), Some(0));
+        let step = StepFacts {
+            max_model_len: 14,
             ..sync_step()
         };
         assert_eq!(n(&decode(), &step), None);
@@ -385,11 +399,11 @@ mod tests {
             num_sampled_tokens_per_step: 2,
             ..sync_step()
         };
-        assert_eq!(n(&decode(), &step), None);
+        assert_eq!(n(&decode(), &step), Some(0));
     }
 
     #[test]
-    fn async_last_step_is_left_to_vllm() {
+    fn async_last_step_is_skipped() {
         // computed + 2 - placeholders = 16 >= prompt + max_tokens: the in-flight output
         // reaches max_tokens.
         for max_tokens in [5, 6] {
@@ -397,7 +411,7 @@ mod tests {
                 max_tokens,
                 ..async_decode()
             };
-            assert_eq!(n(&r, &async_step()), None, "{max_tokens}");
+            assert_eq!(n(&r, &async_step()), Some(0), "{max_tokens}");
             assert_eq!(
                 num_new_tokens(&r, &async_step(), BUDGET, NONE.with(Rule::AsyncLastStep)),
                 Some(1)
@@ -432,7 +446,8 @@ mod tests {
             num_tokens: 0,
             ..ScheduleFacts::default()
         };
-        assert_eq!(n(&r, &sync_step()), None);
+        // Nothing to compute: skipped, as vLLM's loop does.
+        assert_eq!(n(&r, &sync_step()), Some(0));
         let step = StepFacts {
             max_model_len: 0,
             ..sync_step()

@@ -181,4 +181,30 @@ def test_async_placeholder_is_the_token_to_compute() -> None:
     assert SYNC.plain_decodes([a], 1) is None  # placeholders need async scheduling
     assert ASYNC.plain_decodes([a], 1) == ([21], [2], [1], None, True)
     a.max_tokens = a.num_output_tokens + 1  # the in-flight output reaches max_tokens
-    assert ASYNC.plain_decodes([a], 1) is None
+    assert ASYNC.plain_decodes([a], 1) == ([21], [2], [0], None, True)  # vLLM skips it
+
+
+def test_a_skipped_request_is_planned_zero_and_not_allocated() -> None:
+    """A request vLLM's running loop skips (async scheduling's last step) is planned 0
+    tokens, gets no allocation (None as its block ids) and spends no budget; the
+    requests after it are allocated as vLLM's manager allocates them."""
+    ours, theirs = _managers("full", 256)
+    pairs = _prefilled((ours, theirs), 3, 16)
+    for a, b in pairs:
+        for r in (a, b):
+            r.num_computed_tokens += 1
+            r.num_output_placeholders = 1
+    for r in pairs[1]:
+        r.max_tokens = r.num_output_tokens + 1  # its in-flight output is its last
+    running = [a for a, _ in pairs]
+    result = ASYNC.decodes(ours, running, 0, 1, token_budget=2)
+    assert result is not None
+    done, new_block_ids, _, _, tokens, _, _ = result
+    assert (done, tokens) == (3, [1, 0, 1])
+    assert new_block_ids[1] is None
+    expected = [theirs.allocate_slots(b, 1) for b in (pairs[0][1], pairs[2][1])]
+    assert [new_block_ids[0], new_block_ids[2]] == [
+        e.get_block_ids(allow_none=True) for e in expected if e is not None
+    ]
+    for a, b in pairs:
+        assert ours.get_block_ids(a.request_id) == theirs.get_block_ids(b.request_id)

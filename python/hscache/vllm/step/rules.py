@@ -25,6 +25,7 @@ GLUE_RULES = (
     "queue_seats",  # a queue behind full admission seats (max_num_seqs) is served
     "queue_budget",  # a queue behind a spent token / input budget is served
     "preempt",  # pool pressure preempts from the tail (vLLM's FCFS rule)
+    "skip",  # a request vLLM's running loop skips (`continue`) is not in the step
     "all_token_ids",  # requests not scheduled last step carry their tokens (MRV1)
     "capacity_bound",  # the step records whether admissions were capacity-bound
     "in_flight",  # scheduling counts the tokens in flight

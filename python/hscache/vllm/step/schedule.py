@@ -138,6 +138,9 @@ def _allocate_each(
     new_block_ids: list[Any] = []
     end = min(len(tokens), len(running))
     for i in range(start, end):
+        if not tokens[i]:  # skipped by vLLM's loop
+            new_block_ids.append(None)
+            continue
         blocks = allocate(running[i], tokens[i], num_lookahead_tokens=lookahead)
         if blocks is None:
             return i, new_block_ids
@@ -186,6 +189,14 @@ def schedule(sched: Any, throttle_prefills: bool, is_async: bool = False) -> Sch
         num_computed_tokens = num_computed_tokens[:done]
         num_output_tokens = num_output_tokens[:done]
         tokens = tokens[:done]
+    if 0 in tokens and "skip" not in _rules.BROKEN:
+        # The requests vLLM's loop skipped (`continue`) are not in the step.
+        keep = [i for i, k in enumerate(tokens) if k]
+        scheduled = [scheduled[i] for i in keep]
+        num_computed_tokens = [num_computed_tokens[i] for i in keep]
+        num_output_tokens = [num_output_tokens[i] for i in keep]
+        new_block_ids = [new_block_ids[i] for i in keep]
+        tokens = [tokens[i] for i in keep]
 
     skip_drafts = _PROFILE.skip_drafts
     drafts_needed = not skip_drafts or not sched.can_skip_drafts
