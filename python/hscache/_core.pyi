@@ -1051,7 +1051,8 @@ class KVCacheCore:
     def core_kv_event_queue(self, /) -> list[Any] | None:
         """
         The pool's event queue (vLLM's `BlockPool.kv_event_queue`), the list the
-        core appends each call's events to; None with events off.
+        core appends each call's events to, its events un-annotated as vLLM's pool
+        queues them; None with events off.
         """
 
     def core_kv_events_drained(self, /) -> None:
@@ -1332,7 +1333,9 @@ class KVCacheCore:
         """
         vLLM's `take_events`: the queued KV events (the queue is then empty), each
         `BlockStored` annotated with its group's `kv_cache_spec_kind` and
-        `kv_cache_spec_sliding_window` from `kv_cache_event_metadata`.
+        `kv_cache_spec_sliding_window` from `kv_cache_event_metadata` (when it is
+        still the tuple the queued events were annotated from as they were built,
+        the list is handed over as it is).
         """
 
     def take_new_block_ids(self, /) -> list[int]:

@@ -40,8 +40,10 @@ use pyo3::types::{PyBytes, PyDict, PyList, PySlice, PyTuple, PyType};
 use super::errors::UnsupportedError;
 
 mod compact;
+mod spec;
 pub(crate) use compact::Compactor;
 pub use compact::{coalesce_kv_events, normalize_kv_events_mode};
+pub(crate) use spec::{clear_specs, GroupSpecs, SpecTable};
 
 /// How far past `block_hashes` a range may reach and still be converted here.
 const MAX_BLOCKS_PAST_HASHES: usize = 64;
@@ -710,8 +712,12 @@ enum StoredCall {
     Positional15,
     /// vLLM 0.32's 14 fields (no `lookahead_token_ids`), positionally.
     Positional14,
-    /// Any other layout: keywords, `lookahead_token_ids` only if declared.
-    Keywords { lookahead_field: bool },
+    /// Any other layout: keywords, `lookahead_token_ids` and the two spec fields
+    /// (`kv_cache_spec_kind`, `kv_cache_spec_sliding_window`) only if declared.
+    Keywords {
+        lookahead_field: bool,
+        spec_fields: bool,
+    },
 }
 
 /// The leading `BlockRemoved` fields this module fills (the rest keep defaults).
@@ -738,8 +744,10 @@ impl StoredCall {
         } else if has_fields(fields, &BLOCK_STORED_FIELDS[..14], false) {
             StoredCall::Positional14
         } else {
+            let has = |name: &str| fields.iter().any(|f| f == name);
             StoredCall::Keywords {
-                lookahead_field: fields.iter().any(|f| f == "lookahead_token_ids"),
+                lookahead_field: has("lookahead_token_ids"),
+                spec_fields: has("kv_cache_spec_kind") && has("kv_cache_spec_sliding_window"),
             }
         }
     }
@@ -748,7 +756,16 @@ impl StoredCall {
         match self {
             StoredCall::Positional15 => true,
             StoredCall::Positional14 => false,
-            StoredCall::Keywords { lookahead_field } => lookahead_field,
+            StoredCall::Keywords {
+                lookahead_field, ..
+            } => lookahead_field,
+        }
+    }
+
+    fn has_spec_fields(self) -> bool {
+        match self {
+            StoredCall::Positional15 | StoredCall::Positional14 => true,
+            StoredCall::Keywords { spec_fields, .. } => spec_fields,
         }
     }
 }
@@ -761,9 +778,44 @@ impl StoredCall {
 /// batch; the lists it keeps are the previous event's, which only a later record
 /// continuing that event could extend, and such a record (same group, next range)
 /// replaces the memo before it is read again.
+///
+/// It also carries the batch's spec annotation: with a manager's [`SpecTable`] in
+/// force, each `BlockStored` gets its group's `kv_cache_spec_kind` and
+/// `kv_cache_spec_sliding_window` as it is built (`spec.rs`).
 #[derive(Default)]
 pub(crate) struct StoredMemo<'py> {
     last: Option<MemoEntry<'py>>,
+    specs: Option<GroupSpecs<'py>>,
+}
+
+impl<'py> StoredMemo<'py> {
+    /// A batch's memo; `specs`: the annotation its `BlockStored` events get (None:
+    /// left un-annotated, as vLLM's pool builds them).
+    pub(crate) fn new(specs: Option<GroupSpecs<'py>>) -> Self {
+        Self { last: None, specs }
+    }
+
+    /// Whether an event of the batch fell outside its annotation table.
+    pub(crate) fn missed_specs(&self) -> bool {
+        self.specs.as_ref().is_some_and(GroupSpecs::missed)
+    }
+
+    /// The `(kind, window)` of group `group`'s events (None: not annotated).
+    fn spec(&mut self, group: u32) -> Option<[Bound<'py, PyAny>; 2]> {
+        self.specs.as_mut()?.get(group)
+    }
+
+    /// Annotates an event the fallback built (`stored`: the builder's class).
+    fn annotate_built(
+        &mut self,
+        event: &Bound<'py, PyAny>,
+        stored: &Bound<'py, PyAny>,
+    ) -> PyResult<()> {
+        match self.specs.as_mut() {
+            Some(specs) => specs.annotate_built(event, stored),
+            None => Ok(()),
+        }
+    }
 }
 
 struct MemoEntry<'py> {
@@ -935,6 +987,12 @@ impl PyEventBuilder {
         self.block_stored.bind(py).clone()
     }
 
+    /// Whether this builder can annotate its `BlockStored` events as it builds
+    /// them: its class declares both spec fields (vLLM's structs do).
+    pub(crate) fn annotates(&self) -> bool {
+        self.stored_call.has_spec_fields()
+    }
+
     /// Checks that the `BlockStored` of group 0 for blocks `0..end_block` can be
     /// built: raises exactly where the real event would (the check-before-mutate of
     /// `allocate_slots` with events on). For vLLM's own struct classes, whose
@@ -989,7 +1047,7 @@ impl PyEventBuilder {
     ) -> PyResult<Bound<'py, PyAny>> {
         match self.stored_parts(request, fields, range, group_idx, layout)? {
             StoredParts::Fields(fields, block_size) => {
-                self.struct_of_fields(fields, &block_size, group_idx)
+                self.struct_of_fields(fields, &block_size, group_idx, None)
             }
             StoredParts::Built(event) => Ok(event),
         }
@@ -1030,12 +1088,15 @@ impl PyEventBuilder {
         }
     }
 
-    /// vLLM's `BlockStored` of [`stored_fields`]' fields.
+    /// vLLM's `BlockStored` of [`stored_fields`]' fields; `spec`: its
+    /// `kv_cache_spec_kind` and `kv_cache_spec_sliding_window` (None: both None, as
+    /// vLLM's pool leaves them).
     fn struct_of_fields<'py>(
         &self,
         fields: [Bound<'py, PyAny>; 8],
         block_size: &Bound<'py, PyAny>,
         group_idx: &Bound<'py, PyAny>,
+        spec: Option<[Bound<'py, PyAny>; 2]>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = block_size.py();
         let [hashes, parent, token_ids, lora_id, lora_name, extra_keys, session_id, lookahead] =
@@ -1044,6 +1105,7 @@ impl PyEventBuilder {
         let cls = self.block_stored.bind(py);
         if let StoredCall::Positional15 | StoredCall::Positional14 = self.stored_call {
             let none = py.None().into_bound(py);
+            let [kind, window] = spec.unwrap_or_else(|| [none.clone(), none.clone()]);
             let mut args = vec![
                 hashes,
                 parent,
@@ -1054,8 +1116,8 @@ impl PyEventBuilder {
                 lora_name,
                 extra_keys,
                 group_idx.clone(),
-                none.clone(),
-                none.clone(),
+                kind,
+                window,
                 none.clone(),
                 none,
                 session_id,
@@ -1083,6 +1145,11 @@ impl PyEventBuilder {
         if self.stored_call.has_lookahead_field() {
             kwargs.set_item("lookahead_token_ids", lookahead)?;
         }
+        if let Some([kind, window]) = spec {
+            // Only with a table in force, which needs the fields (`annotates`).
+            kwargs.set_item("kv_cache_spec_kind", kind)?;
+            kwargs.set_item("kv_cache_spec_sliding_window", window)?;
+        }
         cls.call((), Some(&kwargs))
     }
 
@@ -1099,9 +1166,13 @@ impl PyEventBuilder {
         let group = group_id.into_pyobject(py)?.into_any();
         match self.stored_event_parts(py, request, range, &group, layout, memo)? {
             StoredParts::Fields(fields, block_size) => {
-                self.struct_of_fields(fields, &block_size, &group)
+                let spec = memo.spec(group_id);
+                self.struct_of_fields(fields, &block_size, &group, spec)
             }
-            StoredParts::Built(event) => Ok(event),
+            StoredParts::Built(event) => {
+                memo.annotate_built(&event, self.block_stored.bind(py))?;
+                Ok(event)
+            }
         }
     }
 

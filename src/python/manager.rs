@@ -37,7 +37,7 @@ use super::convert::request::{request_id, PyRequest, StatusObjects};
 use super::convert::spec::group_spec;
 use super::convert::{count, count_arg, int64, BlockIdInt, Int};
 use super::errors::InvalidArgumentError;
-use super::events::{Compactor, PyEventBuilder, StoredMemo};
+use super::events::{clear_specs, Compactor, PyEventBuilder, SpecTable, StoredMemo};
 use super::prefix_stats::PrefixStats;
 use crate::events::{EventsMode, MetricsOp};
 use crate::manager::{
@@ -86,6 +86,19 @@ struct VllmBindings {
     event_sink: Option<(Py<PyList>, Py<PyEventBuilder>)>,
     /// The builder of HiSparse's host pool events (medium CPU).
     host_event_builder: Option<Py<PyEventBuilder>>,
+    /// The spec annotation in force for the sink (`events/spec.rs`): when `Some`,
+    /// every `BlockStored` in the sink was built here and annotated from it (each
+    /// group's `kv_cache_spec_kind` / `kv_cache_spec_sliding_window` as vLLM's
+    /// `KVCacheManager.take_events` sets them), so that `take_events` can hand the
+    /// list over as it is; when `None`, the sink's events are plain (vLLM's pool
+    /// state). Installed by the manager's `take_events` for the sink it leaves
+    /// behind; kept by the pool-level take (whose events are un-annotated on the
+    /// way out); dropped, its events un-annotated, when the live sink is handed to
+    /// Python (`kv_event_queue`) or replaced.
+    spec_table: Option<SpecTable>,
+    /// Whether a table may be installed: the builders' `BlockStored` class declares
+    /// the spec fields, and HiSparse's host builder (if any) makes the same class.
+    annotates: bool,
     /// The user's `KVCacheMetricsCollector` (`--kv-cache-metrics`).
     metrics_collector: Option<Py<PyAny>>,
     /// The free queue's head and tail sentinels (Python objects of the
@@ -230,7 +243,7 @@ impl PyKVCacheCore {
         // the end with no early return between; one body keeps that pairing in view.
         let py = slf.py();
         type Record = (crate::events::KVCacheEvent, Option<Py<PyAny>>, bool);
-        let (sink, host_builder, records, collector, ops, released, mut compactor) = {
+        let (sink, host_builder, records, collector, ops, released, mut compactor, specs) = {
             let mut this = slf.try_borrow_mut()?;
             let (made, released) = this.core.take_publication_changes().unwrap_or_default();
             if let Some(req) = request {
@@ -254,6 +267,7 @@ impl PyKVCacheCore {
                 .as_ref()
                 .map(|(s, b)| (s.clone_ref(py), b.clone_ref(py)));
             let host_builder = vllm.host_event_builder.as_ref().map(|b| b.clone_ref(py));
+            let specs = vllm.spec_table.as_ref().map(|t| t.bind(py));
             let collector = vllm.metrics_collector.as_ref().map(|c| c.clone_ref(py));
             let mut records: Vec<Record> = Vec::new();
             if sink.is_some() {
@@ -288,6 +302,7 @@ impl PyKVCacheCore {
                 ops,
                 released,
                 compactor,
+                specs,
             )
         };
         // No early return until the compactor is back.
@@ -295,11 +310,12 @@ impl PyKVCacheCore {
             Some(collector) => Self::replay_metrics(slf, collector.bind(py), ops),
             None => Ok(()),
         };
+        let mut missed_specs = false;
         let built = replayed.and_then(|()| match sink {
             Some((sink, builder)) => {
                 let sink = sink.bind(py);
-                let mut memo = StoredMemo::default();
-                records.into_iter().try_for_each(|(record, req, host)| {
+                let mut memo = StoredMemo::new(specs);
+                let built = records.into_iter().try_for_each(|(record, req, host)| {
                     let builder = match (&host_builder, host) {
                         (Some(b), true) => b.get(),
                         _ => builder.get(),
@@ -307,10 +323,19 @@ impl PyKVCacheCore {
                     let req = req.as_ref().map(|r| r.bind(py).clone());
                     let request = req.as_ref().or(request);
                     builder.push(py, sink, compactor.as_mut(), record, request, &mut memo)
-                })
+                });
+                missed_specs = memo.missed_specs();
+                built
             }
             None => Ok(()),
         });
+        if missed_specs {
+            // An event outside the table: the next take runs vLLM's loop.
+            let mut this = slf.try_borrow_mut()?;
+            if let Some(t) = this.vllm.as_mut().and_then(|v| v.spec_table.as_mut()) {
+                t.invalidate();
+            }
+        }
         if compactor.is_some() || !released.is_empty() {
             let mut this = slf.try_borrow_mut()?;
             if let Some(c) = compactor {
@@ -340,31 +365,64 @@ impl PyKVCacheCore {
 
     /// The event sink (vLLM's `kv_event_queue`), None with events off. A reader
     /// of the list may change it, so its last event can no longer be continued
-    /// (compact mode).
-    pub(crate) fn event_queue<'py>(&mut self, py: Python<'py>) -> Option<Bound<'py, PyList>> {
-        let (sink, _) = self.vllm.as_ref()?.event_sink.as_ref()?;
+    /// (compact mode), and it sees vLLM's pool's events: un-annotated (the spec
+    /// table is dropped, its events reset, until the next manager `take_events`).
+    pub(crate) fn event_queue<'py>(
+        &mut self,
+        py: Python<'py>,
+    ) -> PyResult<Option<Bound<'py, PyList>>> {
+        let Some(vllm) = self.vllm.as_mut() else {
+            return Ok(None);
+        };
+        let Some((sink, builder)) = vllm.event_sink.as_ref() else {
+            return Ok(None);
+        };
         let sink = sink.bind(py).clone();
         if let Some(c) = &mut self.compactor {
             c.release();
         }
-        Some(sink)
+        if vllm.spec_table.take().is_some() {
+            clear_specs(&sink, &builder.get().block_stored_class(py))?;
+        }
+        Ok(Some(sink))
     }
 
     /// Makes `queue` the event sink (`kv_event_queue = queue`); false with events
-    /// off (no sink).
+    /// off (no sink). The caller's list holds plain events: no spec table.
     pub(crate) fn set_event_queue(&mut self, queue: Bound<'_, PyList>) -> bool {
-        let Some((sink, _)) = self.vllm.as_mut().and_then(|v| v.event_sink.as_mut()) else {
+        let Some(vllm) = self.vllm.as_mut() else {
+            return false;
+        };
+        let Some((sink, _)) = vllm.event_sink.as_mut() else {
             return false;
         };
         *sink = queue.unbind();
+        vllm.spec_table = None;
         if let Some(c) = &mut self.compactor {
             c.release();
         }
         true
     }
 
-    /// vLLM's `BlockPool.take_events`: the queued events (the sink itself, replaced
-    /// by a fresh list), an empty list when none are queued or events are off.
+    /// vLLM's `BlockPool.take_events`: [`Self::take_event_queue`]'s list with its
+    /// events un-annotated, as vLLM's pool returns them; the spec table stays in
+    /// force for the fresh sink.
+    pub(crate) fn take_pool_event_queue<'py>(
+        &mut self,
+        py: Python<'py>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let events = self.take_event_queue(py);
+        if let Some(vllm) = &self.vllm {
+            if let (Some(_), Some((_, builder))) = (&vllm.spec_table, &vllm.event_sink) {
+                clear_specs(&events, &builder.get().block_stored_class(py))?;
+            }
+        }
+        Ok(events)
+    }
+
+    /// The queued events (the sink itself, replaced by a fresh list), an empty
+    /// list when none are queued or events are off; annotated or not as the spec
+    /// table says (the manager's `take_events` reads it).
     pub(crate) fn take_event_queue<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyList> {
         let Some((sink, _)) = self.vllm.as_mut().and_then(|v| v.event_sink.as_mut()) else {
             return PyList::empty(py);
@@ -377,6 +435,40 @@ impl PyKVCacheCore {
             c.release();
         }
         taken.into_bound(py)
+    }
+
+    /// The spec table in force: `None` without one (plain events), `Some(None)`
+    /// when its annotation is not vLLM's for any metadata (an event fell outside
+    /// it), else `Some(Some(m))`, `m` the metadata tuple it was made from.
+    pub(crate) fn spec_table_state<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> Option<Option<Bound<'py, PyAny>>> {
+        let table = self.vllm.as_ref()?.spec_table.as_ref()?;
+        Some(table.metadata(py))
+    }
+
+    /// Makes the spec table of `metadata` the one in force for the (fresh) sink, or
+    /// none where `metadata` cannot make one; nothing changes when the builders
+    /// cannot annotate, or when events were queued since the take (they carry the
+    /// annotation in force).
+    pub(crate) fn install_spec_table(&mut self, py: Python<'_>, metadata: &Bound<'_, PyAny>) {
+        let num_groups = self.core.num_kv_cache_groups();
+        let Some(vllm) = self.vllm.as_mut() else {
+            return;
+        };
+        let Some((sink, _)) = vllm.event_sink.as_ref() else {
+            return;
+        };
+        if !vllm.annotates || !sink.bind(py).is_empty() {
+            return;
+        }
+        vllm.spec_table = SpecTable::of(metadata, num_groups);
+    }
+
+    /// Whether KV events are on (an event sink is bound).
+    pub(crate) fn has_event_sink(&self) -> bool {
+        self.vllm.as_ref().is_some_and(|v| v.event_sink.is_some())
     }
 
     /// The event builder's `BlockStored` class (events on).
@@ -760,6 +852,15 @@ impl PyKVCacheCore {
         slf.try_borrow_mut()?.vllm = Some(VllmBindings {
             empty_kv_cache_blocks: empty,
             statuses: [waiting.unbind(), preempted.unbind()],
+            spec_table: None,
+            annotates: event_sink.as_ref().is_some_and(|(_, b)| {
+                let b = b.get();
+                b.annotates()
+                    && host_event_builder.as_ref().is_none_or(|h| {
+                        let py = h.py();
+                        h.get().block_stored_class(py).is(b.block_stored_class(py))
+                    })
+            }),
             event_sink: event_sink.map(|(s, b)| (s.unbind(), b.unbind())),
             host_event_builder: host_event_builder.map(Bound::unbind),
             metrics_collector: metrics_collector.map(Bound::unbind),
@@ -1284,6 +1385,9 @@ impl PyKVCacheCore {
             }
             visit.call(&v.metrics_collector)?;
             visit.call(&v.host_event_builder)?;
+            if let Some(t) = &v.spec_table {
+                t.traverse(&visit)?;
+            }
             if let Some(s) = &v.free_list_sentinels {
                 visit.call(&s[0])?;
                 visit.call(&s[1])?;
@@ -1440,16 +1544,22 @@ impl PyKVCacheCore {
 
     /// vLLM's `take_events`: the queued KV events (the queue is then empty), each
     /// `BlockStored` annotated with its group's `kv_cache_spec_kind` and
-    /// `kv_cache_spec_sliding_window` from `kv_cache_event_metadata`.
+    /// `kv_cache_spec_sliding_window` from `kv_cache_event_metadata` (when it is
+    /// still the tuple the queued events were annotated from as they were built,
+    /// the list is handed over as it is).
     #[pyo3(signature = () -> "list[Any]")]
     fn take_events<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
         Self::take_events_impl(slf)
     }
 
     /// The pool's event queue (vLLM's `BlockPool.kv_event_queue`), the list the
-    /// core appends each call's events to; None with events off.
+    /// core appends each call's events to, its events un-annotated as vLLM's pool
+    /// queues them; None with events off.
     #[pyo3(signature = () -> "list[Any] | None")]
-    fn core_kv_event_queue<'py>(&mut self, py: Python<'py>) -> Option<Bound<'py, PyList>> {
+    fn core_kv_event_queue<'py>(
+        &mut self,
+        py: Python<'py>,
+    ) -> PyResult<Option<Bound<'py, PyList>>> {
         self.event_queue(py)
     }
 
@@ -1463,8 +1573,8 @@ impl PyKVCacheCore {
     /// vLLM's `BlockPool.take_events`: the queued events, not annotated; the queue
     /// is then empty. An empty list with events off.
     #[pyo3(signature = () -> "list[Any]")]
-    fn core_take_pool_events<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyList> {
-        self.take_event_queue(py)
+    fn core_take_pool_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        self.take_pool_event_queue(py)
     }
 
     /// Selects the retention policy (`lru|priority|pin|ttl|slru`) before any block

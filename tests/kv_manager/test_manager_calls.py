@@ -2,11 +2,18 @@
 admission (decided before its caching plan and event check), ``record_prefix_cache_stats``
 (counted into vLLM's ``PrefixCacheStats`` in place, in Rust) and ``take_events`` (the
 queue handed over and annotated in Rust), with the pool's ``kv_event_queue`` read and
-replaced in between as vLLM's tests do."""
+replaced in between as vLLM's tests do.
+
+``take_events`` hands over events annotated when they were built (the spec table in force,
+``src/python/events/spec.rs``): across steps, after the live queue was read (un-annotated,
+as vLLM's pool's), after a pool-level take, with ``kv_cache_event_metadata`` replaced (by
+another tuple, a short one, a list), in compact mode and for events of the pure-Python
+fallback, every taken batch equals vLLM's, annotations and warnings included."""
 
 from __future__ import annotations
 
 import logging
+import random
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,6 +21,7 @@ import msgspec
 import pytest
 import vllm  # noqa: F401 (a hard requirement: a broken install fails, never skips)
 from hscache import exceptions
+from hscache._core import coalesce_kv_events
 from hscache.vllm import KVCacheManager
 from hscache_tools.testing.kv_cache import (
     full_attention,
@@ -22,8 +30,9 @@ from hscache_tools.testing.kv_cache import (
     kv_cache_config,
     sliding_window,
 )
-from hscache_tools.testing.manager import build_manager
+from hscache_tools.testing.manager import build_manager, manager_kwargs
 from hscache_tools.testing.requests import lora, make_request
+from vllm.distributed.kv_events import BlockStored
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.metrics.stats import PrefixCacheStats
 
@@ -315,3 +324,184 @@ def test_events_off_queue_and_take() -> None:
     assert m.allocate_slots(make_request("a", list(range(40))), 40) is not None
     assert m.take_events() == [] and m.block_pool.take_events() == []
     assert m.block_pool.kv_event_queue == []
+
+
+_LAYOUTS = {
+    "full": lambda: full_attention_config(24),
+    "full+swa": lambda: kv_cache_config(
+        [
+            group(full_attention(16), "model.layers.0.self_attn"),
+            group(sliding_window(16, 32), "model.layers.1.self_attn"),
+        ],
+        48,
+    ),
+}
+
+
+def _events_manager(cls: type, layout: str, **kwargs: Any) -> Any:
+    return build_manager(
+        cls, _LAYOUTS[layout](), max_model_len=1024, enable_kv_cache_events=True, **kwargs
+    )
+
+
+class _Steps:
+    """A seeded stream of admissions (shared prefixes, so hits and chains) and frees
+    under pressure (so evictions): the same calls on each manager it drives."""
+
+    def __init__(self, m: Any, seed: int, fallback_every: int = 0) -> None:
+        self.m, self.rng, self.held, self.n = m, random.Random(seed), [], 0
+        self.fallback_every = fallback_every
+
+    def step(self) -> None:
+        m, rng = self.m, self.rng
+        self.n += 1
+        if self.held and (rng.random() < 0.45 or len(self.held) > 3):
+            m.free(self.held.pop(rng.randrange(len(self.held))))
+            return
+        prefix = [rng.randrange(3) * 1000 + t for t in range(16 * rng.randrange(1, 4))]
+        tail = [100_000 + 100 * self.n + t for t in range(rng.randrange(0, 40))]
+        req = make_request(f"r{self.n}", prefix + tail)
+        if self.fallback_every and self.n % self.fallback_every == 0:
+            # A token list the core does not slice: the pure-Python fallback builds it.
+            req.all_token_ids = tuple(req._all_token_ids)  # type: ignore[assignment]
+        blocks, hit, _ = m.get_computed_blocks(req)
+        if m.allocate_slots(req, req.num_tokens - hit, hit, blocks) is not None:
+            self.held.append(req)
+
+
+def _annotations(events: list[Any]) -> list[tuple[Any, Any]]:
+    return [
+        (e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
+        for e in events
+        if isinstance(e, BlockStored)
+    ]
+
+
+@pytest.mark.parametrize("layout", sorted(_LAYOUTS))
+@pytest.mark.parametrize("fallback_every", [0, 3])
+def test_take_events_matches_vllm_across_steps(layout: str, fallback_every: int) -> None:
+    """Every step's ``take_events`` equals vLLM's, annotations included: the first take
+    runs vLLM's loop, the later ones hand over events annotated as they were built
+    (events of the pure-Python fallback too)."""
+    outs = []
+    for cls in BOTH:
+        m = _events_manager(cls, layout)
+        steps = _Steps(m, seed=7, fallback_every=fallback_every)
+        seen = []
+        for _ in range(60):
+            steps.step()
+            seen.append(_encoded(m.take_events()))
+        outs.append(seen)
+        if cls is KVCacheManager:
+            kinds = {a for a in _annotations(m.take_events())}
+            assert None not in {k for k, _ in kinds}
+    assert outs[0] == outs[1]
+    assert sum(map(len, outs[1])) > 60
+
+
+@pytest.mark.parametrize("layout", sorted(_LAYOUTS))
+def test_events_read_from_the_queue_are_unannotated_and_taken_annotated(layout: str) -> None:
+    """After a take (the table in force), the live ``kv_event_queue`` shows vLLM's pool's
+    events, un-annotated; the next take annotates them, and the one after (the table
+    back in force) too."""
+    outs = []
+    for cls in BOTH:
+        m = _events_manager(cls, layout)
+        steps = _Steps(m, seed=11)
+        seen: list[Any] = []
+        for _ in range(3):
+            steps.step()
+            seen.append(_encoded(m.take_events()))
+        for _ in range(3):
+            steps.step()
+        queue = m.block_pool.kv_event_queue
+        seen.append(("queue", _encoded(queue), _annotations(queue)))
+        steps.step()
+        seen.append(("taken", _encoded(m.take_events())))
+        for _ in range(3):
+            steps.step()
+            seen.append(_encoded(m.take_events()))
+        outs.append(seen)
+    assert outs[0] == outs[1]
+    _, encoded, annotations = outs[1][3]
+    assert encoded and annotations and set(annotations) == {(None, None)}
+
+
+@pytest.mark.parametrize("layout", sorted(_LAYOUTS))
+def test_pool_take_is_unannotated_and_a_later_manager_take_annotates(layout: str) -> None:
+    """``block_pool.take_events()`` returns vLLM's pool's events, un-annotated, with the
+    table kept for the new queue: the manager's next take annotates its events."""
+    outs = []
+    for cls in BOTH:
+        m = _events_manager(cls, layout)
+        steps = _Steps(m, seed=3)
+        seen: list[Any] = []
+        for _ in range(4):
+            steps.step()
+            seen.append(_encoded(m.take_events()))
+            for _ in range(2):
+                steps.step()
+            pooled = m.block_pool.take_events()
+            seen.append(("pool", _encoded(pooled), _annotations(pooled)))
+            steps.step()
+            seen.append(_encoded(m.take_events()))
+        outs.append(seen)
+    assert outs[0] == outs[1]
+    pooled_annotations = [
+        a for entry in outs[1] if isinstance(entry, tuple) and entry[0] == "pool" for a in entry[2]
+    ]
+    assert pooled_annotations and set(pooled_annotations) == {(None, None)}
+
+
+def test_replaced_event_metadata_gives_vllms_takes(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``kv_cache_event_metadata`` replaced between takes, after events were built
+    (another tuple, one too short, a list, back to a good tuple): each take equals
+    vLLM's, warnings included (for a group outside the metadata: logged, the event
+    un-annotated)."""
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
+    other = (("custom_kind", 7), ("other_kind", None))
+    replacements: list[Any] = [None, other, None, other[:1], None, (), [("listed", 3)] * 2]
+    replacements += [None, (("back", 1), ("again", 2)), None]
+    outs = []
+    for cls in BOTH:
+        m = _events_manager(cls, "full+swa")
+        steps = _Steps(m, seed=5)
+        seen: list[Any] = []
+        for new in replacements:
+            # Events built under the table of the metadata before: replaced, then taken.
+            for _ in range(3):
+                steps.step()
+            if new is not None:
+                m.kv_cache_event_metadata = new
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="vllm"):
+                taken = m.take_events()
+            warned = sum("not in KV cache metadata" in r.getMessage() for r in caplog.records)
+            seen.append((_encoded(taken), warned, _annotations(taken)))
+        outs.append(seen)
+    assert outs[0] == outs[1]
+    assert any(warned for _, warned, _ in outs[1])
+    kinds = {kind for _, _, annotations in outs[1] for kind, _ in annotations}
+    assert {"custom_kind", "listed", "back", None} <= kinds
+
+
+@pytest.mark.parametrize("layout", sorted(_LAYOUTS))
+@pytest.mark.parametrize("fallback_every", [0, 3])
+def test_compact_takes_are_vllms_takes_coalesced(layout: str, fallback_every: int) -> None:
+    """In compact mode each taken batch is ``coalesce_kv_events`` of vLLM's batch: the
+    events a merge joins carry one annotation, vLLM's."""
+    batches: dict[type, list[list[Any]]] = {}
+    for cls, extra in ((VllmKVCacheManager, {}), (KVCacheManager, {"kv_events_mode": "compact"})):
+        kwargs = manager_kwargs(_LAYOUTS[layout](), max_model_len=1024, enable_kv_cache_events=True)
+        m = cls(**kwargs, **extra)
+        steps = _Steps(m, seed=9, fallback_every=fallback_every)
+        batches[cls] = []
+        for _ in range(50):
+            steps.step()
+            batches[cls].append(m.take_events())
+    want = [_encoded(coalesce_kv_events(b)) for b in batches[VllmKVCacheManager]]
+    got = [_encoded(b) for b in batches[KVCacheManager]]
+    assert got == want
+    assert sum(map(len, got)) < sum(map(len, batches[VllmKVCacheManager]))

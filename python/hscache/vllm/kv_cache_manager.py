@@ -358,7 +358,8 @@ class KVCacheManager(KVCacheCore):
         return True
 
     # take_events: the core's (src/python/manager_calls.rs): the pool's queued events,
-    # each BlockStored annotated with its group's spec from kv_cache_event_metadata.
+    # each BlockStored annotated with its group's spec from kv_cache_event_metadata
+    # (annotated as they were built while the metadata stays the same tuple).
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Per group, the leading blocks of the request's table that every request holding

@@ -466,7 +466,8 @@ impl PyEventBuilder {
                 let range = (start_block, end_block, block_size);
                 let layout = (hash_scale as usize, skipped);
                 let parts = self.stored_event_parts(py, request, range, &group, layout, memo)?;
-                self.push_stored(c, sink, parts, group_id, &group, skipped.is_empty())
+                let whole = skipped.is_empty();
+                self.push_stored(c, sink, parts, (group_id, &group), whole, memo)
             }
             KVCacheEvent::PartialBlockStored {
                 group_id,
@@ -478,7 +479,7 @@ impl PyEventBuilder {
                 let group = group_id.into_pyobject(py)?.into_any();
                 let range = (n.saturating_sub(1), n, hash_block_size);
                 let parts = self.stored_event_parts(py, request, range, &group, (1, &[]), memo)?;
-                self.push_stored(c, sink, parts, group_id, &group, true)
+                self.push_stored(c, sink, parts, (group_id, &group), true, memo)
             }
             KVCacheEvent::AllBlocksCleared => {
                 let event = self.all_blocks_cleared.bind(py).call0()?;
@@ -491,15 +492,18 @@ impl PyEventBuilder {
 
     /// [`Self::push`] for a store: merged from its fields (no struct built) when it
     /// continues the tail, else built and appended. `whole`: no block of the range
-    /// was left out (else it is a barrier).
+    /// was left out (else it is a barrier). A store is annotated from `memo`'s
+    /// specs as it is built; one annotation table holds for a whole run of the sink
+    /// (it only changes when the sink is drained or handed out), so the events a
+    /// merge joins, of one group, carry the same annotation.
     fn push_stored<'py>(
         &self,
         c: &mut Compactor,
         sink: &Bound<'py, PyList>,
         parts: StoredParts<'py>,
-        group_id: u32,
-        group: &Bound<'py, PyAny>,
+        (group_id, group): (u32, &Bound<'py, PyAny>),
         whole: bool,
+        memo: &mut StoredMemo<'py>,
     ) -> PyResult<()> {
         let py = sink.py();
         match parts {
@@ -514,12 +518,15 @@ impl PyEventBuilder {
                 let Some(link) = c.try_merge(sink, link, Parts::Lists(given.clone()))? else {
                     return Ok(());
                 };
-                let event = self.struct_of_fields(fields, &block_size, group)?;
+                let spec = memo.spec(group_id);
+                let event = self.struct_of_fields(fields, &block_size, group, spec)?;
                 let lists = kept_lists(&self.compact.stored_keeps_lists, &event, given, 4);
                 c.start(sink, event, link, lists, true)
             }
             StoredParts::Built(event) => {
                 let classes = (self.block_stored.bind(py), self.block_removed.bind(py));
+                // Before its link is read: the annotation is one of the fields compared.
+                memo.annotate_built(&event, classes.0)?;
                 let (link, lists) = link_of(&event, classes)?;
                 let link = if whole { link } else { Link::Barrier };
                 let merge_lists = lists.clone();
