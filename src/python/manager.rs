@@ -1539,7 +1539,13 @@ impl PyKVCacheCore {
         request: &Bound<'_, PyAny>,
         num_hits: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        Self::record_prefix_cache_stats_impl(slf, request, num_hits)
+        let pending = {
+            let mut this = slf.try_borrow_mut()?;
+            let enable_caching = this.core.enable_caching();
+            this.prefix_stats
+                .record(enable_caching, request, num_hits)?
+        };
+        pending.finish()
     }
 
     /// vLLM's `take_events`: the queued KV events (the queue is then empty), each

@@ -29,7 +29,6 @@ use pyo3::types::{PyBool, PyDict, PyInt, PyString};
 use super::convert::expect_attr;
 use super::convert::request::vllm_request_num_tokens;
 use super::errors::InvalidArgumentError;
-use super::manager::PyKVCacheCore;
 
 /// vLLM's `PrefixCacheStats` class and its own `record` function, imported once;
 /// None where vLLM is not importable or `record` is not vLLM's.
@@ -235,17 +234,62 @@ fn hit_count(num_hits: &Bound<'_, PyAny>) -> PyResult<Option<u64>> {
     Ok(None)
 }
 
-impl PyKVCacheCore {
-    /// `KVCacheCore.record_prefix_cache_stats`'s body (the method: `manager.rs`).
-    pub(super) fn record_prefix_cache_stats_impl<'py>(
-        slf: &Bound<'py, Self>,
+/// What a record leaves to do once the manager's borrow is released: Python code
+/// (a patched `record`, a subclass's attributes) may call back into the manager.
+pub(super) enum PendingRecord<'py> {
+    /// Nothing: stats off, the lookup skipped, or the counts kept here.
+    Done,
+    /// Call `stats.record(**kwargs)` (a stats object that is not vLLM's own).
+    Call {
+        stats: Bound<'py, PyAny>,
+        kwargs: Bound<'py, PyDict>,
+    },
+    /// Add one request, its queries and its hits to the object's fields.
+    Bump {
+        stats: Bound<'py, PyAny>,
+        preempted: bool,
+        num_tokens: Bound<'py, PyAny>,
+        num_hits: Bound<'py, PyAny>,
+    },
+}
+
+impl PendingRecord<'_> {
+    /// Runs what is left (call it with the manager not borrowed).
+    pub(super) fn finish(self) -> PyResult<()> {
+        match self {
+            PendingRecord::Done => Ok(()),
+            PendingRecord::Call { stats, kwargs } => {
+                stats.call_method(intern!(stats.py(), "record"), (), Some(&kwargs))?;
+                Ok(())
+            }
+            PendingRecord::Bump {
+                stats,
+                preempted,
+                num_tokens,
+                num_hits,
+            } => {
+                let py = stats.py();
+                let [requests, queries_name, hits_name] = field_names(py, preempted);
+                bump(&stats, requests, &1i32.into_pyobject(py)?.into_any())?;
+                bump(&stats, queries_name, &num_tokens)?;
+                bump(&stats, hits_name, &num_hits)
+            }
+        }
+    }
+}
+
+impl PrefixStats {
+    /// `KVCacheCore.record_prefix_cache_stats`'s body (the method: `manager.rs`):
+    /// counts here while the stats are hidden, else returns what to write.
+    pub(super) fn record<'py>(
+        &mut self,
+        enable_caching: bool,
         request: &Bound<'py, PyAny>,
         num_hits: &Bound<'py, PyAny>,
-    ) -> PyResult<()> {
-        let py = slf.py();
-        let mut this = slf.try_borrow_mut()?;
-        if !this.prefix_stats.log_stats || !this.core.enable_caching() {
-            return Ok(());
+    ) -> PyResult<PendingRecord<'py>> {
+        let py = request.py();
+        if !self.log_stats || !enable_caching {
+            return Ok(PendingRecord::Done);
         }
         if expect_attr(
             request,
@@ -254,9 +298,9 @@ impl PyKVCacheCore {
         )?
         .is_truthy()?
         {
-            return Ok(());
+            return Ok(PendingRecord::Done);
         }
-        let Some(stats) = this.prefix_stats.stats.as_ref().map(|s| s.clone_ref(py)) else {
+        let Some(stats) = self.stats.as_ref().map(|s| s.bind(py).clone()) else {
             return Err(InvalidArgumentError::new_err(
                 "prefix_cache_stats was replaced by None",
             ));
@@ -274,39 +318,37 @@ impl PyKVCacheCore {
             Ok(n) => n > 0,
             Err(_) => preempted.gt(0)?,
         };
-        let num_tokens = |queries_read: Option<Bound<'py, PyAny>>| match queries_read {
+        // Built only when the count is written into the object, not kept here.
+        let num_tokens = move || match queries_read {
             Some(obj) => Ok(obj),
             None => queries.into_pyobject(py).map(Bound::into_any),
         };
-        let stats = stats.bind(py);
-        if !counts_in_place(stats) {
-            drop(this);
+        if !counts_in_place(&stats) {
             let kwargs = PyDict::new(py);
-            kwargs.set_item(intern!(py, "num_tokens"), num_tokens(queries_read)?)?;
+            kwargs.set_item(intern!(py, "num_tokens"), num_tokens()?)?;
             kwargs.set_item(intern!(py, "num_hits"), num_hits)?;
             kwargs.set_item(intern!(py, "preempted"), preempted)?;
-            stats.call_method(intern!(py, "record"), (), Some(&kwargs))?;
-            return Ok(());
+            return Ok(PendingRecord::Call { stats, kwargs });
         }
         // `PrefixCacheStats.record`'s body (the same in vLLM 0.30, 0.32 and 0.33
         // without `hits_by_source`, which the manager never passes): counted here
         // while no one else can see the object, else into it at once.
-        let state = &mut this.prefix_stats;
-        if let (false, Some(queries), Some(hits)) = (state.exposed, queries, hits) {
+        if let (false, Some(queries), Some(hits)) = (self.exposed, queries, hits) {
             let counts = Counts {
                 requests: 1,
                 queries,
                 hits,
             };
-            if state.pending[usize::from(preempted)].add(counts) {
-                return Ok(());
+            if self.pending[usize::from(preempted)].add(counts) {
+                return Ok(PendingRecord::Done);
             }
         }
-        state.flush(py)?;
-        drop(this);
-        let [requests, queries_name, hits_name] = field_names(py, preempted);
-        bump(stats, requests, &1i32.into_pyobject(py)?.into_any())?;
-        bump(stats, queries_name, &num_tokens(queries_read)?)?;
-        bump(stats, hits_name, num_hits)
+        self.flush(py)?;
+        Ok(PendingRecord::Bump {
+            stats,
+            preempted,
+            num_tokens: num_tokens()?,
+            num_hits: num_hits.clone(),
+        })
     }
 }
